@@ -1,0 +1,207 @@
+"""Exact FP8 all-reduce over ``torch.distributed``: no FP8 arithmetic on the wire.
+
+The *exact* all-reduce of a flat FP32 vector ``x_r`` on each of ``N`` ranks:
+
+1. cut ``x_r`` into ``N`` shards; quantize each with this rank's own scales;
+2. all-to-all: rank ``j`` receives shard ``j`` from every sender, scales included;
+3. rank ``j`` dequantizes the ``N`` payloads and sums them in FP32;
+4. it re-quantizes its reduced shard and all-gathers it;
+5. every rank dequantizes the ``N`` reduced shards: ``Σ_r x_r`` up to two FP8 roundings.
+
+Per rank and element that is ``2(N−1)/N`` code bytes plus scales — the traffic of a
+ring all-reduce of FP8. If any payload in any shard carries a NaN scale (non-finite
+input, see :mod:`geofp8.formats`), *every* element of the result is NaN on every
+rank, so a ``GradScaler`` or the caller can skip the step.
+
+The same encode / decode-and-sum / re-encode functions drive
+:func:`simulate_exact_allreduce`, a single-process model of ``N`` ranks used by the
+analysis tools; the real path is :func:`exact_allreduce`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .formats import Codec, Packed
+
+__all__ = [
+    "ShardLayout",
+    "fp32_allreduce_wire_bytes",
+    "allgather_allreduce",
+    "exact_allreduce",
+    "simulate_exact_allreduce",
+]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Shards and scale groups of a flat vector made of tensors of the given ``shapes``.
+
+    Scale groups follow the codec per tensor (per-tensor, per-row or per-block of that
+    tensor) and are additionally cut at shard boundaries, so every shard can be encoded
+    and decoded on its own.
+    """
+
+    numel: int
+    world_size: int
+    codec: Codec
+    bounds: tuple[tuple[int, int], ...]  # per shard [lo, hi)
+    groups: tuple[tuple[int, ...], ...]  # per shard, scale-group lengths
+
+    @classmethod
+    def build(cls, shapes: list[tuple[int, ...]], codec: Codec, world_size: int) -> ShardLayout:
+        lengths: list[int] = []
+        for shape in shapes:
+            lengths.extend(codec.lengths(tuple(shape)))
+        numel = sum(lengths)
+        size = -(-numel // world_size) if numel else 0
+        bounds = tuple((min(j * size, numel), min((j + 1) * size, numel))
+                       for j in range(world_size))
+        groups, it, pos = [], iter(lengths), 0
+        pending = 0  # elements of the current group not yet assigned to a shard
+        for _lo, hi in bounds:
+            shard: list[int] = []
+            while pos < hi:
+                if pending == 0:
+                    pending = next(it)
+                take = min(pending, hi - pos)
+                shard.append(take)
+                pending -= take
+                pos += take
+            groups.append(tuple(shard))
+        return cls(numel, world_size, codec, bounds, tuple(groups))
+
+    def shard_bytes(self, j: int) -> int:
+        lo, hi = self.bounds[j]
+        return (hi - lo) + 4 * len(self.groups[j])
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return max(self.shard_bytes(j) for j in range(self.world_size))
+
+    def wire_bytes(self, rank: int) -> int:
+        """Bytes this rank sends to other ranks: the all-to-all shards meant for others plus
+        ``N − 1`` copies of its padded reduced shard (ring or direct all-gather alike)."""
+        a2a = sum(self.shard_bytes(j) for j in range(self.world_size) if j != rank)
+        return a2a + (self.world_size - 1) * self.max_shard_bytes
+
+
+def fp32_allreduce_wire_bytes(numel: int, world_size: int, bytes_per_element: int = 4) -> int:
+    """Bytes one rank sends in a ring all-reduce: ``2(N−1)/N · n · bytes``."""
+    return (2 * (world_size - 1) * numel * bytes_per_element) // max(world_size, 1)
+
+
+# -- the three pure stages, shared by the real and the simulated collective ----------------
+
+def encode(flat: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """Stage 1: every shard quantized with its own scales, concatenated as bytes."""
+    parts = []
+    for (lo, hi), groups in zip(layout.bounds, layout.groups):
+        parts.append(layout.codec.quantize(flat[lo:hi], list(groups)).to_bytes())
+    return torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.uint8)
+
+
+def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
+    """Stage 3: dequantize the ``N`` senders' copies of ``shard`` and sum them in FP32."""
+    nbytes = layout.shard_bytes(shard)
+    lo, hi = layout.bounds[shard]
+    total = torch.zeros(hi - lo, dtype=torch.float32)
+    for r in range(layout.world_size):
+        buf = received[r * nbytes : (r + 1) * nbytes]
+        packed = Packed.from_bytes(buf, (hi - lo,), layout.codec, list(layout.groups[shard]))
+        total += packed.dequantize()
+    return total
+
+
+def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
+    """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``."""
+    out = torch.zeros(layout.max_shard_bytes, dtype=torch.uint8)
+    data = layout.codec.quantize(shard_sum, list(layout.groups[shard])).to_bytes()
+    out[: data.numel()] = data
+    return out
+
+
+def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
+    """Stage 5: the full reduced vector; all NaN if any shard carries a non-finite scale."""
+    out = torch.empty(layout.numel, dtype=torch.float32)
+    poisoned = False
+    for j, buf in enumerate(gathered):
+        lo, hi = layout.bounds[j]
+        packed = Packed.from_bytes(buf, (hi - lo,), layout.codec, list(layout.groups[j]))
+        poisoned |= bool((~torch.isfinite(packed.scales)).any())
+        out[lo:hi] = packed.dequantize()
+    if poisoned:
+        out.fill_(float("nan"))
+    return out
+
+
+# -- the real collectives -------------------------------------------------------------------
+
+def exact_allreduce(flat: torch.Tensor, layout: ShardLayout,
+                    group: dist.ProcessGroup | None = None) -> torch.futures.Future:
+    """Asynchronous exact FP8 all-reduce; the future's value is ``Σ_r flat_r`` (FP32, CPU).
+
+    ``flat`` must be an FP32 CPU tensor of ``layout.numel`` elements on every rank, and
+    every rank must pass the same ``layout``.
+    """
+    rank = dist.get_rank(group)
+    n = layout.world_size
+    send = encode(flat, layout)
+    recv = torch.empty(n * layout.shard_bytes(rank), dtype=torch.uint8)
+    work = dist.all_to_all_single(
+        recv, send,
+        output_split_sizes=[layout.shard_bytes(rank)] * n,
+        input_split_sizes=[layout.shard_bytes(j) for j in range(n)],
+        group=group, async_op=True)
+
+    def reduce_and_gather(_fut: torch.futures.Future) -> torch.Tensor:
+        reduced = encode_reduced(decode_sum(recv, layout, rank), layout, rank)
+        gathered = [torch.empty_like(reduced) for _ in range(n)]
+        dist.all_gather(gathered, reduced, group=group, async_op=True).get_future().wait()
+        return decode_gathered(gathered, layout)
+
+    return work.get_future().then(reduce_and_gather)
+
+
+def allgather_allreduce(flat: torch.Tensor, codec: Codec, lengths: list[int],
+                        group: dist.ProcessGroup | None = None) -> torch.futures.Future:
+    """One rounding only: every rank all-gathers every payload and sums in FP32 itself.
+
+    ``N − 1`` full payloads leave each rank (vs ``2(N−1)/N`` for :func:`exact_allreduce`).
+    """
+    n = dist.get_world_size(group)
+    data = codec.quantize(flat, lengths).to_bytes()
+    gathered = [torch.empty_like(data) for _ in range(n)]
+
+    def decode_all(_fut: torch.futures.Future) -> torch.Tensor:
+        total = torch.zeros(flat.numel(), dtype=torch.float32)
+        poisoned = False
+        for buf in gathered:
+            packed = Packed.from_bytes(buf, (flat.numel(),), codec, lengths)
+            poisoned |= bool((~torch.isfinite(packed.scales)).any())
+            total += packed.dequantize()
+        return total.fill_(float("nan")) if poisoned else total
+
+    work = dist.all_gather(gathered, data, group=group, async_op=True)
+    return work.get_future().then(decode_all)
+
+
+# -- the single-process model ---------------------------------------------------------------
+
+def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
+    """What :func:`exact_allreduce` returns when rank ``r`` holds ``inputs[r]`` (one process)."""
+    n = layout.world_size
+    if len(inputs) != n:
+        raise ValueError(f"layout is for {n} ranks but {len(inputs)} inputs were given")
+    sent = [encode(x.reshape(-1).float(), layout) for x in inputs]
+    offsets = [0]
+    for j in range(n):
+        offsets.append(offsets[-1] + layout.shard_bytes(j))
+    gathered = []
+    for j in range(n):
+        received = torch.cat([s[offsets[j] : offsets[j + 1]] for s in sent])
+        gathered.append(encode_reduced(decode_sum(received, layout, j), layout, j))
+    return decode_gathered(gathered, layout)

@@ -1,0 +1,156 @@
+"""Input-side K-FAC statistics ``A = E[x xᵀ]`` of a Linear layer, exact or sketched.
+
+Both estimators keep *sums* (``total``) and a token *weight*, so the estimates of
+several data-parallel ranks combine with a plain SUM all-reduce of
+:meth:`SecondMoment.tensors`, and the mean is ``total / weight``. With
+``decay = β < 1`` each update first scales the old sums by β (an exponential
+moving average over updates); ``decay = 1`` is a running mean over all tokens.
+
+* ``exact``: ``total = Σ_t x_t x_tᵀ`` (``d × d``).
+* ``sketch``: ``total = Σ_t x_t (x_tᵀ Ω) = A·Ω·weight`` for a Gaussian test matrix
+  ``Ω`` (``d × l``, ``l = k + p``) drawn from a fixed seed, so every rank has the
+  same Ω; plus ``trace = Σ_t ‖x_t‖²``. Memory O(d·l). :meth:`factor` recovers the
+  top-k eigenpairs by the stabilised Nyström method (Tropp et al., 2017).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LowRankFactor", "SecondMoment"]
+
+
+@dataclass
+class LowRankFactor:
+    """Top-k eigenpairs ``(U, Λ)`` of ``A`` and its trace; the rest is modelled as isotropic.
+
+    ``σ² = (tr A − ΣΛ) / (d − k)`` is the mean eigenvalue of the complement.
+    """
+
+    U: torch.Tensor  # d × k, orthonormal columns
+    eigvals: torch.Tensor  # k, descending, >= 0
+    trace: float
+    dim: int
+
+    @property
+    def rank(self) -> int:
+        return self.U.shape[1]
+
+    @property
+    def sigma2(self) -> float:
+        rest = self.dim - self.rank
+        if rest <= 0:
+            return 0.0
+        return max((self.trace - float(self.eigvals.sum())) / rest, 0.0)
+
+    @classmethod
+    def from_matrix(cls, A: torch.Tensor, k: int) -> LowRankFactor:
+        """Exact top-k of a symmetric PSD matrix (eigh in float64)."""
+        A64 = A.double()
+        A64 = 0.5 * (A64 + A64.T)
+        w, V = torch.linalg.eigh(A64)
+        k = min(k, A.shape[0])
+        top = torch.flip(torch.arange(A.shape[0] - k, A.shape[0]), dims=[0])
+        return cls(V[:, top].to(A.dtype).contiguous(), w[top].clamp_min(0).to(A.dtype),
+                   float(torch.trace(A64)), A.shape[0])
+
+
+class SecondMoment:
+    """Accumulates ``A = E[x xᵀ]`` over the tokens of a layer's input ``x`` (``... × d``).
+
+    Args:
+        dim: the input width ``d``.
+        mode: ``"exact"`` or ``"sketch"``.
+        sketch_size: columns ``l`` of the test matrix in sketch mode (``k`` + oversampling).
+        decay: β of the EMA over updates; 1.0 is a running mean.
+        dtype: accumulation dtype (float32 or float64).
+        seed: seed of Ω; identical on every rank.
+    """
+
+    def __init__(self, dim: int, mode: str = "exact", sketch_size: int = 40, decay: float = 1.0,
+                 dtype: torch.dtype = torch.float32, seed: int = 0,
+                 device: torch.device | str = "cpu") -> None:
+        if mode not in ("exact", "sketch"):
+            raise ValueError(f"mode must be 'exact' or 'sketch', got {mode!r}")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.dim, self.mode, self.decay, self.dtype = dim, mode, decay, dtype
+        if mode == "exact":
+            self.total = torch.zeros(dim, dim, dtype=dtype, device=device)
+            self.omega = None
+        else:
+            size = min(sketch_size, dim)
+            gen = torch.Generator().manual_seed(seed)
+            self.omega = torch.randn(dim, size, generator=gen, dtype=torch.float64).to(
+                device=device, dtype=dtype)
+            self.total = torch.zeros(dim, size, dtype=dtype, device=device)
+        self.trace_total = torch.zeros((), dtype=dtype, device=device)
+        self.weight = torch.zeros((), dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        """Add the tokens of ``x`` (any leading shape, last dim ``d``)."""
+        x = x.detach().reshape(-1, self.dim).to(self.dtype)
+        if self.decay < 1.0:
+            for t in self.tensors():
+                t.mul_(self.decay)
+        if self.mode == "exact":
+            self.total.addmm_(x.T, x)
+        else:
+            self.total.addmm_(x.T, x @ self.omega)
+        self.trace_total.add_(x.pow(2).sum())
+        self.weight.add_(x.shape[0])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The sums that a SUM all-reduce combines across ranks (in place)."""
+        return [self.total, self.trace_total, self.weight]
+
+    def reset(self) -> None:
+        for t in self.tensors():
+            t.zero_()
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.omega.numel() * self.omega.element_size() if self.omega is not None else 0
+        return sum(t.numel() * t.element_size() for t in self.tensors()) + extra
+
+    def mean(self) -> torch.Tensor:
+        """``A`` (exact mode) — the d × d estimate."""
+        if self.mode != "exact":
+            raise RuntimeError("mean() needs mode='exact'; use factor() in sketch mode")
+        return self.total / self.weight.clamp_min(1)
+
+    def trace(self) -> float:
+        return float(self.trace_total / self.weight.clamp_min(1))
+
+    def factor(self, k: int) -> LowRankFactor:
+        """Top-k eigenpairs of the estimate of ``A``, plus its trace."""
+        if self.mode == "exact":
+            return LowRankFactor.from_matrix(self.mean(), k)
+        return nystrom_factor(self.total / self.weight.clamp_min(1), self.omega, k, self.trace())
+
+
+def nystrom_factor(Y: torch.Tensor, omega: torch.Tensor, k: int, trace: float) -> LowRankFactor:
+    """Top-k eigenpairs from a sketch ``Y = A Ω`` (stabilised Nyström, in float64).
+
+    With shift ``ν = ε‖Y‖``: ``Y_ν = Y + νΩ``, ``C = chol(Ωᵀ Y_ν)``, ``B = Y_ν C⁻ᵀ``,
+    ``B = U Σ Vᵀ``, ``Λ = max(Σ² − ν, 0)``. Exact when rank(A) ≤ l.
+    """
+    Y64, O64 = Y.double(), omega.double()
+    nu = torch.finfo(torch.float64).eps * max(float(torch.linalg.matrix_norm(Y64)), 1e-300)
+    Y_nu = Y64 + nu * O64
+    core = O64.T @ Y_nu
+    core = 0.5 * (core + core.T)
+    C, info = torch.linalg.cholesky_ex(core)
+    if int(info) != 0:  # indefinite from round-off: fall back to an eigen-square-root
+        w, V = torch.linalg.eigh(core)
+        C = V * w.clamp_min(nu).sqrt()
+        B = Y_nu @ torch.linalg.pinv(C.T)
+    else:
+        B = torch.linalg.solve_triangular(C, Y_nu.T, upper=False).T
+    U, S, _ = torch.linalg.svd(B, full_matrices=False)
+    k = min(k, U.shape[1])
+    lam = (S[:k] ** 2 - nu).clamp_min(0)
+    return LowRankFactor(U[:, :k].to(Y.dtype).contiguous(), lam.to(Y.dtype), trace, Y.shape[0])

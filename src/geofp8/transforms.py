@@ -1,0 +1,255 @@
+"""Maps between a weight gradient ``G`` (``d_out × d_in``) and communication coordinates.
+
+Every transform is invertible: ``inverse(forward(G)) == G`` up to round-off.
+Input-side transforms multiply on the right (``G̃ = G T``), so rows stay
+independent and any row sharding of ``G`` commutes with them.
+
+Damping is relative: ``λ = damping · tr(M) / dim(M)`` for the factor ``M`` it damps.
+
+=================  =========================================================
+``Identity``       ``G̃ = G`` (plain Euclidean FP8)
+``LowRankInput``   ``T = U(Λ+λ)^{-1/2}Uᵀ + (σ²+λ)^{-1/2}(I − UUᵀ)``, applied as
+                   ``c·G + ((G U) ⊙ d) Uᵀ``: two skinny GEMMs, no ``d × d`` matrix.
+                   With ``k = d_in`` this is the full ``(A+λI)^{-1/2}``.
+``DiagonalInput``  ``T = diag(A + λ)^{-1/2}``
+``BlockInput``     ``T`` = block-diagonal ``(A_bb + λI)^{-1/2}``, blocks of ``b`` columns
+                   (the last block takes the remainder)
+``OutputSide``     ``G̃ = (S + λI)^{-1/2} G``
+``TwoSided``       ``G̃ = (S + λ_S I)^{-1/2} G (A + λ_A I)^{-1/2}`` (full K-FAC)
+``Hadamard``       ``G̃ = (G · diag(s)) (I ⊗ H_b) / √b``, fixed ±1 signs ``s`` (seed 0) and
+                   Sylvester ``H_b`` with ``b`` the largest power of two dividing ``d_in``
+                   (capped at ``max_block``). Odd ``d_in`` gives ``b = 1``: signs only.
+=================  =========================================================
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .statistics import LowRankFactor
+
+__all__ = [
+    "BlockInput",
+    "DiagonalInput",
+    "Hadamard",
+    "Identity",
+    "LowRankInput",
+    "OutputSide",
+    "Transform",
+    "TwoSided",
+    "full_input",
+    "rebase",
+]
+
+
+def _damping_of(trace: float, dim: int, damping: float) -> float:
+    """Absolute ``λ = damping · tr / dim``, floored so that ``M + λI`` is never singular."""
+    lam = damping * trace / max(dim, 1)
+    return max(lam, 1e-12 * abs(trace) / max(dim, 1), 1e-30)
+
+
+def _lam(M: torch.Tensor, damping: float) -> float:
+    return _damping_of(float(torch.trace(M.double())), M.shape[0], damping)
+
+
+def _sym_powers(M: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``((M+λI)^{-1/2}, (M+λI)^{1/2})`` of a symmetric PSD matrix, via eigh in float64."""
+    M64 = M.double()
+    M64 = 0.5 * (M64 + M64.T)
+    w, V = torch.linalg.eigh(M64)
+    w = w.clamp_min(0) + lam
+    inv_sqrt = (V * w.rsqrt()) @ V.T
+    sqrt = (V * w.sqrt()) @ V.T
+    return inv_sqrt.to(M.dtype), sqrt.to(M.dtype)
+
+
+class Transform:
+    """Base class: ``forward`` to communication coordinates, ``inverse`` back."""
+
+    name = "transform"
+
+    def forward(self, G: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the map depends on (for hashing, memory and checkpoints)."""
+        return []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class Identity(Transform):
+    name = "euclidean"
+
+    def forward(self, G: torch.Tensor) -> torch.Tensor:
+        return G
+
+    def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
+        return Gt
+
+
+class LowRankInput(Transform):
+    """Input-side ``T ≈ A^{-1/2}`` from the top-k eigenpairs plus an isotropic complement."""
+
+    name = "lowrank"
+
+    def __init__(self, factor: LowRankFactor, damping: float) -> None:
+        self.factor = factor
+        lam = _damping_of(factor.trace, factor.dim, damping)
+        rest = factor.sigma2 + lam
+        eig = factor.eigvals.double().clamp_min(0) + lam
+        self.c_fwd, self.c_inv = rest ** -0.5, rest ** 0.5
+        dtype = factor.U.dtype
+        self.d_fwd = (eig.rsqrt() - self.c_fwd).to(dtype)
+        self.d_inv = (eig.sqrt() - self.c_inv).to(dtype)
+        self.U = factor.U
+
+    def _apply(self, G: torch.Tensor, c: float, d: torch.Tensor) -> torch.Tensor:
+        if G.dim() != 2:
+            raise ValueError(f"{type(self).__name__} needs a 2-D gradient, got {tuple(G.shape)}")
+        G = G.to(self.U.dtype)
+        return torch.addmm(G, (G @ self.U) * d, self.U.T, beta=c)
+
+    def forward(self, G: torch.Tensor) -> torch.Tensor:
+        return self._apply(G, self.c_fwd, self.d_fwd)
+
+    def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
+        return self._apply(Gt, self.c_inv, self.d_inv)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.U, self.d_fwd, self.d_inv]
+
+
+def full_input(A: torch.Tensor, damping: float) -> LowRankInput:
+    """The full input-side ``(A+λI)^{-1/2}``: the low-rank form with ``k = d_in``."""
+    t = LowRankInput(LowRankFactor.from_matrix(A, A.shape[0]), damping)
+    t.name = "full"
+    return t
+
+
+class DiagonalInput(Transform):
+    name = "diag"
+
+    def __init__(self, A: torch.Tensor, damping: float) -> None:
+        a = torch.diagonal(A).double().clamp_min(0)
+        lam = _damping_of(float(a.sum()), a.numel(), damping)
+        self.s_fwd = (a + lam).rsqrt().to(A.dtype)
+        self.s_inv = (a + lam).sqrt().to(A.dtype)
+
+    def forward(self, G: torch.Tensor) -> torch.Tensor:
+        return G.to(self.s_fwd.dtype) * self.s_fwd
+
+    def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
+        return Gt.to(self.s_inv.dtype) * self.s_inv
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.s_fwd, self.s_inv]
+
+
+class BlockInput(Transform):
+    name = "block"
+
+    def __init__(self, A: torch.Tensor, block: int, damping: float) -> None:
+        d = A.shape[0]
+        lam = _damping_of(float(torch.trace(A.double())), d, damping)
+        self.bounds = [(i, min(i + block, d)) for i in range(0, d, block)]
+        self.fwd, self.inv = [], []
+        for lo, hi in self.bounds:
+            f, i = _sym_powers(A[lo:hi, lo:hi], lam)
+            self.fwd.append(f)
+            self.inv.append(i)
+
+    def _apply(self, G: torch.Tensor, mats: list[torch.Tensor]) -> torch.Tensor:
+        G = G.to(mats[0].dtype)
+        return torch.cat([G[:, lo:hi] @ m for (lo, hi), m in zip(self.bounds, mats)], dim=1)
+
+    def forward(self, G: torch.Tensor) -> torch.Tensor:
+        return self._apply(G, self.fwd)
+
+    def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
+        return self._apply(Gt, self.inv)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.fwd + self.inv
+
+
+class OutputSide(Transform):
+    name = "output"
+
+    def __init__(self, S: torch.Tensor, damping: float) -> None:
+        self.fwd, self.inv = _sym_powers(S, _lam(S, damping))
+
+    def forward(self, G: torch.Tensor) -> torch.Tensor:
+        return self.fwd @ G.to(self.fwd.dtype)
+
+    def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
+        return self.inv @ Gt.to(self.inv.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.fwd, self.inv]
+
+
+class TwoSided(Transform):
+    name = "kfac"
+
+    def __init__(self, A: torch.Tensor, S: torch.Tensor, damping: float) -> None:
+        self.a_fwd, self.a_inv = _sym_powers(A, _lam(A, damping))
+        self.s_fwd, self.s_inv = _sym_powers(S, _lam(S, damping))
+
+    def forward(self, G: torch.Tensor) -> torch.Tensor:
+        return self.s_fwd @ G.to(self.a_fwd.dtype) @ self.a_fwd
+
+    def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
+        return self.s_inv @ Gt.to(self.a_inv.dtype) @ self.a_inv
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.a_fwd, self.a_inv, self.s_fwd, self.s_inv]
+
+
+def _sylvester(b: int, dtype: torch.dtype) -> torch.Tensor:
+    H = torch.ones(1, 1, dtype=dtype)
+    while H.shape[0] < b:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+    return H
+
+
+class Hadamard(Transform):
+    """Data-independent rotation: random signs and a block Hadamard along ``d_in``."""
+
+    name = "hadamard"
+
+    def __init__(self, dim: int, max_block: int = 256, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
+        b = 1
+        while dim % (2 * b) == 0 and 2 * b <= max_block:
+            b *= 2
+        self.dim, self.block = dim, b
+        gen = torch.Generator().manual_seed(seed)
+        self.signs = (torch.randint(0, 2, (dim,), generator=gen) * 2 - 1).to(dtype)
+        self.H = _sylvester(b, dtype) / math.sqrt(b)
+
+    def _mix(self, G: torch.Tensor) -> torch.Tensor:
+        blocks = G.reshape(G.shape[0], self.dim // self.block, self.block)
+        return (blocks @ self.H).reshape(G.shape[0], self.dim)
+
+    def forward(self, G: torch.Tensor) -> torch.Tensor:
+        return self._mix(G.to(self.H.dtype) * self.signs)
+
+    def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
+        return self._mix(Gt.to(self.H.dtype)) * self.signs  # H/√b is symmetric and orthogonal
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.signs, self.H]
+
+
+def rebase(residual: torch.Tensor, old: Transform, new: Transform) -> torch.Tensor:
+    """Error-feedback residual in new coordinates with the same Euclidean meaning:
+    ``R ← R T_old⁻¹ T_new``."""
+    return new.forward(old.inverse(residual))
