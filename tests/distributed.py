@@ -1,0 +1,89 @@
+"""Run a function on several real processes over gloo/loopback, with bounded timeouts.
+
+Usage in a test::
+
+    results = run_ranks(_worker, world_size=2, args=(...,))
+
+``_worker(rank, world_size, *args)`` must be a module-level function; it runs after
+``init_process_group("gloo")`` and its (picklable) return value is collected per rank.
+Any exception on any rank fails the call with that rank's traceback; a rank that does not
+finish within ``timeout`` seconds is killed and the call fails — nothing hangs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    import torch
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        queue.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    try:
+        while len(results) + len(errors) < world_size:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            if remaining <= 0:
+                raise TimeoutError(f"ranks did not finish within {timeout}s "
+                                   f"(finished: {sorted(results)})")
+            try:
+                rank, status, value = queue.get(timeout=min(remaining, 1.0))
+            except Exception:  # queue.Empty: check for ranks that died without reporting
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in results]
+                if dead and queue.empty():
+                    raise RuntimeError(f"rank(s) {dead} died with exit codes "
+                                       f"{[procs[r].exitcode for r in dead]}") from None
+                continue
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return [results[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+def scratch_dir() -> str:
+    return tempfile.mkdtemp(prefix="geofp8-test-")
