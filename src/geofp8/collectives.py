@@ -28,11 +28,15 @@ import torch.distributed as dist
 from .formats import Codec, Packed
 
 __all__ = [
+    "COLLECTIVES",
     "ShardLayout",
-    "fp32_allreduce_wire_bytes",
-    "allgather_allreduce",
+    "decode",
+    "encode",
     "exact_allreduce",
+    "fp32_allreduce_wire_bytes",
+    "reduce_encoded",
     "simulate_exact_allreduce",
+    "wire_bytes",
 ]
 
 
@@ -108,7 +112,7 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int) -> torch
     """Stage 3: dequantize the ``N`` senders' copies of ``shard`` and sum them in FP32."""
     nbytes = layout.shard_bytes(shard)
     lo, hi = layout.bounds[shard]
-    total = torch.zeros(hi - lo, dtype=torch.float32)
+    total = torch.zeros(hi - lo, dtype=torch.float32, device=received.device)
     for r in range(layout.world_size):
         buf = received[r * nbytes : (r + 1) * nbytes]
         packed = Packed.from_bytes(buf, (hi - lo,), layout.codec, list(layout.groups[shard]))
@@ -118,7 +122,7 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int) -> torch
 
 def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
     """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``."""
-    out = torch.zeros(layout.max_shard_bytes, dtype=torch.uint8)
+    out = torch.zeros(layout.max_shard_bytes, dtype=torch.uint8, device=shard_sum.device)
     data = layout.codec.quantize(shard_sum, list(layout.groups[shard])).to_bytes()
     out[: data.numel()] = data
     return out
@@ -126,7 +130,7 @@ def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int) -> 
 
 def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
     """Stage 5: the full reduced vector; all NaN if any shard carries a non-finite scale."""
-    out = torch.empty(layout.numel, dtype=torch.float32)
+    out = torch.empty(layout.numel, dtype=torch.float32, device=gathered[0].device)
     poisoned = False
     for j, buf in enumerate(gathered):
         lo, hi = layout.bounds[j]
@@ -140,19 +144,59 @@ def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout) -> torch.
 
 # -- the real collectives -------------------------------------------------------------------
 
+COLLECTIVES = ("exact", "allgather")
+
+
+def wire_bytes(layout: ShardLayout, rank: int, collective: str) -> int:
+    """Bytes this rank sends for one bucket: see :meth:`ShardLayout.wire_bytes` for
+    ``exact``; ``allgather`` sends its whole payload to each of the ``N − 1`` others."""
+    if collective == "exact":
+        return layout.wire_bytes(rank)
+    total = sum(layout.shard_bytes(j) for j in range(layout.world_size))
+    return (layout.world_size - 1) * total
+
+
+def decode(sent: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """What ``encode(flat, layout)`` decodes to (the sender's own view, for error feedback)."""
+    out = torch.empty(layout.numel, dtype=torch.float32, device=sent.device)
+    offset = 0
+    for j, (lo, hi) in enumerate(layout.bounds):
+        nbytes = layout.shard_bytes(j)
+        packed = Packed.from_bytes(sent[offset : offset + nbytes], (hi - lo,), layout.codec,
+                                   list(layout.groups[j]))
+        out[lo:hi] = packed.dequantize()
+        offset += nbytes
+    return out
+
+
+def reduce_encoded(sent: torch.Tensor, layout: ShardLayout, collective: str = "exact",
+                   group: dist.ProcessGroup | None = None) -> torch.futures.Future:
+    """Launch the all-reduce of an :func:`encode` d payload; the future's value is the FP32 sum.
+
+    ``exact``: all-to-all of shards, FP32 sum, re-quantize, all-gather (two roundings,
+    ``2(N−1)/N`` payloads per rank). ``allgather``: every rank gathers every payload and
+    sums in FP32 itself (one rounding, ``N − 1`` payloads per rank).
+    """
+    if collective == "exact":
+        return _exact(sent, layout, group)
+    if collective == "allgather":
+        return _allgather(sent, layout, group)
+    raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+
+
 def exact_allreduce(flat: torch.Tensor, layout: ShardLayout,
                     group: dist.ProcessGroup | None = None) -> torch.futures.Future:
-    """Asynchronous exact FP8 all-reduce; the future's value is ``Σ_r flat_r`` (FP32, CPU).
+    """Asynchronous exact FP8 all-reduce of ``flat`` (FP32, ``layout.numel`` elements, same
+    ``layout`` on every rank); the future's value is ``Σ_r flat_r`` in FP32."""
+    return reduce_encoded(encode(flat, layout), layout, "exact", group)
 
-    ``flat`` must be an FP32 CPU tensor of ``layout.numel`` elements on every rank, and
-    every rank must pass the same ``layout``.
-    """
+
+def _exact(sent: torch.Tensor, layout: ShardLayout, group) -> torch.futures.Future:
     rank = dist.get_rank(group)
     n = layout.world_size
-    send = encode(flat, layout)
-    recv = torch.empty(n * layout.shard_bytes(rank), dtype=torch.uint8)
+    recv = torch.empty(n * layout.shard_bytes(rank), dtype=torch.uint8, device=sent.device)
     work = dist.all_to_all_single(
-        recv, send,
+        recv, sent,
         output_split_sizes=[layout.shard_bytes(rank)] * n,
         input_split_sizes=[layout.shard_bytes(j) for j in range(n)],
         group=group, async_op=True)
@@ -166,26 +210,17 @@ def exact_allreduce(flat: torch.Tensor, layout: ShardLayout,
     return work.get_future().then(reduce_and_gather)
 
 
-def allgather_allreduce(flat: torch.Tensor, codec: Codec, lengths: list[int],
-                        group: dist.ProcessGroup | None = None) -> torch.futures.Future:
-    """One rounding only: every rank all-gathers every payload and sums in FP32 itself.
-
-    ``N − 1`` full payloads leave each rank (vs ``2(N−1)/N`` for :func:`exact_allreduce`).
-    """
-    n = dist.get_world_size(group)
-    data = codec.quantize(flat, lengths).to_bytes()
-    gathered = [torch.empty_like(data) for _ in range(n)]
+def _allgather(sent: torch.Tensor, layout: ShardLayout, group) -> torch.futures.Future:
+    gathered = [torch.empty_like(sent) for _ in range(layout.world_size)]
 
     def decode_all(_fut: torch.futures.Future) -> torch.Tensor:
-        total = torch.zeros(flat.numel(), dtype=torch.float32)
-        poisoned = False
+        total = torch.zeros(layout.numel, dtype=torch.float32, device=sent.device)
         for buf in gathered:
-            packed = Packed.from_bytes(buf, (flat.numel(),), codec, lengths)
-            poisoned |= bool((~torch.isfinite(packed.scales)).any())
-            total += packed.dequantize()
-        return total.fill_(float("nan")) if poisoned else total
+            total += decode(buf, layout)
+        # a NaN scale decodes to NaN in its group; widen that to the whole bucket, as `exact` does
+        return total if bool(torch.isfinite(total).all()) else total.fill_(float("nan"))
 
-    work = dist.all_gather(gathered, data, group=group, async_op=True)
+    work = dist.all_gather(gathered, sent, group=group, async_op=True)
     return work.get_future().then(decode_all)
 
 
