@@ -9,6 +9,9 @@ import sys
 
 # name -> (module, one-line help). Modules are imported lazily so `geofp8 --help` is fast.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "fidelity": ("geofp8.analysis", "one-step FP8 round-trip fidelity of every Linear layer's "
+                 "gradient, per transform, format and scaling"),
+    "demo": ("geofp8.demo", "a quick look: the fidelity summary on the default model and corpus"),
 }
 
 
