@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from distributed import run_ranks
 from geofp8.collectives import (
@@ -23,7 +25,7 @@ def _inputs(world_size):
 
 def _exact_worker(rank, world_size, codec):
     layout = ShardLayout.build(SHAPES, codec, world_size)
-    return exact_allreduce(_inputs(world_size)[rank].clone(), layout).wait()
+    return exact_allreduce(_inputs(world_size)[rank].clone(), layout)
 
 
 @pytest.mark.distributed
@@ -44,3 +46,169 @@ def test_wire_bytes_close_to_a_quarter_of_fp32():
     layout = ShardLayout.build([(1024, 1024)], Codec("e4m3", "tensor"), 4)
     ratio = layout.wire_bytes(0) / fp32_allreduce_wire_bytes(layout.numel, 4)
     assert 0.25 <= ratio < 0.2501
+
+
+# -- single-process tests of the layout and the model -------------------------------------
+
+U_ROUND = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}  # unit round-off of the two formats
+
+
+def _cuts(lengths, start=0):
+    """Cumulative end positions of consecutive runs of the given lengths."""
+    out, pos = [], start
+    for n in lengths:
+        pos += n
+        out.append(pos)
+    return out
+
+
+def _check_layout(shapes, codec, world_size):
+    layout = ShardLayout.build(shapes, codec, world_size)
+    codec_groups = [n for s in shapes for n in codec.lengths(tuple(s))]
+    numel = sum(codec_groups)
+    assert layout.numel == numel == sum(torch.Size(s).numel() for s in shapes)
+    assert len(layout.bounds) == len(layout.groups) == world_size
+    # shards tile [0, numel) in order, each at most ceil(numel / N) long
+    size = -(-numel // world_size)
+    pos = 0
+    for j, ((lo, hi), groups) in enumerate(zip(layout.bounds, layout.groups)):
+        assert lo == pos and lo <= hi and hi - lo <= size
+        assert sum(groups) == hi - lo  # groups exactly fill their shard
+        assert all(n >= 1 for n in groups)
+        assert (hi == lo) == (groups == ())  # an empty shard has no groups (and no scales)
+        assert layout.shard_bytes(j) == (hi - lo) + 4 * len(groups)
+        pos = hi
+    assert pos == numel
+    # group boundaries are exactly the codec's boundaries plus the shard boundaries
+    got = [c for (lo, _hi), groups in zip(layout.bounds, layout.groups)
+           for c in _cuts(groups, lo)]
+    shard_cuts = {hi for _lo, hi in layout.bounds if 0 < hi}
+    assert got == sorted(set(_cuts(codec_groups)) | shard_cuts)
+    return layout
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_layout_cuts_groups_at_shard_boundaries(scaling):
+    codec = Codec("e4m3", scaling, 16)
+    layout = _check_layout(SHAPES, codec, 4)
+    assert layout.bounds == ((0, 51), (51, 102), (102, 153), (153, 202))
+    if scaling == "tensor":
+        # tensors of 35 | 3 | 64 | 100 elements; the 64 is cut at 51, the 100 at 153
+        assert layout.groups == ((35, 3, 13), (51,), (51,), (49,))
+    if scaling == "row":
+        # rows of 7 (×5) | 3 | 64 | 10 (×10); shard cuts at 51, 102 and 153 split rows
+        assert layout.groups[0] == (7,) * 5 + (3, 13)
+        assert layout.groups[2] == (10,) * 5 + (1,)  # 102..153: rows of the (10,10) tensor
+    _check_layout(SHAPES, codec, 1)
+    _check_layout(SHAPES, codec, 7)
+
+
+def test_layout_with_fewer_elements_than_ranks():
+    codec = Codec("e5m2", "row")
+    layout = _check_layout([(2,), (1, 1)], codec, 5)
+    assert layout.bounds == ((0, 1), (1, 2), (2, 3), (3, 3), (3, 3))
+    assert layout.groups == ((1,), (1,), (1,), (), ())
+    assert layout.shard_bytes(3) == 0 and layout.max_shard_bytes == 5
+    empty = _check_layout([(0, 4), (3, 0)], codec, 3)
+    assert empty.numel == 0 and all(g == () for g in empty.groups)
+    out = simulate_exact_allreduce([torch.zeros(0)] * 3, empty)
+    assert out.shape == (0,)
+    x = [torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0.5, 0.25, -1.0]),
+         torch.tensor([0.0, 1.0, 2.0]), torch.zeros(3), torch.tensor([1.0, 1.0, 1.0])]
+    assert torch.equal(simulate_exact_allreduce(x, layout), torch.stack(x).sum(0))  # exact here
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_one_rank_is_two_round_trips(fmt, scaling):
+    codec = Codec(fmt, scaling, 8)
+    layout = ShardLayout.build(SHAPES, codec, 1)
+    x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3,
+                                                                                        NUMEL)
+    lengths = list(layout.groups[0])
+    expected = codec.round_trip(codec.round_trip(x, lengths), lengths)
+    assert torch.equal(simulate_exact_allreduce([x], layout), expected)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_on_one_rank_poisons_everything(world_size, bad):
+    codec = Codec("e4m3", "block", 8)
+    layout = ShardLayout.build(SHAPES, codec, world_size)
+    for where in (0, NUMEL // 2, NUMEL - 1):
+        inputs = _inputs(world_size)
+        inputs[world_size - 1][where] = bad
+        out = simulate_exact_allreduce(inputs, layout)
+        assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_zero_inputs_give_zeros(world_size):
+    codec = Codec("e5m2", "row")
+    layout = ShardLayout.build(SHAPES, codec, world_size)
+    out = simulate_exact_allreduce([torch.zeros(NUMEL)] * world_size, layout)
+    assert torch.equal(out, torch.zeros(NUMEL))
+    # zeros on some ranks only: the sum is the other ranks' FP8 sum, never NaN
+    inputs = [torch.zeros(NUMEL)] * (world_size - 1) + [torch.ones(NUMEL)]
+    assert torch.equal(simulate_exact_allreduce(inputs, layout), torch.ones(NUMEL))
+
+
+def test_simulate_checks_the_number_of_inputs():
+    layout = ShardLayout.build(SHAPES, Codec(), 3)
+    with pytest.raises(ValueError):
+        simulate_exact_allreduce(_inputs(2), layout)
+
+
+@st.composite
+def _allreduce_case(draw):
+    n_shapes = draw(st.integers(1, 4))
+    shapes = []
+    for _ in range(n_shapes):
+        ndim = draw(st.integers(1, 3))
+        shapes.append(tuple(draw(st.lists(st.integers(0, 7), min_size=ndim, max_size=ndim))))
+    codec = Codec(draw(st.sampled_from(["e4m3", "e5m2"])),
+                  draw(st.sampled_from(["tensor", "row", "block"])), draw(st.integers(1, 16)))
+    world_size = draw(st.integers(1, 6))
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    inputs = []
+    for _ in range(world_size):
+        lo = draw(st.floats(-30, 30))
+        hi = draw(st.floats(lo, min(lo + 12, 30)))
+        exps = lo + (hi - lo) * torch.rand(numel, generator=gen, dtype=torch.float64)
+        x = torch.randn(numel, generator=gen, dtype=torch.float64).sign() * 10**exps
+        if draw(st.booleans()):
+            x[: draw(st.integers(0, numel))] = 0.0
+        inputs.append(x.float())
+    return shapes, codec, world_size, inputs
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=_allreduce_case())
+def test_fuzz_simulated_allreduce_error_bound(case):
+    """Per scale group g of the layout, with A_g = Σ_r max_g |x_r| and M_g = max_g |Σ_r x_r|:
+
+    * stage 1 (each rank's own FP8 rounding): |x̂_r − x_r| ≤ u·max_g|x_r| element-wise (half
+      an ulp of the top binade is at most u·fmax in scaled units), so Σ_r adds ≤ u·A_g;
+    * the FP32 sum of N terms adds ≤ N·2⁻²⁴·Σ_r|x̂_r| ≤ N·2⁻²⁴·(1+u)·A_g;
+    * stage 2 re-rounds the reduced shard with its own scale: ≤ u·max_g|Ŝ|
+      ≤ u·(M_g + u·A_g + N·2⁻²⁴·(1+u)·A_g).
+
+    Hence max_g |out − Σ_r x_r| ≤ u·M_g + (u(1+u) + N·2⁻²³)·A_g: at most ≈ 2u·A_g, and
+    ≈ u·M_g when the ranks agree in sign."""
+    shapes, codec, world_size, inputs = case
+    layout = _check_layout(shapes, codec, world_size)
+    out = simulate_exact_allreduce(inputs, layout).double()
+    X = torch.stack([x.double() for x in inputs])
+    exact = X.sum(0)
+    assert torch.isfinite(out).all()
+    u = U_ROUND[codec.format]
+    for (lo, _hi), groups in zip(layout.bounds, layout.groups):
+        for a, b in zip([lo, *_cuts(groups, lo)], _cuts(groups, lo)):
+            A_g = float(X[:, a:b].abs().amax(dim=1).sum())
+            M_g = float(exact[a:b].abs().max())
+            err = float((out[a:b] - exact[a:b]).abs().max())
+            bound = u * M_g + (u * (1 + u) + world_size * 2.0**-23) * A_g
+            assert err <= bound + 1e-44, (err, bound, A_g, M_g)
+    # the model is deterministic
+    assert torch.equal(simulate_exact_allreduce(inputs, layout).double(), out)

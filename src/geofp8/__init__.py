@@ -1,6 +1,32 @@
-"""GeoFP8: geometry-aware FP8 gradient communication for PyTorch data-parallel training."""
+"""GeoFP8: geometry-aware FP8 gradient communication for PyTorch data-parallel training.
 
+Two lines in a DDP script::
+
+    state = GeoFP8State(model, GeoFP8Config())
+    ddp_model.register_comm_hook(state, geofp8_hook)
+"""
+
+from .config import FP8Config, GeoFP8Config
 from .formats import Codec, Packed
+from .hook import (
+    FP8State,
+    GeoFP8State,
+    HadamardFP8State,
+    fp8_hook,
+    geofp8_hook,
+    hadamard_fp8_hook,
+)
 
-__all__ = ["Codec", "Packed"]
+__all__ = [
+    "Codec",
+    "FP8Config",
+    "FP8State",
+    "GeoFP8Config",
+    "GeoFP8State",
+    "HadamardFP8State",
+    "Packed",
+    "fp8_hook",
+    "geofp8_hook",
+    "hadamard_fp8_hook",
+]
 __version__ = "0.1.0"

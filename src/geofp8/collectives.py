@@ -15,11 +15,12 @@ rank, so a ``GradScaler`` or the caller can skip the step.
 
 The same encode / decode-and-sum / re-encode functions drive
 :func:`simulate_exact_allreduce`, a single-process model of ``N`` ranks used by the
-analysis tools; the real path is :func:`exact_allreduce`.
+analysis tools; the real path is :class:`Communicator`.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +30,12 @@ from .formats import Codec, Packed
 
 __all__ = [
     "COLLECTIVES",
+    "Communicator",
     "ShardLayout",
     "decode",
     "encode",
     "exact_allreduce",
     "fp32_allreduce_wire_bytes",
-    "reduce_encoded",
     "simulate_exact_allreduce",
     "wire_bytes",
 ]
@@ -169,59 +170,102 @@ def decode(sent: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     return out
 
 
-def reduce_encoded(sent: torch.Tensor, layout: ShardLayout, collective: str = "exact",
-                   group: dist.ProcessGroup | None = None) -> torch.futures.Future:
-    """Launch the all-reduce of an :func:`encode` d payload; the future's value is the FP32 sum.
+class Communicator:
+    """Launches all-reduces of :func:`encode` d payloads; several may be in flight at once.
 
     ``exact``: all-to-all of shards, FP32 sum, re-quantize, all-gather (two roundings,
     ``2(N−1)/N`` payloads per rank). ``allgather``: every rank gathers every payload and
     sums in FP32 itself (one rounding, ``N − 1`` payloads per rank).
+
+    The all-gather of ``exact`` is issued when the all-to-all completes, from a
+    completion callback. Callbacks finish in different orders on different ranks, and
+    collectives must be issued in the same order everywhere, so the second phase runs
+    on its own process group (same ranks) and a sequencer issues it strictly in launch
+    order. Create one ``Communicator`` per data-parallel group, on every rank.
     """
-    if collective == "exact":
-        return _exact(sent, layout, group)
-    if collective == "allgather":
-        return _allgather(sent, layout, group)
-    raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+
+    def __init__(self, collective: str = "exact", group: dist.ProcessGroup | None = None):
+        if collective not in COLLECTIVES:
+            raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+        self.collective, self.group = collective, group
+        self.rank = dist.get_rank(group)
+        self.second = None
+        if collective == "exact":
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            self.second = dist.new_group(ranks, backend=dist.get_backend(group),
+                                         use_local_synchronization=True)
+        self._lock = threading.Lock()
+        self._launched = 0
+        self._next = 0
+        self._ready: dict[int, object] = {}
+
+    def launch(self, sent: torch.Tensor, layout: ShardLayout) -> torch.futures.Future:
+        """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads."""
+        if self.collective == "allgather":
+            return self._allgather(sent, layout)
+        seq, self._launched = self._launched, self._launched + 1
+        result: torch.futures.Future = torch.futures.Future()
+        n = layout.world_size
+        recv = torch.empty(n * layout.shard_bytes(self.rank), dtype=torch.uint8,
+                           device=sent.device)
+        work = dist.all_to_all_single(
+            recv, sent,
+            output_split_sizes=[layout.shard_bytes(self.rank)] * n,
+            input_split_sizes=[layout.shard_bytes(j) for j in range(n)],
+            group=self.group, async_op=True)
+
+        def reduced(fut: torch.futures.Future) -> None:
+            try:
+                fut.value()
+                shard = encode_reduced(decode_sum(recv, layout, self.rank), layout, self.rank)
+            except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
+                result.set_exception(exc)
+                self._in_order(seq, lambda: None)
+                return
+            self._in_order(seq, lambda: self._gather(shard, layout, result))
+
+        work.get_future().then(reduced)
+        return result
+
+    def _in_order(self, seq: int, issue) -> None:
+        with self._lock:
+            self._ready[seq] = issue
+            while self._next in self._ready:
+                self._ready.pop(self._next)()
+                self._next += 1
+
+    def _gather(self, shard: torch.Tensor, layout: ShardLayout,
+                result: torch.futures.Future) -> None:
+        gathered = [torch.empty_like(shard) for _ in range(layout.world_size)]
+
+        def done(fut: torch.futures.Future) -> None:
+            try:
+                fut.value()
+                result.set_result(decode_gathered(gathered, layout))
+            except Exception as exc:  # noqa: BLE001
+                result.set_exception(exc)
+
+        dist.all_gather(gathered, shard, group=self.second, async_op=True).get_future().then(done)
+
+    def _allgather(self, sent: torch.Tensor, layout: ShardLayout) -> torch.futures.Future:
+        gathered = [torch.empty_like(sent) for _ in range(layout.world_size)]
+
+        def decode_all(_fut: torch.futures.Future) -> torch.Tensor:
+            total = torch.zeros(layout.numel, dtype=torch.float32, device=sent.device)
+            for buf in gathered:
+                total += decode(buf, layout)
+            # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
+            return total if bool(torch.isfinite(total).all()) else total.fill_(float("nan"))
+
+        work = dist.all_gather(gathered, sent, group=self.group, async_op=True)
+        return work.get_future().then(decode_all)
 
 
 def exact_allreduce(flat: torch.Tensor, layout: ShardLayout,
-                    group: dist.ProcessGroup | None = None) -> torch.futures.Future:
-    """Asynchronous exact FP8 all-reduce of ``flat`` (FP32, ``layout.numel`` elements, same
-    ``layout`` on every rank); the future's value is ``Σ_r flat_r`` in FP32."""
-    return reduce_encoded(encode(flat, layout), layout, "exact", group)
-
-
-def _exact(sent: torch.Tensor, layout: ShardLayout, group) -> torch.futures.Future:
-    rank = dist.get_rank(group)
-    n = layout.world_size
-    recv = torch.empty(n * layout.shard_bytes(rank), dtype=torch.uint8, device=sent.device)
-    work = dist.all_to_all_single(
-        recv, sent,
-        output_split_sizes=[layout.shard_bytes(rank)] * n,
-        input_split_sizes=[layout.shard_bytes(j) for j in range(n)],
-        group=group, async_op=True)
-
-    def reduce_and_gather(_fut: torch.futures.Future) -> torch.Tensor:
-        reduced = encode_reduced(decode_sum(recv, layout, rank), layout, rank)
-        gathered = [torch.empty_like(reduced) for _ in range(n)]
-        dist.all_gather(gathered, reduced, group=group, async_op=True).get_future().wait()
-        return decode_gathered(gathered, layout)
-
-    return work.get_future().then(reduce_and_gather)
-
-
-def _allgather(sent: torch.Tensor, layout: ShardLayout, group) -> torch.futures.Future:
-    gathered = [torch.empty_like(sent) for _ in range(layout.world_size)]
-
-    def decode_all(_fut: torch.futures.Future) -> torch.Tensor:
-        total = torch.zeros(layout.numel, dtype=torch.float32, device=sent.device)
-        for buf in gathered:
-            total += decode(buf, layout)
-        # a NaN scale decodes to NaN in its group; widen that to the whole bucket, as `exact` does
-        return total if bool(torch.isfinite(total).all()) else total.fill_(float("nan"))
-
-    work = dist.all_gather(gathered, sent, group=group, async_op=True)
-    return work.get_future().then(decode_all)
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Blocking exact FP8 all-reduce of ``flat`` (FP32, ``layout.numel`` elements, the same
+    ``layout`` on every rank): ``Σ_r flat_r`` in FP32. Collective over ``group``."""
+    return Communicator("exact", group).launch(encode(flat, layout), layout).wait()
 
 
 # -- the single-process model ---------------------------------------------------------------
