@@ -64,26 +64,32 @@ def _cuts(lengths, start=0):
 
 def _check_layout(shapes, codec, world_size):
     layout = ShardLayout.build(shapes, codec, world_size)
-    codec_groups = [n for s in shapes for n in codec.lengths(tuple(s))]
-    numel = sum(codec_groups)
-    assert layout.numel == numel == sum(torch.Size(s).numel() for s in shapes)
-    assert len(layout.bounds) == len(layout.groups) == world_size
-    # shards tile [0, numel) in order, each at most ceil(numel / N) long
-    size = -(-numel // world_size)
-    pos = 0
-    for j, ((lo, hi), groups) in enumerate(zip(layout.bounds, layout.groups)):
-        assert lo == pos and lo <= hi and hi - lo <= size
-        assert sum(groups) == hi - lo  # groups exactly fill their shard
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    assert layout.numel == numel
+    assert len(layout.segments) == len(layout.groups) == world_size
+    # every tensor is cut into N chunks of at most ceil(numel/N); shard j holds chunk j of each
+    covered, offset = [], 0
+    for shape in shapes:
+        m = torch.Size(shape).numel()
+        chunk = -(-m // world_size) if m else 0
+        for j in range(world_size):
+            lo, hi = offset + min(j * chunk, m), offset + min((j + 1) * chunk, m)
+            assert ((lo, hi) in layout.segments[j]) == (hi > lo)
+        offset += m
+    for j in range(world_size):
+        groups = layout.groups[j]
+        assert sum(groups) == layout.shard_numel(j)  # groups exactly fill their shard
         assert all(n >= 1 for n in groups)
-        assert (hi == lo) == (groups == ())  # an empty shard has no groups (and no scales)
-        assert layout.shard_bytes(j) == (hi - lo) + 4 * len(groups)
-        pos = hi
-    assert pos == numel
-    # group boundaries are exactly the codec's boundaries plus the shard boundaries
-    got = [c for (lo, _hi), groups in zip(layout.bounds, layout.groups)
-           for c in _cuts(groups, lo)]
-    shard_cuts = {hi for _lo, hi in layout.bounds if 0 < hi}
-    assert got == sorted(set(_cuts(codec_groups)) | shard_cuts)
+        assert (layout.shard_numel(j) == 0) == (groups == ())  # empty shard: no scales
+        assert layout.shard_bytes(j) == layout.shard_numel(j) + 4 * len(groups)
+        covered += layout.segments[j]
+    assert sorted(covered) == sorted(set(covered))
+    assert sum(hi - lo for lo, hi in covered) == numel  # shards tile the vector exactly
+    # group boundaries are exactly the codec's boundaries plus the chunk boundaries
+    codec_cuts = set(_cuts([n for s in shapes for n in codec.lengths(tuple(s))]))
+    chunk_cuts = {hi for seg in layout.segments for _lo, hi in seg}
+    got = sorted(b for j in range(world_size) for _a, b in layout.group_spans(j))
+    assert got == sorted(codec_cuts | chunk_cuts)
     return layout
 
 
@@ -91,14 +97,14 @@ def _check_layout(shapes, codec, world_size):
 def test_layout_cuts_groups_at_shard_boundaries(scaling):
     codec = Codec("e4m3", scaling, 16)
     layout = _check_layout(SHAPES, codec, 4)
-    assert layout.bounds == ((0, 51), (51, 102), (102, 153), (153, 202))
+    # tensors of 35 | 3 | 64 | 100 elements, in chunks of 9 | 1 | 16 | 25
+    assert layout.segments[0] == ((0, 9), (35, 36), (38, 54), (102, 127))
+    assert layout.segments[3] == ((27, 35), (86, 102), (177, 202))  # the 3-vector ran out
     if scaling == "tensor":
-        # tensors of 35 | 3 | 64 | 100 elements; the 64 is cut at 51, the 100 at 153
-        assert layout.groups == ((35, 3, 13), (51,), (51,), (49,))
+        assert layout.groups[0] == (9, 1, 16, 25)
     if scaling == "row":
-        # rows of 7 (×5) | 3 | 64 | 10 (×10); shard cuts at 51, 102 and 153 split rows
-        assert layout.groups[0] == (7,) * 5 + (3, 13)
-        assert layout.groups[2] == (10,) * 5 + (1,)  # 102..153: rows of the (10,10) tensor
+        # rows of 7 (×5) | 3 | 64 | 10 (×10): chunk cuts at 9 and 25 split rows
+        assert layout.groups[0] == (7, 2, 1, 16, 10, 10, 5)
     _check_layout(SHAPES, codec, 1)
     _check_layout(SHAPES, codec, 7)
 
@@ -106,9 +112,9 @@ def test_layout_cuts_groups_at_shard_boundaries(scaling):
 def test_layout_with_fewer_elements_than_ranks():
     codec = Codec("e5m2", "row")
     layout = _check_layout([(2,), (1, 1)], codec, 5)
-    assert layout.bounds == ((0, 1), (1, 2), (2, 3), (3, 3), (3, 3))
-    assert layout.groups == ((1,), (1,), (1,), (), ())
-    assert layout.shard_bytes(3) == 0 and layout.max_shard_bytes == 5
+    assert layout.segments == (((0, 1), (2, 3)), ((1, 2),), (), (), ())
+    assert layout.groups == ((1, 1), (1,), (), (), ())
+    assert layout.shard_bytes(3) == 0 and layout.max_shard_bytes == 10
     empty = _check_layout([(0, 4), (3, 0)], codec, 3)
     assert empty.numel == 0 and all(g == () for g in empty.groups)
     out = simulate_exact_allreduce([torch.zeros(0)] * 3, empty)
@@ -203,8 +209,8 @@ def test_fuzz_simulated_allreduce_error_bound(case):
     exact = X.sum(0)
     assert torch.isfinite(out).all()
     u = U_ROUND[codec.format]
-    for (lo, _hi), groups in zip(layout.bounds, layout.groups):
-        for a, b in zip([lo, *_cuts(groups, lo)], _cuts(groups, lo)):
+    for j in range(world_size):
+        for a, b in layout.group_spans(j):
             A_g = float(X[:, a:b].abs().amax(dim=1).sum())
             M_g = float(exact[a:b].abs().max())
             err = float((out[a:b] - exact[a:b]).abs().max())

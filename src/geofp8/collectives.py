@@ -45,43 +45,60 @@ __all__ = [
 class ShardLayout:
     """Shards and scale groups of a flat vector made of tensors of the given ``shapes``.
 
-    Scale groups follow the codec per tensor (per-tensor, per-row or per-block of that
-    tensor) and are additionally cut at shard boundaries, so every shard can be encoded
-    and decoded on its own.
+    Every tensor is cut into ``N`` contiguous chunks of ``⌈numel/N⌉`` elements; shard ``j``
+    is the concatenation of every tensor's chunk ``j`` (``segments[j]``, ranges of the flat
+    vector). Scale groups follow the codec per tensor (per-tensor, per-row or per-block)
+    and are cut at chunk boundaries. So a tensor is quantized the same way whichever other
+    tensors share its bucket: DDP's bucket rebuild changes nothing numerically.
     """
 
     numel: int
     world_size: int
     codec: Codec
-    bounds: tuple[tuple[int, int], ...]  # per shard [lo, hi)
-    groups: tuple[tuple[int, ...], ...]  # per shard, scale-group lengths
+    segments: tuple[tuple[tuple[int, int], ...], ...]  # per shard: flat ranges [lo, hi)
+    groups: tuple[tuple[int, ...], ...]  # per shard, scale-group lengths in shard order
 
     @classmethod
     def build(cls, shapes: list[tuple[int, ...]], codec: Codec, world_size: int) -> ShardLayout:
-        lengths: list[int] = []
+        segments: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+        groups: list[list[int]] = [[] for _ in range(world_size)]
+        offset = 0
         for shape in shapes:
-            lengths.extend(codec.lengths(tuple(shape)))
-        numel = sum(lengths)
-        size = -(-numel // world_size) if numel else 0
-        bounds = tuple((min(j * size, numel), min((j + 1) * size, numel))
-                       for j in range(world_size))
-        groups, it, pos = [], iter(lengths), 0
-        pending = 0  # elements of the current group not yet assigned to a shard
-        for _lo, hi in bounds:
-            shard: list[int] = []
-            while pos < hi:
-                if pending == 0:
-                    pending = next(it)
-                take = min(pending, hi - pos)
-                shard.append(take)
-                pending -= take
-                pos += take
-            groups.append(tuple(shard))
-        return cls(numel, world_size, codec, bounds, tuple(groups))
+            lengths = codec.lengths(tuple(shape))
+            numel = sum(lengths)
+            chunk = -(-numel // world_size) if numel else 0
+            it, pending, pos = iter(lengths), 0, 0
+            for j in range(world_size):
+                hi = min((j + 1) * chunk, numel)
+                if hi > pos:
+                    segments[j].append((offset + pos, offset + hi))
+                while pos < hi:
+                    if pending == 0:
+                        pending = next(it)
+                    take = min(pending, hi - pos)
+                    groups[j].append(take)
+                    pending -= take
+                    pos += take
+            offset += numel
+        return cls(offset, world_size, codec, tuple(tuple(s) for s in segments),
+                   tuple(tuple(g) for g in groups))
+
+    def shard_numel(self, j: int) -> int:
+        return sum(hi - lo for lo, hi in self.segments[j])
 
     def shard_bytes(self, j: int) -> int:
-        lo, hi = self.bounds[j]
-        return (hi - lo) + 4 * len(self.groups[j])
+        return self.shard_numel(j) + 4 * len(self.groups[j])
+
+    def group_spans(self, j: int) -> list[tuple[int, int]]:
+        """Flat ranges of shard ``j``'s scale groups (a group never spans two segments)."""
+        spans, groups = [], iter(self.groups[j])
+        for lo, hi in self.segments[j]:
+            pos = lo
+            while pos < hi:
+                n = next(groups)
+                spans.append((pos, pos + n))
+                pos += n
+        return spans
 
     @property
     def max_shard_bytes(self) -> int:
@@ -93,6 +110,20 @@ class ShardLayout:
         a2a = sum(self.shard_bytes(j) for j in range(self.world_size) if j != rank)
         return a2a + (self.world_size - 1) * self.max_shard_bytes
 
+    def gather(self, flat: torch.Tensor, j: int) -> torch.Tensor:
+        """Shard ``j`` of ``flat`` as one contiguous tensor."""
+        parts = [flat[lo:hi] for lo, hi in self.segments[j]]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts) if parts else flat.new_zeros(0)
+
+    def scatter(self, out: torch.Tensor, shard: torch.Tensor, j: int) -> None:
+        """Write shard ``j``'s values back to their places in ``out``."""
+        pos = 0
+        for lo, hi in self.segments[j]:
+            out[lo:hi] = shard[pos : pos + hi - lo]
+            pos += hi - lo
+
 
 def fp32_allreduce_wire_bytes(numel: int, world_size: int, bytes_per_element: int = 4) -> int:
     """Bytes one rank sends in a ring all-reduce: ``2(N−1)/N · n · bytes``."""
@@ -103,20 +134,18 @@ def fp32_allreduce_wire_bytes(numel: int, world_size: int, bytes_per_element: in
 
 def encode(flat: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     """Stage 1: every shard quantized with its own scales, concatenated as bytes."""
-    parts = []
-    for (lo, hi), groups in zip(layout.bounds, layout.groups):
-        parts.append(layout.codec.quantize(flat[lo:hi], list(groups)).to_bytes())
+    parts = [layout.codec.quantize(layout.gather(flat, j), list(layout.groups[j])).to_bytes()
+             for j in range(layout.world_size)]
     return torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.uint8)
 
 
 def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
     """Stage 3: dequantize the ``N`` senders' copies of ``shard`` and sum them in FP32."""
-    nbytes = layout.shard_bytes(shard)
-    lo, hi = layout.bounds[shard]
-    total = torch.zeros(hi - lo, dtype=torch.float32, device=received.device)
+    nbytes, numel = layout.shard_bytes(shard), layout.shard_numel(shard)
+    total = torch.zeros(numel, dtype=torch.float32, device=received.device)
     for r in range(layout.world_size):
         buf = received[r * nbytes : (r + 1) * nbytes]
-        packed = Packed.from_bytes(buf, (hi - lo,), layout.codec, list(layout.groups[shard]))
+        packed = Packed.from_bytes(buf, (numel,), layout.codec, list(layout.groups[shard]))
         total += packed.dequantize()
     return total
 
@@ -134,10 +163,10 @@ def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout) -> torch.
     out = torch.empty(layout.numel, dtype=torch.float32, device=gathered[0].device)
     poisoned = False
     for j, buf in enumerate(gathered):
-        lo, hi = layout.bounds[j]
-        packed = Packed.from_bytes(buf, (hi - lo,), layout.codec, list(layout.groups[j]))
+        packed = Packed.from_bytes(buf, (layout.shard_numel(j),), layout.codec,
+                                   list(layout.groups[j]))
         poisoned |= bool((~torch.isfinite(packed.scales)).any())
-        out[lo:hi] = packed.dequantize()
+        layout.scatter(out, packed.dequantize(), j)
     if poisoned:
         out.fill_(float("nan"))
     return out
@@ -161,11 +190,11 @@ def decode(sent: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     """What ``encode(flat, layout)`` decodes to (the sender's own view, for error feedback)."""
     out = torch.empty(layout.numel, dtype=torch.float32, device=sent.device)
     offset = 0
-    for j, (lo, hi) in enumerate(layout.bounds):
+    for j in range(layout.world_size):
         nbytes = layout.shard_bytes(j)
-        packed = Packed.from_bytes(sent[offset : offset + nbytes], (hi - lo,), layout.codec,
-                                   list(layout.groups[j]))
-        out[lo:hi] = packed.dequantize()
+        packed = Packed.from_bytes(sent[offset : offset + nbytes], (layout.shard_numel(j),),
+                                   layout.codec, list(layout.groups[j]))
+        layout.scatter(out, packed.dequantize(), j)
         offset += nbytes
     return out
 
