@@ -12,6 +12,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fidelity": ("geofp8.analysis", "one-step FP8 round-trip fidelity of every Linear layer's "
                  "gradient, per transform, format and scaling"),
     "demo": ("geofp8.demo", "a quick look: the fidelity summary on the default model and corpus"),
+    "bench": ("geofp8.bench", "codec throughput, geometry overhead and the scaling model, "
+              "measured as ratios in one run"),
 }
 
 

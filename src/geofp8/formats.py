@@ -22,6 +22,7 @@ Wire layout of :class:`Packed` (:meth:`Packed.to_bytes`), little-endian:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -95,19 +96,47 @@ class Codec:
         numel = max(1, int(torch.Size(shape).numel()))
         return (numel + 4 * len(self.lengths(shape))) / numel
 
-    def quantize(self, x: torch.Tensor, lengths: list[int] | None = None) -> Packed:
-        """Encode ``x`` (fp32/bf16/fp16, any shape); ``lengths`` overrides the groups."""
+    def quantize(self, x: torch.Tensor, lengths: list[int] | None = None, *,
+                 out: torch.Tensor | None = None) -> Packed:
+        """Encode ``x`` (fp32/bf16/fp16, any shape); ``lengths`` overrides the groups.
+
+        ``out`` (optional): a contiguous uint8 buffer of ``x.numel()`` bytes that receives
+        the codes (reuse it across steps to skip the allocation).
+        """
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise TypeError(f"GeoFP8 codecs take floating-point tensors, got {x.dtype}")
-        lengths = self.lengths(tuple(x.shape)) if lengths is None else list(lengths)
-        if sum(lengths) != x.numel():
-            raise ValueError(f"group lengths sum to {sum(lengths)} but x has {x.numel()} elements")
-        flat = x.reshape(-1).float()
-        scales = _group_amax(flat, lengths).div_(self.fmax)
-        scales = torch.where(scales == 0, torch.ones_like(scales), scales)  # all-zero group
-        scales = torch.where(torch.isfinite(scales), scales, torch.full_like(scales, float("nan")))
-        codes = _per_group(flat, scales, lengths, torch.div).to(self.dtype)
+        if lengths is None:
+            lengths = self.lengths(tuple(x.shape))
+        else:
+            lengths = list(lengths)
+            if sum(lengths) != x.numel():
+                raise ValueError(f"group lengths sum to {sum(lengths)} but x has {x.numel()} "
+                                 "elements")
+        flat = x.reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        info = _info(lengths)
+        scales = self.scales_of(flat, lengths, info)
+        if out is None:
+            codes = torch.empty(flat.numel(), dtype=self.dtype, device=flat.device)
+        elif out.dtype != torch.uint8 or out.numel() != flat.numel() or not out.is_contiguous():
+            raise ValueError("out must be a contiguous uint8 tensor with one byte per element")
+        else:
+            codes = out.view(-1).view(self.dtype)
+        _encode_into(codes, flat, scales, lengths, info)
         return Packed(codes.view(torch.uint8), scales, tuple(x.shape), self, tuple(lengths))
+
+    def scales_of(self, flat: torch.Tensor, lengths: list[int], info=None) -> torch.Tensor:
+        """The float32 scale of every group of the flat fp32 tensor ``flat`` (policies above)."""
+        amax = _group_amax(flat, lengths, info or _info(lengths))
+        scales = amax / self.fmax
+        # When amax / fmax rounds down (far, once it is an fp32 subnormal), amax / s exceeds
+        # fmax and E5M2 overflows to inf: step such scales up one ulp so codes stay in range.
+        scales = torch.where(amax / scales > self.fmax,
+                             torch.nextafter(scales, torch.full_like(scales, float("inf"))),
+                             scales)
+        scales = torch.where(scales == 0, torch.ones_like(scales), scales)  # all-zero group
+        return torch.where(torch.isfinite(scales), scales, torch.full_like(scales, float("nan")))
 
     def dequantize(self, packed: Packed, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return packed.dequantize(out_dtype)
@@ -131,10 +160,22 @@ class Packed:
     def nbytes(self) -> int:
         return self.codes.numel() + 4 * self.scales.numel()
 
-    def dequantize(self, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        values = self.codes.view(self.codec.dtype).float()
-        values = _per_group(values, self.scales, list(self.lengths), torch.mul)
-        return values.reshape(self.shape).to(out_dtype)
+    def dequantize(self, out_dtype: torch.dtype = torch.float32,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """``code * s_g`` for every element, shaped like the original tensor.
+
+        ``out`` (optional, float32, contiguous, ``numel`` elements) receives the result
+        and avoids allocating it; it is returned reshaped when ``out_dtype`` is float32.
+        """
+        numel = self.codes.numel()
+        if out is None:
+            out = torch.empty(numel, dtype=torch.float32, device=self.codes.device)
+        elif out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
+            raise ValueError("out must be a contiguous float32 tensor with one slot per code")
+        _decode_into(out.view(-1), self.codes, self.scales, self.lengths, _info(self.lengths),
+                     self.codec.format)
+        values = out.view(self.shape)
+        return values if out_dtype == torch.float32 else values.to(out_dtype)
 
     def to_bytes(self) -> torch.Tensor:
         """``[scales as float32 bytes][codes]`` as one flat uint8 tensor."""
@@ -153,27 +194,105 @@ class Packed:
         return cls(codes, scales, tuple(shape), codec, tuple(lengths))
 
 
-def _uniform(lengths: list[int]) -> int | None:
+# -- kernels ---------------------------------------------------------------------------------
+#
+# The codec is memory-bound on a CPU, so every kernel below walks the tensor in pieces of
+# at most ``CHUNK`` elements: the temporaries of a piece (the scaled fp32 values before
+# the cast, the int16 bit patterns of the decoder) stay in cache, and each big tensor is
+# read or written once. Division by the scale is kept (not a multiply by its reciprocal),
+# so the codes are bit-identical to ``(x / s).to(fp8)``.
+
+CHUNK = 1 << 18  # elements per piece; 1 MiB of fp32
+
+
+def _uniform(lengths) -> int | None:
     """The common length when all groups but possibly the last short one are equal."""
     if not lengths:
         return None
-    first = lengths[0]
-    if all(n == first for n in lengths[:-1]) and lengths[-1] <= first:
+    first, same = lengths[0], lengths.count(lengths[0])  # list.count runs at C speed
+    if same == len(lengths) or (same == len(lengths) - 1 and lengths[-1] < first):
         return first
     return None
 
 
-def _group_amax(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Max |x| of each contiguous group; NaN propagates (torch.amax keeps NaN)."""
-    if not lengths:
-        return flat.new_zeros(0)
+class _Info(NamedTuple):
+    """What the kernels need to know about a list of group lengths, computed once."""
+
+    size: int | None  # common length (all but a shorter last group), None if irregular
+    irregular: bool  # many groups of differing lengths: use per-element scales
+    widest: int  # longest group (0 if irregular and unknown)
+
+
+def _info(lengths) -> _Info:
     size = _uniform(lengths)
     if size is not None:
-        full = (len(lengths) - 1) * size if lengths[-1] < size else len(lengths) * size
-        parts = [flat[:full].abs().reshape(-1, size).amax(dim=1)] if full else []
-        if full < flat.numel():
-            parts.append(flat[full:].abs().amax().reshape(1))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        return _Info(size, False, size)
+    if len(lengths) > MANY_GROUPS:
+        return _Info(None, True, 0)
+    return _Info(None, False, max(lengths, default=0))
+
+
+MANY_GROUPS = 256  # more irregular groups than this: per-element scales instead of a loop
+
+
+def _per_element(scales: torch.Tensor, lengths, numel: int) -> torch.Tensor:
+    return torch.repeat_interleave(scales, torch.tensor(lengths, dtype=torch.long),
+                                   output_size=numel)
+
+
+def _pieces(lengths, info: _Info, scales: torch.Tensor):
+    """Yield ``(lo, hi, rows, scale)``: a slice ``[lo, hi)`` of the flat tensor and the scale
+    that divides it, either one element (``rows == 0``) or a ``rows × 1`` column of scales for
+    a ``rows × size`` view of the slice. Pieces hold at most ~``CHUNK`` elements."""
+    size = info.size
+    if size is not None and len(lengths) > 1:
+        n_full = len(lengths) if lengths[-1] == size else len(lengths) - 1
+        per = max(1, CHUNK // size)
+        for g in range(0, n_full, per):
+            h = min(g + per, n_full)
+            yield g * size, h * size, h - g, scales[g:h, None]
+        if n_full < len(lengths):
+            lo = n_full * size
+            yield from _slices(lo, lo + lengths[-1], scales[n_full:])
+        return
+    lo = 0
+    for g, n in enumerate(lengths):
+        yield from _slices(lo, lo + n, scales[g : g + 1])
+        lo += n
+
+
+def _slices(lo: int, hi: int, scale: torch.Tensor):
+    for a in range(lo, hi, CHUNK):
+        yield a, min(a + CHUNK, hi), 0, scale
+
+
+def _group_amax(flat: torch.Tensor, lengths, info: _Info) -> torch.Tensor:
+    """Max |x| of each contiguous group; NaN propagates (amax / amin keep NaN).
+
+    ``max(max x, −min x)`` reads the data without materialising ``|x|``.
+    """
+    if not lengths:
+        return flat.new_zeros(0)
+    size = info.size
+    if size is not None and len(lengths) > 1:
+        out = flat.new_empty(len(lengths))
+        n_full = len(lengths) if lengths[-1] == size else len(lengths) - 1
+        per = max(1, CHUNK // size)
+        for g in range(0, n_full, per):
+            h = min(g + per, n_full)
+            view = flat[g * size : h * size].view(h - g, size)
+            torch.amax(view, dim=1, out=out[g:h])
+            out[g:h] = torch.maximum(out[g:h], torch.amin(view, dim=1).neg_())
+        if n_full < len(lengths):
+            out[n_full:] = _amax1(flat[n_full * size :])
+        return out
+    if not info.irregular:  # few groups (per tensor, per shard): one fused pass each
+        out = flat.new_empty(len(lengths))
+        lo = 0
+        for g, n in enumerate(lengths):
+            out[g] = _amax1(flat[lo : lo + n])
+            lo += n
+        return out
     lens = torch.tensor(lengths, dtype=torch.long)
     amax = torch.segment_reduce(flat.abs(), "max", lengths=lens, unsafe=True)
     # segment_reduce drops NaN in max on some builds: restore the policy explicitly.
@@ -181,18 +300,65 @@ def _group_amax(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return torch.where(bad > 0, torch.full_like(amax, float("nan")), amax)
 
 
-def _per_group(flat: torch.Tensor, scales: torch.Tensor, lengths: list[int], op) -> torch.Tensor:
-    """``op(x, s_g)`` for every element of every group, without materialising per-element scales
-    when the groups are uniform."""
-    if len(lengths) <= 1:
-        return op(flat, scales) if lengths else flat.clone()
-    size = _uniform(lengths)
-    if size is None:
-        per_elem = torch.repeat_interleave(scales, torch.tensor(lengths, dtype=torch.long),
-                                           output_size=flat.numel())
-        return op(flat, per_elem)
-    n_full = len(lengths) if lengths[-1] == size else len(lengths) - 1
-    head = op(flat[: n_full * size].view(n_full, size), scales[:n_full, None]).view(-1)
-    if n_full == len(lengths):
-        return head
-    return torch.cat([head, op(flat[n_full * size :], scales[n_full:])])
+def _amax1(x: torch.Tensor) -> torch.Tensor:
+    if x.numel() == 0:
+        return x.new_zeros(())
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(hi, lo.neg())
+
+
+def _encode_into(codes: torch.Tensor, flat: torch.Tensor, scales: torch.Tensor,
+                 lengths, info: _Info) -> None:
+    """``codes[i] = fp8(flat[i] / s_g)`` piece by piece through a cache-sized buffer."""
+    if info.irregular:
+        codes.copy_(flat / _per_element(scales, lengths, flat.numel()))
+        return
+    tmp = flat.new_empty(min(CHUNK + info.widest, flat.numel()) or 1)
+    for lo, hi, rows, s in _pieces(lengths, info, scales):
+        src = flat[lo:hi]
+        buf = tmp[: hi - lo]
+        if rows:
+            torch.div(src.view(rows, -1), s, out=buf.view(rows, -1))
+        else:
+            torch.div(src, s, out=buf)
+        codes[lo:hi].copy_(buf)
+
+
+def _decode_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                 lengths, info: _Info, fmt: str) -> None:
+    """``out[i] = value(code_i) · s_g``.
+
+    E5M2 is the top byte of an IEEE half, and torch converts it fast. E4M3 goes through
+    the bits: ``|code| << 7`` is an IEEE half whose value is ``value / 2⁸`` (normal and
+    subnormal codes alike), so ``half(bits) · (2⁸ s)`` is the exact product ``value · s``.
+    The NaN codes (``S.1111.111``) are restored explicitly.
+    """
+    if info.irregular:
+        out.copy_(codes.view(FORMATS[fmt]))
+        out.mul_(_per_element(scales, lengths, out.numel()))
+        return
+    if fmt == "e5m2":
+        c5 = codes.view(torch.float8_e5m2)
+        for lo, hi, rows, s in _pieces(lengths, info, scales):
+            o = out[lo:hi]
+            o.copy_(c5[lo:hi])
+            (o.view(rows, -1) if rows else o).mul_(s)
+        return
+    u8 = codes.view(torch.uint8)
+    width = min(CHUNK + info.widest, u8.numel()) or 1
+    mag = torch.empty(width, dtype=torch.int16, device=codes.device)
+    sign = torch.empty_like(mag)
+    for lo, hi, rows, s in _pieces(lengths, info, scales):
+        n = hi - lo
+        m, sg = mag[:n], sign[:n]
+        m.copy_(u8[lo:hi])
+        torch.bitwise_and(m, 0x80, out=sg)
+        sg.bitwise_left_shift_(8)
+        m.bitwise_and_(0x7F)
+        has_nan = n > 0 and int(m.max()) == 0x7F
+        m.bitwise_left_shift_(7).bitwise_or_(sg)
+        o = out[lo:hi]
+        o.copy_(m.view(torch.float16))
+        if has_nan:
+            o.masked_fill_((u8[lo:hi] & 0x7F) == 0x7F, float("nan"))
+        (o.view(rows, -1) if rows else o).mul_(s * 256.0)
