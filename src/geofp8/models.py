@@ -14,7 +14,8 @@ preset          hidden  inter  layers  heads  kv heads  non-embedding params
 
 :func:`load_model` also takes a local Hugging Face model directory (with its tokenizer when
 the directory has one) or a local ``.gguf`` file (needs the ``gguf`` package:
-``pip install 'geofp8[gguf]'``).
+``pip install 'geofp8[gguf]'``). :func:`load_model_and_data` pairs a model with the token
+blocks of :mod:`geofp8.data` (a preset gets a BPE of its vocabulary size).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def load_model(spec: str | os.PathLike, vocab_size: int = 2048,
     if path.is_dir():
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path).float()
         tokenizer = None
         if any((path / f).exists() for f in _TOKENIZER_FILES):
             from transformers import AutoTokenizer
@@ -100,7 +101,7 @@ def _load_gguf(path: Path) -> tuple[torch.nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = dict(gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, **kwargs).float()
     return model, AutoTokenizer.from_pretrained(path.parent, **kwargs)
 
 
