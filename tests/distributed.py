@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import tempfile
 import traceback
@@ -38,7 +39,9 @@ def _entry(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # plain pickle sends tensors by value; torch's queue would share memory that dies
+        # with this process before the parent reads it
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -72,7 +75,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> 
                                        f"{[procs[r].exitcode for r in dead]}") from None
                 continue
             if status == "ok":
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
         if errors:

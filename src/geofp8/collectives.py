@@ -20,7 +20,6 @@ analysis tools; the real path is :class:`Communicator`.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -206,11 +205,12 @@ class Communicator:
     ``2(N−1)/N`` payloads per rank). ``allgather``: every rank gathers every payload and
     sums in FP32 itself (one rounding, ``N − 1`` payloads per rank).
 
-    The all-gather of ``exact`` is issued when the all-to-all completes, from a
-    completion callback. Callbacks finish in different orders on different ranks, and
-    collectives must be issued in the same order everywhere, so the second phase runs
-    on its own process group (same ranks) and a sequencer issues it strictly in launch
-    order. Create one ``Communicator`` per data-parallel group, on every rank.
+    Ordering: every rank must issue collectives in the same order, but completion callbacks
+    fire in different orders on different ranks. So the all-gather of launch ``i`` is issued
+    from the caller's thread at launch ``i + 1`` (after waiting for all-to-all ``i``, which
+    has been overlapping the caller's work since), and only the launch marked ``last`` issues
+    its all-gather from its completion callback — after which the caller must issue nothing
+    on the group until the returned future completes (DDP guarantees this for its hooks).
     """
 
     def __init__(self, collective: str = "exact", group: dist.ProcessGroup | None = None):
@@ -218,21 +218,14 @@ class Communicator:
             raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
         self.collective, self.group = collective, group
         self.rank = dist.get_rank(group)
-        self.second = None
-        if collective == "exact":
-            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-            self.second = dist.new_group(ranks, backend=dist.get_backend(group),
-                                         use_local_synchronization=True)
-        self._lock = threading.Lock()
-        self._launched = 0
-        self._next = 0
-        self._ready: dict[int, object] = {}
+        self._previous = None  # (work, recv, layout, result) whose all-gather is not issued
 
-    def launch(self, sent: torch.Tensor, layout: ShardLayout) -> torch.futures.Future:
+    def launch(self, sent: torch.Tensor, layout: ShardLayout,
+               last: bool = True) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads."""
+        self.flush()
         if self.collective == "allgather":
             return self._allgather(sent, layout)
-        seq, self._launched = self._launched, self._launched + 1
         result: torch.futures.Future = torch.futures.Future()
         n = layout.world_size
         recv = torch.empty(n * layout.shard_bytes(self.rank), dtype=torch.uint8,
@@ -242,29 +235,28 @@ class Communicator:
             output_split_sizes=[layout.shard_bytes(self.rank)] * n,
             input_split_sizes=[layout.shard_bytes(j) for j in range(n)],
             group=self.group, async_op=True)
-
-        def reduced(fut: torch.futures.Future) -> None:
-            try:
-                fut.value()
-                shard = encode_reduced(decode_sum(recv, layout, self.rank), layout, self.rank)
-            except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-                result.set_exception(exc)
-                self._in_order(seq, lambda: None)
-                return
-            self._in_order(seq, lambda: self._gather(shard, layout, result))
-
-        work.get_future().then(reduced)
+        if last:
+            work.get_future().then(lambda fut: self._gather(fut, recv, layout, result))
+        else:
+            self._previous = (work, recv, layout, result)
         return result
 
-    def _in_order(self, seq: int, issue) -> None:
-        with self._lock:
-            self._ready[seq] = issue
-            while self._next in self._ready:
-                self._ready.pop(self._next)()
-                self._next += 1
+    def flush(self) -> None:
+        """Issue the pending all-gather of the previous launch (waits for its all-to-all)."""
+        if self._previous is not None:
+            work, recv, layout, result = self._previous
+            self._previous = None
+            work.wait()
+            self._gather(work.get_future(), recv, layout, result)
 
-    def _gather(self, shard: torch.Tensor, layout: ShardLayout,
+    def _gather(self, fut, recv: torch.Tensor, layout: ShardLayout,
                 result: torch.futures.Future) -> None:
+        try:
+            fut.value()
+            shard = encode_reduced(decode_sum(recv, layout, self.rank), layout, self.rank)
+        except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
+            result.set_exception(exc)
+            return
         gathered = [torch.empty_like(shard) for _ in range(layout.world_size)]
 
         def done(fut: torch.futures.Future) -> None:
@@ -274,7 +266,7 @@ class Communicator:
             except Exception as exc:  # noqa: BLE001
                 result.set_exception(exc)
 
-        dist.all_gather(gathered, shard, group=self.second, async_op=True).get_future().then(done)
+        dist.all_gather(gathered, shard, group=self.group, async_op=True).get_future().then(done)
 
     def _allgather(self, sent: torch.Tensor, layout: ShardLayout) -> torch.futures.Future:
         gathered = [torch.empty_like(sent) for _ in range(layout.world_size)]

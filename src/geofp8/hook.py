@@ -278,7 +278,8 @@ class GeoFP8State:
             self._check_consistency()
         if not self._in_step:
             self._begin_step()
-        if bucket.is_last():
+        last = bucket.is_last()
+        if last:
             self._in_step, self._launched = False, True
         buffer = bucket.buffer()
         self._counters["bytes_fp32_equivalent"] += fp32_allreduce_wire_bytes(
@@ -286,12 +287,13 @@ class GeoFP8State:
         self._counters["elements"] += buffer.numel()
         if self.step < self.config.warmup_steps:
             return self._fp32_allreduce(buffer)
-        return self._fp8_allreduce(bucket, buffer)
+        return self._fp8_allreduce(bucket, buffer, last)
 
     def _fp32_allreduce(self, buffer: torch.Tensor) -> torch.futures.Future:
         """Full precision, exactly as DDP's default: divide by N, then SUM all-reduce."""
         self._counters["bytes_sent"] += fp32_allreduce_wire_bytes(
             buffer.numel(), self.world_size, buffer.element_size())
+        self.communicator.flush()
         work = dist.all_reduce(buffer.div_(self.world_size), group=self.group, async_op=True)
 
         def average(fut):
@@ -301,7 +303,7 @@ class GeoFP8State:
             return out
         return work.get_future().then(average)
 
-    def _fp8_allreduce(self, bucket: dist.GradBucket, buffer: torch.Tensor):
+    def _fp8_allreduce(self, bucket: dist.GradBucket, buffer: torch.Tensor, last: bool):
         cfg = self.config
         names, grads = [], []
         for p, g in zip(bucket.parameters(), bucket.gradients()):
@@ -354,7 +356,7 @@ class GeoFP8State:
             self._counters["transform_s"] += time.perf_counter() - t3
             return buffer
 
-        return self.communicator.launch(sent, layout).then(map_back)
+        return self.communicator.launch(sent, layout, last).then(map_back)
 
     def _route(self, name: str) -> Transform:
         if name in self.selected and name in self.transforms:
