@@ -144,10 +144,13 @@ def nystrom_factor(Y: torch.Tensor, omega: torch.Tensor, k: int, trace: float) -
     core = O64.T @ Y_nu
     core = 0.5 * (core + core.T)
     C, info = torch.linalg.cholesky_ex(core)
-    if int(info) != 0:  # indefinite from round-off: fall back to an eigen-square-root
+    if int(info) != 0:  # indefinite from round-off: pseudo-inverse square root
+        # Keep only the eigenvalues that stand out of the round-off of Y (its own dtype:
+        # an fp32 sketch is noisy at ~1e-7). Clamping them to ν instead divided that noise
+        # by √ν and inflated the eigenvalues ~100× for fp32 sketches of rank(A) < l.
         w, V = torch.linalg.eigh(core)
-        C = V * w.clamp_min(nu).sqrt()
-        B = Y_nu @ torch.linalg.pinv(C.T)
+        keep = w > torch.finfo(Y.dtype).eps * core.shape[0] * float(w.abs().max())
+        B = (Y_nu @ V[:, keep]) * w[keep].rsqrt()
     else:
         B = torch.linalg.solve_triangular(C, Y_nu.T, upper=False).T
     U, S, _ = torch.linalg.svd(B, full_matrices=False)
