@@ -56,7 +56,7 @@ class GeoFP8Config:
     transform_block: int = 128
     refresh_every: int = 50
     statistics: str = "auto"
-    sketch_above: int = 4096
+    sketch_above: int = 1024
     oversample: int = 8
     layers: str | list[str] = "auto"
     auto_margin: float = 0.1
