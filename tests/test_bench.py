@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import replace
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from geofp8 import bench, scaling
-from geofp8.cli import main
+from geofp8.cli import COMMANDS
 from geofp8.formats import Codec
 from geofp8.fused import ef_quantize, naive_ef_quantize
 from geofp8.statistics import LowRankFactor
@@ -45,6 +46,15 @@ def test_scaling_part_and_markdown(quick_results, tmp_path):
     assert cal["gap_points_sketch_every_step"] >= cal["gap_points_refresh_every_K"] - 1e-9
     md = bench.to_markdown(quick_results, "geofp8 bench --quick")
     assert md.startswith("# Performance") and "CPU cores" in md and "Part 4b" in md
+
+
+def main(argv: list[str]) -> int:
+    """``geofp8 bench ...`` through the bench module's own parser (independent of the other
+    subcommands' imports)."""
+    assert COMMANDS["bench"][0] == "geofp8.bench" and argv[0] == "bench"
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return bench.run(parser.parse_args(argv[1:]))
 
 
 def test_cli_writes_json_and_markdown(tmp_path):
