@@ -69,7 +69,19 @@ def test_cli_writes_json_and_markdown(tmp_path):
 
 def test_cli_rejects_unknown_part():
     with pytest.raises(SystemExit):
-        main(["bench", "--quick", "--parts", "3"])
+        main(["bench", "--quick", "--parts", "5"])
+
+
+@pytest.mark.distributed
+def test_part3_whole_step_on_real_ranks(tmp_path):
+    out = tmp_path / "b.json"
+    assert main(["bench", "--quick", "--parts", "3", "--json", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["ddp"]["runs"][0]["rows"]}
+    assert set(rows) == {"fp32", "fp8", "geofp8-auto"}
+    assert rows["fp32"]["bytes_per_element"] == 4.0  # ring all-reduce of FP32, 2 ranks
+    assert 1.0 <= rows["fp8"]["bytes_per_element"] < 1.1  # counted from the collectives
+    fid = rows["fp8"]["fidelity"]
+    assert fid and all(0 < m["rel_l2"] < 0.1 and m["cos"] > 0.99 for m in fid.values())
 
 
 # -- fused EF path --------------------------------------------------------------------------

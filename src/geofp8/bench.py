@@ -4,10 +4,11 @@ Parts (``--parts``):
 
 1. codec throughput against a plain copy of the same tensor (memcpy bandwidth);
 2. low-rank geometry (transform, factor refresh) against the layer's weight-gradient GEMM;
+3. whole DDP steps on 2 and 4 real gloo processes: PyTorch's hooks and ours side by side,
+   time, counted bytes and the communicated gradient's RelL2 (:mod:`geofp8.ddp_bench`);
 4. an alpha-beta scaling model fed with the ratios of parts 1 and 2.
 
-(Part 3, whole-step overhead on real DDP processes, plugs in as one more ``part_*``
-function in ``PARTS``.) Every timing is the median of ``repeats`` runs after a warm-up;
+Every timing is the median of ``repeats`` runs after a warm-up;
 only ratios measured in the same run are compared, because shared machines are noisy.
 """
 
@@ -376,6 +377,19 @@ def run_bench(parts: list[int], sizes_mb: list[float], quick: bool = False,
             geo = part_geometry([8192, 32768], [8, 16, 32], LAYERS, repeats)
         results["geometry"] = geo
         log(geo["table"] + "\n")
+    if 3 in parts:
+        from .ddp_bench import DDPBenchConfig, format_rows, run_ddp_bench
+        tables, runs = [], []
+        for world_size in ([2] if quick else [2, 4]):
+            cfg = (DDPBenchConfig(world_size=world_size, seq_len=16, batch_size=2, warmup=3,
+                                  steps=2, shadow_steps=1, refresh_every=2, profile_steps=1,
+                                  methods=("fp32", "fp8", "geofp8-auto")) if quick
+                   else DDPBenchConfig(world_size=world_size))
+            rows = run_ddp_bench(cfg)
+            runs.append({"world_size": world_size, "rows": rows})
+            tables.append(format_rows(rows, cfg))
+        results["ddp"] = {"runs": runs, "table": "\n\n".join(tables)}
+        log(results["ddp"]["table"] + "\n")
     if 4 in parts:
         if quick:
             sc = part_scaling(results, [8, 64], ["0.1B", "0.6B"], ["ib200"], k=8)
@@ -399,7 +413,7 @@ def to_markdown(results: dict, command: str) -> str:
         "Do not edit by hand: rerun the command.",
         "",
     ]
-    body = [results[k]["table"] for k in ("codec", "compile", "geometry", "scaling")
+    body = [results[k]["table"] for k in ("codec", "compile", "geometry", "ddp", "scaling")
             if k in results]
     if "scaling" in results:
         c = results["scaling"]["calibration"]
@@ -418,7 +432,7 @@ def to_markdown(results: dict, command: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parts", default="1,2,4", help="comma list of parts (1,2,4)")
+    parser.add_argument("--parts", default="1,2,3,4", help="comma list of parts (1,2,3,4)")
     parser.add_argument("--sizes", default=None,
                         help="codec tensor sizes in MB, comma list (default 4,64,256)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
@@ -432,9 +446,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     parts = [int(p) for p in str(args.parts).split(",") if p.strip()]
-    unknown = set(parts) - {1, 2, 4}
+    unknown = set(parts) - {1, 2, 3, 4}
     if unknown:
-        raise SystemExit(f"unknown bench part(s) {sorted(unknown)}; available: 1, 2, 4")
+        raise SystemExit(f"unknown bench part(s) {sorted(unknown)}; available: 1, 2, 3, 4")
     if args.sizes:
         sizes = [float(s) for s in args.sizes.split(",")]
     else:

@@ -29,7 +29,12 @@ class GeoFP8Config:
         rank: ``k`` of the low-rank factor (default 32, the paper's choice).
         damping: ``λ = damping · tr(A)/d_in`` (default 0.1: our pre-code measurements).
         transform_block: block width for ``transform="block"``.
-        refresh_every: steps between factor refreshes (default 50, the paper's K).
+        factor_source: ``"refresh"`` (default; the paper: statistics accumulated over
+            ``refresh_every`` steps, reduced, factored on an owner rank and broadcast) or
+            ``"fresh"`` (this step's factor: each layer's forward sketches ``Σ x xᵀ Ω``,
+            ``d_in·(k+p)`` floats, and all-reduces it asynchronously; low-rank only).
+        refresh_every: steps between factor refreshes (default 50, the paper's K); with
+            fresh factors, steps between ``auto`` measurements.
         statistics: ``"exact"`` (``d_in²`` floats), ``"sketch"`` (``d_in·(k+p)``) or ``"auto"``
             (sketch when ``d_in > sketch_above``; only the low-rank transform can use a sketch).
         oversample: ``p`` of the sketch.
@@ -54,6 +59,7 @@ class GeoFP8Config:
     rank: int = 32
     damping: float = 0.1
     transform_block: int = 128
+    factor_source: str = "refresh"
     refresh_every: int = 50
     statistics: str = "auto"
     sketch_above: int = 1024
@@ -91,6 +97,11 @@ class GeoFP8Config:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"GeoFP8Config: {message}")
+        if self.factor_source not in ("refresh", "fresh"):
+            raise ValueError("GeoFP8Config: factor_source must be 'refresh' or 'fresh' ('local', "
+                             "per-sender factors, is not implemented yet)")
+        if self.factor_source == "fresh" and self.transform != "lowrank":
+            raise ValueError("GeoFP8Config: factor_source='fresh' needs transform='lowrank'")
         if self.statistics == "sketch" and self.transform != "lowrank":
             raise ValueError("GeoFP8Config: statistics='sketch' only supports transform='lowrank'")
 

@@ -26,7 +26,7 @@ trace in the state: the next finite step sees exactly the state it would have se
 # No `from __future__ import annotations`: DDP inspects the hooks' annotations at runtime.
 import io
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from .collectives import (
 )
 from .config import FP8Config, GeoFP8Config
 from .formats import Codec
-from .statistics import SecondMoment
+from .statistics import SecondMoment, nystrom_factor
 from .transforms import (
     BlockInput,
     DiagonalInput,
@@ -81,6 +81,7 @@ class _Layer:
     window_A: SecondMoment | None = None  # committed since the last refresh
     pending_S: SecondMoment | None = None
     window_S: SecondMoment | None = None
+    fresh_works: list = field(default_factory=list)  # (work, buffer) of this step's sketches
 
 
 def _serialize(obj) -> torch.Tensor:
@@ -123,6 +124,9 @@ class GeoFP8State:
         self.selected: set[str] = self._initial_selection()
         self.transforms: dict[str, Transform] = {}
         self.residuals: dict[str, torch.Tensor] = {}
+        self.residual_basis: dict[str, Transform] = {}  # coordinates each residual is in
+        self._step_transforms: dict[str, Transform] = {}  # fresh factors of this step
+        self._omegas: dict[int, torch.Tensor] = {}
         self.step = 0
         self.skipped_steps = 0
         self._layouts: dict[tuple, ShardLayout] = {}
@@ -183,6 +187,10 @@ class GeoFP8State:
         cfg = self.config
         modules = dict(model.named_modules())
         for layer in self.layers.values():
+            module = modules[layer.module_name]
+            if cfg.factor_source == "fresh":
+                self._hooks.append(module.register_forward_pre_hook(self._fresh_sketcher(layer)))
+                continue
             mode = cfg.statistics
             if mode == "auto":
                 mode = "sketch" if cfg.transform == "lowrank" and layer.d_in > cfg.sketch_above \
@@ -194,7 +202,6 @@ class GeoFP8State:
                                     seed=cfg.seed, device=device)
 
             layer.pending_A, layer.window_A = moment(layer.d_in), moment(layer.d_in)
-            module = modules[layer.module_name]
             self._hooks.append(module.register_forward_pre_hook(self._input_recorder(layer)))
             if cfg.transform in ("output", "kfac"):
                 layer.pending_S = moment(layer.d_out, "exact")
@@ -208,6 +215,51 @@ class GeoFP8State:
                 layer.pending_A.update(args[0])
                 self._counters["statistics_s"] += time.perf_counter() - t0
         return record
+
+    def _fresh_sketcher(self, layer: _Layer):
+        """Forward pre-hook of ``factor_source="fresh"``: sketch this micro-batch's
+        ``Σ x xᵀ Ω`` (``d_in × (k+p)``), its trace and token count, and launch their SUM
+        all-reduce at once, so it overlaps the rest of the forward and the backward."""
+        def sketch(module, args):
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            t0 = time.perf_counter()
+            x = args[0].detach().reshape(-1, layer.d_in).float()
+            omega = self._omega(layer.d_in, x.device)
+            buf = torch.cat([(x.T @ (x @ omega)).reshape(-1), x.pow(2).sum().reshape(1),
+                             torch.tensor([float(x.shape[0])], device=x.device)])
+            work = dist.all_reduce(buf, group=self.group, async_op=True)
+            layer.fresh_works.append((work, buf))
+            self._counters["factor_bytes_sent"] += fp32_allreduce_wire_bytes(
+                buf.numel(), self.world_size)
+            self._counters["statistics_s"] += time.perf_counter() - t0
+        return sketch
+
+    def _omega(self, dim: int, device) -> torch.Tensor:
+        """The Gaussian test matrix for width ``dim``, from the shared seed (same on all ranks)."""
+        if dim not in self._omegas:
+            size = min(self.config.rank + self.config.oversample, dim)
+            self._omegas[dim] = SecondMoment(dim, "sketch", sketch_size=size,
+                                             seed=self.config.seed, device=device).omega
+        return self._omegas[dim]
+
+    def _build_fresh(self, layer: _Layer) -> None:
+        """Wait for this step's reduced sketches of ``layer`` (normally long done) and build
+        its low-rank transform by Nyström. Every rank holds the same reduced sketch and runs
+        the same deterministic factorisation, so the transforms are bit-identical."""
+        t0 = time.perf_counter()
+        total = None
+        for work, buf in layer.fresh_works:
+            work.wait()
+            total = buf if total is None else total + buf
+        layer.fresh_works.clear()
+        tokens = float(total[-1])
+        if tokens > 0 and bool(torch.isfinite(total).all()):
+            d, omega = layer.d_in, self._omega(layer.d_in, total.device)
+            Y = total[: d * omega.shape[1]].view(d, omega.shape[1]) / tokens
+            factor = nystrom_factor(Y, omega, min(self.config.rank, d), float(total[-2]) / tokens)
+            self._step_transforms[layer.param_name] = LowRankInput(factor, self.config.damping)
+        self._counters["transform_s"] += time.perf_counter() - t0
 
     def _output_recorder(self, layer: _Layer):
         def record(module, args, output):
@@ -249,10 +301,13 @@ class GeoFP8State:
         if self._step_finite:
             self.step += 1
             self._commit_residuals()
+            self.transforms.update(self._step_transforms)
         else:
             self.skipped_steps += 1
             self._measurements = None
-        self._staged_residuals = {}
+        for layer in self.layers.values():
+            layer.fresh_works.clear()
+        self._staged_residuals, self._step_transforms = {}, {}
         self._step_finite = True
         self._last = self._counters
         self._counters = self._zero_counters()
@@ -266,9 +321,11 @@ class GeoFP8State:
         if cfg.layers == "profile" and self.step == cfg.warmup_steps + cfg.profile_steps:
             self._finish_profile()
         self._measure_now = False
-        if self._needs_statistics and self.step > 0 and self.step % cfg.refresh_every == 0:
-            self._refresh()
-            self._measure_now = cfg.layers == "auto"
+        if self._needs_statistics and self.step % cfg.refresh_every == 0:
+            if cfg.factor_source == "refresh" and self.step > 0:
+                self._refresh()
+            self._measure_now = cfg.layers == "auto" and (self.step > 0 or
+                                                          cfg.factor_source == "fresh")
 
     # -- the hook ----------------------------------------------------------------------------
 
@@ -313,6 +370,9 @@ class GeoFP8State:
             names.append(self._names[id(p)])
             grads.append(g)
         t0 = time.perf_counter()
+        for name in names:
+            if name in self.layers and self.layers[name].fresh_works:
+                self._build_fresh(self.layers[name])
         routes = [self._route(n) for n in names]
         pieces = []
         for name, g, t in zip(names, grads, routes):
@@ -322,8 +382,9 @@ class GeoFP8State:
             if name in self.layers and self._profiling:
                 self._profile(name, G)
             x = G if t is IDENTITY else t.forward(G)
-            if cfg.error_feedback and name in self.residuals:
-                x = x + self.residuals[name]
+            residual = self._residual_in(name, t) if cfg.error_feedback else None
+            if residual is not None:
+                x = x + residual
             pieces.append(x.reshape(-1))
         flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
         shapes = [tuple(g.shape) for g in grads]
@@ -332,7 +393,7 @@ class GeoFP8State:
         sent = encode(flat, layout)
         if cfg.error_feedback:
             residual = flat - decode(sent, layout)
-            self._stage_residuals(names, shapes, residual)
+            self._stage_residuals(names, shapes, routes, residual)
         t2 = time.perf_counter()
         self._counters["transform_s"] += t1 - t0
         self._counters["codec_s"] += t2 - t1
@@ -358,10 +419,13 @@ class GeoFP8State:
 
         return self.communicator.launch(sent, layout, last).then(map_back)
 
+    def _transform(self, name: str) -> Transform | None:
+        """This step's geometry transform of ``name`` (fresh if built this step), if any."""
+        return self._step_transforms.get(name, self.transforms.get(name))
+
     def _route(self, name: str) -> Transform:
-        if name in self.selected and name in self.transforms:
-            return self.transforms[name]
-        return IDENTITY
+        transform = self._transform(name) if name in self.selected else None
+        return IDENTITY if transform is None else transform
 
     def _layout(self, shapes: list[tuple[int, ...]]) -> ShardLayout:
         key = tuple(shapes)
@@ -371,21 +435,25 @@ class GeoFP8State:
 
     # -- error feedback ----------------------------------------------------------------------
 
-    def _stage_residuals(self, names, shapes, residual: torch.Tensor) -> None:
+    def _stage_residuals(self, names, shapes, routes, residual: torch.Tensor) -> None:
         pos = 0
-        for name, shape in zip(names, shapes):
+        for name, shape, route in zip(names, shapes, routes):
             n = torch.Size(shape).numel()
-            self._staged_residuals[name] = residual[pos : pos + n].view(shape)
+            self._staged_residuals[name] = (residual[pos : pos + n].view(shape), route)
             pos += n
 
     def _commit_residuals(self) -> None:
-        self.residuals.update(self._staged_residuals)
+        for name, (residual, basis) in self._staged_residuals.items():
+            self.residuals[name], self.residual_basis[name] = residual, basis
 
-    def _switch(self, name: str, new: Transform) -> None:
-        """Change a parameter's communication coordinates, re-basing its residual."""
-        old = self._route(name)
-        if name in self.residuals and old is not new:
-            self.residuals[name] = rebase(self.residuals[name], old, new)
+    def _residual_in(self, name: str, route: Transform) -> torch.Tensor | None:
+        """The committed residual in ``route``'s coordinates, ``R T_basis⁻¹ T_route``: its
+        Euclidean meaning is kept whenever a refresh or a selection changes the route."""
+        residual = self.residuals.get(name)
+        if residual is None:
+            return None
+        basis = self.residual_basis.get(name, IDENTITY)
+        return residual if basis is route else rebase(residual, basis, route)
 
     # -- factors -----------------------------------------------------------------------------
 
@@ -409,10 +477,7 @@ class GeoFP8State:
         new: dict[str, Transform] = {}
         for src in range(self.world_size):
             new.update(self._broadcast_object(mine if src == self.rank else None, src))
-        for name, transform in new.items():
-            if name in self.selected:
-                self._switch(name, transform)
-            self.transforms[name] = transform
+        self.transforms.update(new)
         for l in layers:
             for m in (l.window_A, l.window_S):
                 if m is not None:
@@ -460,7 +525,7 @@ class GeoFP8State:
 
     def _measure(self, name: str, G: torch.Tensor) -> None:
         """Local round-trip squared errors of both paths, for the ``auto`` selection."""
-        transform = self.transforms.get(name)
+        transform = self._transform(name)
         if transform is None or G.dim() != 2:
             return
         if self._measurements is None:
@@ -483,16 +548,14 @@ class GeoFP8State:
         self.last_measurement = {}
         for i, name in enumerate(self.layers):
             err_e, err_g, norm = (float(v) for v in m[i])
-            if norm <= 0 or name not in self.transforms:
+            if norm <= 0 or self._transform(name) is None:
                 continue
             rel_e, rel_g = (err_e / norm) ** 0.5, (err_g / norm) ** 0.5
             self.last_measurement[name] = {"euclidean": rel_e, "geometry": rel_g}
             on = name in self.selected
             if not on and rel_g < (1 - self.config.auto_margin) * rel_e:
-                self._switch(name, self.transforms[name])
                 self.selected.add(name)
             elif on and not rel_g <= rel_e:
-                self._switch(name, IDENTITY)
                 self.selected.discard(name)
 
     def _profile(self, name: str, G: torch.Tensor) -> None:
@@ -509,9 +572,7 @@ class GeoFP8State:
         top = self.config.profile_top or max(1, len(self.layers) // 4)
         order = torch.argsort(scores, descending=True, stable=True)[:top]
         names = list(self.layers)
-        for i in order.tolist():
-            self._switch(names[i], self.transforms.get(names[i], IDENTITY))
-            self.selected.add(names[i])
+        self.selected.update(names[i] for i in order.tolist())
         self.profile_scores = {names[i]: float(scores[i]) / self.config.profile_steps
                                for i in range(len(names))}
 
@@ -592,7 +653,8 @@ class GeoFP8State:
             "skipped_steps": self.skipped_steps,
             "selected": sorted(self.selected),
             "residuals": {n: r.clone() for n, r in self.residuals.items()},
-            "transforms": _serialize(self.transforms),
+            "transforms": _serialize({"transforms": self.transforms,
+                                      "basis": self.residual_basis}),
             "windows": windows,
             "profile_scores": self._profile_scores.clone(),
         }
@@ -607,7 +669,8 @@ class GeoFP8State:
         self.skipped_steps = int(state["skipped_steps"])
         self.selected = set(state["selected"])
         self.residuals = {n: r.clone() for n, r in state["residuals"].items()}
-        self.transforms = _deserialize(state["transforms"])
+        maps = _deserialize(state["transforms"])
+        self.transforms, self.residual_basis = maps["transforms"], maps["basis"]
         for name, saved in state["windows"].items():
             layer = self.layers[name]
             live = [t for m in (layer.window_A, layer.window_S) if m is not None
