@@ -74,12 +74,18 @@ def _make_hook(method: str, model, cfg: DDPBenchConfig):
         return g.FP8State(model, FP8Config(error_feedback=True)), g.fp8_hook
     if method == "hadamard":
         return g.HadamardFP8State(model, FP8Config(error_feedback=True)), g.hadamard_fp8_hook
-    if method in ("geofp8-profile", "geofp8-auto"):
-        layers = method.removeprefix("geofp8-")
-        config = GeoFP8Config(layers=layers, refresh_every=cfg.refresh_every,
-                              profile_steps=cfg.profile_steps, error_feedback=True)
+    geometry = {  # method -> (layers, factor_source)
+        "geofp8-profile": ("profile", "refresh"), "geofp8-auto": ("auto", "refresh"),
+        "geofp8-refresh-all": ("all", "refresh"), "geofp8-fresh-all": ("all", "fresh"),
+        "geofp8-fresh-auto": ("auto", "fresh"),
+    }
+    if method in geometry:
+        layers, source = geometry[method]
+        config = GeoFP8Config(layers=layers, factor_source=source, error_feedback=True,
+                              refresh_every=cfg.refresh_every, profile_steps=cfg.profile_steps)
         return g.GeoFP8State(model, config), g.geofp8_hook
-    raise ValueError(f"unknown method {method!r}; expected one of {DEFAULT_METHODS}")
+    raise ValueError(f"unknown method {method!r}; expected one of {DEFAULT_METHODS} or "
+                     f"{sorted(geometry)}")
 
 
 class _ByteCounter:
@@ -157,11 +163,13 @@ def _run_method(method: str, cfg: DDPBenchConfig, data, rank: int) -> dict:
 
     for i in range(cfg.warmup):
         step(i)
-    times = []
+    times, factor_bytes = [], 0
     with counter.counting():
         for i in range(cfg.warmup, cfg.warmup + cfg.steps):
             dist.barrier()
             times.append(step(i))
+            if hasattr(state, "stats"):
+                factor_bytes += state.stats()["factor_bytes_sent"]
     bytes_per_step = counter.bytes / cfg.steps
     if hook is None:  # DDP's C++ all-reduce is invisible to the counter
         bytes_per_step = fp32_allreduce_wire_bytes(numel, cfg.world_size)
@@ -182,6 +190,7 @@ def _run_method(method: str, cfg: DDPBenchConfig, data, rank: int) -> dict:
         "fp32_bytes_per_step": fp32_allreduce_wire_bytes(numel, cfg.world_size),
         "fidelity": fidelity,
         "geometry_layers": stats.get("geometry_layers", []),
+        "factor_bytes_per_step": factor_bytes / cfg.steps,
         "codec_s": stats.get("codec_s"),
         "transform_s": stats.get("transform_s"),
     }
@@ -256,8 +265,9 @@ def format_rows(rows: list[dict], cfg: DDPBenchConfig) -> str:
     lines = [f"Whole step, {cfg.world_size} gloo ranks, {cfg.model}, "
              f"{cfg.batch_size}×{cfg.seq_len} tokens per rank, median of {cfg.steps} steps",
              "",
-             "| method | ms/step | vs fp32 | bytes/step | bytes/elem | RelL2 (2-D mean) | cos |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| method | ms/step | vs fp32 | bytes/step | bytes/elem | of which factors "
+             "| RelL2 (2-D mean) | cos |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     failed = [r for r in rows if "error" in r]
     rows = [r for r in rows if "error" not in r]
     for r in rows:
@@ -267,6 +277,7 @@ def format_rows(rows: list[dict], cfg: DDPBenchConfig) -> str:
         ratio = f"{r['step_s'] / base:.3f}" if base else "–"
         lines.append(f"| {r['method']} | {r['step_s'] * 1e3:.1f} | {ratio} | "
                      f"{r['bytes_per_step']:.3e} | {r['bytes_per_element']:.3f} | "
+                     f"{r['factor_bytes_per_step'] / r['bytes_per_step']:.1%} | "
                      f"{rel:.2e} | {cos:.5f} |")
     types = sorted({k for r in rows for k in _by_type(r["fidelity"])})
     lines += ["", "RelL2 of the communicated average vs the FP32 all-reduce, per layer type:", "",
