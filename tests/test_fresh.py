@@ -116,3 +116,39 @@ def test_fresh_factor_beats_plain_fp8_on_the_mlp_down_projection():
     rel = {k: float((v[name] - exact[name]).norm() / exact[name].norm())
            for k, v in (("fresh", fresh), ("fp8", fp8))}
     assert rel["fresh"] < rel["fp8"], rel
+
+
+def _local_worker(rank, world_size, source):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 64, bias=False), nn.Tanh(), nn.Linear(64, 40))
+    g = torch.Generator().manual_seed(rank)
+    x = (torch.randn(16, 48, generator=g) @ torch.randn(48, 48, generator=g)) * (rank + 1)
+    local = [p.clone() for p in torch.autograd.grad(model(x).pow(2).mean(), model.parameters())]
+    ddp = DDP(model)
+    cfg = GeoFP8Config(layers="all", factor_source=source, rank=8, error_feedback=False)
+    state = GeoFP8State(model, cfg)
+    ddp.register_comm_hook(state, geofp8_hook)
+    ddp(x).pow(2).mean().backward()
+    stats = state.stats()
+    return local, [p.grad.clone() for p in model.parameters()], stats
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_local_factors_decoded_per_sender(world_size):
+    out = run_ranks(_local_worker, world_size, ("local",))
+    plain = run_ranks(_local_worker, world_size, ("refresh",))  # no factor yet: Euclidean
+    mean = [torch.stack([o[0][i] for o in out]).mean(0) for i in range(3)]
+    for i, m in enumerate(mean):
+        got = out[0][1][i]
+        for other in out[1:]:
+            assert torch.equal(other[1][i], got)  # identical on every rank
+        err_local = float((got - m).norm() / m.norm())
+        err_plain = float((plain[0][1][i] - m).norm() / m.norm())
+        assert err_local < 0.1, (i, err_local)
+        if i == 0:  # the first layer's input is strongly anisotropic: its own factor helps
+            assert err_local < err_plain, (err_local, err_plain)
+    stats = out[0][2]
+    k = 8
+    # each sender ships U (d_in×k), d_inv (k), c_inv for each of the 2 weights to N−1 peers
+    per_peer = 4 * ((48 * k + k + 1) + (64 * k + k + 1))
+    assert stats["factor_bytes_sent"] == (world_size - 1) * per_peer

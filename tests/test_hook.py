@@ -134,13 +134,15 @@ def _train_worker(rank, world_size, kind, kw, steps):
                    "transform": "kfac"}),
     (2, "geofp8", {"layers": "all", "factor_source": "fresh", "rank": 8}),
     (4, "geofp8", {"layers": "auto", "factor_source": "fresh", "refresh_every": 3}),
+    (2, "geofp8", {"layers": "auto", "factor_source": "local", "refresh_every": 3}),
 ])
 def test_parameters_and_transforms_bit_identical_after_20_steps(world_size, kind, kw):
     out = run_ranks(_train_worker, world_size, (kind, kw, 20), timeout=240)
     params, transforms, stats, selected, residuals = out[0]
     for other in out[1:]:
         assert other[0] == params  # parameters bit-identical on every rank
-        assert other[1] == transforms  # transforms bit-identical at every step
+        if kw.get("factor_source") != "local":  # local factors are each rank's own, by design
+            assert other[1] == transforms  # transforms bit-identical at every step
         assert other[3] == selected
     assert stats["step"] == 20
     if kind == "geofp8":

@@ -49,6 +49,10 @@ class ShardLayout:
     vector). Scale groups follow the codec per tensor (per-tensor, per-row or per-block)
     and are cut at chunk boundaries. So a tensor is quantized the same way whichever other
     tensors share its bucket: DDP's bucket rebuild changes nothing numerically.
+
+    ``row_aligned`` tensors are chunked at whole rows (``⌈rows/N⌉`` rows per chunk), so a
+    receiver can apply a right-multiplication to its chunk; ``side[j]`` bytes of sender
+    metadata (e.g. each sender's own factor) travel after shard ``j``'s payload.
     """
 
     numel: int
@@ -56,21 +60,30 @@ class ShardLayout:
     codec: Codec
     segments: tuple[tuple[tuple[int, int], ...], ...]  # per shard: flat ranges [lo, hi)
     groups: tuple[tuple[int, ...], ...]  # per shard, scale-group lengths in shard order
+    owners: tuple[tuple[int, ...], ...] = ()  # per shard: the tensor index of each segment
+    side: tuple[int, ...] = ()  # per shard: bytes of sender metadata after the payload
 
     @classmethod
-    def build(cls, shapes: list[tuple[int, ...]], codec: Codec, world_size: int) -> ShardLayout:
+    def build(cls, shapes: list[tuple[int, ...]], codec: Codec, world_size: int,
+              row_aligned: list[bool] | None = None,
+              side: list[int] | None = None) -> ShardLayout:
         segments: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+        owners: list[list[int]] = [[] for _ in range(world_size)]
         groups: list[list[int]] = [[] for _ in range(world_size)]
         offset = 0
-        for shape in shapes:
+        for index, shape in enumerate(shapes):
             lengths = codec.lengths(tuple(shape))
             numel = sum(lengths)
             chunk = -(-numel // world_size) if numel else 0
+            if row_aligned and row_aligned[index] and numel:
+                cols = numel // shape[0]
+                chunk = -(-shape[0] // world_size) * cols
             it, pending, pos = iter(lengths), 0, 0
             for j in range(world_size):
                 hi = min((j + 1) * chunk, numel)
                 if hi > pos:
                     segments[j].append((offset + pos, offset + hi))
+                    owners[j].append(index)
                 while pos < hi:
                     if pending == 0:
                         pending = next(it)
@@ -80,13 +93,19 @@ class ShardLayout:
                     pos += take
             offset += numel
         return cls(offset, world_size, codec, tuple(tuple(s) for s in segments),
-                   tuple(tuple(g) for g in groups))
+                   tuple(tuple(g) for g in groups), tuple(tuple(o) for o in owners),
+                   tuple(side) if side else (0,) * world_size)
 
     def shard_numel(self, j: int) -> int:
         return sum(hi - lo for lo, hi in self.segments[j])
 
     def shard_bytes(self, j: int) -> int:
+        """Bytes of shard ``j``'s FP8 payload (scales and codes)."""
         return self.shard_numel(j) + 4 * len(self.groups[j])
+
+    def send_bytes(self, j: int) -> int:
+        """Bytes every sender hands over for shard ``j``: payload plus side metadata."""
+        return self.shard_bytes(j) + self.side[j]
 
     def group_spans(self, j: int) -> list[tuple[int, int]]:
         """Flat ranges of shard ``j``'s scale groups (a group never spans two segments)."""
@@ -106,7 +125,7 @@ class ShardLayout:
     def wire_bytes(self, rank: int) -> int:
         """Bytes this rank sends to other ranks: the all-to-all shards meant for others plus
         ``N − 1`` copies of its padded reduced shard (ring or direct all-gather alike)."""
-        a2a = sum(self.shard_bytes(j) for j in range(self.world_size) if j != rank)
+        a2a = sum(self.send_bytes(j) for j in range(self.world_size) if j != rank)
         return a2a + (self.world_size - 1) * self.max_shard_bytes
 
     def gather(self, flat: torch.Tensor, j: int) -> torch.Tensor:
@@ -131,21 +150,34 @@ def fp32_allreduce_wire_bytes(numel: int, world_size: int, bytes_per_element: in
 
 # -- the three pure stages, shared by the real and the simulated collective ----------------
 
-def encode(flat: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-    """Stage 1: every shard quantized with its own scales, concatenated as bytes."""
-    parts = [layout.codec.quantize(layout.gather(flat, j), list(layout.groups[j])).to_bytes()
-             for j in range(layout.world_size)]
+def encode(flat: torch.Tensor, layout: ShardLayout,
+           side: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Stage 1: every shard quantized with its own scales (then its ``side`` bytes, if any),
+    concatenated as bytes."""
+    parts = []
+    for j in range(layout.world_size):
+        parts.append(layout.codec.quantize(layout.gather(flat, j), list(layout.groups[j]))
+                     .to_bytes())
+        if layout.side[j]:
+            parts.append(side[j])
     return torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.uint8)
 
 
-def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
-    """Stage 3: dequantize the ``N`` senders' copies of ``shard`` and sum them in FP32."""
-    nbytes, numel = layout.shard_bytes(shard), layout.shard_numel(shard)
+def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
+               unmap=None) -> torch.Tensor:
+    """Stage 3: dequantize the ``N`` senders' copies of ``shard`` and sum them in FP32.
+
+    ``unmap(values, side)``, when given, maps one sender's decoded shard back with that
+    sender's side metadata (per-sender decoding) before it enters the sum.
+    """
+    nbytes, numel = layout.send_bytes(shard), layout.shard_numel(shard)
+    payload = layout.shard_bytes(shard)
     total = torch.zeros(numel, dtype=torch.float32, device=received.device)
     for r in range(layout.world_size):
         buf = received[r * nbytes : (r + 1) * nbytes]
         packed = Packed.from_bytes(buf, (numel,), layout.codec, list(layout.groups[shard]))
-        total += packed.dequantize()
+        values = packed.dequantize()
+        total += values if unmap is None else unmap(values, buf[payload:nbytes])
     return total
 
 
@@ -181,7 +213,7 @@ def wire_bytes(layout: ShardLayout, rank: int, collective: str) -> int:
     ``exact``; ``allgather`` sends its whole payload to each of the ``N − 1`` others."""
     if collective == "exact":
         return layout.wire_bytes(rank)
-    total = sum(layout.shard_bytes(j) for j in range(layout.world_size))
+    total = sum(layout.send_bytes(j) for j in range(layout.world_size))
     return (layout.world_size - 1) * total
 
 
@@ -190,11 +222,11 @@ def decode(sent: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     out = torch.empty(layout.numel, dtype=torch.float32, device=sent.device)
     offset = 0
     for j in range(layout.world_size):
-        nbytes = layout.shard_bytes(j)
-        packed = Packed.from_bytes(sent[offset : offset + nbytes], (layout.shard_numel(j),),
-                                   layout.codec, list(layout.groups[j]))
+        packed = Packed.from_bytes(sent[offset : offset + layout.shard_bytes(j)],
+                                   (layout.shard_numel(j),), layout.codec,
+                                   list(layout.groups[j]))
         layout.scatter(out, packed.dequantize(), j)
-        offset += nbytes
+        offset += layout.send_bytes(j)
     return out
 
 
@@ -208,9 +240,11 @@ class Communicator:
     Ordering: every rank must issue collectives in the same order, but completion callbacks
     fire in different orders on different ranks. So the all-gather of launch ``i`` is issued
     from the caller's thread at launch ``i + 1`` (after waiting for all-to-all ``i``, which
-    has been overlapping the caller's work since), and only the launch marked ``last`` issues
-    its all-gather from its completion callback — after which the caller must issue nothing
-    on the group until the returned future completes (DDP guarantees this for its hooks).
+    has been overlapping the caller's work since); the launch marked ``last`` waits for its
+    own all-to-all and issues its all-gather before it returns. No collective is ever issued
+    from a callback: DDP itself issues one right after the last bucket's hook when
+    ``find_unused_parameters=True`` (the used-parameter map), and a callback's all-gather
+    raced it into a different order on different ranks (a deadlock).
     """
 
     def __init__(self, collective: str = "exact", group: dist.ProcessGroup | None = None):
@@ -218,42 +252,45 @@ class Communicator:
             raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
         self.collective, self.group = collective, group
         self.rank = dist.get_rank(group)
-        self._previous = None  # (work, recv, layout, result) whose all-gather is not issued
+        self._previous = None  # (work, recv, layout, result, unmap): all-gather not issued
 
-    def launch(self, sent: torch.Tensor, layout: ShardLayout,
-               last: bool = True) -> torch.futures.Future:
-        """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads."""
+    def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
+               unmap=None) -> torch.futures.Future:
+        """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
+        (each mapped back by ``unmap(values, side)`` first, see :func:`decode_sum`)."""
         self.flush()
         if self.collective == "allgather":
+            if unmap is not None:
+                raise ValueError("per-sender decoding needs collective='exact'")
             return self._allgather(sent, layout)
         result: torch.futures.Future = torch.futures.Future()
         n = layout.world_size
-        recv = torch.empty(n * layout.shard_bytes(self.rank), dtype=torch.uint8,
+        recv = torch.empty(n * layout.send_bytes(self.rank), dtype=torch.uint8,
                            device=sent.device)
         work = dist.all_to_all_single(
             recv, sent,
-            output_split_sizes=[layout.shard_bytes(self.rank)] * n,
-            input_split_sizes=[layout.shard_bytes(j) for j in range(n)],
+            output_split_sizes=[layout.send_bytes(self.rank)] * n,
+            input_split_sizes=[layout.send_bytes(j) for j in range(n)],
             group=self.group, async_op=True)
+        self._previous = (work, recv, layout, result, unmap)
         if last:
-            work.get_future().then(lambda fut: self._gather(fut, recv, layout, result))
-        else:
-            self._previous = (work, recv, layout, result)
+            self.flush()  # issue the all-gather now, from this thread (see the class notes)
         return result
 
     def flush(self) -> None:
         """Issue the pending all-gather of the previous launch (waits for its all-to-all)."""
         if self._previous is not None:
-            work, recv, layout, result = self._previous
+            work, recv, layout, result, unmap = self._previous
             self._previous = None
             work.wait()
-            self._gather(work.get_future(), recv, layout, result)
+            self._gather(work.get_future(), recv, layout, result, unmap)
 
     def _gather(self, fut, recv: torch.Tensor, layout: ShardLayout,
-                result: torch.futures.Future) -> None:
+                result: torch.futures.Future, unmap=None) -> None:
         try:
             fut.value()
-            shard = encode_reduced(decode_sum(recv, layout, self.rank), layout, self.rank)
+            reduced = decode_sum(recv, layout, self.rank, unmap)
+            shard = encode_reduced(reduced, layout, self.rank)
         except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
             result.set_exception(exc)
             return
@@ -299,7 +336,7 @@ def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout) ->
     sent = [encode(x.reshape(-1).float(), layout) for x in inputs]
     offsets = [0]
     for j in range(n):
-        offsets.append(offsets[-1] + layout.shard_bytes(j))
+        offsets.append(offsets[-1] + layout.send_bytes(j))
     gathered = []
     for j in range(n):
         received = torch.cat([s[offsets[j] : offsets[j + 1]] for s in sent])

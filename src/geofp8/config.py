@@ -32,7 +32,10 @@ class GeoFP8Config:
         factor_source: ``"refresh"`` (default; the paper: statistics accumulated over
             ``refresh_every`` steps, reduced, factored on an owner rank and broadcast) or
             ``"fresh"`` (this step's factor: each layer's forward sketches ``Σ x xᵀ Ω``,
-            ``d_in·(k+p)`` floats, and all-reduces it asynchronously; low-rank only).
+            ``d_in·(k+p)`` floats, and all-reduces it asynchronously; low-rank only) or
+            ``"local"`` (each rank's own factor of this step, shipped with its payload —
+            ``d_in·k`` floats per shard — and applied by the receiver to that sender's rows
+            before the FP32 sum; the reduced shard travels on in Euclidean FP8).
         refresh_every: steps between factor refreshes (default 50, the paper's K); with
             fresh factors, steps between ``auto`` measurements.
         statistics: ``"exact"`` (``d_in²`` floats), ``"sketch"`` (``d_in·(k+p)``) or ``"auto"``
@@ -97,11 +100,13 @@ class GeoFP8Config:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"GeoFP8Config: {message}")
-        if self.factor_source not in ("refresh", "fresh"):
-            raise ValueError("GeoFP8Config: factor_source must be 'refresh' or 'fresh' ('local', "
-                             "per-sender factors, is not implemented yet)")
-        if self.factor_source == "fresh" and self.transform != "lowrank":
-            raise ValueError("GeoFP8Config: factor_source='fresh' needs transform='lowrank'")
+        if self.factor_source not in ("refresh", "fresh", "local"):
+            raise ValueError("GeoFP8Config: factor_source must be 'refresh', 'fresh' or 'local'")
+        if self.factor_source != "refresh" and self.transform != "lowrank":
+            raise ValueError(f"GeoFP8Config: factor_source={self.factor_source!r} needs "
+                             "transform='lowrank'")
+        if self.factor_source == "local" and self.collective != "exact":
+            raise ValueError("GeoFP8Config: factor_source='local' needs collective='exact'")
         if self.statistics == "sketch" and self.transform != "lowrank":
             raise ValueError("GeoFP8Config: statistics='sketch' only supports transform='lowrank'")
 

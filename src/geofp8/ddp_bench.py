@@ -33,6 +33,9 @@ DEFAULT_METHODS = ("fp32", "bf16", "powersgd4", "powersgd8", "torch-int8", "fp8"
                    "hadamard", "geofp8-profile", "geofp8-auto")
 
 
+CALLBACK_ISSUING = ("powersgd4", "powersgd8", "torch-int8")
+
+
 @dataclass
 class DDPBenchConfig:
     world_size: int = 2
@@ -77,7 +80,7 @@ def _make_hook(method: str, model, cfg: DDPBenchConfig):
     geometry = {  # method -> (layers, factor_source)
         "geofp8-profile": ("profile", "refresh"), "geofp8-auto": ("auto", "refresh"),
         "geofp8-refresh-all": ("all", "refresh"), "geofp8-fresh-all": ("all", "fresh"),
-        "geofp8-fresh-auto": ("auto", "fresh"),
+        "geofp8-fresh-auto": ("auto", "fresh"), "geofp8-local-all": ("all", "local"),
     }
     if method in geometry:
         layers, source = geometry[method]
@@ -142,7 +145,10 @@ def _run_method(method: str, cfg: DDPBenchConfig, data, rank: int) -> dict:
 
     model, _ = load_model(cfg.model, data.vocab_size, seed=cfg.seed)
     model.train()
-    ddp = DDP(model)
+    # PyTorch's PowerSGD and int8 hooks issue collectives from completion callbacks; with
+    # several buckets in flight those reach the ranks in different orders (on gloo with 4
+    # ranks: "collective mismatch" abort). One bucket keeps them correct.
+    ddp = DDP(model, bucket_cap_mb=1024 if method in CALLBACK_ISSUING else None)
     state, hook = _make_hook(method, model, cfg)
     names = {id(p): n for n, p in model.named_parameters()}
     shadow = None
@@ -263,7 +269,10 @@ def format_rows(rows: list[dict], cfg: DDPBenchConfig) -> str:
     """Two Markdown tables: time / bytes / mean fidelity, and RelL2 per layer type."""
     base = next((r["step_s"] for r in rows if r["method"] == "fp32"), None)
     lines = [f"Whole step, {cfg.world_size} gloo ranks, {cfg.model}, "
-             f"{cfg.batch_size}×{cfg.seq_len} tokens per rank, median of {cfg.steps} steps",
+             f"{cfg.batch_size}×{cfg.seq_len} tokens per rank, median of {cfg.steps} steps "
+             f"(the slowest rank's); bytes counted from the collectives; "
+             f"{', '.join(CALLBACK_ISSUING)} run with a single DDP bucket (they issue "
+             "collectives from completion callbacks, which is only safe with one bucket)",
              "",
              "| method | ms/step | vs fp32 | bytes/step | bytes/elem | of which factors "
              "| RelL2 (2-D mean) | cos |",

@@ -191,6 +191,11 @@ class GeoFP8State:
             if cfg.factor_source == "fresh":
                 self._hooks.append(module.register_forward_pre_hook(self._fresh_sketcher(layer)))
                 continue
+            if cfg.factor_source == "local":  # this rank's own sketch of this step, never reduced
+                layer.pending_A = SecondMoment(layer.d_in, "sketch", seed=cfg.seed,
+                                               sketch_size=cfg.rank + cfg.oversample)
+                self._hooks.append(module.register_forward_pre_hook(self._input_recorder(layer)))
+                continue
             mode = cfg.statistics
             if mode == "auto":
                 mode = "sketch" if cfg.transform == "lowrank" and layer.d_in > cfg.sketch_above \
@@ -294,7 +299,7 @@ class GeoFP8State:
                                     (layer.pending_S, layer.window_S)):
                 if pending is None:
                     continue
-                if self._step_finite:
+                if self._step_finite and window is not None:
                     for w, p in zip(window.tensors(), pending.tensors()):
                         w.add_(p)
                 pending.reset()
@@ -325,7 +330,7 @@ class GeoFP8State:
             if cfg.factor_source == "refresh" and self.step > 0:
                 self._refresh()
             self._measure_now = cfg.layers == "auto" and (self.step > 0 or
-                                                          cfg.factor_source == "fresh")
+                                                          cfg.factor_source != "refresh")
 
     # -- the hook ----------------------------------------------------------------------------
 
@@ -370,10 +375,15 @@ class GeoFP8State:
             names.append(self._names[id(p)])
             grads.append(g)
         t0 = time.perf_counter()
+        local_source = cfg.factor_source == "local"
         for name in names:
             if name in self.layers and self.layers[name].fresh_works:
                 self._build_fresh(self.layers[name])
+            if local_source and name in self.layers:
+                self._build_local(self.layers[name])
         routes = [self._route(n) for n in names]
+        # per-sender decoding: the receiver maps these back with each sender's own factor
+        local = tuple(local_source and n in self.selected and n in self.layers for n in names)
         pieces = []
         for name, g, t in zip(names, grads, routes):
             G = g.detach().float()
@@ -389,16 +399,20 @@ class GeoFP8State:
         flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
         shapes = [tuple(g.shape) for g in grads]
         t1 = time.perf_counter()
-        layout = self._layout(shapes)
-        sent = encode(flat, layout)
+        layout = self._layout(shapes, local)
+        side = self._local_side(shapes, local, routes, layout) if any(local) else None
+        sent = encode(flat, layout, side)
         if cfg.error_feedback:
             residual = flat - decode(sent, layout)
             self._stage_residuals(names, shapes, routes, residual)
         t2 = time.perf_counter()
         self._counters["transform_s"] += t1 - t0
         self._counters["codec_s"] += t2 - t1
-        self._counters["bytes_sent"] += wire_bytes(layout, self.rank, cfg.collective)
+        side_sent = sum(layout.side[j] for j in range(self.world_size) if j != self.rank)
+        self._counters["bytes_sent"] += wire_bytes(layout, self.rank, cfg.collective) - side_sent
+        self._counters["factor_bytes_sent"] += side_sent
         offsets = [(g.data_ptr() - buffer.data_ptr()) // g.element_size() for g in grads]
+        unmap = self._local_unmap(shapes, local, layout) if any(local) else None
 
         def map_back(fut: torch.futures.Future) -> torch.Tensor:
             total = fut.value()
@@ -408,16 +422,16 @@ class GeoFP8State:
             t3 = time.perf_counter()
             total.div_(self.world_size)
             pos = 0
-            for shape, t, off in zip(shapes, routes, offsets):
+            for shape, t, off, mapped in zip(shapes, routes, offsets, local):
                 n = torch.Size(shape).numel()
                 y = total[pos : pos + n].view(shape)
-                y = y if t is IDENTITY else t.inverse(y)
+                y = y if t is IDENTITY or mapped else t.inverse(y)
                 buffer[off : off + n].copy_(y.reshape(-1))
                 pos += n
             self._counters["transform_s"] += time.perf_counter() - t3
             return buffer
 
-        return self.communicator.launch(sent, layout, last).then(map_back)
+        return self.communicator.launch(sent, layout, last, unmap).then(map_back)
 
     def _transform(self, name: str) -> Transform | None:
         """This step's geometry transform of ``name`` (fresh if built this step), if any."""
@@ -427,11 +441,73 @@ class GeoFP8State:
         transform = self._transform(name) if name in self.selected else None
         return IDENTITY if transform is None else transform
 
-    def _layout(self, shapes: list[tuple[int, ...]]) -> ShardLayout:
-        key = tuple(shapes)
+    def _layout(self, shapes: list[tuple[int, ...]], local: tuple[bool, ...]) -> ShardLayout:
+        key = (tuple(shapes), local)
         if key not in self._layouts:
-            self._layouts[key] = ShardLayout.build(shapes, self.codec, self.world_size)
+            n = self.world_size
+            side = [0] * n
+            for shape, mapped in zip(shapes, local):
+                if mapped:
+                    rows_per_chunk = -(-shape[0] // n)
+                    for j in range(n):
+                        if j * rows_per_chunk < shape[0]:
+                            side[j] += self._local_factor_bytes(shape[1])
+            self._layouts[key] = ShardLayout.build(shapes, self.codec, n, list(local), side)
         return self._layouts[key]
+
+    # -- per-sender (local) factors ----------------------------------------------------------
+
+    def _local_rank(self, d_in: int) -> int:
+        return min(self.config.rank, self.config.rank + self.config.oversample, d_in)
+
+    def _local_factor_bytes(self, d_in: int) -> int:
+        """``U`` (``d_in × k``), ``d_inv`` (``k``) and ``c_inv`` as float32."""
+        k = self._local_rank(d_in)
+        return 4 * (d_in * k + k + 1)
+
+    def _build_local(self, layer: _Layer) -> None:
+        """This rank's own low-rank factor of this step (Nyström of its local sketch)."""
+        stats = layer.pending_A
+        if layer.param_name in self._step_transforms or float(stats.weight) <= 0:
+            return
+        factor = stats.factor(self._local_rank(layer.d_in))
+        if factor.rank == self._local_rank(layer.d_in) and bool(torch.isfinite(factor.U).all()):
+            self._step_transforms[layer.param_name] = LowRankInput(factor, self.config.damping)
+
+    def _local_side(self, shapes, local, routes, layout: ShardLayout) -> list[torch.Tensor]:
+        """Per shard: this sender's inverse map of every per-sender-decoded tensor in it."""
+        blobs = {}
+        for i, (shape, mapped, t) in enumerate(zip(shapes, local, routes)):
+            if not mapped:
+                continue
+            d, k = shape[1], self._local_rank(shape[1])
+            if isinstance(t, LowRankInput):
+                parts = [t.U.reshape(-1), t.d_inv, torch.tensor([t.c_inv])]
+            else:  # no factor on this rank this step: the identity map
+                parts = [torch.zeros(d * k + k), torch.ones(1)]
+            blobs[i] = torch.cat([p.float().cpu() for p in parts]).view(torch.uint8)
+        return [torch.cat([blobs[i] for i in layout.owners[j] if i in blobs] or
+                          [torch.zeros(0, dtype=torch.uint8)])
+                for j in range(layout.world_size)]
+
+    def _local_unmap(self, shapes, local, layout: ShardLayout):
+        """``unmap(values, side)`` for this receiver's shard: ``V T_r⁻¹`` per sender ``r``."""
+        j = self.rank
+
+        def unmap(values: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
+            pos = spos = 0
+            for (lo, hi), i in zip(layout.segments[j], layout.owners[j]):
+                if local[i]:
+                    d, k = shapes[i][1], self._local_rank(shapes[i][1])
+                    nb = self._local_factor_bytes(d)
+                    f = side[spos : spos + nb].clone().view(torch.float32)
+                    U, d_inv, c_inv = f[: d * k].view(d, k), f[d * k : d * k + k], f[-1]
+                    V = values[pos : pos + hi - lo].view(-1, d)
+                    values[pos : pos + hi - lo] = (V * c_inv + ((V @ U) * d_inv) @ U.T).view(-1)
+                    spos += nb
+                pos += hi - lo
+            return values
+        return unmap
 
     # -- error feedback ----------------------------------------------------------------------
 
