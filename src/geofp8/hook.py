@@ -117,6 +117,11 @@ class GeoFP8State:
         self.codec = Codec(self.config.format, self.config.scaling, self.config.block_size)
         self.communicator = Communicator(self.config.collective, process_group)
         self._names = {id(p): n for n, p in model.named_parameters()}
+        unsupported = [f"{n} ({p.dtype})" for n, p in model.named_parameters()
+                       if p.requires_grad and not p.is_floating_point()]
+        if unsupported:  # complex: DDP's bucket has 2n reals, the hook saw n
+            raise TypeError("GeoFP8 communicates real floating-point gradients; "
+                            f"unsupported parameters: {unsupported[:3]}")
         self._param_shapes = [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
                               for n, p in model.named_parameters()]
         self.layers = self._find_layers(model)
@@ -140,6 +145,7 @@ class GeoFP8State:
         self.last_measurement: dict[str, dict[str, float]] = {}
         self.profile_scores: dict[str, float] = {}
         self._profile_scores = torch.zeros(len(self.layers), dtype=torch.float64)
+        self._pending_profile = torch.zeros_like(self._profile_scores)  # this step's
         self._counters = self._zero_counters()
         self._last = self._zero_counters()
         self._hooks = [model.register_forward_pre_hook(self._on_model_forward)]
@@ -306,6 +312,7 @@ class GeoFP8State:
         if self._step_finite:
             self.step += 1
             self._commit_residuals()
+            self._profile_scores += self._pending_profile
             self.transforms.update(self._step_transforms)
         else:
             self.skipped_steps += 1
@@ -313,6 +320,7 @@ class GeoFP8State:
         for layer in self.layers.values():
             layer.fresh_works.clear()
         self._staged_residuals, self._step_transforms = {}, {}
+        self._pending_profile.zero_()
         self._step_finite = True
         self._last = self._counters
         self._counters = self._zero_counters()
@@ -640,7 +648,7 @@ class GeoFP8State:
         values = packed.codes.view(self.codec.dtype).float()
         flushed = ((values == 0) & (G.reshape(-1) != 0)).sum()
         saturated = (values.abs() == self.codec.fmax).sum()
-        self._profile_scores[self._layer_index[name]] += float(flushed + saturated) / G.numel()
+        self._pending_profile[self._layer_index[name]] += float(flushed + saturated) / G.numel()
 
     def _finish_profile(self) -> None:
         scores = self._profile_scores.clone()
@@ -754,6 +762,7 @@ class GeoFP8State:
             for t, s in zip(live, saved):
                 t.copy_(s)
         self._profile_scores.copy_(state["profile_scores"])
+        self._pending_profile.zero_()
         self._launched, self._in_step = False, False
 
 
