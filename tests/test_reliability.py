@@ -108,6 +108,10 @@ POISON_CASES = {
     "nan-profiling": ({"layers": "profile", "refresh_every": 2, "profile_steps": 4}, 2, "nan"),
     # during FP32 warm-up (plain all-reduce): only the affected elements are non-finite
     "inf-warmup": ({"layers": "all", "refresh_every": 2, "warmup_steps": 3}, 1, "inf"),
+    # this step's factors (sketched in the forward) and each sender's own factor
+    "nan-fresh-auto": ({"layers": "auto", "refresh_every": 2, "factor_source": "fresh"}, 4,
+                       "nan"),
+    "inf-local": ({"layers": "all", "factor_source": "local"}, 2, "inf"),
 }
 POISON_STEPS = 7
 
@@ -574,10 +578,12 @@ def _bounded_entry(rank, world_size, port, pg_timeout_s, fn, args, queue):
     os._exit(0)  # skip the process group's teardown: a peer may be gone
 
 
-def _spawn_bounded(fn, world_size, args, pg_timeout_s, wall_s):
+def _spawn_bounded(fn, world_size, args, pg_timeout_s, wall_s, wait_for=None):
     """Run ``fn`` on real ranks of which some may die. Returns ``(reports, exit codes,
     seconds from the first death to each report)``. Every process is killed after ``wall_s``
-    seconds: a hang shows up as a missing report, never as a stuck test."""
+    seconds, or once the ranks in ``wait_for`` (default: all) reported: a hang shows up as a
+    missing report, never as a stuck test."""
+    wait_for = set(range(world_size)) if wait_for is None else set(wait_for)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -589,7 +595,7 @@ def _spawn_bounded(fn, world_size, args, pg_timeout_s, wall_s):
     reports, after_death, death = {}, {}, None
     deadline = time.monotonic() + wall_s
     try:
-        while time.monotonic() < deadline and len(reports) < world_size:
+        while time.monotonic() < deadline and not wait_for <= set(reports):
             if death is None and any(p.exitcode not in (None, 0) for p in procs):
                 death = time.monotonic()
             try:
@@ -643,6 +649,36 @@ def test_killed_rank_makes_the_survivor_fail_within_the_timeout():
     assert status == "ok" and value["step"] == 3, reports[0]  # it raised, in the dead step
     assert after_death[0] <= PG_TIMEOUT_S + 5
     assert any(s in value["error"].lower() for s in NETWORK_ERROR), value["error"]
+
+
+def _hung_worker(rank, world_size, hang_at, hang_s):
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    ddp.register_comm_hook(GeoFP8State(model, GeoFP8Config(layers="all", refresh_every=2)),
+                           geofp8_hook)
+    for step in range(hang_at + 1):
+        if rank == 1 and step == hang_at:
+            time.sleep(hang_s)  # alive, socket open, but silent
+            return {"step": None}
+        t0 = time.monotonic()
+        try:
+            model.zero_grad()
+            loss_fn(ddp, step, rank).backward()
+        except Exception as exc:  # noqa: BLE001
+            return {"step": step, "error": f"{type(exc).__name__}: {exc}",
+                    "seconds": time.monotonic() - t0}
+    return {"step": None}
+
+
+@pytest.mark.distributed
+def test_hung_rank_makes_the_survivor_fail_at_the_timeout():
+    timeout = 5
+    reports, _, _ = _spawn_bounded(_hung_worker, 2, (2, 60), timeout, wall_s=45, wait_for={0})
+    assert 0 in reports, "rank 0 hung past the process-group timeout"
+    status, value = reports[0]
+    assert status == "ok" and value["step"] == 2, reports[0]
+    assert timeout - 1 <= value["seconds"] <= timeout + 5
+    assert "timed out" in value["error"].lower() or "timeout" in value["error"].lower()
 
 
 # -- checkpoints of `geofp8 train` ----------------------------------------------------------
