@@ -11,7 +11,12 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "fidelity": ("geofp8.analysis", "one-step FP8 round-trip fidelity of every Linear layer's "
                  "gradient, per transform, format and scaling"),
-    "demo": ("geofp8.demo", "a quick look: the fidelity summary on the default model and corpus"),
+    "train": ("geofp8.train", "data-parallel Llama pretraining with a chosen gradient "
+              "communication (fp32, bf16, fp8, fp8-ef, hadamard, geofp8, geofp8-auto, ...)"),
+    "compare": ("geofp8.train.compare", "train with several methods and seeds on the same data "
+                "and write a report (report.md, loss.png, fidelity.png, results.json)"),
+    "demo": ("geofp8.demo", "the main job: compare fp32, fp8, fp8-ef, geofp8 and geofp8-auto "
+             "on a CPU-sized Llama with 2 ranks (about 10 minutes on 2 cores)"),
     "bench": ("geofp8.bench", "codec throughput, geometry overhead and the scaling model, "
               "measured as ratios in one run"),
 }

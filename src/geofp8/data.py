@@ -139,15 +139,17 @@ class TokenData:
 
 def load_token_data(paths: Sequence[str | os.PathLike] | None = None, seq_len: int = 128,
                     tokenizer: Any = None, vocab_size: int = DEFAULT_VOCAB,
-                    val_fraction: float = 0.05) -> TokenData:
+                    val_fraction: float = 0.05, text: str | None = None) -> TokenData:
     """Tokenize the corpus once and cut it into train / validation blocks.
 
     Without ``tokenizer`` a byte-level BPE of ``vocab_size`` is trained (or read from the
-    cache). The validation split is the last ``ceil(val_fraction · n)`` blocks.
+    cache). The validation split is the last ``ceil(val_fraction · n)`` blocks. ``text``,
+    when given, is the corpus itself (``paths`` is then ignored).
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    text = read_text(paths)
+    if text is None:
+        text = read_text(paths)
     if tokenizer is None:
         tokenizer = bpe_tokenizer(text, vocab_size)
     ids = encode(tokenizer, text)

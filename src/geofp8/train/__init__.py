@@ -1,0 +1,121 @@
+"""``geofp8 train``: data-parallel pretraining of a Llama with any ``--method``'s gradient
+communication (see :mod:`geofp8.train.loop`; methods in :data:`METHODS`).
+
+Launch with ``torchrun --nproc_per_node N -m geofp8.cli train ...`` (several nodes: the
+usual torchrun flags), or let ``--nproc N`` start torchrun on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+
+from .config import METHODS, TrainConfig, make_comm_hook
+
+__all__ = ["METHODS", "TrainConfig", "add_arguments", "config_from_args", "make_comm_hook",
+           "run", "to_argv"]
+
+HELP = {
+    "model": "preset (llama-tiny, llama-small: CPU; llama-300m, llama-600m: paper scale) "
+             "or a local Hugging Face model directory",
+    "data": "local UTF-8 text files (default: the corpus that ships with Python)",
+    "dataset": "a Hugging Face `datasets` name or a saved dataset directory (needs `datasets`)",
+    "dataset_split": "split of --dataset",
+    "text_column": "text column of --dataset",
+    "dataset_max_chars": "read --dataset up to this many characters",
+    "vocab_size": "BPE vocabulary trained on the corpus (presets)",
+    "seq_len": "tokens per sequence",
+    "batch_size": "sequences per rank and step",
+    "val_fraction": "share of the blocks held out for validation (the last ones)",
+    "steps": "optimizer steps (the schedule's length)",
+    "stop_after": "stop after this many steps but keep the --steps schedule (to resume)",
+    "optimizer": "muon: Muon on hidden 2-D weights + AdamW on the rest (the paper); adamw",
+    "lr": "peak learning rate (paper: 5e-4)",
+    "lr_min": "learning rate at the end of the cosine (paper: 5e-5)",
+    "warmup": "linear warm-up steps",
+    "weight_decay": "decoupled weight decay of matrices",
+    "grad_clip": "clip the communicated gradient's global norm (0: off)",
+    "method": "gradient communication: " + ", ".join(f"{k} ({v.description})"
+                                                     for k, v in METHODS.items()),
+    "format": "FP8 format of the fp8/hadamard/geofp8 methods: e4m3 or e5m2",
+    "refresh_every": "GeoFP8 factor refresh period K (paper: 50)",
+    "profile_steps": "steps of the geofp8 profile before its layers are fixed (default 100)",
+    "rank": "GeoFP8 low-rank factor k (paper: 32)",
+    "eval_every": "validation loss every E steps and at the end (0: never)",
+    "eval_batches": "validation batches per rank",
+    "shadow_every": "every M steps also all-reduce the local gradients in FP32 and log the "
+                    "communicated gradient's per-layer RelL2 and cosine (0: off)",
+    "log_every": "write every n-th step to log.jsonl (validation steps always)",
+    "checkpoint_every": "checkpoint every C steps and at the end (0: never)",
+    "out": "run directory: log.jsonl, run.json, checkpoint/",
+    "resume": "continue from <out>/checkpoint if there is one",
+    "seed": "model initialisation and data order",
+    "threads": "torch threads per rank (0: cores / local ranks)",
+    "timeout_s": "collective timeout in seconds",
+    "quiet": "no progress bar",
+}
+
+
+def _default(f):
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def add_train_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per :class:`TrainConfig` field (``--seq-len`` for ``seq_len``)."""
+    for f in fields(TrainConfig):
+        if f.name in skip:
+            continue
+        flag, default = "--" + f.name.replace("_", "-"), _default(f)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", help=HELP[f.name])
+        elif isinstance(default, list):
+            parser.add_argument(flag, nargs="*", default=default, metavar="PATH",
+                                help=HELP[f.name])
+        else:
+            kind = {"stop_after": int, "dataset": str}.get(f.name, type(default))
+            choices = {"method": list(METHODS), "optimizer": ["muon", "adamw"],
+                       "format": ["e4m3", "e5m2"]}.get(f.name)
+            parser.add_argument(flag, type=kind, default=default, choices=choices,
+                                help=f"{HELP[f.name]} (default: %(default)s)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_train_arguments(parser)
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="launch torchrun with this many local processes")
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    return TrainConfig(**{**values, **overrides})
+
+
+def to_argv(cfg: TrainConfig) -> list[str]:
+    """The ``geofp8 train`` flags that reproduce ``cfg`` (defaults left out)."""
+    argv = []
+    for f in fields(TrainConfig):
+        value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        if value == _default(f) or value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return argv
+
+
+def run(args: argparse.Namespace) -> int:
+    from .launch import in_launched_process, launch
+
+    cfg = config_from_args(args)
+    if args.nproc and not in_launched_process():
+        return launch(args.nproc, to_argv(cfg))
+    from .loop import train
+
+    last = train(cfg)
+    if last is not None and not cfg.quiet:
+        val = f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else ""
+        print(f"step {last['step'] + 1}: loss {last['loss']:.4f}{val} -> {cfg.out}/log.jsonl")
+    return 0

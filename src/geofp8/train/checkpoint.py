@@ -1,0 +1,77 @@
+"""Checkpoints of ``geofp8 train``: written atomically, resumed bit-identically on CPU.
+
+Layout of ``<out>/checkpoint/``:
+
+* ``shared.pt`` (rank 0): model, optimizers, schedulers, step, the run's config;
+* ``rank<r>.pt`` (every rank): the GeoFP8 state (error-feedback residuals differ per rank),
+  the torch RNG state, the step;
+* ``meta.json`` (rank 0, written last, after a barrier): the step of a complete checkpoint.
+
+Each file goes to a temporary name in the same directory and is renamed with
+:func:`os.replace`, so a crash mid-write never leaves a half file under the real name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["atomic_save", "checkpoint_dir", "latest_step", "load_rank", "load_shared"]
+
+
+def checkpoint_dir(out: str | os.PathLike) -> Path:
+    return Path(out) / "checkpoint"
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to ``path`` through a temporary file in the same directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_meta(out: str | os.PathLike, step: int) -> None:
+    path = checkpoint_dir(out) / "meta.json"
+    tmp = path.with_name(f".meta.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"step": step}))
+    os.replace(tmp, path)
+
+
+def latest_step(out: str | os.PathLike) -> int | None:
+    """The step of the complete checkpoint under ``out``, or ``None``."""
+    path = checkpoint_dir(out) / "meta.json"
+    if not path.exists():
+        return None
+    return int(json.loads(path.read_text())["step"])
+
+
+def _load(path: Path, step: int) -> dict:
+    obj = torch.load(path, map_location="cpu", weights_only=False)
+    if obj["step"] != step:
+        raise RuntimeError(f"{path.name} holds step {obj['step']}, meta.json says {step}: "
+                           "the checkpoint is incomplete")
+    return obj
+
+
+def load_shared(out: str | os.PathLike, step: int) -> dict:
+    return _load(checkpoint_dir(out) / "shared.pt", step)
+
+
+def load_rank(out: str | os.PathLike, rank: int, step: int) -> dict:
+    path = checkpoint_dir(out) / f"rank{rank}.pt"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: resume with the same number of ranks")
+    return _load(path, step)

@@ -1,0 +1,36 @@
+"""``--nproc N``: launch ``geofp8 train`` on N local processes with ``torchrun``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+__all__ = ["free_port", "in_launched_process", "launch"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_launched_process() -> bool:
+    """True inside a process started by torchrun (or any launcher that sets RANK)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(nproc: int, train_argv: list[str], timeout: float | None = None) -> int:
+    """Run ``python -m torch.distributed.run --nproc_per_node N -m geofp8.cli train ...``
+    on this machine and return its exit status (``torchrun`` stops every rank when one
+    fails; ``timeout`` bounds the whole launch)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           "-m", "geofp8.cli", "train", *train_argv]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        return subprocess.run(cmd, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return 124

@@ -1,0 +1,182 @@
+"""`geofp8 train`, `compare` and the report, on real 2-process torchrun launches (gloo, CPU).
+
+One `compare` of every method (3 steps of llama-tiny, 32-token sequences) is shared by the
+tests that check the per-method logs and the report; resume is checked bitwise on its own.
+"""
+
+import argparse
+import json
+import math
+import os
+from dataclasses import replace
+
+import pytest
+
+from geofp8.train import METHODS, TrainConfig, add_arguments, config_from_args, to_argv
+from geofp8.train.checkpoint import atomic_save, latest_step
+from geofp8.train.compare import compare, run_dir
+from geofp8.train.launch import launch
+from geofp8.train.loop import lr_factor
+from geofp8.train.report import aggregate, read_log, summarize_run
+
+TINY = dict(model="llama-tiny", seq_len=32, batch_size=2, steps=3, warmup=1, eval_every=2,
+            eval_batches=2, shadow_every=1, refresh_every=1, profile_steps=1, quiet=True)
+RUN_TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def all_methods(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    base = TrainConfig(**TINY)
+    results = compare(base, list(METHODS), [0], nproc=2, out=out, run_timeout=RUN_TIMEOUT,
+                      command="test", echo=lambda *a: None)
+    return out, results
+
+
+# -- every method trains on 2 processes ------------------------------------------------------
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_writes_log_and_validation(all_methods, method):
+    out, _ = all_methods
+    records = read_log(run_dir(out, method, 0) / "log.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records:
+        assert math.isfinite(r["loss"]) and r["loss"] > 0
+        assert r["bytes_sent"] > 0 and r["tokens_per_s"] > 0
+        assert set(r["fidelity"]) and all(0 <= f["rel_l2"] < 1 for f in r["fidelity"].values())
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(vals) == 2 and all(math.isfinite(v) for v in vals)  # step 2 and the last step
+    info = json.loads((run_dir(out, method, 0) / "run.json").read_text())
+    assert info["world_size"] == 2 and info["config"]["method"] == method
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_methods_send_what_they_claim(all_methods):
+    out, results = all_methods
+    m = results["methods"]
+    assert m["fp32"]["bytes_per_element"] == pytest.approx(4.0, rel=1e-6)  # ring, N=2
+    assert m["bf16"]["bytes_per_element"] == pytest.approx(2.0, rel=1e-6)
+    for name in ("fp8", "fp8-ef", "hadamard"):
+        assert 1.0 <= m[name]["bytes_per_element"] < 1.05  # 1 byte + per-tensor scales
+    # FP32 communication is exact: the shadow all-reduce reproduces it bit for bit
+    assert m["fp32"]["mean_rel_l2"] == 0.0
+    assert 0 < m["bf16"]["mean_rel_l2"] < m["fp8"]["mean_rel_l2"] < 0.2
+    # the paper's configuration really routes layers through the geometry (profile: top 1/4)
+    geo = read_log(run_dir(out, "geofp8", 0) / "log.jsonl")
+    assert geo[-1]["geometry_layers"] > 0
+    kfac = read_log(run_dir(out, "kfac", 0) / "log.jsonl")
+    assert kfac[-1]["geometry_layers"] > 0
+
+
+# -- the report comes from the logs ----------------------------------------------------------
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_report_numbers_come_from_the_logs(all_methods):
+    out, results = all_methods
+    saved = json.loads((out / "results.json").read_text())
+    report = (out / "report.md").read_text()
+    assert (out / "loss.png").stat().st_size > 10_000
+    assert (out / "fidelity.png").stat().st_size > 10_000
+    fp32_val = None
+    for run in saved["runs"]:
+        records = read_log(run_dir(out, run["method"], run["seed"]) / "log.jsonl")
+        final_val = [r["val_loss"] for r in records if "val_loss" in r][-1]
+        assert run["final_val_loss"] == final_val
+        assert run["bytes_per_step"] == pytest.approx(
+            sum(r["bytes_sent"] for r in records) / len(records))
+        rel = [r["rel_l2"] for r in records]
+        assert run["mean_rel_l2"] == pytest.approx(sum(rel) / len(rel))
+        assert run["wall_s"] == records[-1]["elapsed_s"]
+        if run["method"] == "fp32":
+            fp32_val = final_val
+        method = saved["methods"][run["method"]]
+        assert method["final_val_loss"] == pytest.approx(final_val)
+        assert method["val_gap_to_fp32"] == pytest.approx(final_val - fp32_val)
+        assert f"| {run['method']} | {final_val:.4f}" in report
+
+
+def _record(step, loss, sent, val=None, rel=None):
+    r = {"step": step, "loss": loss, "bytes_sent": sent, "bytes_fp32_equivalent": 4 * sent,
+         "bytes_per_element": 1.0, "tokens_per_s": 10.0, "elapsed_s": float(step + 1)}
+    if val is not None:
+        r["val_loss"] = val
+    if rel is not None:
+        r["rel_l2"], r["cos"] = rel, 1 - rel
+    return r
+
+
+def test_summary_and_seed_aggregation():
+    logs = {("fp32", 0): [_record(0, 5.0, 100, rel=0.0), _record(1, 4.0, 100, val=4.5)],
+            ("fp32", 1): [_record(0, 5.0, 100, rel=0.0), _record(1, 4.0, 100, val=4.7)],
+            ("fp8", 0): [_record(0, 5.0, 30, rel=0.1), _record(1, 4.1, 20, val=4.6, rel=0.3)],
+            ("fp8", 1): [_record(0, 5.0, 30, rel=0.1), _record(1, 4.1, 20, val=5.0)]}
+    runs = [{"method": m, "seed": s, "summary": summarize_run(r)} for (m, s), r in logs.items()]
+    assert runs[2]["summary"]["bytes_per_step"] == 25
+    assert runs[2]["summary"]["mean_rel_l2"] == pytest.approx(0.2)
+    agg = aggregate(runs)
+    assert agg["fp32"]["final_val_loss"] == pytest.approx(4.6)
+    assert agg["fp32"]["final_val_loss_std"] == pytest.approx(math.sqrt(0.02))
+    assert agg["fp8"]["val_gap_to_fp32"] == pytest.approx(0.2)  # (0.1 + 0.3) / 2, same seed
+    assert agg["fp8"]["val_gap_to_fp32_std"] == pytest.approx(math.sqrt(0.02))
+
+
+# -- resume is bitwise -----------------------------------------------------------------------
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resume_continues_the_same_trajectory_bitwise(tmp_path):
+    # geofp8-auto with a refresh every 2 steps: residuals, factors, statistics windows and the
+    # selection all live in the checkpoint; Muon + AdamW; cosine schedule
+    base = TrainConfig(**{**TINY, "steps": 6, "eval_every": 3, "shadow_every": 0,
+                          "refresh_every": 2, "checkpoint_every": 3},
+                       method="geofp8-auto")
+    whole = replace(base, out=str(tmp_path / "whole"))
+    assert launch(2, to_argv(whole), timeout=RUN_TIMEOUT) == 0
+    part = replace(base, out=str(tmp_path / "part"), stop_after=3)
+    assert launch(2, to_argv(part), timeout=RUN_TIMEOUT) == 0
+    assert latest_step(part.out) == 3
+    assert len(read_log(tmp_path / "part" / "log.jsonl")) == 3
+    resumed = replace(base, out=str(tmp_path / "part"), resume=True)
+    assert launch(2, to_argv(resumed), timeout=RUN_TIMEOUT) == 0
+
+    a = read_log(tmp_path / "whole" / "log.jsonl")
+    b = read_log(tmp_path / "part" / "log.jsonl")
+    assert [r["step"] for r in b] == list(range(6))
+    keys = ("loss", "grad_norm", "lr", "bytes_sent", "val_loss", "geometry_layers")
+    assert [{k: r.get(k) for k in keys} for r in a] == [{k: r.get(k) for k in keys} for r in b]
+    assert b[-1]["elapsed_s"] > b[2]["elapsed_s"]
+
+
+# -- pieces ----------------------------------------------------------------------------------
+
+def test_argv_round_trip():
+    cfg = TrainConfig(model="llama-small", data=["a.txt", "b.txt"], steps=7, lr=3e-4,
+                      method="geofp8", resume=True, stop_after=3, shadow_every=5)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(to_argv(cfg))) == cfg
+    assert to_argv(TrainConfig()) == []
+
+
+def test_unknown_method_is_rejected():
+    with pytest.raises(ValueError, match="method"):
+        TrainConfig(method="fp4")
+
+
+def test_lr_schedule_warmup_then_cosine_to_lr_min():
+    cfg = TrainConfig(steps=100, warmup=10, lr=5e-4, lr_min=5e-5)
+    f = [lr_factor(s, cfg) for s in range(101)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert f[100] == pytest.approx(0.1)  # lr_min / lr
+
+
+def test_atomic_save_leaves_only_the_file(tmp_path):
+    atomic_save({"step": 1}, tmp_path / "x.pt")
+    atomic_save({"step": 2}, tmp_path / "x.pt")
+    assert os.listdir(tmp_path) == ["x.pt"]
+    assert latest_step(tmp_path) is None
