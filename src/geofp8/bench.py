@@ -356,7 +356,7 @@ DEFAULT_SIZES = [4.0, 64.0, 256.0]
 
 def run_bench(parts: list[int], sizes_mb: list[float], quick: bool = False,
               repeats: int = 3, compile_check: bool = False,
-              log: Callable[[str], None] | None = None) -> dict:
+              log: Callable[[str], None] | None = None, ddp: dict | None = None) -> dict:
     log = log or (lambda s: print(s, flush=True))
     torch.manual_seed(0)
     results: dict = {"meta": {
@@ -380,11 +380,14 @@ def run_bench(parts: list[int], sizes_mb: list[float], quick: bool = False,
     if 3 in parts:
         from .ddp_bench import DDPBenchConfig, format_rows, run_ddp_bench
         tables, runs = [], []
-        for world_size in ([2] if quick else [2, 4]):
+        ddp = ddp or {}
+        for world_size in ddp.get("world_sizes") or ([2] if quick else [2, 4]):
             cfg = (DDPBenchConfig(world_size=world_size, seq_len=16, batch_size=2, warmup=3,
                                   steps=2, shadow_steps=1, refresh_every=2, profile_steps=1,
                                   methods=("fp32", "fp8", "geofp8-auto")) if quick
                    else DDPBenchConfig(world_size=world_size))
+            overrides = {k: v for k, v in ddp.items() if k != "world_sizes" and v}
+            cfg = replace(cfg, **overrides)
             rows = run_ddp_bench(cfg)
             runs.append({"world_size": world_size, "rows": rows})
             tables.append(format_rows(rows, cfg))
@@ -439,6 +442,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per figure")
     parser.add_argument("--compile", action="store_true",
                         help="also time torch.compile of the obvious codec (slow warm-up)")
+    parser.add_argument("--ddp-world-sizes", default=None,
+                        help="part 3: comma list of rank counts (default 2,4)")
+    parser.add_argument("--ddp-methods", default=None,
+                        help="part 3: comma list of methods (see geofp8.ddp_bench)")
+    parser.add_argument("--ddp-model", default=None, help="part 3: model preset (llama-tiny)")
+    parser.add_argument("--ddp-seq-len", type=int, default=None, help="part 3: tokens/sequence")
+    parser.add_argument("--ddp-batch-size", type=int, default=None,
+                        help="part 3: sequences per rank")
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     parser.add_argument("--markdown", type=Path, default=None,
                         help="write the Performance section here (e.g. docs/performance.md)")
@@ -454,13 +465,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         sizes = [0.25, 1.0] if args.quick else DEFAULT_SIZES
     repeats = args.repeats or (2 if args.quick else 3)
-    results = run_bench(parts, sizes, args.quick, repeats, args.compile)
+    ddp = {
+        "world_sizes": [int(w) for w in args.ddp_world_sizes.split(",")]
+        if args.ddp_world_sizes else None,
+        "methods": tuple(args.ddp_methods.split(",")) if args.ddp_methods else None,
+        "model": args.ddp_model, "seq_len": args.ddp_seq_len,
+        "batch_size": args.ddp_batch_size,
+    }
+    results = run_bench(parts, sizes, args.quick, repeats, args.compile, ddp=ddp)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2, default=float))
     if args.markdown:
-        cmd = "geofp8 bench" + (" --quick" if args.quick else "") + (
-            " --compile" if args.compile else "") + f" --markdown {args.markdown.name}"
+        cmd = "geofp8 " + " ".join(getattr(args, "_argv", None) or ["bench"])
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(to_markdown(results, cmd))
     return 0

@@ -17,13 +17,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "and write a report (report.md, loss.png, fidelity.png, results.json)"),
     "demo": ("geofp8.demo", "the main job: compare fp32, fp8, fp8-ef, geofp8 and geofp8-auto "
              "on a CPU-sized Llama with 2 ranks (about 10 minutes on 2 cores)"),
-    "bench": ("geofp8.bench", "codec throughput, geometry overhead and the scaling model, "
-              "measured as ratios in one run"),
+    "bench": ("geofp8.bench", "codec throughput, geometry overhead, whole DDP steps next to "
+              "PyTorch's hooks, and the scaling model, measured as ratios in one run"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="geofp8", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="geofp8", description="GeoFP8: geometry-aware FP8 gradient communication for "
+        "PyTorch data-parallel training — fidelity analysis, reference training, benchmarks.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -33,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args._argv = argv  # the command as typed, for reports that quote it
     return int(importlib.import_module(args._module).run(args) or 0)
 
 
