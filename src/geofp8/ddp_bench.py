@@ -30,7 +30,8 @@ import torch.multiprocessing as mp
 from .collectives import fp32_allreduce_wire_bytes
 
 DEFAULT_METHODS = ("fp32", "bf16", "powersgd4", "powersgd8", "torch-int8", "fp8", "fp8-ef",
-                   "hadamard", "geofp8-profile", "geofp8-auto")
+                   "hadamard", "geofp8-profile", "geofp8-auto", "geofp8-fresh-auto",
+                   "geofp8-local-all")
 
 
 CALLBACK_ISSUING = ("powersgd4", "powersgd8", "torch-int8")
