@@ -117,6 +117,14 @@ METHODS: dict[str, Method] = {
                      geo=dict(layers="profile", transform="lowrank", error_feedback=True)),
     "geofp8-auto": Method("geofp8", "ours: layers switched by measured round-trip error, EF",
                           geo=dict(layers="auto", transform="lowrank", error_feedback=True)),
+    "geofp8-fresh": Method("geofp8", "ours with this step's factor (all-reduced sketch), "
+                           "auto selection, EF",
+                           geo=dict(layers="auto", transform="lowrank", factor_source="fresh",
+                                    error_feedback=True)),
+    "geofp8-local": Method("geofp8", "each rank's own factor, decoded per sender, on every "
+                           "layer, EF",
+                           geo=dict(layers="all", transform="lowrank", factor_source="local",
+                                    error_feedback=True)),
     "kfac": Method("geofp8", "two-sided (K-FAC) geometry on every layer, EF",
                    geo=dict(layers="all", transform="kfac", error_feedback=True)),
 }
