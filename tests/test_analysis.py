@@ -1,4 +1,4 @@
-"""Round-trip fidelity analysis and the `geofp8 fidelity` / `geofp8 demo` commands."""
+"""Round-trip fidelity analysis and the `geofp8 fidelity` command."""
 
 import json
 import math
@@ -161,10 +161,3 @@ def test_cli_end_to_end_with_ranks_and_previous_factors(cache, tmp_path, capsys)
     assert set(report["summary"]) == keys
     printed = capsys.readouterr().out
     assert "2 rank(s)" in printed and "e5m2 / block64 scaling: summary" in printed
-
-
-def test_demo_prints_the_summary(cache, capsys):
-    assert cli.main(["demo", "--seq-len", "32", "--batch-size", "4"]) == 0
-    printed = capsys.readouterr().out
-    assert "e4m3 / tensor scaling: summary" in printed and "lowrank32" in printed
-    assert "== e4m3 / tensor scaling: down ==" not in printed

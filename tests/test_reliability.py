@@ -790,10 +790,6 @@ def test_atomic_save_survives_a_crash_mid_write(tmp_path, monkeypatch):
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug in geofp8.train: every checkpoint reuses the same file names, so a crash "
-    "after shared.pt of step 4 was replaced but before meta.json moved on leaves meta.json "
-    "at step 2 with a shared.pt of step 4: resume fails with 'checkpoint is incomplete'"))
 def test_crash_while_writing_a_checkpoint_leaves_the_previous_one_usable(tmp_path):
     from geofp8.train import checkpoint as ckpt
 

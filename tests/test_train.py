@@ -180,3 +180,17 @@ def test_atomic_save_leaves_only_the_file(tmp_path):
     atomic_save({"step": 2}, tmp_path / "x.pt")
     assert os.listdir(tmp_path) == ["x.pt"]
     assert latest_step(tmp_path) is None
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_demo_runs_compare_and_prints_the_table(tmp_path, capsys):
+    from geofp8 import cli
+
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--steps", "2", "--methods", "fp32,fp8", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| fp32 |" in printed and "| fp8 |" in printed
+    assert str(out / "report.md") in printed
+    saved = json.loads((out / "results.json").read_text())
+    assert [r["method"] for r in saved["runs"]] == ["fp32", "fp8"]

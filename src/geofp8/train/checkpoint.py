@@ -2,29 +2,39 @@
 
 Layout of ``<out>/checkpoint/``:
 
-* ``shared.pt`` (rank 0): model, optimizers, schedulers, step, the run's config;
-* ``rank<r>.pt`` (every rank): the GeoFP8 state (error-feedback residuals differ per rank),
-  the torch RNG state, the step;
-* ``meta.json`` (rank 0, written last, after a barrier): the step of a complete checkpoint.
+* ``step-<step>/shared.pt`` (rank 0): model, optimizers, schedulers, step, the config;
+* ``step-<step>/rank<r>.pt`` (every rank): the GeoFP8 state (error-feedback residuals
+  differ per rank), the torch RNG state, the step;
+* ``meta.json`` (rank 0, after a barrier that every rank reaches only once its files are
+  written): the step of the newest complete checkpoint. Older ``step-*`` directories are
+  removed only after ``meta.json`` has moved on.
 
 Each file goes to a temporary name in the same directory and is renamed with
-:func:`os.replace`, so a crash mid-write never leaves a half file under the real name.
+:func:`os.replace`, so a crash mid-write never leaves a half file under the real name, and
+a crash anywhere while writing step ``s`` leaves the previous checkpoint whole and named
+by ``meta.json``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["atomic_save", "checkpoint_dir", "latest_step", "load_rank", "load_shared"]
+__all__ = ["atomic_save", "checkpoint_dir", "latest_step", "load_rank", "load_shared",
+           "step_dir", "write_meta"]
 
 
 def checkpoint_dir(out: str | os.PathLike) -> Path:
     return Path(out) / "checkpoint"
+
+
+def step_dir(out: str | os.PathLike, step: int) -> Path:
+    return checkpoint_dir(out) / f"step-{step:08d}"
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
@@ -44,10 +54,15 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
 
 
 def write_meta(out: str | os.PathLike, step: int) -> None:
+    """Point ``meta.json`` at ``step`` (atomically), then remove the other step folders."""
     path = checkpoint_dir(out) / "meta.json"
     tmp = path.with_name(f".meta.json.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"step": step}))
     os.replace(tmp, path)
+    keep = step_dir(out, step).name
+    for old in checkpoint_dir(out).glob("step-*"):
+        if old.name != keep:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_step(out: str | os.PathLike) -> int | None:
@@ -67,11 +82,11 @@ def _load(path: Path, step: int) -> dict:
 
 
 def load_shared(out: str | os.PathLike, step: int) -> dict:
-    return _load(checkpoint_dir(out) / "shared.pt", step)
+    return _load(step_dir(out, step) / "shared.pt", step)
 
 
 def load_rank(out: str | os.PathLike, rank: int, step: int) -> dict:
-    path = checkpoint_dir(out) / f"rank{rank}.pt"
+    path = step_dir(out, step) / f"rank{rank}.pt"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: resume with the same number of ranks")
     return _load(path, step)

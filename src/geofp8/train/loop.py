@@ -337,14 +337,14 @@ def save_checkpoint(out: Path, step: int, model, optimizers, schedulers, state, 
                           "optimizers": [o.state_dict() for o in optimizers],
                           "schedulers": [s.state_dict() for s in schedulers],
                           "elapsed_s": elapsed, "config": cfg.to_dict()},
-                         ckpt.checkpoint_dir(out) / "shared.pt")
+                         ckpt.step_dir(out, step) / "shared.pt")
     ckpt.atomic_save({"step": step,
                       "geofp8": state.state_dict() if state is not None else None,
                       "geofp8_pending_measurements": _pending_measurements(state),
                       "rng": torch.get_rng_state(),
                       "cuda_rng": torch.cuda.get_rng_state(device)
                       if device.type == "cuda" else None},
-                     ckpt.checkpoint_dir(out) / f"rank{rank}.pt")
+                     ckpt.step_dir(out, step) / f"rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         ckpt.write_meta(out, step)
