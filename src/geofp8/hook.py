@@ -101,10 +101,16 @@ class GeoFP8State:
         model: the module that DDP wraps (its parameter objects are the buckets' ones).
         config: a :class:`GeoFP8Config`; identical on every rank (checked at the first step).
         process_group: the data-parallel group (default: the world).
+        grad_scaler: the ``torch.amp.GradScaler`` of a loss-scaled run, if any. Gradients
+            arrive multiplied by its scale, and so do the error-feedback residuals; when the
+            scale changes, the residuals are rescaled by ``new / old`` so they keep their
+            meaning (without EF the codec is invariant to the scale anyway). Without a
+            scaler object, call :meth:`set_grad_scale` before each backward instead.
     """
 
     def __init__(self, model: nn.Module, config: GeoFP8Config | None = None,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GeoFP8State needs torch.distributed to be initialised first")
         self.config = config if config is not None else GeoFP8Config()
@@ -134,6 +140,8 @@ class GeoFP8State:
         self._omegas: dict[int, torch.Tensor] = {}
         self.step = 0
         self.skipped_steps = 0
+        self.grad_scaler = grad_scaler
+        self.grad_scale = 1.0
         self._layouts: dict[tuple, ShardLayout] = {}
         self._checked = False
         self._in_step = False
@@ -329,6 +337,8 @@ class GeoFP8State:
         cfg = self.config
         self._finish_step()  # in case no forward of the model came between two backwards
         self._in_step = True
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            self.set_grad_scale(float(self.grad_scaler.get_scale()))
         if self._measurements is not None:
             self._apply_auto_selection()
         if cfg.layers == "profile" and self.step == cfg.warmup_steps + cfg.profile_steps:
@@ -339,6 +349,13 @@ class GeoFP8State:
                 self._refresh()
             self._measure_now = cfg.layers == "auto" and (self.step > 0 or
                                                           cfg.factor_source != "refresh")
+
+    def set_grad_scale(self, scale: float) -> None:
+        """The loss scale of the coming backward: rescale the residuals if it changed."""
+        if scale != self.grad_scale:
+            for residual in self.residuals.values():
+                residual.mul_(scale / self.grad_scale)
+            self.grad_scale = float(scale)
 
     # -- the hook ----------------------------------------------------------------------------
 
@@ -735,12 +752,15 @@ class GeoFP8State:
             "config": self.config.to_dict(),
             "step": self.step,
             "skipped_steps": self.skipped_steps,
+            "grad_scale": self.grad_scale,
             "selected": sorted(self.selected),
             "residuals": {n: r.clone() for n, r in self.residuals.items()},
             "transforms": _serialize({"transforms": self.transforms,
                                       "basis": self.residual_basis}),
             "windows": windows,
             "profile_scores": self._profile_scores.clone(),
+            # auto selection: errors measured at a refresh step, reduced at the next step
+            "measurements": None if self._measurements is None else self._measurements.clone(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -751,6 +771,7 @@ class GeoFP8State:
                              f"(checkpoint, current) = {diff}")
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
+        self.grad_scale = float(state.get("grad_scale", 1.0))
         self.selected = set(state["selected"])
         self.residuals = {n: r.clone() for n, r in state["residuals"].items()}
         maps = _deserialize(state["transforms"])
@@ -762,6 +783,8 @@ class GeoFP8State:
             for t, s in zip(live, saved):
                 t.copy_(s)
         self._profile_scores.copy_(state["profile_scores"])
+        measured = state.get("measurements")
+        self._measurements = None if measured is None else measured.clone()
         self._pending_profile.zero_()
         self._launched, self._in_step = False, False
 

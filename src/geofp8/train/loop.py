@@ -103,7 +103,6 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
             sch.load_state_dict(s)
         if state is not None:
             state.load_state_dict(mine["geofp8"])
-            _restore_pending_measurements(state, mine)
         torch.set_rng_state(mine["rng"])
         if device.type == "cuda" and mine.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(mine["cuda_rng"], device)
@@ -340,7 +339,6 @@ def save_checkpoint(out: Path, step: int, model, optimizers, schedulers, state, 
                          ckpt.step_dir(out, step) / "shared.pt")
     ckpt.atomic_save({"step": step,
                       "geofp8": state.state_dict() if state is not None else None,
-                      "geofp8_pending_measurements": _pending_measurements(state),
                       "rng": torch.get_rng_state(),
                       "cuda_rng": torch.cuda.get_rng_state(device)
                       if device.type == "cuda" else None},
@@ -349,22 +347,6 @@ def save_checkpoint(out: Path, step: int, model, optimizers, schedulers, state, 
     if rank == 0:
         ckpt.write_meta(out, step)
     dist.barrier()
-
-
-# Workaround: GeoFP8State.state_dict() (version 1) does not hold the round-trip errors that
-# layers="auto" measured at a refresh step and reduces at the start of the next step, so a
-# checkpoint taken right after a refresh would lose that selection update on resume. Until
-# the hook's state_dict carries them, the trainer saves and restores them next to it.
-
-def _pending_measurements(state):
-    pending = getattr(state, "_measurements", None)
-    return pending.clone() if pending is not None else None
-
-
-def _restore_pending_measurements(state, mine: dict) -> None:
-    pending = mine.get("geofp8_pending_measurements")
-    if pending is not None and getattr(state, "_measurements", None) is None:
-        state._measurements = pending.clone()
 
 
 def _write_run_info(out: Path, cfg: TrainConfig, world: int, n_params: int, data,
