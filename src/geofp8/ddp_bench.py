@@ -142,7 +142,7 @@ def _run_method(method: str, cfg: DDPBenchConfig, data, rank: int) -> dict:
 
     from .data import get_batch
     from .models import load_model
-    from .shadow import ShadowState, shadow_hook
+    from .shadow import ShadowState, shadow_fidelity, shadow_hook
 
     model, _ = load_model(cfg.model, data.vocab_size, seed=cfg.seed)
     model.train()
@@ -151,10 +151,9 @@ def _run_method(method: str, cfg: DDPBenchConfig, data, rank: int) -> dict:
     # ranks: "collective mismatch" abort). One bucket keeps them correct.
     ddp = DDP(model, bucket_cap_mb=1024 if method in CALLBACK_ISSUING else None)
     state, hook = _make_hook(method, model, cfg)
-    names = {id(p): n for n, p in model.named_parameters()}
     shadow = None
     if hook is not None:
-        shadow = ShadowState(state, hook, names)
+        shadow = ShadowState(state, hook)
         ddp.register_comm_hook(shadow, shadow_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     numel = sum(p.numel() for p in model.parameters())
@@ -180,12 +179,16 @@ def _run_method(method: str, cfg: DDPBenchConfig, data, rank: int) -> dict:
     bytes_per_step = counter.bytes / cfg.steps
     if hook is None:  # DDP's C++ all-reduce is invisible to the counter
         bytes_per_step = fp32_allreduce_wire_bytes(numel, cfg.world_size)
-    fidelity = {}
-    if shadow is not None:
-        shadow.enabled = True
+    fidelity: dict[str, dict[str, float]] = {}
+    if shadow is not None:  # mean over the shadow steps of each parameter's RelL2 and cosine
         for i in range(cfg.warmup + cfg.steps, cfg.warmup + cfg.steps + cfg.shadow_steps):
+            shadow.capture = True
             step(i)
-        fidelity = shadow.report()
+            shadow.capture = False
+            for name, m in shadow_fidelity(model, shadow)[0].items():
+                acc = fidelity.setdefault(name, {"rel_l2": 0.0, "cos": 0.0})
+                for key in acc:
+                    acc[key] += m[key] / cfg.shadow_steps
     slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     stats = state.stats() if hasattr(state, "stats") else {}

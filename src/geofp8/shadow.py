@@ -1,61 +1,58 @@
 """Measure what a DDP communication hook really delivers, against an FP32 all-reduce.
 
-:func:`shadow_hook` wraps any hook. On steps where ``state.enabled`` is set it first
-all-reduces an FP32 copy of the bucket (the reference: ``Ḡ = Σ_r G_r / N``), then runs the
-wrapped hook and records, per parameter, ``‖Ĝ − Ḡ‖²``, ``‖Ḡ‖²``, ``⟨Ĝ, Ḡ⟩`` and ``‖Ĝ‖²`` of
-the hook's result ``Ĝ``. :meth:`ShadowState.report` turns them into RelL2 and cosine.
-The reference costs one extra FP32 all-reduce per bucket on enabled steps only.
+Wrap any hook with :func:`shadow_hook`. On steps where ``state.capture`` is set, it keeps a
+copy of every local gradient before the wrapped hook communicates it; after the backward,
+:func:`shadow_fidelity` all-reduces those copies in FP32 (divide-then-sum, as DDP does, so
+FP32 communication measures zero error) and compares the reference ``Ḡ = Σ_r G_r / N`` with
+the communicated gradient ``Ĝ`` in ``param.grad``: per parameter
+``rel_l2 = ‖Ĝ − Ḡ‖ / ‖Ḡ‖`` and ``cos = ⟨Ĝ, Ḡ⟩ / (‖Ĝ‖‖Ḡ‖)``. The reference costs one extra
+FP32 all-reduce, on capture steps only, issued from the caller's thread after backward.
 """
+
+import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 class ShadowState:
-    """State of :func:`shadow_hook`: the wrapped hook, its state, and the running sums."""
+    """State of :func:`shadow_hook`: the wrapped hook and its state, and the captured copies."""
 
-    def __init__(self, inner_state, inner_hook, names: dict[int, str],
-                 process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, inner_state, inner_hook) -> None:
         self.inner_state, self.inner_hook = inner_state, inner_hook
-        self.names, self.group = names, process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.enabled = False
-        self.sums: dict[str, torch.Tensor] = {}
-
-    def reset(self) -> None:
-        self.sums = {}
-
-    def report(self) -> dict[str, dict[str, float]]:
-        """``{parameter: {"rel_l2", "cos"}}`` over the enabled steps since :meth:`reset`."""
-        out = {}
-        for name, (err2, ref2, dot, hat2) in ((n, s.tolist()) for n, s in self.sums.items()):
-            if ref2 > 0:
-                out[name] = {"rel_l2": (err2 / ref2) ** 0.5,
-                             "cos": dot / max((ref2 * hat2) ** 0.5, 1e-300)}
-        return out
+        self.capture = False
+        self.local: dict[int, torch.Tensor] = {}
 
 
-def shadow_hook(state: ShadowState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Run ``state.inner_hook``; on enabled steps also compare it with an FP32 all-reduce."""
-    if not state.enabled:
-        return state.inner_hook(state.inner_state, bucket)
-    reference = bucket.buffer().detach().float().clone()
-    dist.all_reduce(reference, group=state.group)  # blocking: shadow steps are not timed
-    reference /= state.world_size
-    base = bucket.buffer().data_ptr()
-    spans = [(state.names.get(id(p), f"param{i}"),
-              (g.data_ptr() - base) // g.element_size(), g.numel())
-             for i, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients()))]
+def shadow_hook(state: ShadowState, bucket: dist.GradBucket):
+    # left unannotated: DDP checks a hook's annotations only when present
+    """Run ``state.inner_hook``; on capture steps first keep a copy of the local gradients."""
+    if state.capture:
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            state.local[id(p)] = g.detach().clone()
+    return state.inner_hook(state.inner_state, bucket)
 
-    def compare(fut: torch.futures.Future) -> torch.Tensor:
-        value = fut.value()
-        result = value[0] if isinstance(value, list) else value
-        flat = result.detach().reshape(-1).double()
-        for name, off, n in spans:
-            hat, ref = flat[off : off + n], reference[off : off + n].double()
-            sums = torch.stack([(hat - ref).pow(2).sum(), ref.pow(2).sum(), (hat * ref).sum(),
-                                hat.pow(2).sum()])
-            state.sums[name] = state.sums.get(name, torch.zeros(4, dtype=torch.float64)) + sums
-        return result
 
-    return state.inner_hook(state.inner_state, bucket).then(compare)
+def shadow_fidelity(model: nn.Module, state: ShadowState,
+                    group: dist.ProcessGroup | None = None):
+    """``({parameter: {"rel_l2", "cos"}}, rel_l2 over all, cos over all)`` of the last
+    captured step. Collective over ``group``; call it on every rank after the backward."""
+    world = dist.get_world_size(group)
+    named = [(n, p) for n, p in model.named_parameters() if id(p) in state.local]
+    exact = torch.cat([state.local[id(p)].reshape(-1).float() for _, p in named]).div_(world)
+    dist.all_reduce(exact, group=group)
+    state.local.clear()
+    out, err2, ref2, dot, got2, pos = {}, 0.0, 0.0, 0.0, 0.0, 0
+    for name, p in named:
+        ref = exact[pos : pos + p.numel()]
+        pos += p.numel()
+        got = p.grad.detach().reshape(-1).float()
+        e2, r2 = float((got - ref).pow(2).sum()), float(ref.pow(2).sum())
+        d, g2 = float(got @ ref), float(got.pow(2).sum())
+        out[name] = {"rel_l2": math.sqrt(e2 / r2) if r2 > 0 else 0.0,
+                     "cos": d / math.sqrt(g2 * r2) if g2 * r2 > 0 else 1.0}
+        err2, ref2, dot, got2 = err2 + e2, ref2 + r2, dot + d, got2 + g2
+    total_rel = math.sqrt(err2 / ref2) if ref2 > 0 else 0.0
+    total_cos = dot / math.sqrt(got2 * ref2) if got2 * ref2 > 0 else 1.0
+    return out, total_rel, total_cos

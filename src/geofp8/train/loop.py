@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..collectives import fp32_allreduce_wire_bytes
 from ..data import get_batch, load_token_data, read_text
 from ..models import PRESETS, build_preset, load_model
+from ..shadow import ShadowState, shadow_fidelity, shadow_hook
 from . import checkpoint as ckpt
 from .config import METHODS, TrainConfig, make_comm_hook
 
@@ -66,7 +67,10 @@ def train(cfg: TrainConfig) -> dict | None:
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     try:
-        return _train(cfg, rank, world, device, out)
+        result = _train(cfg, rank, world, device, out)
+        if owns_group:
+            dist.barrier()  # every rank done with every collective before any tears down
+        return result
     finally:
         if owns_group:
             dist.destroy_process_group()
@@ -88,8 +92,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
     # -- 3. DDP and the method's hook -------------------------------------------------------
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     state, hook, width = make_comm_hook(cfg.method, model, cfg)
-    comm = _Comm(state, hook)
-    ddp.register_comm_hook(comm, _comm_hook)
+    comm = ShadowState(state, hook)
+    ddp.register_comm_hook(comm, shadow_hook)
 
     # -- 4. optimizers and schedule ---------------------------------------------------------
     optimizers = build_optimizers(model, cfg)
@@ -218,46 +222,6 @@ def _model_and_data(cfg: TrainConfig):
                            vocab_size=min(cfg.vocab_size, limit),
                            val_fraction=cfg.val_fraction, text=text)
     return model, data
-
-
-class _Comm:
-    """The method's hook and state, plus the shadow-fidelity capture of local gradients."""
-
-    def __init__(self, state, hook) -> None:
-        self.state, self.hook = state, hook
-        self.capture = False
-        self.local: dict[int, torch.Tensor] = {}
-
-
-def _comm_hook(comm, bucket):
-    # left unannotated: DDP checks annotations only when present
-    if comm.capture:
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            comm.local[id(p)] = g.detach().clone()
-    return comm.hook(comm.state, bucket)
-
-
-def shadow_fidelity(model: torch.nn.Module, comm: _Comm):
-    """Per-parameter ``rel_l2`` and ``cos`` of the communicated gradient against the exact
-    FP32 mean of the local gradients; also the totals over all parameters."""
-    world = dist.get_world_size()
-    named = [(n, p) for n, p in model.named_parameters() if id(p) in comm.local]
-    exact = torch.cat([comm.local[id(p)].reshape(-1).float() for _, p in named]).div_(world)
-    dist.all_reduce(exact)  # divide-then-sum, as DDP does: FP32 communication gives 0 error
-    comm.local.clear()
-    out, err2, ref2, dot, got2, pos = {}, 0.0, 0.0, 0.0, 0.0, 0
-    for name, p in named:
-        ref = exact[pos : pos + p.numel()]
-        pos += p.numel()
-        got = p.grad.detach().reshape(-1).float()
-        e2, r2 = float((got - ref).pow(2).sum()), float(ref.pow(2).sum())
-        d, g2 = float(got @ ref), float(got.pow(2).sum())
-        out[name] = {"rel_l2": math.sqrt(e2 / r2) if r2 > 0 else 0.0,
-                     "cos": d / math.sqrt(g2 * r2) if g2 * r2 > 0 else 1.0}
-        err2, ref2, dot, got2 = err2 + e2, ref2 + r2, dot + d, got2 + g2
-    total_rel = math.sqrt(err2 / ref2) if ref2 > 0 else 0.0
-    total_cos = dot / math.sqrt(got2 * ref2) if got2 * ref2 > 0 else 1.0
-    return out, total_rel, total_cos
 
 
 def _bytes(state, width: int | None, n_params: int, world: int) -> dict:
