@@ -51,8 +51,9 @@ class ShardLayout:
     tensors share its bucket: DDP's bucket rebuild changes nothing numerically.
 
     ``row_aligned`` tensors are chunked at whole rows (``⌈rows/N⌉`` rows per chunk), so a
-    receiver can apply a right-multiplication to its chunk; ``side[j]`` bytes of sender
-    metadata (e.g. each sender's own factor) travel after shard ``j``'s payload.
+    receiver can apply a right-multiplication to its chunk. ``side_bytes[i]`` bytes of sender
+    metadata about tensor ``i`` (e.g. each sender's own factor) travel with every shard that
+    holds a chunk of it, after the payload (``side[j]``: their total for shard ``j``).
     """
 
     numel: int
@@ -66,8 +67,9 @@ class ShardLayout:
     @classmethod
     def build(cls, shapes: list[tuple[int, ...]], codec: Codec, world_size: int,
               row_aligned: list[bool] | None = None,
-              side: list[int] | None = None) -> ShardLayout:
+              side_bytes: list[int] | None = None) -> ShardLayout:
         segments: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+        side = [0] * world_size
         owners: list[list[int]] = [[] for _ in range(world_size)]
         groups: list[list[int]] = [[] for _ in range(world_size)]
         offset = 0
@@ -84,6 +86,7 @@ class ShardLayout:
                 if hi > pos:
                     segments[j].append((offset + pos, offset + hi))
                     owners[j].append(index)
+                    side[j] += side_bytes[index] if side_bytes else 0
                 while pos < hi:
                     if pending == 0:
                         pending = next(it)
@@ -94,7 +97,7 @@ class ShardLayout:
             offset += numel
         return cls(offset, world_size, codec, tuple(tuple(s) for s in segments),
                    tuple(tuple(g) for g in groups), tuple(tuple(o) for o in owners),
-                   tuple(side) if side else (0,) * world_size)
+                   tuple(side))
 
     def shard_numel(self, j: int) -> int:
         return sum(hi - lo for lo, hi in self.segments[j])
@@ -150,17 +153,29 @@ def fp32_allreduce_wire_bytes(numel: int, world_size: int, bytes_per_element: in
 
 # -- the three pure stages, shared by the real and the simulated collective ----------------
 
+def _pack_into(buf: torch.Tensor, x: torch.Tensor, codec: Codec, groups) -> None:
+    """Quantize ``x`` straight into ``buf`` in the :class:`Packed` byte layout
+    (``[scales][codes]``), with no intermediate copy of the payload."""
+    n_groups = len(groups)
+    packed = codec.quantize(x, list(groups), out=buf[4 * n_groups : 4 * n_groups + x.numel()])
+    buf[: 4 * n_groups].copy_(packed.scales.view(torch.uint8))
+
+
 def encode(flat: torch.Tensor, layout: ShardLayout,
            side: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Stage 1: every shard quantized with its own scales (then its ``side`` bytes, if any),
-    concatenated as bytes."""
-    parts = []
+    one after the other in one uint8 buffer."""
+    out = torch.empty(sum(layout.send_bytes(j) for j in range(layout.world_size)),
+                      dtype=torch.uint8, device=flat.device)
+    offset = 0
     for j in range(layout.world_size):
-        parts.append(layout.codec.quantize(layout.gather(flat, j), list(layout.groups[j]))
-                     .to_bytes())
+        payload = layout.shard_bytes(j)
+        _pack_into(out[offset : offset + payload], layout.gather(flat, j), layout.codec,
+                   layout.groups[j])
         if layout.side[j]:
-            parts.append(side[j])
-    return torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.uint8)
+            out[offset + payload : offset + layout.send_bytes(j)] = side[j]
+        offset += layout.send_bytes(j)
+    return out
 
 
 def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
@@ -173,10 +188,11 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
     nbytes, numel = layout.send_bytes(shard), layout.shard_numel(shard)
     payload = layout.shard_bytes(shard)
     total = torch.zeros(numel, dtype=torch.float32, device=received.device)
+    values = torch.empty_like(total)
     for r in range(layout.world_size):
         buf = received[r * nbytes : (r + 1) * nbytes]
         packed = Packed.from_bytes(buf, (numel,), layout.codec, list(layout.groups[shard]))
-        values = packed.dequantize()
+        packed.dequantize(out=values)
         total += values if unmap is None else unmap(values, buf[payload:nbytes])
     return total
 
@@ -184,8 +200,7 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
 def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
     """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``."""
     out = torch.zeros(layout.max_shard_bytes, dtype=torch.uint8, device=shard_sum.device)
-    data = layout.codec.quantize(shard_sum, list(layout.groups[shard])).to_bytes()
-    out[: data.numel()] = data
+    _pack_into(out[: layout.shard_bytes(shard)], shard_sum, layout.codec, layout.groups[shard])
     return out
 
 

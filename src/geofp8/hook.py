@@ -42,7 +42,7 @@ from .collectives import (
 )
 from .config import FP8Config, GeoFP8Config
 from .formats import Codec
-from .statistics import SecondMoment, nystrom_factor
+from .statistics import SecondMoment, nystrom_factor, sketch_matrix
 from .transforms import (
     BlockInput,
     DiagonalInput,
@@ -257,9 +257,8 @@ class GeoFP8State:
     def _omega(self, dim: int, device) -> torch.Tensor:
         """The Gaussian test matrix for width ``dim``, from the shared seed (same on all ranks)."""
         if dim not in self._omegas:
-            size = min(self.config.rank + self.config.oversample, dim)
-            self._omegas[dim] = SecondMoment(dim, "sketch", sketch_size=size,
-                                             seed=self.config.seed, device=device).omega
+            self._omegas[dim] = sketch_matrix(dim, self.config.rank + self.config.oversample,
+                                            self.config.seed, torch.float32, device)
         return self._omegas[dim]
 
     def _build_fresh(self, layer: _Layer) -> None:
@@ -409,26 +408,31 @@ class GeoFP8State:
         routes = [self._route(n) for n in names]
         # per-sender decoding: the receiver maps these back with each sender's own factor
         local = tuple(local_source and n in self.selected and n in self.layers for n in names)
-        pieces = []
-        for name, g, t in zip(names, grads, routes):
+        shapes = [tuple(g.shape) for g in grads]
+        flat = torch.empty(buffer.numel(), dtype=torch.float32, device=buffer.device)
+        pos = 0
+        for name, g, t in zip(names, grads, routes):  # Ũ = G T + R, written into its slot
             G = g.detach().float()
             if name in self.layers and self._measure_now:
                 self._measure(name, G)
             if name in self.layers and self._profiling:
                 self._profile(name, G)
             x = G if t is IDENTITY else t.forward(G)
+            slot = flat[pos : pos + G.numel()].view(G.shape)
             residual = self._residual_in(name, t) if cfg.error_feedback else None
-            if residual is not None:
-                x = x + residual
-            pieces.append(x.reshape(-1))
-        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
-        shapes = [tuple(g.shape) for g in grads]
+            if residual is None:
+                slot.copy_(x)
+            else:
+                torch.add(x, residual, out=slot)
+            pos += G.numel()
+        flat = flat[:pos]
         t1 = time.perf_counter()
         layout = self._layout(shapes, local)
         side = self._local_side(shapes, local, routes, layout) if any(local) else None
         sent = encode(flat, layout, side)
-        if cfg.error_feedback:
-            residual = flat - decode(sent, layout)
+        if cfg.error_feedback:  # R ← Ũ − deq(Q(Ũ)), in place of the decoded copy
+            residual = decode(sent, layout)
+            torch.sub(flat, residual, out=residual)
             self._stage_residuals(names, shapes, routes, residual)
         t2 = time.perf_counter()
         self._counters["transform_s"] += t1 - t0
@@ -469,21 +473,16 @@ class GeoFP8State:
     def _layout(self, shapes: list[tuple[int, ...]], local: tuple[bool, ...]) -> ShardLayout:
         key = (tuple(shapes), local)
         if key not in self._layouts:
-            n = self.world_size
-            side = [0] * n
-            for shape, mapped in zip(shapes, local):
-                if mapped:
-                    rows_per_chunk = -(-shape[0] // n)
-                    for j in range(n):
-                        if j * rows_per_chunk < shape[0]:
-                            side[j] += self._local_factor_bytes(shape[1])
-            self._layouts[key] = ShardLayout.build(shapes, self.codec, n, list(local), side)
+            side = [self._local_factor_bytes(shape[1]) if mapped else 0
+                    for shape, mapped in zip(shapes, local)]
+            self._layouts[key] = ShardLayout.build(shapes, self.codec, self.world_size,
+                                                   list(local), side)
         return self._layouts[key]
 
     # -- per-sender (local) factors ----------------------------------------------------------
 
     def _local_rank(self, d_in: int) -> int:
-        return min(self.config.rank, self.config.rank + self.config.oversample, d_in)
+        return min(self.config.rank, d_in)
 
     def _local_factor_bytes(self, d_in: int) -> int:
         """``U`` (``d_in × k``), ``d_inv`` (``k``) and ``c_inv`` as float32."""
@@ -559,8 +558,8 @@ class GeoFP8State:
     # -- factors -----------------------------------------------------------------------------
 
     def _refresh(self) -> None:
-        """Reduce the window's statistics, build each layer's transform on one owner rank,
-        broadcast it, and re-base the residuals of the selected layers."""
+        """Reduce the window's statistics, build each layer's transform on one owner rank and
+        broadcast it (residuals follow lazily, see :meth:`_residual_in`)."""
         t0 = time.perf_counter()
         layers = list(self.layers.values())
         tensors = [t for l in layers for m in (l.window_A, l.window_S) if m is not None

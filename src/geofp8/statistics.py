@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LowRankFactor", "SecondMoment"]
+__all__ = ["LowRankFactor", "SecondMoment", "nystrom_factor", "sketch_matrix"]
 
 
 @dataclass
@@ -57,6 +57,15 @@ class LowRankFactor:
                    float(torch.trace(A64)), A.shape[0])
 
 
+def sketch_matrix(dim: int, size: int, seed: int, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """The Gaussian sketch matrix ``Ω`` (``dim × min(size, dim)``) of ``seed``: drawn in
+    float64 on the CPU, so every rank and device gets the same one."""
+    gen = torch.Generator().manual_seed(seed)
+    omega = torch.randn(dim, min(size, dim), generator=gen, dtype=torch.float64)
+    return omega.to(device=device, dtype=dtype)
+
+
 class SecondMoment:
     """Accumulates ``A = E[x xᵀ]`` over the tokens of a layer's input ``x`` (``... × d``).
 
@@ -81,11 +90,8 @@ class SecondMoment:
             self.total = torch.zeros(dim, dim, dtype=dtype, device=device)
             self.omega = None
         else:
-            size = min(sketch_size, dim)
-            gen = torch.Generator().manual_seed(seed)
-            self.omega = torch.randn(dim, size, generator=gen, dtype=torch.float64).to(
-                device=device, dtype=dtype)
-            self.total = torch.zeros(dim, size, dtype=dtype, device=device)
+            self.omega = sketch_matrix(dim, sketch_size, seed, dtype, device)
+            self.total = torch.zeros(dim, self.omega.shape[1], dtype=dtype, device=device)
         self.trace_total = torch.zeros((), dtype=dtype, device=device)
         self.weight = torch.zeros((), dtype=dtype, device=device)
 
