@@ -41,7 +41,9 @@ def _entry(rank, world_size, port, fn, args, queue):
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         # plain pickle sends tensors by value; torch's queue would share memory that dies
         # with this process before the parent reads it
-        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+        result = pickle.dumps(fn(rank, world_size, *args))
+        dist.barrier()  # no rank tears its process group down while a peer still uses it
+        queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:

@@ -232,6 +232,7 @@ def _worker(rank: int, cfg: DDPBenchConfig, port: int, out_path: str) -> None:
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(rows, f)
+        dist.barrier()  # every rank done with every collective before any tears down
     finally:
         dist.destroy_process_group()
 
