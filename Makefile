@@ -24,10 +24,10 @@ lint: install
 	$(PY) -m ruff check src tests benchmarks
 
 demo: install
-	$(PY) -m geofp8.cli demo
+	$(PY) -m geofp8.tools.cli demo
 
 bench: install
-	$(PY) -m geofp8.cli bench
+	$(PY) -m geofp8.tools.cli bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis src/*.egg-info

@@ -6,7 +6,7 @@ The same as ``geofp8 bench`` / ``make bench``; the options are those of ``geofp8
 
 import sys
 
-from geofp8.cli import main
+from geofp8.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

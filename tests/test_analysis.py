@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from geofp8 import analysis, cli, data, models
+from geofp8.tools import analysis, cli, data, models
 from geofp8.collectives import ShardLayout, simulate_exact_allreduce
 from geofp8.formats import Codec
 from geofp8.transforms import Identity, full_input

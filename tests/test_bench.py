@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from geofp8 import bench, scaling
-from geofp8.cli import COMMANDS
+from geofp8.tools import bench, scaling
 from geofp8.formats import Codec
 from geofp8.fused import ef_quantize, naive_ef_quantize
 from geofp8.statistics import LowRankFactor
+from geofp8.tools.cli import COMMANDS
 from geofp8.transforms import LowRankInput
 
 
@@ -51,7 +51,7 @@ def test_scaling_part_and_markdown(quick_results, tmp_path):
 def main(argv: list[str]) -> int:
     """``geofp8 bench ...`` through the bench module's own parser (independent of the other
     subcommands' imports)."""
-    assert COMMANDS["bench"][0] == "geofp8.bench" and argv[0] == "bench"
+    assert COMMANDS["bench"][0] == "geofp8.tools.bench" and argv[0] == "bench"
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     return bench.run(parser.parse_args(argv[1:]))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from geofp8 import data
+from geofp8.tools import data
 
 TEXT_CHARS = 40_000
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from geofp8 import data, models
+from geofp8.tools import data, models
 
 
 def test_preset_is_seeded_and_runs():

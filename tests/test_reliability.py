@@ -685,8 +685,8 @@ TRAIN = dict(model="llama-tiny", seq_len=32, batch_size=2, steps=6, warmup=1, ev
 
 def _train_worker(rank, world_size, cfg_dict, kill_at):
     """``geofp8 train`` on this rank; with ``kill_at``, rank 1 dies as it starts that step."""
-    from geofp8.train import loop
-    from geofp8.train.config import TrainConfig
+    from geofp8.tools.train import loop
+    from geofp8.tools.train.config import TrainConfig
 
     if kill_at is not None and rank == 1:
         real = loop.get_batch
@@ -706,11 +706,11 @@ def _train_worker(rank, world_size, cfg_dict, kill_at):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_killed_training_resumes_bit_identically(tmp_path):
-    from geofp8.train import to_argv
-    from geofp8.train.checkpoint import latest_step
-    from geofp8.train.config import TrainConfig
-    from geofp8.train.launch import launch
-    from geofp8.train.report import read_log
+    from geofp8.tools.train import to_argv
+    from geofp8.tools.train.checkpoint import latest_step
+    from geofp8.tools.train.config import TrainConfig
+    from geofp8.tools.train.launch import launch
+    from geofp8.tools.train.report import read_log
 
     whole = {**TRAIN, "out": str(tmp_path / "whole")}
     reports, codes, _ = _spawn_bounded(_train_worker, 2, (whole, None), PG_TIMEOUT_S, 120)
@@ -737,9 +737,9 @@ def test_killed_training_resumes_bit_identically(tmp_path):
 def _crashing_checkpoint_worker(rank, world_size, out):
     """Write a complete checkpoint at step 2; while writing step 4's, rank 1's ``torch.save``
     dies half-way (it wrote some bytes, then the process is gone)."""
-    from geofp8.train import checkpoint as ckpt
-    from geofp8.train import loop
-    from geofp8.train.config import TrainConfig
+    from geofp8.tools.train import checkpoint as ckpt
+    from geofp8.tools.train import loop
+    from geofp8.tools.train.config import TrainConfig
 
     cfg = TrainConfig(**{**TRAIN, "out": out})
     model = make_model()
@@ -767,7 +767,7 @@ def _crashing_checkpoint_worker(rank, world_size, out):
 
 
 def test_atomic_save_survives_a_crash_mid_write(tmp_path, monkeypatch):
-    from geofp8.train import checkpoint as ckpt
+    from geofp8.tools.train import checkpoint as ckpt
 
     path = tmp_path / "checkpoint" / "rank0.pt"
     ckpt.atomic_save({"step": 2, "w": torch.arange(1000.0)}, path)
@@ -786,7 +786,7 @@ def test_atomic_save_survives_a_crash_mid_write(tmp_path, monkeypatch):
 
 @pytest.mark.distributed
 def test_crash_while_writing_a_checkpoint_leaves_the_previous_one_usable(tmp_path):
-    from geofp8.train import checkpoint as ckpt
+    from geofp8.tools.train import checkpoint as ckpt
 
     out = str(tmp_path)
     reports, codes, after_death = _spawn_bounded(_crashing_checkpoint_worker, 2, (out,),

@@ -12,12 +12,12 @@ from dataclasses import replace
 
 import pytest
 
-from geofp8.train import METHODS, TrainConfig, add_arguments, config_from_args, to_argv
-from geofp8.train.checkpoint import atomic_save, latest_step
-from geofp8.train.compare import compare, run_dir
-from geofp8.train.launch import launch
-from geofp8.train.loop import lr_factor
-from geofp8.train.report import aggregate, read_log, summarize_run
+from geofp8.tools.train import METHODS, TrainConfig, add_arguments, config_from_args, to_argv
+from geofp8.tools.train.checkpoint import atomic_save, latest_step
+from geofp8.tools.train.compare import compare, run_dir
+from geofp8.tools.train.launch import launch
+from geofp8.tools.train.loop import lr_factor
+from geofp8.tools.train.report import aggregate, read_log, summarize_run
 
 TINY = dict(model="llama-tiny", seq_len=32, batch_size=2, steps=3, warmup=1, eval_every=2,
             eval_batches=2, shadow_every=1, refresh_every=1, profile_steps=1, quiet=True)
@@ -185,7 +185,7 @@ def test_atomic_save_leaves_only_the_file(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_demo_runs_compare_and_prints_the_table(tmp_path, capsys):
-    from geofp8 import cli
+    from geofp8.tools import cli
 
     out = tmp_path / "demo"
     assert cli.main(["demo", "--steps", "2", "--methods", "fp32,fp8", "--out", str(out)]) == 0

@@ -7,8 +7,7 @@ Two lines in a DDP script::
 """
 
 from .config import FP8Config, GeoFP8Config
-from .formats import Codec, Packed
-from .hook import (
+from .ddp import (
     FP8State,
     GeoFP8State,
     HadamardFP8State,
@@ -16,6 +15,7 @@ from .hook import (
     geofp8_hook,
     hadamard_fp8_hook,
 )
+from .formats import Codec, Packed
 
 __all__ = [
     "Codec",

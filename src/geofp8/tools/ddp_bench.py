@@ -2,7 +2,7 @@
 
 Every method trains the same Llama from the same initialisation on the same batches:
 ``warmup`` untimed steps (so refreshes and selections have happened), ``steps`` timed
-steps, then ``shadow_steps`` steps in which :mod:`geofp8.shadow` also all-reduces the
+steps, then ``shadow_steps`` steps in which :mod:`geofp8.tools.shadow` also all-reduces the
 same gradients in FP32 to measure the communicated gradient's RelL2 and cosine per layer.
 
 Bytes are *counted*: during the timed steps the ``torch.distributed`` collectives are
@@ -12,7 +12,6 @@ all-to-all the splits meant for others). DDP's built-in all-reduce (no hook) is 
 visible to Python; its bytes are the FP32 ring figure of the gradient size.
 """
 
-import contextlib
 import json
 import os
 import re
@@ -20,21 +19,18 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .collectives import fp32_allreduce_wire_bytes
+from ..collectives import fp32_allreduce_wire_bytes
+from ..methods import METHODS
+from .wire import ByteCounter
 
-DEFAULT_METHODS = ("fp32", "bf16", "powersgd4", "powersgd8", "torch-int8", "fp8", "fp8-ef",
-                   "hadamard", "geofp8-profile", "geofp8-auto", "geofp8-fresh-auto",
-                   "geofp8-local-all")
-
-
-CALLBACK_ISSUING = ("powersgd4", "powersgd8", "torch-int8")
+DEFAULT_METHODS = ("fp32", "bf16", "powersgd", "powersgd8", "torch-int8", "fp8", "fp8-ef",
+                   "hadamard", "geofp8", "geofp8-auto", "geofp8-fresh", "geofp8-local")
 
 
 @dataclass
@@ -54,87 +50,16 @@ class DDPBenchConfig:
 
 
 def _make_hook(method: str, model, cfg: DDPBenchConfig):
-    """``(state, hook)`` for ``method``; ``(None, None)`` means DDP's built-in all-reduce."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-    from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as qh
-
-    from . import hook as g
-    from .config import FP8Config, GeoFP8Config
-
-    if method == "fp32":
+    """``(state, hook)`` of ``method`` (a :data:`METHODS` name); ``(None, None)`` for fp32,
+    which times DDP's built-in all-reduce."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {list(METHODS)}")
+    spec = METHODS[method]
+    if spec.kind == "allreduce":
         return None, None
-    if method == "bf16":
-        return None, default_hooks.bf16_compress_hook
-    if method.startswith("powersgd"):
-        rank = int(method.removeprefix("powersgd"))
-        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank,
-                                            start_powerSGD_iter=2, use_error_feedback=True)
-        return state, powerSGD_hook.powerSGD_hook
-    if method == "torch-int8":
-        return None, qh.quantization_pertensor_hook
-    if method == "fp8":
-        return g.FP8State(model, FP8Config()), g.fp8_hook
-    if method == "fp8-ef":
-        return g.FP8State(model, FP8Config(error_feedback=True)), g.fp8_hook
-    if method == "hadamard":
-        return g.HadamardFP8State(model, FP8Config(error_feedback=True)), g.hadamard_fp8_hook
-    geometry = {  # method -> (layers, factor_source)
-        "geofp8-profile": ("profile", "refresh"), "geofp8-auto": ("auto", "refresh"),
-        "geofp8-refresh-all": ("all", "refresh"), "geofp8-fresh-all": ("all", "fresh"),
-        "geofp8-fresh-auto": ("auto", "fresh"), "geofp8-local-all": ("all", "local"),
-    }
-    if method in geometry:
-        layers, source = geometry[method]
-        config = GeoFP8Config(layers=layers, factor_source=source, error_feedback=True,
-                              refresh_every=cfg.refresh_every, profile_steps=cfg.profile_steps)
-        return g.GeoFP8State(model, config), g.geofp8_hook
-    raise ValueError(f"unknown method {method!r}; expected one of {DEFAULT_METHODS} or "
-                     f"{sorted(geometry)}")
-
-
-class _ByteCounter:
-    """Charges every collective issued through ``torch.distributed`` with its wire bytes."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.n, self.bytes = rank, world_size, 0
-
-    @staticmethod
-    def _size(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    def charges(self) -> dict[str, Callable[..., int]]:
-        n = self.n
-        return {
-            "all_reduce": lambda t, *a, **k: 2 * (n - 1) * self._size(t) // n,
-            "all_gather": lambda out, t, *a, **k: (n - 1) * self._size(t),
-            "broadcast": lambda t, src, *a, **k: (n - 1) * self._size(t) if src == self.rank
-            else 0,
-            "all_to_all_single": lambda out, t, out_splits=None, in_splits=None, *a, **k:
-                self._size(t) - (self._size(t) // n if in_splits is None else
-                                 in_splits[self.rank] * t.element_size()),
-        }
-
-    @contextlib.contextmanager
-    def counting(self):
-        originals = {name: getattr(dist, name) for name in self.charges()}
-
-        def wrap(name, fn, charge):
-            def counted(*args, **kwargs):
-                if name == "all_to_all_single":
-                    self.bytes += charge(*args[:2], kwargs.get("output_split_sizes"),
-                                         kwargs.get("input_split_sizes"))
-                else:
-                    self.bytes += charge(*args, **kwargs)
-                return fn(*args, **kwargs)
-            return counted
-
-        for name, charge in self.charges().items():
-            setattr(dist, name, wrap(name, originals[name], charge))
-        try:
-            yield self
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
+    state, hook, _ = spec.build(model, refresh_every=cfg.refresh_every,
+                                profile_steps=cfg.profile_steps, seed=cfg.seed)
+    return state, hook
 
 
 def _run_method(method: str, cfg: DDPBenchConfig, data, rank: int) -> dict:
@@ -146,10 +71,7 @@ def _run_method(method: str, cfg: DDPBenchConfig, data, rank: int) -> dict:
 
     model, _ = load_model(cfg.model, data.vocab_size, seed=cfg.seed)
     model.train()
-    # PyTorch's PowerSGD and int8 hooks issue collectives from completion callbacks; with
-    # several buckets in flight those reach the ranks in different orders (on gloo with 4
-    # ranks: "collective mismatch" abort). One bucket keeps them correct.
-    ddp = DDP(model, bucket_cap_mb=1024 if method in CALLBACK_ISSUING else None)
+    ddp = DDP(model, bucket_cap_mb=1024 if METHODS[method].one_bucket else None)
     state, hook = _make_hook(method, model, cfg)
     shadow = None
     if hook is not None:
@@ -157,7 +79,7 @@ def _run_method(method: str, cfg: DDPBenchConfig, data, rank: int) -> dict:
         ddp.register_comm_hook(shadow, shadow_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     numel = sum(p.numel() for p in model.parameters())
-    counter = _ByteCounter(rank, cfg.world_size)
+    counter = ByteCounter(rank, cfg.world_size)
 
     def step(i: int) -> float:
         x, y = get_batch(data.train, i, cfg.batch_size, rank, cfg.world_size, cfg.seed)
@@ -276,7 +198,8 @@ def format_rows(rows: list[dict], cfg: DDPBenchConfig) -> str:
     lines = [f"Whole step, {cfg.world_size} gloo ranks, {cfg.model}, "
              f"{cfg.batch_size}×{cfg.seq_len} tokens per rank, median of {cfg.steps} steps "
              f"(the slowest rank's); bytes counted from the collectives; "
-             f"{', '.join(CALLBACK_ISSUING)} run with a single DDP bucket (they issue "
+             f"{', '.join(m for m in cfg.methods if METHODS[m].one_bucket)} run with a single "
+             "DDP bucket (they issue "
              "collectives from completion callbacks, which is only safe with one bucket)",
              "",
              "| method | ms/step | vs fp32 | bytes/step | bytes/elem | of which factors "

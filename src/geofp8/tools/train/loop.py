@@ -5,7 +5,7 @@ Run by every rank (``torchrun``, or ``geofp8 train --nproc N`` which launches it
 1. process group (gloo on CPU, NCCL on GPU) with a collective timeout;
 2. corpus → BPE tokens → train / validation blocks; the model (a preset or a local HF
    directory), identical on every rank;
-3. DDP with the ``--method``'s communication hook (:data:`geofp8.train.config.METHODS`);
+3. DDP with the ``--method``'s communication hook (:data:`geofp8.tools.train.config.METHODS`);
 4. optimizers: Muon for the hidden 2-D weights and AdamW for embeddings, head and norms
    (or AdamW throughout); linear warm-up then cosine from ``lr`` to ``lr_min``;
 5. the step loop: batch of this step (by index, so a resumed run reads the same data),
@@ -22,6 +22,7 @@ copy of the gradients and one FP32 all-reduce on those steps, no extra forward/b
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -36,10 +37,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..collectives import fp32_allreduce_wire_bytes
+from ...collectives import fp32_allreduce_wire_bytes
 from ..data import get_batch, load_token_data, read_text
 from ..models import PRESETS, build_preset, load_model
 from ..shadow import ShadowState, shadow_fidelity, shadow_hook
+from ..wire import ByteCounter
 from . import checkpoint as ckpt
 from .config import METHODS, TrainConfig, make_comm_hook
 
@@ -90,8 +92,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
         model.load_state_dict(shared["model"])
 
     # -- 3. DDP and the method's hook -------------------------------------------------------
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              bucket_cap_mb=1024 if METHODS[cfg.method].one_bucket else None)
     state, hook, width = make_comm_hook(cfg.method, model, cfg)
+    counter = ByteCounter(rank, world) if width is None and not hasattr(state, "stats") else None
     comm = ShadowState(state, hook)
     ddp.register_comm_hook(comm, shadow_hook)
 
@@ -129,7 +133,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
         comm.capture = shadow
         logits = ddp(input_ids=x).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()  # the hook all-reduces the gradients here
+        with counter.counting() if counter is not None else contextlib.nullcontext():
+            loss.backward()  # the hook all-reduces the gradients here
         comm.capture = False
         record: dict = {"step": step}
         if shadow:
@@ -146,8 +151,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         record.update(loss=float(mean_loss) / world, lr=lr, grad_norm=float(grad_norm),
-                      **_bytes(state, width, n_params, world))
-        if state is not None and METHODS[cfg.method].kind == "geofp8":
+                      **_bytes(state, width, counter, n_params, world))
+        if hasattr(state, "stats"):
             record["geometry_layers"] = len(state.stats()["geometry_layers"])
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             record["val_loss"] = evaluate(model, data.val, cfg, rank, world, device)
@@ -224,13 +229,19 @@ def _model_and_data(cfg: TrainConfig):
     return model, data
 
 
-def _bytes(state, width: int | None, n_params: int, world: int) -> dict:
-    if state is not None:
+def _bytes(state, width: int | None, counter: ByteCounter | None, n_params: int,
+           world: int) -> dict:
+    """This step's wire bytes: GeoFP8's own counters, the counted collectives of another
+    Python hook (PowerSGD), or the ring all-reduce of a fixed width (FP32, bf16)."""
+    if hasattr(state, "stats"):
         st = state.stats()
         return {"bytes_sent": st["bytes_sent"],
                 "bytes_fp32_equivalent": st["bytes_fp32_equivalent"],
                 "bytes_per_element": st["bytes_per_element"]}
-    sent = fp32_allreduce_wire_bytes(n_params, world, width)
+    if counter is not None:
+        sent, counter.bytes = counter.bytes, 0
+    else:
+        sent = fp32_allreduce_wire_bytes(n_params, world, width)
     return {"bytes_sent": sent,
             "bytes_fp32_equivalent": fp32_allreduce_wire_bytes(n_params, world),
             "bytes_per_element": sent / n_params}

@@ -9,15 +9,15 @@ import sys
 
 # name -> (module, one-line help). Modules are imported lazily so `geofp8 --help` is fast.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "fidelity": ("geofp8.analysis", "one-step FP8 round-trip fidelity of every Linear layer's "
-                 "gradient, per transform, format and scaling"),
-    "train": ("geofp8.train", "data-parallel Llama pretraining with a chosen gradient "
+    "fidelity": ("geofp8.tools.analysis", "one-step FP8 round-trip fidelity of every Linear "
+                 "layer's gradient, per transform, format and scaling"),
+    "train": ("geofp8.tools.train", "data-parallel Llama pretraining with a chosen gradient "
               "communication (fp32, bf16, fp8, fp8-ef, hadamard, geofp8, geofp8-auto, ...)"),
-    "compare": ("geofp8.train.compare", "train with several methods and seeds on the same data "
-                "and write a report (report.md, loss.png, fidelity.png, results.json)"),
-    "demo": ("geofp8.demo", "the main job: compare fp32, fp8, fp8-ef, geofp8 and geofp8-auto "
+    "compare": ("geofp8.tools.train.compare", "train with several methods and seeds on the "
+                "same data and write a report (report.md, loss.png, fidelity.png, results.json)"),
+    "demo": ("geofp8.tools.demo", "the main job: compare fp32, fp8, fp8-ef, geofp8 and geofp8-auto "
              "on a CPU-sized Llama with 2 ranks (about 10 minutes on 2 cores)"),
-    "bench": ("geofp8.bench", "codec throughput, geometry overhead, whole DDP steps next to "
+    "bench": ("geofp8.tools.bench", "codec throughput, geometry overhead, whole DDP steps next to "
               "PyTorch's hooks, and the scaling model, measured as ratios in one run"),
 }
 

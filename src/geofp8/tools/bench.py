@@ -5,7 +5,7 @@ Parts (``--parts``):
 1. codec throughput against a plain copy of the same tensor (memcpy bandwidth);
 2. low-rank geometry (transform, factor refresh) against the layer's weight-gradient GEMM;
 3. whole DDP steps on 2 and 4 real gloo processes: PyTorch's hooks and ours side by side,
-   time, counted bytes and the communicated gradient's RelL2 (:mod:`geofp8.ddp_bench`);
+   time, counted bytes and the communicated gradient's RelL2 (:mod:`geofp8.tools.ddp_bench`);
 4. an alpha-beta scaling model fed with the ratios of parts 1 and 2.
 
 Every timing is the median of ``repeats`` runs after a warm-up;
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
+from ..formats import Codec
+from ..fused import ef_quantize, naive_ef_quantize
+from ..statistics import nystrom_factor
+from ..transforms import LowRankInput
 from . import scaling
-from .formats import Codec
-from .fused import ef_quantize, naive_ef_quantize
-from .statistics import nystrom_factor
-from .transforms import LowRankInput
 
 MiB = 2**20
 GB = 1e9
@@ -445,7 +445,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ddp-world-sizes", default=None,
                         help="part 3: comma list of rank counts (default 2,4)")
     parser.add_argument("--ddp-methods", default=None,
-                        help="part 3: comma list of methods (see geofp8.ddp_bench)")
+                        help="part 3: comma list of methods (see geofp8.tools.ddp_bench)")
     parser.add_argument("--ddp-model", default=None, help="part 3: model preset (llama-tiny)")
     parser.add_argument("--ddp-seq-len", type=int, default=None, help="part 3: tokens/sequence")
     parser.add_argument("--ddp-batch-size", type=int, default=None,

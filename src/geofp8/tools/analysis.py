@@ -36,11 +36,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .collectives import ShardLayout, simulate_exact_allreduce
-from .data import get_batch
-from .formats import FORMATS, Codec
-from .statistics import LowRankFactor, SecondMoment
-from .transforms import (
+from ..collectives import ShardLayout, simulate_exact_allreduce
+from ..formats import FORMATS, Codec
+from ..statistics import LowRankFactor, SecondMoment
+from ..transforms import (
     BlockInput,
     DiagonalInput,
     Hadamard,
@@ -50,6 +49,7 @@ from .transforms import (
     Transform,
     TwoSided,
 )
+from .data import get_batch
 
 __all__ = [
     "FidelityConfig",

@@ -2,7 +2,7 @@
 
 Every (seed, method) pair is its own ``geofp8 train`` launch into ``<out>/runs/<method>-s<seed>``
 with the same flags except ``--method`` and ``--seed``: identical initial weights and data
-order for every method of a seed. The report (:mod:`geofp8.train.report`) is computed from
+order for every method of a seed. The report (:mod:`geofp8.tools.train.report`) is computed from
 those runs' ``log.jsonl`` files.
 """
 

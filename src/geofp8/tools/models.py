@@ -15,7 +15,7 @@ preset          hidden  inter  layers  heads  kv heads  non-embedding params
 :func:`load_model` also takes a local Hugging Face model directory (with its tokenizer when
 the directory has one) or a local ``.gguf`` file (needs the ``gguf`` package:
 ``pip install 'geofp8[gguf]'``). :func:`load_model_and_data` pairs a model with the token
-blocks of :mod:`geofp8.data` (a preset gets a BPE of its vocabulary size).
+blocks of :mod:`geofp8.tools.data` (a preset gets a BPE of its vocabulary size).
 """
 
 from __future__ import annotations

@@ -22,12 +22,12 @@ def in_launched_process() -> bool:
 
 
 def launch(nproc: int, train_argv: list[str], timeout: float | None = None) -> int:
-    """Run ``python -m torch.distributed.run --nproc_per_node N -m geofp8.cli train ...``
+    """Run ``python -m torch.distributed.run --nproc_per_node N -m geofp8.tools.cli train ...``
     on this machine and return its exit status (``torchrun`` stops every rank when one
     fails; ``timeout`` bounds the whole launch)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           "-m", "geofp8.cli", "train", *train_argv]
+           "-m", "geofp8.tools.cli", "train", *train_argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     try:

@@ -1,7 +1,7 @@
 """``geofp8 train``: data-parallel pretraining of a Llama with any ``--method``'s gradient
-communication (see :mod:`geofp8.train.loop`; methods in :data:`METHODS`).
+communication (see :mod:`geofp8.tools.train.loop`; methods in :data:`METHODS`).
 
-Launch with ``torchrun --nproc_per_node N -m geofp8.cli train ...`` (several nodes: the
+Launch with ``torchrun --nproc_per_node N -m geofp8.tools.cli train ...`` (several nodes: the
 usual torchrun flags), or let ``--nproc N`` start torchrun on this machine.
 """
 

@@ -1,0 +1,120 @@
+"""The one table of gradient-communication methods, by name.
+
+The trainer, the benchmarks, the demo and the tests all read :data:`METHODS`; nothing else
+decides what a method name communicates. A :class:`Method` builds the DDP comm hook::
+
+    >>> state, hook, width = METHODS["geofp8-auto"].build(model, format="e4m3")
+    >>> ddp_model.register_comm_hook(state, hook)
+
+``kind``: ``"allreduce"`` (DDP's own FP32 all-reduce), ``"bf16"`` (PyTorch's bf16 compress
+hook), ``"powersgd"`` (PyTorch's PowerSGD hook, the low-rank peer), ``"torch-int8"``
+(PyTorch's per-tensor int8 quantization hook) or ``"geofp8"`` (this library, with the
+:class:`~geofp8.config.GeoFP8Config` that :meth:`Method.config` builds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import GeoFP8Config
+
+__all__ = ["METHODS", "Method"]
+
+# Settings a caller may override on the geometry methods (the paper's k, K, profile window,
+# and the seed of the sketches). The Euclidean and Hadamard controls take only ``format``.
+GEOMETRY_OVERRIDES = ("format", "rank", "refresh_every", "profile_steps", "seed")
+CONTROL_OVERRIDES = ("format",)
+
+
+@dataclass(frozen=True)
+class Method:
+    """What one method name sends: ``kind`` and the fixed settings of its config."""
+
+    kind: str
+    description: str
+    settings: dict[str, Any] = field(default_factory=dict)  # GeoFP8Config fields / PowerSGD rank
+    overrides: tuple[str, ...] = GEOMETRY_OVERRIDES  # caller settings it accepts
+    # PyTorch's PowerSGD and int8 hooks issue collectives from completion callbacks; with
+    # several buckets in flight those reach the ranks in different orders (gloo, 4 ranks:
+    # "collective mismatch"). Register them on a DDP with one bucket.
+    one_bucket: bool = False
+
+    def config(self, **overrides) -> GeoFP8Config | None:
+        """The :class:`GeoFP8Config` of a ``geofp8`` method; caller ``overrides`` that this
+        method does not take are ignored (e.g. ``rank`` for plain FP8)."""
+        if self.kind != "geofp8":
+            return None
+        chosen = {k: v for k, v in overrides.items() if k in self.overrides and v is not None}
+        return GeoFP8Config(**{**chosen, **self.settings})
+
+    def build(self, model, process_group=None, **overrides):
+        """``(state, hook, bytes_per_element)`` to register on DDP.
+
+        ``state`` is a :class:`~geofp8.ddp.GeoFP8State` (its ``stats()`` count the bytes), a
+        PowerSGD state, or ``None``; ``bytes_per_element`` is the width of a plain all-reduce
+        (FP32: 4, bf16: 2) for the PyTorch hooks whose bytes nothing counts, else ``None``.
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks import (
+            default_hooks,
+            powerSGD_hook,
+            quantization_hooks,
+        )
+
+        from .ddp import GeoFP8State, geofp8_hook
+
+        if self.kind == "allreduce":
+            return None, default_hooks.allreduce_hook, 4
+        if self.kind == "bf16":
+            return None, default_hooks.bf16_compress_hook, 2
+        if self.kind == "torch-int8":
+            return None, quantization_hooks.quantization_pertensor_hook, 1
+        if self.kind == "powersgd":
+            state = powerSGD_hook.PowerSGDState(
+                process_group, matrix_approximation_rank=self.settings["rank"],
+                start_powerSGD_iter=2, use_error_feedback=True)
+            return state, powerSGD_hook.powerSGD_hook, None
+        return GeoFP8State(model, self.config(**overrides), process_group), geofp8_hook, None
+
+
+def _control(description: str, **settings) -> Method:
+    return Method("geofp8", description, {"transform": "euclidean", "layers": "none", **settings},
+                  CONTROL_OVERRIDES)
+
+
+METHODS: dict[str, Method] = {
+    "fp32": Method("allreduce", "FP32 ring all-reduce (DDP default)"),
+    "bf16": Method("bf16", "PyTorch bf16_compress_hook"),
+    "powersgd": Method("powersgd", "PyTorch PowerSGD, rank 4, error feedback", {"rank": 4},
+                       one_bucket=True),
+    "powersgd8": Method("powersgd", "PyTorch PowerSGD, rank 8, error feedback", {"rank": 8},
+                        one_bucket=True),
+    "torch-int8": Method("torch-int8", "PyTorch quantization_pertensor_hook (int8)",
+                         one_bucket=True),
+    "fp8": _control("FP8, per-tensor scales", error_feedback=False),
+    "fp8-ef": _control("FP8 + error feedback", error_feedback=True),
+    "fp8-block": _control("FP8, a scale per 128 elements", scaling="block", block_size=128,
+                          error_feedback=False),
+    "hadamard": Method("geofp8", "FP8 + EF after a fixed block Hadamard rotation",
+                       {"transform": "hadamard", "layers": "all", "error_feedback": True},
+                       CONTROL_OVERRIDES),
+    "geofp8": Method("geofp8", "the paper: profile-selected layers, low-rank k, EF",
+                     {"layers": "profile", "transform": "lowrank", "error_feedback": True}),
+    "geofp8-auto": Method("geofp8", "ours: layers switched by measured round-trip error, EF",
+                          {"layers": "auto", "transform": "lowrank", "error_feedback": True}),
+    "geofp8-all": Method("geofp8", "the paper's refreshed factor on every layer, EF",
+                         {"layers": "all", "transform": "lowrank", "error_feedback": True}),
+    "geofp8-fresh": Method("geofp8", "ours with this step's factor (all-reduced sketch), "
+                           "auto selection, EF",
+                           {"layers": "auto", "transform": "lowrank", "factor_source": "fresh",
+                            "error_feedback": True}),
+    "geofp8-fresh-all": Method("geofp8", "this step's factor on every layer, EF",
+                               {"layers": "all", "transform": "lowrank",
+                                "factor_source": "fresh", "error_feedback": True}),
+    "geofp8-local": Method("geofp8", "each rank's own factor, decoded per sender, on every "
+                           "layer, EF",
+                           {"layers": "all", "transform": "lowrank", "factor_source": "local",
+                            "error_feedback": True}),
+    "kfac": Method("geofp8", "two-sided (K-FAC) geometry on every layer, EF",
+                   {"layers": "all", "transform": "kfac", "error_feedback": True}),
+}

@@ -1,0 +1,84 @@
+"""Settings of ``geofp8 train``; ``--method`` names a row of :data:`geofp8.methods.METHODS`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from ...methods import METHODS
+
+
+@dataclass
+class TrainConfig:
+    """One training run. The defaults are the paper's recipe where it has one (optimizer,
+    learning rate, GeoFP8's ``k``/refresh/profile); sizes default to a CPU-sized run."""
+
+    # model and data
+    model: str = "llama-tiny"
+    data: list[str] = field(default_factory=list)  # local text files; empty: default corpus
+    dataset: str | None = None  # Hugging Face `datasets` name or saved path
+    dataset_split: str = "train"
+    text_column: str = "text"
+    dataset_max_chars: int = 50_000_000
+    vocab_size: int = 2048
+    seq_len: int = 128
+    batch_size: int = 8  # sequences per rank and step
+    val_fraction: float = 0.05
+    # schedule
+    steps: int = 200
+    stop_after: int | None = None  # end early (as if interrupted) but keep the schedule
+    optimizer: str = "muon"
+    lr: float = 5e-4
+    lr_min: float = 5e-5
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    # communication
+    method: str = "fp32"
+    format: str = "e4m3"
+    refresh_every: int = 50
+    profile_steps: int = 100
+    rank: int = 32
+    # measurement and output
+    eval_every: int = 50
+    eval_batches: int = 16
+    shadow_every: int = 0
+    log_every: int = 1
+    checkpoint_every: int = 0
+    out: str = "runs/train"
+    resume: bool = False
+    seed: int = 0
+    threads: int = 0  # per rank; 0: cores / local ranks
+    timeout_s: float = 300.0
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.method in METHODS, f"method must be one of {list(METHODS)}"),
+            (self.optimizer in ("muon", "adamw"), "optimizer must be 'muon' or 'adamw'"),
+            (self.steps >= 1 and self.seq_len >= 1 and self.batch_size >= 1,
+             "steps, seq_len and batch_size must be >= 1"),
+            (self.warmup >= 0, "warmup must be >= 0"),
+            (0 < self.lr_min <= self.lr, "need 0 < lr_min <= lr"),
+            (self.eval_every >= 0 and self.shadow_every >= 0 and self.checkpoint_every >= 0,
+             "eval/shadow/checkpoint intervals must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"TrainConfig: {message}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def make_comm_hook(method: str, model, cfg: TrainConfig):
+    """``(state, hook, bytes_per_element)`` of ``method`` with this run's settings
+    (see :meth:`geofp8.methods.Method.build`)."""
+    return METHODS[method].build(model, format=cfg.format, rank=cfg.rank,
+                                 refresh_every=cfg.refresh_every,
+                                 profile_steps=cfg.profile_steps, seed=cfg.seed)
