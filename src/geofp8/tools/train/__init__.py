@@ -40,7 +40,7 @@ HELP = {
     "format": "FP8 format of the fp8/hadamard/geofp8 methods: e4m3 or e5m2",
     "refresh_every": "GeoFP8 factor refresh period K (paper: 50)",
     "profile_steps": "steps of the geofp8 profile before its layers are fixed (default 100)",
-    "rank": "GeoFP8 low-rank factor k (paper: 32)",
+    "k": "GeoFP8 low-rank factor k (paper: 32)",
     "eval_every": "validation loss every E steps and at the end (0: never)",
     "eval_batches": "validation batches per rank",
     "shadow_every": "every M steps also all-reduce the local gradients in FP32 and log the "
