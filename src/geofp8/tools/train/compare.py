@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ..cli import UsageError
 from . import add_train_arguments, config_from_args, to_argv
 from .config import METHODS, TrainConfig
 from .launch import launch
@@ -55,6 +56,10 @@ def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
             out: str | Path, reuse: bool = False, run_timeout: float | None = None,
             command: str | None = None, echo=print) -> dict:
     """Run every method for every seed, then write the report under ``out``."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:  # before any run starts
+        raise UsageError(f"unknown method(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(METHODS)}")
     runs = []
     total, done = len(methods) * len(seeds), 0
     for seed in seeds:
@@ -87,10 +92,6 @@ def split_list(values: list[str]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     args.methods = split_list(args.methods)
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown:
-        raise SystemExit(f"geofp8 compare: unknown method(s) {unknown}; choose from "
-                         f"{', '.join(METHODS)}")
     args.seeds = [int(s) for s in split_list(args.seeds)]
     base = config_from_args(args)
     command = "geofp8 compare " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 else None
