@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from geofp8.tools.train import TrainConfig
-from geofp8.tools.train import optim
+from geofp8.tools.train import TrainConfig, optim
 from geofp8.tools.train.optim import Muon, build_optimizers, optimizer_info, zeropower
 
 

@@ -2,9 +2,9 @@
 ``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches.
 
 A mistake in what the user asked for (a flag's value, a model or file that does not exist)
-is raised as :class:`UsageError` wherever it is found and printed here as argparse prints its
-own: ``geofp8 <command>: error: <message>``, exit status 2, no traceback. Every other
-exception keeps its traceback: it is a bug or an environment problem, not a usage error.
+is raised as :class:`~geofp8.tools.errors.UsageError` wherever it is found and printed here
+as argparse prints its own: ``geofp8 <command>: error: <message>``, exit status 2, no
+traceback. Every other exception keeps its traceback: a bug or an environment problem.
 """
 
 from __future__ import annotations
@@ -13,11 +13,7 @@ import argparse
 import importlib
 import sys
 
-
-
-class UsageError(ValueError):
-    """The user's input is wrong (not the program): the message says what and how to fix it."""
-
+from .errors import UsageError
 
 # name -> (module, one-line help). Modules are imported lazily so `geofp8 --help` is fast.
 COMMANDS: dict[str, tuple[str, str]] = {

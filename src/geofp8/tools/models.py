@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .cli import UsageError
+from .errors import UsageError
 
 __all__ = ["PRESETS", "build_preset", "check_model_spec", "load_model", "load_model_and_data",
            "preset_config"]
@@ -72,7 +72,7 @@ def build_preset(name: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
 
 
 def check_model_spec(spec: str | os.PathLike) -> None:
-    """Raise :class:`~geofp8.tools.cli.UsageError` unless ``spec`` is a preset, an existing
+    """Raise :class:`~geofp8.tools.errors.UsageError` unless ``spec`` is a preset, an existing
     directory or an existing ``.gguf`` file."""
     spec = str(spec)
     path = Path(spec)

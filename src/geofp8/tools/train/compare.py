@@ -15,8 +15,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..cli import UsageError
-from . import add_train_arguments, config_from_args, to_argv
+from ..errors import UsageError
+from . import add_train_arguments, check_inputs, config_from_args, to_argv
 from .config import METHODS, TrainConfig
 from .launch import launch
 from .report import build_report, format_table, read_log
@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     args.methods = split_list(args.methods)
     args.seeds = [int(s) for s in split_list(args.seeds)]
     base = config_from_args(args)
+    check_inputs(base)
     command = "geofp8 compare " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 else None
     results = compare(base, args.methods, args.seeds, args.nproc, args.out, args.reuse,
                       args.run_timeout, command)

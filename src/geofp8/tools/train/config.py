@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ...methods import METHODS
-from ..cli import UsageError
+from ..errors import UsageError
 
 
 @dataclass
