@@ -54,8 +54,9 @@ def _complete(path: Path, steps: int) -> bool:
 
 def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
             out: str | Path, reuse: bool = False, run_timeout: float | None = None,
-            command: str | None = None, echo=print) -> dict:
-    """Run every method for every seed, then write the report under ``out``."""
+            command: str | None = None, echo=print, on_run=None) -> dict:
+    """Run every method for every seed, then write the report under ``out``;
+    ``on_run(method, seed, seconds)`` is called after each run that was not reused."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:  # before any run starts
         raise UsageError(f"unknown method(s) {', '.join(unknown)}; choose from "
@@ -78,10 +79,13 @@ def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
                 raise RuntimeError(f"{method} seed {seed} failed (exit status {rc}); "
                                    f"rerun: geofp8 train --nproc {nproc} "
                                    + shlex.join(to_argv(cfg)))
+            seconds = time.perf_counter() - t0
             records = read_log(path / "log.jsonl")
             val = [r["val_loss"] for r in records if "val_loss" in r]
-            echo(f"      done in {time.perf_counter() - t0:.0f} s: final loss "
+            echo(f"      done in {seconds:.0f} s: final loss "
                  f"{records[-1]['loss']:.4f}" + (f", validation {val[-1]:.4f}" if val else ""))
+            if on_run is not None:
+                on_run(method, seed, seconds)
     return build_report(out, runs, command=command)
 
 

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.optim._muon import _adjust_lr  # torch's own lr rule, so updates match it exactly
 
+from ..errors import UsageError
+
 __all__ = ["Muon", "build_optimizers", "native_bf16", "optimizer_info",
            "orthogonalization_dtype", "zeropower"]
 
@@ -122,7 +124,7 @@ def orthogonalization_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     if choice in _DTYPES:
         return _DTYPES[choice], f"{NS_DTYPE_ENV}={choice}"
     if choice != "auto":
-        raise ValueError(f"{NS_DTYPE_ENV} must be auto, bfloat16 or float32, not {choice!r}")
+        raise UsageError(f"{NS_DTYPE_ENV} must be auto, bfloat16 or float32, not {choice!r}")
     native, why = native_bf16(device)
     return (torch.bfloat16 if native else torch.float32), why
 
@@ -137,12 +139,13 @@ def _agreed_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if int(bf16) else torch.float32
 
 
-def build_optimizers(model: torch.nn.Module, cfg) -> list[torch.optim.Optimizer]:
+def build_optimizers(model: torch.nn.Module, cfg,
+                     ns_dtype: torch.dtype | None = None) -> list[torch.optim.Optimizer]:
     """Muon on the hidden 2-D weights + AdamW on the rest (``cfg.optimizer == "muon"``, the
     paper), or AdamW throughout. Weight decay on matrices (embeddings and head included),
-    none on norms and biases. Muon's Newton–Schulz dtype: :func:`orthogonalization_dtype`
-    of the model's device, the same on every rank (``optimizers[0].ns_dtype``,
-    ``.ns_reason``)."""
+    none on norms and biases. Muon's Newton–Schulz dtype: ``ns_dtype``, or by default
+    :func:`orthogonalization_dtype` of the model's device, the same on every rank
+    (``optimizers[0].ns_dtype``, ``.ns_reason``)."""
     embeddings = {id(m.weight) for m in (model.get_input_embeddings(),
                                          model.get_output_embeddings()) if m is not None}
     hidden, matrices, vectors = [], [], []
@@ -161,8 +164,11 @@ def build_optimizers(model: torch.nn.Module, cfg) -> list[torch.optim.Optimizer]
                                     "weight_decay": cfg.weight_decay},
                                    {"params": vectors, "weight_decay": 0.0}], **adamw)]
     device = next(model.parameters()).device
-    dtype, why = orthogonalization_dtype(device)
-    agreed = _agreed_dtype(dtype, device)
+    if ns_dtype is None:
+        dtype, why = orthogonalization_dtype(device)
+        agreed = _agreed_dtype(dtype, device)
+    else:
+        dtype, why, agreed = ns_dtype, "chosen by the caller", ns_dtype
     muon = Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay,
                 adjust_lr_fn="match_rms_adamw", ns_dtype=agreed)
     muon.ns_reason = why if agreed == dtype else "another rank has no native BF16"
