@@ -368,9 +368,19 @@ def _step(optimizers: list[torch.optim.Optimizer]) -> None:
 
 def part_optimizer(shapes: list[tuple[str, int, int]], repeats: int = 3) -> dict:
     """Time of one optimizer step of the training driver as a ratio to the forward+backward
-    of one ``batch × seq_len`` batch of the same model (one process, no communication),
-    the forward+backward timed right before each step. A BF16 Newton–Schulz on a CPU
-    without native BF16 shows up here as a step several times the forward+backward."""
+    of one ``batch × seq_len`` batch of the same model (one process and one thread, like a
+    rank of ``geofp8 demo``; no communication), the forward+backward timed right before
+    each step. A BF16 Newton–Schulz on a CPU without native BF16 shows up here as a step
+    several times the forward+backward."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _part_optimizer(shapes, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _part_optimizer(shapes: list[tuple[str, int, int]], repeats: int) -> dict:
     from .data import DEFAULT_VOCAB
     from .models import build_preset
     from .train import TrainConfig
@@ -394,8 +404,7 @@ def part_optimizer(shapes: list[tuple[str, int, int]], repeats: int = 3) -> dict
             rows.append({"model": model_name, "batch": batch, "seq_len": seq_len,
                          "optimizer": label, "fwd_bwd_ms": 1e3 * t_fb,
                          "step_ms": 1e3 * t_step, "step_vs_fwd_bwd": 1 / ratio})
-    title = ("Part 5 — optimizer step vs forward+backward (one process, "
-             f"{torch.get_num_threads()} threads; this CPU: "
+    title = ("Part 5 — optimizer step vs forward+backward (one process, one thread; this CPU: "
              f"{'native' if native else 'no native'} BF16, {why})")
     table = format_table(title, ["model", "batch×seq", "optimizer", "fwd+bwd ms", "step ms",
                                  "step / fwd+bwd"],

@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("geofp8.tools.train.compare", "train with several methods and seeds on the "
                 "same data and write a report (report.md, loss.png, fidelity.png, results.json)"),
     "demo": ("geofp8.tools.demo", "the main job: compare fp32, fp8, fp8-ef, geofp8 and geofp8-auto "
-             "on a CPU-sized Llama with 2 ranks (about 10 minutes on 2 cores)"),
+             "on a CPU-sized Llama with 2 ranks (about 7 minutes on 2 idle cores)"),
     "bench": ("geofp8.tools.bench", "codec throughput, geometry overhead, whole DDP steps next to "
               "PyTorch's hooks, and the scaling model, measured as ratios in one run"),
 }

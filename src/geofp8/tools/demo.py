@@ -27,20 +27,23 @@ METHODS = ["fp32", "fp8", "fp8-ef", "geofp8", "geofp8-auto"]
 # profiles 100 steps of a much longer run).
 SETTINGS = dict(model="llama-tiny", seq_len=128, batch_size=4, steps=500, warmup=50,
                 lr=1e-3, lr_min=1e-4, eval_every=25, shadow_every=10, profile_steps=50)
-# One run of SETTINGS on 2 ranks: (start-up s, s per step) of wall time on 2 otherwise idle
-# cores of an AVX2-only x86 CPU (no AVX-512, no native BF16; emulated by capping oneDNN and
-# ATen at AVX2, which takes the same slow BF16 path). A step's share of the evaluation every
-# 25 steps and of the shadow step every 10 is included. Measured from runs of 5 and 30 steps
-# per method; a method not listed costs as much as the dearest listed one.
-RUN_COST_S = {"fp32": (0.0, 0.0), "fp8": (0.0, 0.0), "fp8-ef": (0.0, 0.0),
-              "geofp8": (0.0, 0.0), "geofp8-auto": (0.0, 0.0)}
+# One run of SETTINGS on 2 ranks: (start-up s, s per step) per rank on an AVX2-only x86 CPU
+# (no AVX-512, no native BF16; emulated by capping oneDNN and ATen at AVX2, which takes the
+# same slow BF16 path). CPU seconds, which other work on a shared machine barely changes,
+# per rank: the launch's total CPU time over runs of 5 and 30 steps, halved; a step's share
+# of the evaluation every 25 steps and of the shadow step every 10 is included. A method not
+# listed costs as much as the dearest listed one.
+RUN_COST_S = {"fp32": (5.8, 0.117), "fp8": (6.5, 0.113), "fp8-ef": (5.9, 0.119),
+              "geofp8": (6.5, 0.115), "geofp8-auto": (5.9, 0.182)}
+WAIT = 1.25  # wall time per CPU second of a rank: waits for the other rank, the launcher
 SLOWER = 1.25  # a run this much over its estimate is reported, with the reasons found
 
 
 def run_estimate_s(method: str, steps: int) -> float:
-    """Estimated wall seconds of one ``method`` run of ``steps`` steps (:data:`RUN_COST_S`)."""
+    """Estimated wall seconds of one ``method`` run of ``steps`` steps on 2 idle cores:
+    ``WAIT · (start-up + steps · per step)`` (:data:`RUN_COST_S`)."""
     start, per_step = RUN_COST_S.get(method, max(RUN_COST_S.values(), key=lambda c: c[1]))
-    return start + steps * per_step
+    return WAIT * (start + steps * per_step)
 
 
 def slowdowns(nproc: int, own_load: float = 0.0) -> list[str]:
