@@ -135,7 +135,7 @@ def tiny(corpus, tmp_path_factory):
     return models.build_preset("llama-tiny", vocab_size=bpe.get_vocab_size(), seed=5), bpe
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
 def test_quantized_gguf_loads_dequantized_in_fp32(tiny, tmp_path, qtype):
     model, bpe = tiny
     path = tmp_path / f"tiny-{qtype.name}.gguf"
