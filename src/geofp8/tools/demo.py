@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     estimate = sum(run_estimate_s(m, settings["steps"]) for m in methods)
     print(f"GeoFP8 demo: {len(methods)} methods on {settings['model']}, {args.nproc} ranks, "
           f"{settings['steps']} steps each: about {estimate / 60:.0f} minutes on 2 idle cores "
-          f"of an AVX2-only CPU (newer CPUs are faster)\n{command}\n")
+          f"of an AVX2-only CPU, the slowest kind measured\n{command}\n")
     if why := slowdowns(args.nproc):
         print("It will take longer here: " + "; ".join(why) + ".\n")
     t0 = time.perf_counter()
