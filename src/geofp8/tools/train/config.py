@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ...methods import METHODS
+from ..errors import UsageError
 
 
 @dataclass
@@ -65,7 +66,7 @@ class TrainConfig:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(f"TrainConfig: {message}")
+                raise UsageError(f"TrainConfig: {message}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
