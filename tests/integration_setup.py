@@ -36,14 +36,15 @@ def flat_params(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def raw_ddp(rank: int, world_size: int, config: GeoFP8Config = CONFIG, steps: int = STEPS):
-    """The reference: a plain DDP loop with the GeoFP8 hook, AdamW, the same batches."""
+def raw_ddp(rank: int, world_size: int, batches: list[torch.Tensor] | None = None):
+    """The reference: a plain DDP loop with the GeoFP8 hook, AdamW (no weight decay), on
+    ``batches`` (default: :func:`rank_batches`)."""
     model = DDP(tiny_llama())
-    state = GeoFP8State(model.module, config)
+    state = GeoFP8State(model.module, CONFIG)
     model.register_comm_hook(state, geofp8_hook)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses = []
-    for tokens in rank_batches(rank, world_size, steps):
+    for tokens in batches if batches is not None else rank_batches(rank, world_size):
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         opt.step()

@@ -31,8 +31,8 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
 
 
 def install(model: nn.Module, config: GeoFP8Config | None = None, *,
-            process_group: dist.ProcessGroup | None = None,
-            grad_scaler=None) -> GeoFP8State:
+            process_group: dist.ProcessGroup | None = None, grad_scaler=None,
+            wrapped_by: str = "the framework's data-parallel wrapping") -> GeoFP8State:
     """Register :func:`geofp8_hook` on a ``DistributedDataParallel`` model; return its state.
 
     Args:
@@ -40,6 +40,7 @@ def install(model: nn.Module, config: GeoFP8Config | None = None, *,
         config: a :class:`GeoFP8Config` (default: ``GeoFP8Config()``), identical on all ranks.
         process_group: the data-parallel group; default: the one DDP reduces over.
         grad_scaler: the ``torch.amp.GradScaler`` of a loss-scaled run, if any.
+        wrapped_by: the step that wraps the model, named in the error when it is not wrapped.
 
     Raises:
         TypeError: ``model`` is not (yet) wrapped in DDP.
@@ -50,8 +51,8 @@ def install(model: nn.Module, config: GeoFP8Config | None = None, *,
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(
             f"GeoFP8 installs on a DistributedDataParallel model, got {type(ddp).__name__}: "
-            "call it after the framework has wrapped the model for data-parallel training "
-            "(a single-process run has no gradient communication to compress)")
+            f"call it after {wrapped_by} (a single-process run has no gradient "
+            "communication to compress)")
     if ddp._comm_hooks:  # DDP's record of register_comm_hook calls
         hook = ddp._comm_hooks[0][0]
         raise RuntimeError(
