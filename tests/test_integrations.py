@@ -28,6 +28,7 @@ def _check_run(results, metric_rows):
     per_element = [r["geofp8/bytes_per_element"] for r in metric_rows]
     assert 1.0 < min(per_element) < 1.1, per_element
     assert metric_rows[-1]["geofp8/bytes_per_step"] == stats0["bytes_sent"]
+    assert min(per_element) < metric_rows[-1]["geofp8/run_bytes_per_element"] < max(per_element)
 
 
 # -- PyTorch Lightning -----------------------------------------------------------------------
@@ -135,14 +136,14 @@ def _accelerate_worker(rank, world_size):
         install(DDP(torch.nn.Linear(4, 4), process_group=fake), CONFIG)
     except ValueError as e:
         errors["backend"] = str(e)
-    losses = []
+    losses, totals = [], {}
     for step, tokens in enumerate(rank_batches(rank, world_size)):
         loss = model(input_ids=tokens, labels=tokens).loss
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-        geo.log(accelerator, state, step=step)
+        geo.log(accelerator, state, step=step, totals=totals)
     unwrapped = accelerator.unwrap_model(model)
     return (losses, flat_params(unwrapped), state.stats(),
             raw_ddp(rank, world_size) + ((rows.rows, errors) if rank == 0 else None,))

@@ -69,21 +69,33 @@ def install(model: nn.Module, config: GeoFP8Config | None = None, *,
     return state
 
 
-def metrics(state: GeoFP8State, prefix: str = "geofp8/") -> dict[str, float]:
+def metrics(state: GeoFP8State, totals: dict | None = None,
+            prefix: str = "geofp8/") -> dict[str, float]:
     """Scalar figures of the last completed step, for a framework's logger.
 
     ``bytes_per_step``: bytes this rank sent (payloads, scales, factors);
     ``bytes_fp32_equivalent``: a ring FP32 all-reduce of the same gradients;
-    ``bytes_per_element``: ``bytes_per_step`` per gradient element (FP32 ring: ``8(N−1)/N``);
-    ``geometry_layers``: how many layers took the geometry branch; ``step``: GeoFP8's steps.
+    ``bytes_per_element``: ``bytes_per_step`` per gradient element (FP32 ring: ``8(N−1)/N``;
+    steps that refresh factors carry their traffic too); ``geometry_layers``: how many
+    layers took the geometry branch; ``step``: GeoFP8's completed steps. With a ``totals``
+    dict (kept by the caller, updated in place; call once per step), also
+    ``run_bytes_per_element``: all bytes sent so far over all elements communicated.
     """
     s = state.stats()
-    return {f"{prefix}{k}": float(v) for k, v in (
+    out = {f"{prefix}{k}": float(v) for k, v in (
         ("bytes_per_step", s["bytes_sent"]),
         ("bytes_fp32_equivalent", s["bytes_fp32_equivalent"]),
         ("bytes_per_element", s["bytes_per_element"]),
         ("geometry_layers", len(s["geometry_layers"])),
         ("step", s["step"]))}
+    if totals is not None:
+        if s["bytes_per_element"] > 0:
+            totals["bytes"] = totals.get("bytes", 0.0) + s["bytes_sent"]
+            totals["elements"] = totals.get("elements", 0.0) + (s["bytes_sent"]
+                                                                / s["bytes_per_element"])
+        if totals.get("elements"):
+            out[f"{prefix}run_bytes_per_element"] = totals["bytes"] / totals["elements"]
+    return out
 
 
 __all__ = ["install", "metrics", "unwrap_compiled"]

@@ -5,7 +5,7 @@ One line, after ``prepare``::
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     state = enable(accelerator, model, GeoFP8Config())
 
-and ``log(accelerator, state, step)`` sends GeoFP8's figures to Accelerate's trackers.
+and ``log(accelerator, state, step, totals)`` sends GeoFP8's figures to Accelerate's trackers.
 (``DistributedDataParallelKwargs(comm_hook=...)`` accepts only Accelerate's built-in hooks.)
 DDP only for now: an FSDP2 model (``fully_shard``) needs GeoFP8's FSDP2 reduce-scatter,
 which is not in this version and is refused with an error.
@@ -45,9 +45,11 @@ def enable(accelerator, model: nn.Module, config: GeoFP8Config | None = None) ->
                    wrapped_by="accelerator.prepare(model) (pass the model it returns)")
 
 
-def log(accelerator, state: GeoFP8State, step: int | None = None) -> dict[str, float]:
-    """Send :func:`geofp8.integrations.metrics` to the accelerator's trackers; return them."""
-    values = metrics(state)
+def log(accelerator, state: GeoFP8State, step: int | None = None,
+        totals: dict | None = None) -> dict[str, float]:
+    """Send :func:`geofp8.integrations.metrics` to the accelerator's trackers; return them.
+    Call once per step; pass the same ``totals`` dict every time for the run's figures."""
+    values = metrics(state, totals)
     accelerator.log(values, step=step)
     return values
 

@@ -47,6 +47,7 @@ class GeoFP8DDPStrategy(DDPStrategy):
         self.geofp8_config = config if config is not None else GeoFP8Config()
         self.log_stats = log_stats
         self.geofp8_state: GeoFP8State | None = None
+        self._totals: dict = {}
 
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy.configure_ddp calls this right after wrapping; unlike the parent, on any
@@ -54,13 +55,14 @@ class GeoFP8DDPStrategy(DDPStrategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         if self.geofp8_state is not None:
             self.geofp8_state.remove_hooks()
+        self._totals = {}
         self.geofp8_state = install(self.model, self.geofp8_config, grad_scaler=scaler)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.log_stats and self.geofp8_state is not None:
-            self.lightning_module.log_dict(metrics(self.geofp8_state), on_step=True,
-                                           on_epoch=False, batch_size=1)
+            figures = metrics(self.geofp8_state, self._totals)
+            self.lightning_module.log_dict(figures, on_step=True, on_epoch=False, batch_size=1)
         return output
 
     def teardown(self) -> None:

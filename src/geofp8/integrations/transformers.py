@@ -39,6 +39,7 @@ class GeoFP8Callback(TrainerCallback):
         self.log_stats = log_stats
         self.state: GeoFP8State | None = None
         self._wrapped = None
+        self._totals: dict = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
         wrapped = self.trainer.model_wrapped
@@ -50,12 +51,15 @@ class GeoFP8Callback(TrainerCallback):
                              grad_scaler=getattr(self.trainer.accelerator, "scaler", None),
                              wrapped_by="Trainer.train() has wrapped the model "
                                         "(GeoFP8 installs at on_train_begin)")
-        self._wrapped = wrapped
+        self._wrapped, self._totals = wrapped, {}
 
     def on_step_end(self, args, state, control, **kwargs):
+        if not self.log_stats or self.state is None:
+            return
+        figures = metrics(self.state, self._totals)  # every step, for the run totals
         # DefaultFlowCallback (always first) has set should_log for this step by now
-        if self.log_stats and control.should_log and self.state is not None:
-            self.trainer.log(metrics(self.state))
+        if control.should_log:
+            self.trainer.log(figures)
 
 
 def enable(trainer, config: GeoFP8Config | None = None, log_stats: bool = True) -> GeoFP8Callback:
