@@ -24,7 +24,8 @@ class CausalLM(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         m = self.trainer.callback_metrics  # GeoFP8DDPStrategy logs geofp8/* every step
-        if self.global_rank == 0 and batch_idx % 10 == 0:
+        last = self.trainer.global_step == self.trainer.max_steps
+        if self.global_rank == 0 and (batch_idx % 10 == 0 or last):
             print(f"step {batch_idx:4d}  loss {outputs['loss'].item():.4f}  GeoFP8 "
                   f"{m['geofp8/bytes_per_element']:.3f} B/element this step, "
                   f"{m['geofp8/run_bytes_per_element']:.3f} over the run, "

@@ -24,7 +24,8 @@ def main():
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="geofp8-trainer-"), max_steps=steps,
         per_device_train_batch_size=8, learning_rate=1e-3, lr_scheduler_type="constant",
-        logging_steps=10, save_strategy="no", report_to=[], disable_tqdm=True,
+        logging_steps=10, logging_first_step=True, save_strategy="no", report_to=[],
+        disable_tqdm=True, ddp_find_unused_parameters=False,
         use_cpu=not torch.cuda.is_available())
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=dataset)
     enable(trainer, CONFIG)  # the one line

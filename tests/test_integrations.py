@@ -199,6 +199,8 @@ def _trainer_worker(rank, world_size, out_dir):
     trainer.train()
     stats = callback.state.stats()
     rows = [r for r in trainer.state.log_history if "geofp8/step" in r]
+    assert [r["step"] for r in trainer.state.log_history if "loss" in r] == list(
+        range(1, STEPS + 1)), "the Trainer's own loss logs went missing"
     return (losses, flat_params(trainer.model), stats,
             raw_ddp(rank, world_size, fed) + ((rows, errors) if rank == 0 else None,))
 

@@ -8,8 +8,8 @@ One line, before ``train()``::
 
 The Trainer has no option for a communication hook and wraps the model in DDP inside
 ``train()`` (``trainer.model_wrapped``), before it fires ``on_train_begin``; the callback
-registers GeoFP8 there, i.e. before the first backward. On every logging step it adds
-:func:`geofp8.integrations.metrics` to the Trainer's logs (``trainer.log``), which reach
+registers GeoFP8 there, i.e. before the first backward. After each of the Trainer's
+training logs it logs :func:`geofp8.integrations.metrics` (``trainer.log``), which reach
 ``state.log_history`` and every ``report_to`` integration. DDP only for now: FSDP and
 DeepSpeed Trainers are refused.
 """
@@ -30,7 +30,7 @@ class GeoFP8Callback(TrainerCallback):
         trainer: the ``Trainer`` it belongs to (the callback events do not carry the wrapped
             model, only the unwrapped one).
         config: the :class:`GeoFP8Config` (default ``GeoFP8Config()``).
-        log_stats: add GeoFP8's figures to the Trainer's logs at each logging step.
+        log_stats: log GeoFP8's figures after each of the Trainer's training logs.
     """
 
     def __init__(self, trainer, config: GeoFP8Config | None = None, log_stats: bool = True):
@@ -40,6 +40,7 @@ class GeoFP8Callback(TrainerCallback):
         self.state: GeoFP8State | None = None
         self._wrapped = None
         self._totals: dict = {}
+        self._figures: dict | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         wrapped = self.trainer.model_wrapped
@@ -54,11 +55,14 @@ class GeoFP8Callback(TrainerCallback):
         self._wrapped, self._totals = wrapped, {}
 
     def on_step_end(self, args, state, control, **kwargs):
-        if not self.log_stats or self.state is None:
-            return
-        figures = metrics(self.state, self._totals)  # every step, for the run totals
-        # DefaultFlowCallback (always first) has set should_log for this step by now
-        if control.should_log:
+        if self.log_stats and self.state is not None:
+            self._figures = metrics(self.state, self._totals)  # every step, for the totals
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # right after the Trainer's own training log (it has a "loss"; ours has none, so
+        # this does not recurse): trainer.log reaches log_history and every report_to
+        if logs is not None and "loss" in logs and self._figures is not None:
+            figures, self._figures = self._figures, None
             self.trainer.log(figures)
 
 
