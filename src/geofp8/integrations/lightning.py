@@ -49,14 +49,16 @@ class GeoFP8DDPStrategy(DDPStrategy):
         self.geofp8_state: GeoFP8State | None = None
         self._totals: dict = {}
 
-    def _register_ddp_hooks(self) -> None:
-        # DDPStrategy.configure_ddp calls this right after wrapping; unlike the parent, on any
-        # device type. The precision plugin's GradScaler (CUDA 16-bit) is handed over.
+    def configure_ddp(self) -> None:
+        # The parent wraps the model and registers no hook (none was given); GeoFP8 is
+        # registered here, on any device type. A 16-bit CUDA run's GradScaler is handed over.
+        super().configure_ddp()
         scaler = getattr(self.precision_plugin, "scaler", None)
         if self.geofp8_state is not None:
             self.geofp8_state.remove_hooks()
         self._totals = {}
-        self.geofp8_state = install(self.model, self.geofp8_config, grad_scaler=scaler)
+        self.geofp8_state = install(self.model, self.geofp8_config, grad_scaler=scaler,
+                                    wrapped_by="DDPStrategy.configure_ddp")
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
