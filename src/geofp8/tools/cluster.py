@@ -319,7 +319,7 @@ def markdown(results: dict) -> str:
               f"network namespace each, links shaped by tbf), {s['batch_size']} × "
               f"{s['seq_len']} tokens per rank and step, {s['steps']} steps, {s['optimizer']},"
               f" seed {s['seed']}, {s['threads']} torch thread(s) per rank on a "
-              f"{results['cpus']}-CPU host (load average at the end "
+              f"{results['cpus']}-CPU host (load average when the report was written: "
               f"{results['load_average'][0]:.1f}).", "", format_table(results["rates"]), ""]
     parts += ["Step: median over the steps without validation after the first "
               f"{SETTLE}. Bytes: what one rank puts on the wire per step. s to fp32 loss: "
@@ -397,7 +397,9 @@ def run(args: argparse.Namespace) -> int:
     if len(set(labels)) != len(labels):
         raise SystemExit(f"geofp8 cluster: repeated rate in {rates}")
     base = config_from_args(args)
-    command = "geofp8 cluster " + shlex.join(getattr(args, "_argv", [])[1:])
+    # the command that produces these runs (--reuse only skips finished ones)
+    command = "geofp8 cluster " + shlex.join(a for a in getattr(args, "_argv", [])[1:]
+                                             if a != "--reuse")
     previous = signal.signal(signal.SIGTERM, _interrupt)  # teardown runs on kill, too
     try:
         results = run_comparison(base, methods, rates, args.nproc, args.out, args.queue_ms,
