@@ -32,10 +32,12 @@ import statistics
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from . import netem, scaling
 from .train import add_train_arguments, config_from_args, to_argv
+from .train.compare import _complete, split_list
 from .train.config import METHODS, TrainConfig
 from .train.launch import launch
 from .train.report import _bytes, read_log
@@ -76,10 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         log_every=1, quiet=True)
 
 
-def _split(values: list[str]) -> list[str]:
-    return [v for item in values for v in item.split(",") if v]
-
-
 def rate_label(rate: str) -> str:
     """``"1"`` → ``"1gbit"``, ``"500m"`` → ``"0.5gbit"``, ``"loopback"`` unchanged."""
     if rate == "loopback":
@@ -100,11 +98,6 @@ def launch_emulated(cluster: netem.Cluster, train_argv: list[str], threads: int,
     procs = [cluster.popen(i, argv, env={**env, "RANK": str(i)}) for i in range(cluster.n)]
     codes = netem.wait_all(procs, timeout)
     return next((c for c in codes if c != 0), 0)
-
-
-def _complete(path: Path, steps: int) -> bool:
-    log = path / "log.jsonl"
-    return log.exists() and bool(r := read_log(log)) and r[-1]["step"] + 1 == steps
 
 
 def run_comparison(base: TrainConfig, methods: list[str], rates: list[str], nproc: int,
@@ -137,14 +130,10 @@ def run_comparison(base: TrainConfig, methods: list[str], rates: list[str], npro
             echo(f"{labels[rate]}: namespaces {c.prefix}* up ({nproc} ranks)")
         for rate, method, path in todo:
             argv = to_argv(replace(base, method=method, out=str(path)))
-            if rate == "loopback":
-                start = lambda a=argv: launch(nproc, a, run_timeout)  # noqa: E731
-            else:
-                start = lambda a=argv, c=clusters[rate]: launch_emulated(  # noqa: E731
-                    c, a, threads, run_timeout)
+            start = (partial(launch, nproc, argv, run_timeout) if rate == "loopback" else
+                     partial(launch_emulated, clusters[rate], argv, threads, run_timeout))
             _one(labels[rate], method, start, path, echo)
     return write_report(out, runs, nproc, command, loss_slack)
-    return write_report(out, runs, nproc, command)
 
 
 def _one(label: str, method: str, start, path: Path, echo) -> None:
@@ -383,7 +372,7 @@ def _interrupt(signum, frame):
 
 
 def run(args: argparse.Namespace) -> int:
-    methods, rates = _split(args.methods), _split(args.rates)
+    methods, rates = split_list(args.methods), split_list(args.rates)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"geofp8 cluster: unknown method(s) {unknown}; choose from "

@@ -42,8 +42,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["PREFIX", "Cluster", "ClusterUnavailable", "leftovers", "measure_throughput",
-           "parse_rate", "require_tools"]
+__all__ = ["PREFIX", "Cluster", "ClusterUnavailable", "Shaping", "leftovers",
+           "measure_throughput", "parse_rate", "require_tools", "wait_all"]
 
 PREFIX = "gf8-"
 NETWORK = ipaddress.ip_network("198.18.0.0/24")  # inside the benchmarking range 198.18.0.0/15
