@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from geofp8.codecs import FP8Codec
+from geofp8.comm import ShardLayout, simulate_exact_allreduce
+from geofp8.geometry.transforms import Identity, full_input
 from geofp8.tools import analysis, cli, data, models
-from geofp8.collectives import ShardLayout, simulate_exact_allreduce
-from geofp8.formats import Codec
-from geofp8.transforms import Identity, full_input
 
 SMALL = dict(seq_len=32, batch_size=4, vocab_size=512)
 
@@ -58,7 +58,7 @@ def test_hooked_gradients_are_the_weight_gradients(setup):
 def test_averaged_round_trip_uses_the_exact_all_reduce():
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(24, 32, generator=gen) for _ in range(3)]
-    codec = Codec("e5m2")
+    codec = FP8Codec("e5m2")
     single = analysis.averaged_round_trip(grads[:1], Identity(), codec)
     assert torch.equal(single, codec.round_trip(grads[0]))
     three = analysis.averaged_round_trip(grads, Identity(), codec)
@@ -135,7 +135,7 @@ def test_euclidean_single_rank_is_the_codec_round_trip(setup):
     x, y = data.get_batch(td.train, 0, 4)
     for name, G in _param_grads(model, x, y).items():
         for scaling in ("tensor", "row"):
-            direct = float((Codec("e4m3", scaling).round_trip(G) - G).norm() / G.norm())
+            direct = float((FP8Codec("e4m3", scaling).round_trip(G) - G).norm() / G.norm())
             got = report["layers"][name][f"euclidean/e4m3/{scaling}"]["rel_l2"]
             assert got == pytest.approx(direct, rel=1e-3), (name, scaling)
 

@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from geofp8.codecs import FP8Codec
+from geofp8.codecs.fused import ef_quantize, naive_ef_quantize
+from geofp8.geometry.statistics import LowRankFactor
+from geofp8.geometry.transforms import LowRankInput
 from geofp8.tools import bench, scaling
-from geofp8.formats import Codec
-from geofp8.fused import ef_quantize, naive_ef_quantize
-from geofp8.statistics import LowRankFactor
 from geofp8.tools.cli import COMMANDS
-from geofp8.transforms import LowRankInput
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +86,8 @@ def test_part3_whole_step_on_real_ranks(tmp_path):
 
 # -- fused EF path --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("codec", [Codec("e4m3"), Codec("e5m2", "block", 32),
-                                   Codec("e4m3", "row")])
+@pytest.mark.parametrize("codec", [FP8Codec("e4m3"), FP8Codec("e5m2", "block", 32),
+                                   FP8Codec("e4m3", "row")])
 def test_ef_quantize_matches_naive_identity(codec):
     g = torch.randn(37, 65)
     r1 = torch.randn(37, 65) * 0.01
@@ -104,8 +104,8 @@ def test_ef_quantize_lowrank_close_to_naive():
     g = torch.randn(40, 64)
     r1 = torch.zeros(40, 64)
     r2 = r1.clone()
-    p1 = ef_quantize(g, r1, Codec("e4m3"), tr)
-    p2 = naive_ef_quantize(g, r2, Codec("e4m3"), tr)
+    p1 = ef_quantize(g, r1, FP8Codec("e4m3"), tr)
+    p2 = naive_ef_quantize(g, r2, FP8Codec("e4m3"), tr)
     assert torch.allclose(p1.dequantize(), p2.dequantize(), rtol=0.07, atol=1e-5)
     assert torch.allclose(r1, r2, atol=1e-2 * float(r2.abs().max()) + 1e-6)
     # EF invariant: what was sent plus the new residual is T(g) + old residual
@@ -116,13 +116,13 @@ def test_ef_quantize_nonfinite_group_poisons_only_scale():
     g = torch.randn(4, 32)
     g[0, 0] = float("nan")
     r = torch.zeros(4, 32)
-    p = ef_quantize(g, r, Codec("e4m3", "row"))
+    p = ef_quantize(g, r, FP8Codec("e4m3", "row"))
     assert torch.isnan(p.scales[0]) and torch.isfinite(p.scales[1:]).all()
     assert torch.isnan(p.dequantize()[0]).all()
 
 
 def test_quantize_and_dequantize_into_buffers():
-    codec = Codec("e4m3", "block", 16)
+    codec = FP8Codec("e4m3", "block", 16)
     x = torch.randn(1000)
     codes = torch.empty(1000, dtype=torch.uint8)
     out = torch.empty(1000)

@@ -6,13 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distributed import run_ranks
-from geofp8.collectives import (
+from geofp8.codecs import FP8Codec
+from geofp8.comm import (
     ShardLayout,
     exact_allreduce,
     fp32_allreduce_wire_bytes,
     simulate_exact_allreduce,
 )
-from geofp8.formats import Codec
 
 SHAPES = [(5, 7), (3,), (64,), (10, 10)]
 NUMEL = sum(torch.Size(s).numel() for s in SHAPES)
@@ -32,7 +32,7 @@ def _exact_worker(rank, world_size, codec):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
 def test_exact_allreduce_matches_model_on_every_rank(world_size, scaling):
-    codec = Codec("e5m2", scaling, 16)
+    codec = FP8Codec("e5m2", scaling, 16)
     outs = run_ranks(_exact_worker, world_size, (codec,))
     expected = simulate_exact_allreduce(_inputs(world_size), ShardLayout.build(SHAPES, codec,
                                                                                world_size))
@@ -43,7 +43,7 @@ def test_exact_allreduce_matches_model_on_every_rank(world_size, scaling):
 
 
 def test_wire_bytes_close_to_a_quarter_of_fp32():
-    layout = ShardLayout.build([(1024, 1024)], Codec("e4m3", "tensor"), 4)
+    layout = ShardLayout.build([(1024, 1024)], FP8Codec("e4m3", "tensor"), 4)
     ratio = layout.wire_bytes(0) / fp32_allreduce_wire_bytes(layout.numel, 4)
     assert 0.25 <= ratio < 0.2501
 
@@ -77,16 +77,17 @@ def _check_layout(shapes, codec, world_size):
             assert ((lo, hi) in layout.segments[j]) == (hi > lo)
         offset += m
     for j in range(world_size):
-        groups = layout.groups[j]
-        assert sum(groups) == layout.shard_numel(j)  # groups exactly fill their shard
+        # one tuple of scale groups per segment, each exactly filling its segment
+        assert [sum(g) for g in layout.groups[j]] == [hi - lo for lo, hi in layout.segments[j]]
+        groups = [n for seg in layout.groups[j] for n in seg]
         assert all(n >= 1 for n in groups)
-        assert (layout.shard_numel(j) == 0) == (groups == ())  # empty shard: no scales
+        assert (layout.shard_numel(j) == 0) == (groups == [])  # empty shard: no scales
         assert layout.shard_bytes(j) == layout.shard_numel(j) + 4 * len(groups)
         covered += layout.segments[j]
     assert sorted(covered) == sorted(set(covered))
     assert sum(hi - lo for lo, hi in covered) == numel  # shards tile the vector exactly
     # group boundaries are exactly the codec's boundaries plus the chunk boundaries
-    codec_cuts = set(_cuts([n for s in shapes for n in codec.lengths(tuple(s))]))
+    codec_cuts = set(_cuts([n for s in shapes for n in codec.groups(tuple(s))]))
     chunk_cuts = {hi for seg in layout.segments for _lo, hi in seg}
     got = sorted(b for j in range(world_size) for _a, b in layout.group_spans(j))
     assert got == sorted(codec_cuts | chunk_cuts)
@@ -95,25 +96,25 @@ def _check_layout(shapes, codec, world_size):
 
 @pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
 def test_layout_cuts_groups_at_shard_boundaries(scaling):
-    codec = Codec("e4m3", scaling, 16)
+    codec = FP8Codec("e4m3", scaling, 16)
     layout = _check_layout(SHAPES, codec, 4)
     # tensors of 35 | 3 | 64 | 100 elements, in chunks of 9 | 1 | 16 | 25
     assert layout.segments[0] == ((0, 9), (35, 36), (38, 54), (102, 127))
     assert layout.segments[3] == ((27, 35), (86, 102), (177, 202))  # the 3-vector ran out
     if scaling == "tensor":
-        assert layout.groups[0] == (9, 1, 16, 25)
+        assert layout.groups[0] == ((9,), (1,), (16,), (25,))
     if scaling == "row":
         # rows of 7 (×5) | 3 | 64 | 10 (×10): chunk cuts at 9 and 25 split rows
-        assert layout.groups[0] == (7, 2, 1, 16, 10, 10, 5)
+        assert layout.groups[0] == ((7, 2), (1,), (16,), (10, 10, 5))
     _check_layout(SHAPES, codec, 1)
     _check_layout(SHAPES, codec, 7)
 
 
 def test_layout_with_fewer_elements_than_ranks():
-    codec = Codec("e5m2", "row")
+    codec = FP8Codec("e5m2", "row")
     layout = _check_layout([(2,), (1, 1)], codec, 5)
     assert layout.segments == (((0, 1), (2, 3)), ((1, 2),), (), (), ())
-    assert layout.groups == ((1, 1), (1,), (), (), ())
+    assert layout.groups == (((1,), (1,)), ((1,),), (), (), ())
     assert layout.shard_bytes(3) == 0 and layout.max_shard_bytes == 10
     empty = _check_layout([(0, 4), (3, 0)], codec, 3)
     assert empty.numel == 0 and all(g == () for g in empty.groups)
@@ -127,11 +128,11 @@ def test_layout_with_fewer_elements_than_ranks():
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
 def test_one_rank_is_two_round_trips(fmt, scaling):
-    codec = Codec(fmt, scaling, 8)
+    codec = FP8Codec(fmt, scaling, 8)
     layout = ShardLayout.build(SHAPES, codec, 1)
     x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3,
                                                                                         NUMEL)
-    lengths = list(layout.groups[0])
+    lengths = [n for seg in layout.groups[0] for n in seg]
     expected = codec.round_trip(codec.round_trip(x, lengths), lengths)
     assert torch.equal(simulate_exact_allreduce([x], layout), expected)
 
@@ -139,7 +140,7 @@ def test_one_rank_is_two_round_trips(fmt, scaling):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_on_one_rank_poisons_everything(world_size, bad):
-    codec = Codec("e4m3", "block", 8)
+    codec = FP8Codec("e4m3", "block", 8)
     layout = ShardLayout.build(SHAPES, codec, world_size)
     for where in (0, NUMEL // 2, NUMEL - 1):
         inputs = _inputs(world_size)
@@ -150,7 +151,7 @@ def test_non_finite_on_one_rank_poisons_everything(world_size, bad):
 
 @pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_zero_inputs_give_zeros(world_size):
-    codec = Codec("e5m2", "row")
+    codec = FP8Codec("e5m2", "row")
     layout = ShardLayout.build(SHAPES, codec, world_size)
     out = simulate_exact_allreduce([torch.zeros(NUMEL)] * world_size, layout)
     assert torch.equal(out, torch.zeros(NUMEL))
@@ -160,7 +161,7 @@ def test_zero_inputs_give_zeros(world_size):
 
 
 def test_simulate_checks_the_number_of_inputs():
-    layout = ShardLayout.build(SHAPES, Codec(), 3)
+    layout = ShardLayout.build(SHAPES, FP8Codec(), 3)
     with pytest.raises(ValueError):
         simulate_exact_allreduce(_inputs(2), layout)
 
@@ -172,7 +173,7 @@ def _allreduce_case(draw):
     for _ in range(n_shapes):
         ndim = draw(st.integers(1, 3))
         shapes.append(tuple(draw(st.lists(st.integers(0, 7), min_size=ndim, max_size=ndim))))
-    codec = Codec(draw(st.sampled_from(["e4m3", "e5m2"])),
+    codec = FP8Codec(draw(st.sampled_from(["e4m3", "e5m2"])),
                   draw(st.sampled_from(["tensor", "row", "block"])), draw(st.integers(1, 16)))
     world_size = draw(st.integers(1, 6))
     numel = sum(torch.Size(s).numel() for s in shapes)

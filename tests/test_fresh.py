@@ -10,9 +10,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run_ranks
 from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
-from geofp8.collectives import fp32_allreduce_wire_bytes
-from geofp8.statistics import LowRankFactor
-from geofp8.transforms import LowRankInput
+from geofp8.comm import fp32_allreduce_wire_bytes
+from geofp8.geometry.statistics import LowRankFactor
+from geofp8.geometry.transforms import LowRankInput
 from toymodels import loss_fn, make_model
 
 pytestmark = pytest.mark.distributed

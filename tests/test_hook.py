@@ -19,9 +19,9 @@ from geofp8 import (
     geofp8_hook,
     hadamard_fp8_hook,
 )
-from geofp8.collectives import ShardLayout, simulate_exact_allreduce
-from geofp8.formats import Codec
-from geofp8.transforms import Identity
+from geofp8.codecs import FP8Codec
+from geofp8.comm import ShardLayout, simulate_exact_allreduce
+from geofp8.geometry.transforms import Identity
 from toymodels import loss_fn, make_model
 
 pytestmark = pytest.mark.distributed
@@ -101,7 +101,7 @@ def _single_param_worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_exact_path_equals_fp32_sum_of_dequantized_payloads(world_size):
     out = run_ranks(_single_param_worker, world_size)
-    layout = ShardLayout.build([(24, 32)], Codec("e5m2"), world_size)
+    layout = ShardLayout.build([(24, 32)], FP8Codec("e5m2"), world_size)
     expected = simulate_exact_allreduce([o[0] for o in out], layout).view(24, 32) / world_size
     for _, got in out:
         assert torch.equal(got, expected)

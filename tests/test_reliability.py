@@ -21,7 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import _free_port, run_ranks
 from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
-from geofp8.collectives import (
+from geofp8.codecs import FP8Codec
+from geofp8.comm import (
     Communicator,
     ShardLayout,
     decode,
@@ -29,8 +30,7 @@ from geofp8.collectives import (
     exact_allreduce,
     simulate_exact_allreduce,
 )
-from geofp8.formats import Codec
-from geofp8.transforms import Identity
+from geofp8.geometry.transforms import Identity
 from toymodels import batch, loss_fn, make_model
 
 U_ROUND = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}  # unit round-off of the FP8 formats
@@ -550,8 +550,8 @@ def test_unsupported_backend_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.complex64, torch.bool])
 def test_codec_rejects_non_real_floating_input(dtype):
     with pytest.raises(TypeError, match="floating-point"):
-        Codec().quantize(torch.zeros(8, dtype=dtype))
-    layout = ShardLayout.build([(8,)], Codec(), 1)
+        FP8Codec().quantize(torch.zeros(8, dtype=dtype))
+    layout = ShardLayout.build([(8,)], FP8Codec(), 1)
     with pytest.raises(TypeError, match="floating-point"):
         encode(torch.zeros(8, dtype=dtype), layout)
 
@@ -805,14 +805,14 @@ def test_crash_while_writing_a_checkpoint_leaves_the_previous_one_usable(tmp_pat
 def _fuzz_case(i, world_size):
     """A fixed draw: shapes, codec and every rank's input, from the case's own seed."""
     cases = [
-        ([(5, 7), (3,), (1,), (64,)], Codec("e4m3", "tensor"), "mixed"),
-        ([(6, 9), (17,)], Codec("e5m2", "row"), "per-rank"),  # rank 0 ~1e-30, rank 1 ~1e30
-        ([(40,), (2, 3), (0,)], Codec("e4m3", "block", 16), "zeros"),
-        ([(5, 7), (33,)], Codec("e4m3", "tensor"), "inf"),
-        ([(5, 7), (33,)], Codec("e5m2", "block", 8), "nan"),
-        ([(9, 4)], Codec("e4m3", "row"), "overflow"),  # each finite, the sum overflows fp32
-        ([(12,), (3, 3)], Codec("e5m2", "tensor"), "opposite-inf"),
-        ([(31,)], Codec("e4m3", "tensor"), "fp32-subnormal"),
+        ([(5, 7), (3,), (1,), (64,)], FP8Codec("e4m3", "tensor"), "mixed"),
+        ([(6, 9), (17,)], FP8Codec("e5m2", "row"), "per-rank"),  # rank 0 ~1e-30, rank 1 ~1e30
+        ([(40,), (2, 3), (0,)], FP8Codec("e4m3", "block", 16), "zeros"),
+        ([(5, 7), (33,)], FP8Codec("e4m3", "tensor"), "inf"),
+        ([(5, 7), (33,)], FP8Codec("e5m2", "block", 8), "nan"),
+        ([(9, 4)], FP8Codec("e4m3", "row"), "overflow"),  # each finite, the sum overflows fp32
+        ([(12,), (3, 3)], FP8Codec("e5m2", "tensor"), "opposite-inf"),
+        ([(31,)], FP8Codec("e4m3", "tensor"), "fp32-subnormal"),
     ]
     shapes, codec, kind = cases[i]
     numel = sum(torch.Size(s).numel() for s in shapes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geofp8.statistics import LowRankFactor, SecondMoment, nystrom_factor
+from geofp8.geometry.statistics import LowRankFactor, SecondMoment, nystrom_factor
 
 F64 = torch.float64
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from geofp8.formats import Codec
-from geofp8.statistics import LowRankFactor, SecondMoment
-from geofp8.transforms import (
+from geofp8.codecs import FP8Codec
+from geofp8.geometry.statistics import LowRankFactor, SecondMoment
+from geofp8.geometry.transforms import (
     BlockInput,
     DiagonalInput,
     Hadamard,
@@ -236,7 +236,7 @@ def test_whitening_reduces_fp8_error_on_anisotropic_inputs(fmt, scaling):
     G, X = _anisotropic_layer()
     stats = SecondMoment(X.shape[1], "exact", dtype=F64)
     stats.update(X)
-    codec = Codec(fmt, scaling, 64)
+    codec = FP8Codec(fmt, scaling, 64)
 
     def round_trip_error(T):
         back = T.inverse(codec.round_trip(T.forward(G)).double())
@@ -269,7 +269,7 @@ def test_zero_statistics_give_a_finite_invertible_transform():
         out = T.forward(G)
         assert torch.isfinite(out).all()
         assert _rel(T.inverse(out).double(), G.double()) < 1e-6
-        back = T.inverse(Codec("e4m3").round_trip(out))
+        back = T.inverse(FP8Codec("e4m3").round_trip(out))
         assert torch.isfinite(back).all() and _rel(back.double(), G.double()) < 2**-4
 
 

@@ -6,6 +6,7 @@ Two lines in a DDP script::
     ddp_model.register_comm_hook(state, geofp8_hook)
 """
 
+from .codecs import Codec, FP8Codec, Packed, make_codec
 from .config import FP8Config, GeoFP8Config
 from .ddp import (
     FP8State,
@@ -15,10 +16,10 @@ from .ddp import (
     geofp8_hook,
     hadamard_fp8_hook,
 )
-from .formats import Codec, Packed
 
 __all__ = [
     "Codec",
+    "FP8Codec",
     "FP8Config",
     "FP8State",
     "GeoFP8Config",
@@ -28,5 +29,6 @@ __all__ = [
     "fp8_hook",
     "geofp8_hook",
     "hadamard_fp8_hook",
+    "make_codec",
 ]
 __version__ = "0.1.0"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .collectives import COLLECTIVES
-from .formats import FORMATS, SCALINGS
+from .codecs import FORMATS, SCALINGS
+from .comm import COLLECTIVES
 
 TRANSFORMS = ("lowrank", "full", "diag", "block", "output", "kfac", "hadamard", "euclidean")
 LAYER_MODES = ("auto", "profile", "all", "none")

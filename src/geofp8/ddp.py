@@ -5,7 +5,7 @@ For a bucket holding gradients ``G_p`` of parameters ``p`` on rank ``r``:
 * route: ``G̃_p = G_p T_p`` for the selected 2-D Linear weights (``T_p ≈ A_p^{-1/2}``,
   identical on every rank), ``G̃_p = G_p`` for everything else;
 * error feedback: ``Ũ_p = G̃_p + R_p``; one flat FP8 payload per bucket;
-* :class:`geofp8.collectives.Communicator`: exact all-reduce, per-rank scales honoured,
+* :class:`geofp8.comm.Communicator`: exact all-reduce, per-rank scales honoured,
   the sum done in FP32;
 * map back: ``Ĝ_p = (Σ_r Ũ_{p,r} quantized) / N · T_p⁻¹``, and ``R_p ← Ũ_p − deq(Q(Ũ_p))``.
 
@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import (
+from .codecs import make_codec
+from .comm import (
     Communicator,
     ShardLayout,
     decode,
@@ -40,10 +41,10 @@ from .collectives import (
     fp32_allreduce_wire_bytes,
     wire_bytes,
 )
+from .comm.group import DeviceGroup
 from .config import FP8Config, GeoFP8Config
-from .formats import Codec
-from .statistics import SecondMoment, nystrom_factor, sketch_matrix
-from .transforms import (
+from .geometry.statistics import SecondMoment, nystrom_factor, sketch_matrix
+from .geometry.transforms import (
     BlockInput,
     DiagonalInput,
     Hadamard,
@@ -120,8 +121,10 @@ class GeoFP8State:
             raise ValueError(f"GeoFP8 supports the {SUPPORTED_BACKENDS} backends, got {backend!r}")
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.codec = Codec(self.config.format, self.config.scaling, self.config.block_size)
-        self.communicator = Communicator(self.config.collective, process_group)
+        self.codec = make_codec(self.config.format, self.config.scaling, self.config.block_size)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.communicator = Communicator(self.config.collective,
+                                         DeviceGroup(process_group, device))
         self._names = {id(p): n for n, p in model.named_parameters()}
         unsupported = [f"{n} ({p.dtype})" for n, p in model.named_parameters()
                        if p.requires_grad and not p.is_floating_point()]
@@ -660,11 +663,7 @@ class GeoFP8State:
 
     def _profile(self, name: str, G: torch.Tensor) -> None:
         """The paper's vulnerability score: share of codes saturated at ±max or flushed to 0."""
-        packed = self.codec.quantize(G)
-        values = packed.codes.view(self.codec.dtype).float()
-        flushed = ((values == 0) & (G.reshape(-1) != 0)).sum()
-        saturated = (values.abs() == self.codec.fmax).sum()
-        self._pending_profile[self._layer_index[name]] += float(flushed + saturated) / G.numel()
+        self._pending_profile[self._layer_index[name]] += self.codec.clipped_fraction(G)
 
     def _finish_profile(self) -> None:
         scores = self._profile_scores.clone()

@@ -7,7 +7,7 @@ transform ``T`` and a codec ``Q``; it produces
 
     ``Ĝ = T⁻¹( AllReduce_Q({G_r T}) / R )``
 
-where the all-reduce is :func:`geofp8.collectives.simulate_exact_allreduce` (each rank
+where the all-reduce is :func:`geofp8.comm.simulate_exact_allreduce` (each rank
 quantizes its own shards, FP32 sums, re-quantized result); with ``R = 1`` it is a single
 round trip ``T⁻¹(Q(G T))``. Metrics against ``G``: ``rel_l2 = ‖Ĝ−G‖/‖G‖``, ``cos``,
 ``max_err = max|Ĝ−G|`` and ``mse = mean (Ĝ−G)²``.
@@ -17,7 +17,7 @@ Every rank uses the same factors: ``A = E[x xᵀ]`` (and ``S = E[δ δᵀ]`` for
 from the batch whose gradient is measured (the paper's analysis); ``previous`` from ``P``
 other, earlier batches (what a run that refreshes its factors from past steps has).
 
-Transforms (:mod:`geofp8.transforms`): ``euclidean``, ``diag``, ``block<b>``, ``full``,
+Transforms (:mod:`geofp8.geometry.transforms`): ``euclidean``, ``diag``, ``block<b>``, ``full``,
 ``lowrank<k>``, ``output``, ``kfac``, ``hadamard``; ``block`` and ``lowrank`` expand over
 the block-size and k lists. Method keys are ``transform/format/scaling[/d<damping>]``.
 """
@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..collectives import ShardLayout, simulate_exact_allreduce
-from ..formats import FORMATS, Codec
-from ..statistics import LowRankFactor, SecondMoment
-from ..transforms import (
+from ..codecs import FORMATS, FP8Codec
+from ..comm import ShardLayout, simulate_exact_allreduce
+from ..geometry.statistics import LowRankFactor, SecondMoment
+from ..geometry.transforms import (
     BlockInput,
     DiagonalInput,
     Hadamard,
@@ -103,11 +103,11 @@ class FidelityConfig:
             raise ValueError(f"batch size {self.batch_size} must be a positive multiple of "
                              f"ranks {self.ranks}")
         for f in self.formats:
-            Codec(f)  # validates
+            FP8Codec(f)  # validates
         expand_transforms(self.transforms, self.ks, self.a_blocks)
 
-    def codecs(self) -> list[Codec]:
-        return [Codec(f, s, self.block_size) for f in self.formats for s in self.scalings]
+    def codecs(self) -> list[FP8Codec]:
+        return [FP8Codec(f, s, self.block_size) for f in self.formats for s in self.scalings]
 
 
 def expand_transforms(names: Iterable[str], ks: Iterable[int],
@@ -138,7 +138,7 @@ def layer_type(name: str) -> str:
     return name.rsplit(".", 1)[-1].removesuffix("_proj")
 
 
-def scaling_label(codec: Codec) -> str:
+def scaling_label(codec: FP8Codec) -> str:
     return f"block{codec.block_size}" if codec.scaling == "block" else codec.scaling
 
 
@@ -242,7 +242,7 @@ def layer_transforms(names: list[str], dampings: list[float], A: torch.Tensor,
 
 
 def method_table(names: list[str], dampings: list[float],
-                 codecs: list[Codec]) -> list[tuple[str, str, Codec]]:
+                 codecs: list[FP8Codec]) -> list[tuple[str, str, FP8Codec]]:
     """``(method key, transform key, codec)`` for every method, codec-major; transform keys
     are those of :func:`layer_transforms`."""
     tkeys = [k for n in names
@@ -256,14 +256,14 @@ def method_table(names: list[str], dampings: list[float],
     return out
 
 
-def _describe(key: str, tkey: str, codec: Codec) -> dict:
+def _describe(key: str, tkey: str, codec: FP8Codec) -> dict:
     transform, _, damping = tkey.partition("/d")
     return {"key": key, "transform": transform, "format": codec.format,
             "scaling": scaling_label(codec), "damping": float(damping) if damping else None}
 
 
 def averaged_round_trip(grads: list[torch.Tensor], transform: Transform,
-                        codec: Codec) -> torch.Tensor:
+                        codec: FP8Codec) -> torch.Tensor:
     """``Ĝ = T⁻¹(AllReduce_Q({G_r T}) / R)`` through the shared exact-all-reduce model;
     ``R = 1`` is one round trip ``T⁻¹(Q(G T))``. Returns float32."""
     coords = [transform.forward(G) for G in grads]

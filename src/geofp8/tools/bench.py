@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from ..formats import Codec
-from ..fused import ef_quantize, naive_ef_quantize
-from ..statistics import nystrom_factor
-from ..transforms import LowRankInput
+from ..codecs import FP8Codec
+from ..codecs.fused import ef_quantize, naive_ef_quantize
+from ..geometry.statistics import nystrom_factor
+from ..geometry.transforms import LowRankInput
 from . import scaling
 
 MiB = 2**20
@@ -102,7 +102,7 @@ def part_codec(sizes_mb: list[float], repeats: int = 3, block: int = 128) -> dic
         gbytes = 4 * n / GB
         t_copy = timeit(lambda: y.copy_(x), repeats)  # noqa: B023
         for fmt, scaling_ in CODECS:
-            codec = Codec(fmt, scaling_, block)
+            codec = FP8Codec(fmt, scaling_, block)
             packed = codec.quantize(x)
             copy = lambda: y.copy_(x)  # noqa: B023, E731
             ops = {
@@ -151,7 +151,7 @@ def part_compile(size_mb: float, repeats: int = 3) -> dict:
     cdec(c, s)
     warm = time.perf_counter() - t0
     t_copy = timeit(lambda: y.copy_(x), repeats)
-    codec = Codec("e4m3")
+    codec = FP8Codec("e4m3")
     p = codec.quantize(x)
     rows = [{"variant": name, "q+d_vs_memcpy": t_copy / t} for name, t in [
         ("eager naive (x/s).to(fp8), c.float()*s", timeit(lambda: dec(enc(x, s), s), repeats)),

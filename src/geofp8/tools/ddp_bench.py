@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..collectives import fp32_allreduce_wire_bytes
+from ..comm import fp32_allreduce_wire_bytes
 from ..methods import METHODS
 from .wire import ByteCounter
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ...collectives import fp32_allreduce_wire_bytes
+from ...comm import fp32_allreduce_wire_bytes
 from ..data import get_batch, load_token_data, read_text
 from ..models import PRESETS, build_preset, load_model
 from ..shadow import ShadowState, shadow_fidelity, shadow_hook

@@ -8,7 +8,7 @@ It works *in place in the residual buffer* ``R`` (which the caller owns), so not
 of the gradient's size is allocated except the FP8 codes (and those can be reused via
 ``codes_out``):
 
-1. ``R ← R + T(G)``. For :class:`~geofp8.transforms.LowRankInput` this is
+1. ``R ← R + T(G)``. For :class:`~geofp8.geometry.transforms.LowRankInput` this is
    ``R += c·G`` then ``R += ((G U) ⊙ d) Uᵀ`` (a skinny GEMM accumulated into ``R``),
    so ``G T`` is never materialised. Other transforms add ``T.forward(G)``.
 2. One fused read of ``R`` for the group amax (``aminmax``, no ``|R|`` temporary).
@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import torch
 
-from .formats import CHUNK, Codec, Packed, _decode_into, _encode_into, _info, _pieces
-from .transforms import Identity, LowRankInput, Transform
+from ..geometry.transforms import Identity, LowRankInput, Transform
+from .fp8 import CHUNK, FP8Codec, Packed, _decode_into, _encode_into, _info, _pieces
 
 __all__ = ["ef_quantize", "naive_ef_quantize"]
 
 
 @torch.no_grad()
-def ef_quantize(grad: torch.Tensor, residual: torch.Tensor, codec: Codec,
+def ef_quantize(grad: torch.Tensor, residual: torch.Tensor, codec: FP8Codec,
                 transform: Transform | None = None, lengths: list[int] | None = None,
                 codes_out: torch.Tensor | None = None) -> Packed:
     """Quantize ``T(grad) + residual`` and leave the new error in ``residual`` (in place).
@@ -58,7 +58,7 @@ def ef_quantize(grad: torch.Tensor, residual: torch.Tensor, codec: Codec,
     else:
         residual.add_(transform.forward(grad))
     flat = residual.view(-1)
-    lengths = codec.lengths(tuple(grad.shape)) if lengths is None else list(lengths)
+    lengths = codec.groups(tuple(grad.shape)) if lengths is None else list(lengths)
     info = _info(lengths)
     # 2. scales from one fused amax pass
     scales = codec.scales_of(flat, lengths, info)
@@ -86,7 +86,7 @@ def ef_quantize(grad: torch.Tensor, residual: torch.Tensor, codec: Codec,
 
 
 @torch.no_grad()
-def naive_ef_quantize(grad: torch.Tensor, residual: torch.Tensor, codec: Codec,
+def naive_ef_quantize(grad: torch.Tensor, residual: torch.Tensor, codec: FP8Codec,
                       transform: Transform | None = None) -> Packed:
     """The same result written the obvious way (reference for tests and the benchmark)."""
     u = (transform.forward(grad) if transform is not None else grad) + residual

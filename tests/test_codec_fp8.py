@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from geofp8.formats import Codec, Packed, group_lengths
+from geofp8.codecs.fp8 import FP8Codec, Packed, group_lengths
 
 FORMATS = ["e4m3", "e5m2"]
 SCALINGS = ["tensor", "row", "block"]
@@ -17,9 +17,9 @@ SCALINGS = ["tensor", "row", "block"]
 REL_BOUND = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
 
 
-def _groups(x: torch.Tensor, codec: Codec, lengths=None):
+def _groups(x: torch.Tensor, codec: FP8Codec, lengths=None):
     """Yield (group values as float64, group slice) for every scale group of ``x``."""
-    lengths = codec.lengths(tuple(x.shape)) if lengths is None else lengths
+    lengths = codec.groups(tuple(x.shape)) if lengths is None else lengths
     flat = x.reshape(-1).double()
     pos = 0
     for n in lengths:
@@ -28,7 +28,7 @@ def _groups(x: torch.Tensor, codec: Codec, lengths=None):
     assert pos == x.numel()
 
 
-def check_codec_contract(x: torch.Tensor, codec: Codec, out: torch.Tensor, lengths=None) -> int:
+def check_codec_contract(x: torch.Tensor, codec: FP8Codec, out: torch.Tensor, lengths=None) -> int:
     """Assert every documented property of ``out = round_trip(x)``; return #bound-checked elems.
 
     Per scale group g with ``amax_g`` and ``s_g = amax_g / fmax``:
@@ -75,7 +75,7 @@ def test_error_bound_normal_range(fmt, scaling):
     # rows of very different magnitudes, values spanning ~3 decades inside a row
     x = torch.randn(16, 96, generator=gen) * torch.logspace(-6, 6, 16)[:, None]
     x = x * torch.logspace(0, -3, 96)[None, :]
-    codec = Codec(fmt, scaling, 32)
+    codec = FP8Codec(fmt, scaling, 32)
     out = codec.round_trip(x)
     assert out.dtype == torch.float32
     checked = check_codec_contract(x, codec, out)
@@ -86,7 +86,7 @@ def test_error_bound_normal_range(fmt, scaling):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_relative_bound_is_attained_not_exceeded(fmt):
     """Sweep a dense grid of mantissas: the worst relative error is close to, and at most, u."""
-    codec = Codec(fmt, "tensor")
+    codec = FP8Codec(fmt, "tensor")
     x = torch.linspace(1.0, 2.0, 20001, dtype=torch.float64)
     x = torch.cat([x, torch.tensor([codec.fmax / 8])]).float()  # amax pins s = 1/8 exactly
     out = codec.round_trip(x).double()
@@ -101,10 +101,10 @@ def test_scaling_granularity_protects_small_groups(fmt):
     per-tensor scaling flushes it (that is what the finer scalings are for)."""
     x = torch.stack([torch.full((64,), 1e4), torch.linspace(1e-9, 2e-9, 64)])
     for scaling in ("row", "block"):
-        out = Codec(fmt, scaling, 64).round_trip(x)
+        out = FP8Codec(fmt, scaling, 64).round_trip(x)
         rel = ((out[1] - x[1]).abs() / x[1]).max()
         assert rel <= REL_BOUND[fmt]
-    out = Codec(fmt, "tensor").round_trip(x)
+    out = FP8Codec(fmt, "tensor").round_trip(x)
     assert ((out[1] - x[1]).abs() / x[1]).max() > REL_BOUND[fmt]
 
 
@@ -113,7 +113,7 @@ def test_fp32_subnormal_group_stays_finite(fmt):
     """Regression: a group whose amax / fmax underflows to an fp32 subnormal (amax ~1e-40)
     used to get a scale rounded *down* by up to 50 %, so amax / s overflowed the format
     (E5M2 -> inf). A finite group must decode to finite values, with error <= u * amax."""
-    codec = Codec(fmt, "block", 4)
+    codec = FP8Codec(fmt, "block", 4)
     x = torch.tensor([1e-40, -3e-41, 2e-42, 0.0, 1e-44, 3e-45, 0.0, 0.0, 1.0, 0.5, 0, 0])
     out = codec.round_trip(x)
     check_codec_contract(x, codec, out)
@@ -125,7 +125,7 @@ def test_fp32_subnormal_group_stays_finite(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_zeros_round_trip_exactly(fmt, scaling):
-    codec = Codec(fmt, scaling, 8)
+    codec = FP8Codec(fmt, scaling, 8)
     for shape in [(5, 7), (1,), (3, 4, 5)]:
         x = torch.zeros(shape)
         packed = codec.quantize(x)
@@ -137,7 +137,7 @@ def test_zeros_round_trip_exactly(fmt, scaling):
     x = torch.randn(4, 8)
     x[1] = 0
     x[3, :] = -0.0
-    out = Codec(fmt, "row").round_trip(x)
+    out = FP8Codec(fmt, "row").round_trip(x)
     assert torch.equal(out[1], torch.zeros(8)) and torch.equal(out[3], torch.zeros(8))
 
 
@@ -145,13 +145,13 @@ def test_zeros_round_trip_exactly(fmt, scaling):
 @pytest.mark.parametrize("scaling", SCALINGS)
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_poisons_exactly_its_group(fmt, scaling, bad):
-    codec = Codec(fmt, scaling, 8)
+    codec = FP8Codec(fmt, scaling, 8)
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
     x[2, 5] = bad
     packed = codec.quantize(x)
     out = packed.dequantize()
     flat = out.reshape(-1)
-    lengths = codec.lengths(tuple(x.shape))
+    lengths = codec.groups(tuple(x.shape))
     bad_index = 2 * 8 + 5
     pos = 0
     for n in lengths:
@@ -175,11 +175,11 @@ def test_non_finite_poisons_exactly_its_group(fmt, scaling, bad):
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_low_and_high_precision_inputs(dtype, fmt, scaling):
     x = (torch.randn(9, 33, generator=torch.Generator().manual_seed(3)) * 10).to(dtype)
-    codec = Codec(fmt, scaling, 16)
+    codec = FP8Codec(fmt, scaling, 16)
     out = codec.round_trip(x)
     assert out.dtype == torch.float32
     check_codec_contract(x, codec, out)
-    assert codec.dequantize(codec.quantize(x), dtype).dtype == dtype
+    assert codec.quantize(x).dequantize(dtype).dtype == dtype
     # the codec sees the same numbers whatever the storage dtype
     assert torch.equal(out, codec.round_trip(x.float()))
 
@@ -188,18 +188,18 @@ def test_low_and_high_precision_inputs(dtype, fmt, scaling):
                                    torch.complex64])
 def test_non_float_input_raises(dtype):
     with pytest.raises(TypeError):
-        Codec().quantize(torch.ones(4, dtype=dtype))
+        FP8Codec().quantize(torch.ones(4, dtype=dtype))
 
 
 def test_invalid_codec_arguments():
     with pytest.raises(ValueError):
-        Codec("e3m4")
+        FP8Codec("e3m4")
     with pytest.raises(ValueError):
-        Codec(scaling="column")
+        FP8Codec(scaling="column")
     with pytest.raises(ValueError):
-        Codec(block_size=0)
+        FP8Codec(block_size=0)
     with pytest.raises(ValueError):
-        Codec().quantize(torch.ones(5), lengths=[2, 2])
+        FP8Codec().quantize(torch.ones(5), lengths=[2, 2])
 
 
 # -- wire layout -----------------------------------------------------------------------
@@ -207,10 +207,10 @@ def test_invalid_codec_arguments():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_bytes_round_trip_and_layout(fmt, scaling):
-    codec = Codec(fmt, scaling, 10)
+    codec = FP8Codec(fmt, scaling, 10)
     x = torch.randn(7, 13, generator=torch.Generator().manual_seed(4))
     packed = codec.quantize(x)
-    lengths = codec.lengths(tuple(x.shape))
+    lengths = codec.groups(tuple(x.shape))
     n_groups = len(lengths)
     buf = packed.to_bytes()
     assert buf.dtype == torch.uint8 and buf.dim() == 1
@@ -235,12 +235,12 @@ def test_bytes_round_trip_and_layout(fmt, scaling):
 def test_bytes_per_element():
     shape = (1024, 1024)
     n = 1024 * 1024
-    assert Codec("e4m3", "tensor").bytes_per_element(shape) == (n + 4) / n
-    assert Codec("e5m2", "row").bytes_per_element(shape) == 1 + 4 / 1024
-    assert Codec("e4m3", "block", 128).bytes_per_element(shape) == 1 + 4 / 128
-    assert Codec("e4m3", "block", 32).bytes_per_element((100,)) == (100 + 4 * 4) / 100
-    assert Codec("e4m3", "row").bytes_per_element((7,)) == (7 + 4) / 7
-    for codec in (Codec("e4m3", "block", 5), Codec("e5m2", "row")):
+    assert FP8Codec("e4m3", "tensor").bytes_per_element(shape) == (n + 4) / n
+    assert FP8Codec("e5m2", "row").bytes_per_element(shape) == 1 + 4 / 1024
+    assert FP8Codec("e4m3", "block", 128).bytes_per_element(shape) == 1 + 4 / 128
+    assert FP8Codec("e4m3", "block", 32).bytes_per_element((100,)) == (100 + 4 * 4) / 100
+    assert FP8Codec("e4m3", "row").bytes_per_element((7,)) == (7 + 4) / 7
+    for codec in (FP8Codec("e4m3", "block", 5), FP8Codec("e5m2", "row")):
         x = torch.randn(6, 11)
         assert codec.bytes_per_element(x.shape) * x.numel() == codec.quantize(x).nbytes
 
@@ -258,7 +258,7 @@ def test_group_lengths():
 
 
 def test_empty_and_scalar_tensors():
-    codec = Codec("e4m3", "block", 4)
+    codec = FP8Codec("e4m3", "block", 4)
     empty = torch.zeros(0, 3)
     out = codec.round_trip(empty)
     assert out.shape == (0, 3)
@@ -270,7 +270,7 @@ def test_empty_and_scalar_tensors():
 
 def test_explicit_non_uniform_lengths():
     """``lengths`` overrides the codec's groups (the collective cuts groups at shards)."""
-    codec = Codec("e4m3")
+    codec = FP8Codec("e4m3")
     x = torch.cat([torch.full((3,), 1e-3), torch.full((5,), 1e3), torch.full((2,), 1.0)])
     x = x * torch.linspace(1, 1.9, 10)
     lengths = [3, 5, 2]
@@ -317,14 +317,14 @@ def _tensors(draw):
 @given(x=_tensors(), fmt=st.sampled_from(FORMATS), scaling=st.sampled_from(SCALINGS),
        block=st.integers(1, 40))
 def test_fuzz_codec_contract(x, fmt, scaling, block):
-    codec = Codec(fmt, scaling, block)
+    codec = FP8Codec(fmt, scaling, block)
     packed = codec.quantize(x)
     assert packed.codes.dtype == torch.uint8 and packed.codes.numel() == x.numel()
     assert packed.scales.dtype == torch.float32
-    assert packed.scales.numel() == len(codec.lengths(tuple(x.shape)))
+    assert packed.scales.numel() == len(codec.groups(tuple(x.shape)))
     out = packed.dequantize()
     check_codec_contract(x, codec, out)
-    back = Packed.from_bytes(packed.to_bytes(), x.shape, codec, codec.lengths(tuple(x.shape)))
+    back = Packed.from_bytes(packed.to_bytes(), x.shape, codec, codec.groups(tuple(x.shape)))
     assert torch.equal(back.dequantize().isnan(), out.isnan())
     assert torch.equal(back.dequantize().nan_to_num(), out.nan_to_num())
 
@@ -337,5 +337,5 @@ def test_fuzz_explicit_lengths(data, fmt):
     x = x.reshape(-1)
     n = sum(lengths)
     x = torch.cat([x] * (n // x.numel() + 1))[:n]
-    codec = Codec(fmt)
+    codec = FP8Codec(fmt)
     check_codec_contract(x, codec, codec.round_trip(x, lengths), lengths)

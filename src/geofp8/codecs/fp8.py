@@ -13,8 +13,9 @@ Policies (documented, tested):
 * A group containing NaN or ±Inf gets scale NaN, so *its whole group* decodes to
   NaN. Non-finite input therefore never comes back finite.
 
-Wire layout of :class:`Packed` (:meth:`Packed.to_bytes`), little-endian:
-``[scales: G × float32][codes: numel × uint8]``. The receiver must know
+Wire layout of a shard (:meth:`FP8Codec.encode_into`, :meth:`Packed.to_bytes`),
+little-endian: ``[scales: G × float32][codes: numel × uint8]`` — one byte per element plus
+four per scale group. The receiver must know
 ``numel`` and the group lengths, which both sides derive from shared metadata
 (shape and :class:`Codec`), so nothing else travels.
 """
@@ -26,9 +27,11 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["FORMATS", "Codec", "Packed", "group_lengths"]
+from .base import Codec, Segments
 
-FORMATS: dict[str, torch.dtype] = {
+__all__ = ["FP8_FORMATS", "SCALINGS", "FP8Codec", "Packed", "group_lengths"]
+
+FP8_FORMATS: dict[str, torch.dtype] = {
     "e4m3": torch.float8_e4m3fn,
     "e5m2": torch.float8_e5m2,
 }
@@ -59,7 +62,7 @@ def group_lengths(shape: tuple[int, ...], scaling: str, block_size: int) -> list
 
 
 @dataclass(frozen=True)
-class Codec:
+class FP8Codec(Codec):
     """How a tensor becomes FP8: the format and the scale granularity.
 
     Args:
@@ -73,8 +76,9 @@ class Codec:
     block_size: int = 128
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"unknown FP8 format {self.format!r}; expected one of {list(FORMATS)}")
+        if self.format not in FP8_FORMATS:
+            raise ValueError(f"unknown FP8 format {self.format!r}; "
+                             f"expected one of {list(FP8_FORMATS)}")
         if self.scaling not in SCALINGS:
             raise ValueError(f"unknown scaling {self.scaling!r}; expected one of {SCALINGS}")
         if self.block_size < 1:
@@ -82,19 +86,39 @@ class Codec:
 
     @property
     def dtype(self) -> torch.dtype:
-        return FORMATS[self.format]
+        return FP8_FORMATS[self.format]
 
     @property
     def fmax(self) -> float:
         return float(torch.finfo(self.dtype).max)
 
-    def lengths(self, shape: tuple[int, ...]) -> list[int]:
+    def groups(self, shape: tuple[int, ...]) -> list[int]:
         return group_lengths(tuple(shape), self.scaling, self.block_size)
 
-    def bytes_per_element(self, shape: tuple[int, ...]) -> float:
-        """Wire bytes per element: 1 code byte plus 4 bytes per scale group."""
-        numel = max(1, int(torch.Size(shape).numel()))
-        return (numel + 4 * len(self.lengths(shape))) / numel
+    def payload_bytes(self, segments: Segments) -> int:
+        """One code byte per element plus a float32 scale per group."""
+        return sum(sum(seg) + 4 * len(seg) for seg in segments)
+
+    def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
+                    seed: int | None = None) -> None:
+        """``[scales][codes]`` of the flat ``x`` straight into ``out`` (no payload copy)."""
+        lengths = [n for seg in segments for n in seg]
+        n_groups = len(lengths)
+        packed = self.quantize(x, lengths, out=out[4 * n_groups : 4 * n_groups + x.numel()])
+        out[: 4 * n_groups].copy_(packed.scales.view(torch.uint8))
+
+    def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments) -> bool:
+        lengths = [n for seg in segments for n in seg]
+        packed = Packed.from_bytes(buf, (sum(lengths),), self, lengths)
+        packed.dequantize(out=out)
+        return not bool((~torch.isfinite(packed.scales)).any())
+
+    def clipped_fraction(self, x: torch.Tensor) -> float:
+        """Share of codes saturated at ``±fmax`` or flushed to zero from a non-zero value."""
+        values = self.quantize(x).codes.view(self.dtype).float()
+        flushed = ((values == 0) & (x.reshape(-1) != 0)).sum()
+        saturated = (values.abs() == self.fmax).sum()
+        return float(flushed + saturated) / max(x.numel(), 1)
 
     def quantize(self, x: torch.Tensor, lengths: list[int] | None = None, *,
                  out: torch.Tensor | None = None) -> Packed:
@@ -106,7 +130,7 @@ class Codec:
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise TypeError(f"GeoFP8 codecs take floating-point tensors, got {x.dtype}")
         if lengths is None:
-            lengths = self.lengths(tuple(x.shape))
+            lengths = self.groups(tuple(x.shape))
         else:
             lengths = list(lengths)
             if sum(lengths) != x.numel():
@@ -138,9 +162,6 @@ class Codec:
         scales = torch.where(scales == 0, torch.ones_like(scales), scales)  # all-zero group
         return torch.where(torch.isfinite(scales), scales, torch.full_like(scales, float("nan")))
 
-    def dequantize(self, packed: Packed, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return packed.dequantize(out_dtype)
-
     def round_trip(self, x: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
         """``dequantize(quantize(x))`` in fp32 — the codec's error model in one call."""
         return self.quantize(x, lengths).dequantize()
@@ -153,7 +174,7 @@ class Packed:
     codes: torch.Tensor  # uint8, numel
     scales: torch.Tensor  # float32, one per group
     shape: tuple[int, ...]
-    codec: Codec
+    codec: FP8Codec
     lengths: tuple[int, ...]
 
     @property
@@ -183,7 +204,7 @@ class Packed:
 
     @classmethod
     def from_bytes(
-        cls, buf: torch.Tensor, shape: tuple[int, ...], codec: Codec, lengths: list[int]
+        cls, buf: torch.Tensor, shape: tuple[int, ...], codec: FP8Codec, lengths: list[int]
     ) -> Packed:
         n_groups, numel = len(lengths), sum(lengths)
         if buf.numel() < 4 * n_groups + numel:
@@ -334,7 +355,7 @@ def _decode_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     The NaN codes (``S.1111.111``) are restored explicitly.
     """
     if info.irregular:
-        out.copy_(codes.view(FORMATS[fmt]))
+        out.copy_(codes.view(FP8_FORMATS[fmt]))
         out.mul_(_per_element(scales, lengths, out.numel()))
         return
     if fmt == "e5m2":

@@ -41,6 +41,7 @@ __all__ = [
     "TwoSided",
     "full_input",
     "rebase",
+    "transform_from_state",
 ]
 
 
@@ -66,9 +67,15 @@ def _sym_powers(M: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor
 
 
 class Transform:
-    """Base class: ``forward`` to communication coordinates, ``inverse`` back."""
+    """Base class: ``forward`` to communication coordinates, ``inverse`` back.
+
+    :meth:`state` is the map as plain tensors (Python floats as 0-d float64 tensors), and
+    :func:`transform_from_state` rebuilds it exactly: checkpoints and factor broadcasts
+    carry tensors only, never pickled objects.
+    """
 
     name = "transform"
+    fields: tuple[str, ...] = ()  # attributes that define the map (tensors or floats)
 
     def forward(self, G: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -83,6 +90,37 @@ class Transform:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """``{field: tensor}``; list fields as ``field.i``, floats as 0-d float64 tensors."""
+        out = {}
+        for f in self.fields:
+            value = getattr(self, f)
+            if isinstance(value, list):
+                out.update({f"{f}.{i}": v for i, v in enumerate(value)})
+            elif isinstance(value, torch.Tensor):
+                out[f] = value
+            else:
+                out[f] = torch.tensor(float(value), dtype=torch.float64)
+        return out
+
+    @classmethod
+    def _from_state(cls, state: dict[str, torch.Tensor]) -> Transform:
+        self = cls.__new__(cls)
+        for f in cls.fields:
+            if f in state:
+                value = state[f]
+                setattr(self, f, float(value) if f in cls.scalar_fields else value)
+            else:
+                n = sum(1 for k in state if k.startswith(f + "."))
+                setattr(self, f, [state[f"{f}.{i}"] for i in range(n)])
+        self._restored()
+        return self
+
+    scalar_fields: tuple[str, ...] = ()
+
+    def _restored(self) -> None:
+        """Derive non-state attributes after :meth:`_from_state` (default: none)."""
 
 
 class Identity(Transform):
@@ -99,9 +137,10 @@ class LowRankInput(Transform):
     """Input-side ``T ≈ A^{-1/2}`` from the top-k eigenpairs plus an isotropic complement."""
 
     name = "lowrank"
+    fields = ("U", "d_fwd", "d_inv", "c_fwd", "c_inv")
+    scalar_fields = ("c_fwd", "c_inv")
 
     def __init__(self, factor: LowRankFactor, damping: float) -> None:
-        self.factor = factor
         lam = _damping_of(factor.trace, factor.dim, damping)
         rest = factor.sigma2 + lam
         eig = factor.eigvals.double().clamp_min(0) + lam
@@ -136,6 +175,7 @@ def full_input(A: torch.Tensor, damping: float) -> LowRankInput:
 
 class DiagonalInput(Transform):
     name = "diag"
+    fields = ("s_fwd", "s_inv")
 
     def __init__(self, A: torch.Tensor, damping: float) -> None:
         a = torch.diagonal(A).double().clamp_min(0)
@@ -155,6 +195,13 @@ class DiagonalInput(Transform):
 
 class BlockInput(Transform):
     name = "block"
+    fields = ("fwd", "inv")
+
+    def _restored(self) -> None:
+        self.bounds, lo = [], 0
+        for m in self.fwd:
+            self.bounds.append((lo, lo + m.shape[0]))
+            lo += m.shape[0]
 
     def __init__(self, A: torch.Tensor, block: int, damping: float) -> None:
         d = A.shape[0]
@@ -182,6 +229,7 @@ class BlockInput(Transform):
 
 class OutputSide(Transform):
     name = "output"
+    fields = ("fwd", "inv")
 
     def __init__(self, S: torch.Tensor, damping: float) -> None:
         self.fwd, self.inv = _sym_powers(S, _lam(S, damping))
@@ -198,6 +246,7 @@ class OutputSide(Transform):
 
 class TwoSided(Transform):
     name = "kfac"
+    fields = ("a_fwd", "a_inv", "s_fwd", "s_inv")
 
     def __init__(self, A: torch.Tensor, S: torch.Tensor, damping: float) -> None:
         self.a_fwd, self.a_inv = _sym_powers(A, _lam(A, damping))
@@ -224,6 +273,10 @@ class Hadamard(Transform):
     """Data-independent rotation: random signs and a block Hadamard along ``d_in``."""
 
     name = "hadamard"
+    fields = ("signs", "H")
+
+    def _restored(self) -> None:
+        self.dim, self.block = self.signs.numel(), self.H.shape[0]
 
     def __init__(self, dim: int, max_block: int = 256, seed: int = 0,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -253,3 +306,19 @@ def rebase(residual: torch.Tensor, old: Transform, new: Transform) -> torch.Tens
     """Error-feedback residual in new coordinates with the same Euclidean meaning:
     ``R ← R T_old⁻¹ T_new``."""
     return new.forward(old.inverse(residual))
+
+
+KINDS: dict[str, type[Transform]] = {
+    cls.name: cls for cls in (Identity, LowRankInput, DiagonalInput, BlockInput, OutputSide,
+                              TwoSided, Hadamard)
+}
+
+
+def transform_from_state(kind: str, state: dict[str, torch.Tensor]) -> Transform:
+    """Rebuild a transform from :meth:`Transform.state` (``kind`` is its ``name``; ``full``
+    is a low-rank map of full rank)."""
+    if kind not in KINDS and kind != "full":
+        raise ValueError(f"unknown transform kind {kind!r}; expected one of {list(KINDS)}")
+    t = KINDS["lowrank" if kind == "full" else kind]._from_state(state)
+    t.name = kind
+    return t

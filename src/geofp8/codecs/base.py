@@ -1,0 +1,73 @@
+"""The codec interface: how one shard of a flat FP32 vector becomes bytes and back.
+
+A *shard* is a list of *segments* (contiguous chunks of different tensors); each segment is
+cut into contiguous *scale groups* (:meth:`Codec.groups` of its tensor, cut where the shard
+boundary falls). A codec turns the FP32 values of a shard into exactly
+:meth:`Codec.payload_bytes` bytes and back; both sides derive the group lengths from shared
+metadata (the tensors' shapes and the codec), so nothing else travels. Formats need not use
+one byte per element (4-bit codes pack two to a byte).
+
+Policies every codec follows:
+
+* an all-zero group decodes to exact zeros;
+* a group containing NaN or ±Inf decodes to NaN as a whole, and :meth:`Codec.decode_into`
+  reports it (returns ``False``) so the caller can poison the whole result.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["Codec", "Segments"]
+
+Segments = Sequence[Sequence[int]]  # per segment of a shard: its scale-group lengths
+
+
+class Codec(ABC):
+    """One wire format. Subclasses are small frozen dataclasses registered by name in
+    :data:`geofp8.codecs.FORMATS`."""
+
+    format: str
+
+    @abstractmethod
+    def groups(self, shape: tuple[int, ...]) -> list[int]:
+        """Scale-group lengths of a whole row-major tensor of ``shape`` (contiguous runs)."""
+
+    @abstractmethod
+    def payload_bytes(self, segments: Segments) -> int:
+        """Exact bytes of one encoded shard (codes and scales)."""
+
+    @abstractmethod
+    def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
+                    seed: int | None = None) -> None:
+        """Encode the flat FP32 ``x`` (``Σ`` group lengths elements) into the uint8 ``out``
+        (``payload_bytes(segments)`` bytes). ``seed``: for stochastic rounding, identical on
+        every rank for a given step and tensor; ignored by round-to-nearest codecs."""
+
+    @abstractmethod
+    def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments) -> bool:
+        """Decode ``buf`` into the flat FP32 ``out``; ``False`` if any scale is non-finite."""
+
+    def clipped_fraction(self, x: torch.Tensor) -> float:
+        """Share of the elements of ``x`` that the codec saturates at its largest code or
+        flushes to zero (the paper's per-layer vulnerability score)."""
+        raise NotImplementedError(f"{type(self).__name__} has no clipped-fraction score")
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """``decode(encode(x))`` of a whole tensor, shaped like ``x`` (FP32): the codec's
+        error model in one call."""
+        segments = [self.groups(tuple(x.shape))]
+        flat = x.detach().reshape(-1).float()
+        buf = torch.empty(self.payload_bytes(segments), dtype=torch.uint8, device=x.device)
+        self.encode_into(buf, flat, segments)
+        out = torch.empty_like(flat)
+        self.decode_into(out, buf, segments)
+        return out.view(x.shape)
+
+    def bytes_per_element(self, shape: tuple[int, ...]) -> float:
+        """Wire bytes per element of a whole tensor of ``shape``, scales included."""
+        numel = max(1, int(torch.Size(shape).numel()))
+        return self.payload_bytes([self.groups(tuple(shape))]) / numel

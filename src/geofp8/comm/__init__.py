@@ -1,0 +1,18 @@
+"""Communication: layouts (:mod:`.layout`), the pure stages (:mod:`.stages`), the exact
+collectives over ``torch.distributed`` (:mod:`.collective`) and the one helper every side
+collective goes through (:mod:`.group`)."""
+
+from .collective import COLLECTIVES, Communicator, exact_allreduce, wire_bytes
+from .layout import ShardLayout, fp32_allreduce_wire_bytes
+from .stages import (
+    decode,
+    decode_gathered,
+    decode_sum,
+    encode,
+    encode_reduced,
+    simulate_exact_allreduce,
+)
+
+__all__ = ["COLLECTIVES", "Communicator", "ShardLayout", "decode", "decode_gathered",
+           "decode_sum", "encode", "encode_reduced", "exact_allreduce",
+           "fp32_allreduce_wire_bytes", "simulate_exact_allreduce", "wire_bytes"]

@@ -1,0 +1,125 @@
+"""The exact collective over ``torch.distributed``: all-to-all of encoded shards, FP32 sum,
+re-encode, all-gather (see :mod:`geofp8.comm.stages`). Per rank and element that is
+``2(N−1)/N`` payload bytes — the traffic of a ring all-reduce of the encoded format.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .group import DeviceGroup
+from .layout import ShardLayout
+from .stages import decode, decode_gathered, decode_sum, encode, encode_reduced
+
+__all__ = ["COLLECTIVES", "Communicator", "exact_allreduce", "wire_bytes"]
+
+
+COLLECTIVES = ("exact", "allgather")
+
+
+def wire_bytes(layout: ShardLayout, rank: int, collective: str) -> int:
+    """Bytes this rank sends for one bucket: see :meth:`ShardLayout.wire_bytes` for
+    ``exact``; ``allgather`` sends its whole payload to each of the ``N − 1`` others."""
+    if collective == "exact":
+        return layout.wire_bytes(rank)
+    total = sum(layout.send_bytes(j) for j in range(layout.world_size))
+    return (layout.world_size - 1) * total
+
+
+class Communicator:
+    """Launches all-reduces of :func:`encode` d payloads; several may be in flight at once.
+
+    ``exact``: all-to-all of shards, FP32 sum, re-quantize, all-gather (two roundings,
+    ``2(N−1)/N`` payloads per rank). ``allgather``: every rank gathers every payload and
+    sums in FP32 itself (one rounding, ``N − 1`` payloads per rank).
+
+    Ordering: every rank must issue collectives in the same order, but completion callbacks
+    fire in different orders on different ranks. So the all-gather of launch ``i`` is issued
+    from the caller's thread at launch ``i + 1`` (after waiting for all-to-all ``i``, which
+    has been overlapping the caller's work since); the launch marked ``last`` waits for its
+    own all-to-all and issues its all-gather before it returns. No collective is ever issued
+    from a callback: DDP itself issues one right after the last bucket's hook when
+    ``find_unused_parameters=True`` (the used-parameter map), and a callback's all-gather
+    raced it into a different order on different ranks (a deadlock).
+    """
+
+    def __init__(self, collective: str, group: DeviceGroup):
+        if collective not in COLLECTIVES:
+            raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+        self.collective, self.group = collective, group
+        self.rank = group.rank
+        self._previous = None  # (work, recv, layout, result, unmap, gather): not yet finished
+
+    def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
+               unmap=None, gather: bool = True) -> torch.futures.Future:
+        """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
+        (each mapped back by ``unmap(values, side)`` first, see :func:`decode_sum`).
+        ``gather=False`` stops after the FP32 sum (a reduce-scatter): the value is this
+        rank's reduced shard, ``layout.shard_numel(rank)`` elements."""
+        self.flush()
+        if self.collective == "allgather":
+            if unmap is not None or not gather:
+                raise ValueError("per-sender decoding and reduce-scatter need collective='exact'")
+            return self._allgather(sent, layout)
+        result: torch.futures.Future = torch.futures.Future()
+        n = layout.world_size
+        recv = torch.empty(n * layout.send_bytes(self.rank), dtype=torch.uint8,
+                           device=sent.device)
+        work = self.group.all_to_all(recv, sent, [layout.send_bytes(self.rank)] * n,
+                                     [layout.send_bytes(j) for j in range(n)], "payload")
+        self._previous = (work, recv, layout, result, unmap, gather)
+        if last:
+            self.flush()  # issue the all-gather now, from this thread (see the class notes)
+        return result
+
+    def flush(self) -> None:
+        """Finish the previous launch's all-to-all and issue its all-gather, if any."""
+        if self._previous is not None:
+            work, recv, layout, result, unmap, gather = self._previous
+            self._previous = None
+            work.wait()
+            self._gather(work.get_future(), recv, layout, result, unmap, gather)
+
+    def _gather(self, fut, recv: torch.Tensor, layout: ShardLayout,
+                result: torch.futures.Future, unmap, gather: bool) -> None:
+        try:
+            fut.value()
+            reduced = decode_sum(recv, layout, self.rank, unmap)
+            if not gather:
+                result.set_result(reduced)
+                return
+            shard = encode_reduced(reduced, layout, self.rank)
+        except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
+            result.set_exception(exc)
+            return
+        gathered, work = self.group.all_gather(shard, "payload", async_op=True)
+
+        def done(fut: torch.futures.Future) -> None:
+            try:
+                fut.value()
+                result.set_result(decode_gathered(gathered, layout))
+            except Exception as exc:  # noqa: BLE001
+                result.set_exception(exc)
+
+        work.get_future().then(done)
+
+    def _allgather(self, sent: torch.Tensor, layout: ShardLayout) -> torch.futures.Future:
+
+        def decode_all(_fut: torch.futures.Future) -> torch.Tensor:
+            total = torch.zeros(layout.numel, dtype=torch.float32, device=sent.device)
+            for buf in gathered:
+                total += decode(buf, layout)
+            # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
+            return total if bool(torch.isfinite(total).all()) else total.fill_(float("nan"))
+
+        gathered, work = self.group.all_gather(sent, "payload", async_op=True)
+        return work.get_future().then(decode_all)
+
+
+def exact_allreduce(flat: torch.Tensor, layout: ShardLayout,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Blocking exact FP8 all-reduce of ``flat`` (FP32, ``layout.numel`` elements, the same
+    ``layout`` on every rank): ``Σ_r flat_r`` in FP32. Collective over ``group``."""
+    return Communicator("exact", DeviceGroup(group, flat.device)).launch(
+        encode(flat, layout), layout).wait()

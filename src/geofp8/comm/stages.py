@@ -1,0 +1,108 @@
+"""The pure stages of the exact collective, shared by the real one and the simulation.
+
+For a flat FP32 vector ``x_r`` on each of ``N`` ranks and a :class:`ShardLayout`:
+
+1. :func:`encode`: cut ``x_r`` into ``N`` shards, encode each with this rank's own scales;
+2. (all-to-all: rank ``j`` receives shard ``j`` from every sender, scales included);
+3. :func:`decode_sum`: rank ``j`` decodes the ``N`` payloads and sums them in FP32 — a
+   reduce-scatter stops here;
+4. :func:`encode_reduced`: it re-encodes its reduced shard (all-gathered next);
+5. :func:`decode_gathered`: every rank decodes the ``N`` reduced shards: ``Σ_r x_r`` up to
+   two roundings. If any shard carries a non-finite scale, *every* element is NaN.
+
+No arithmetic happens on encoded values: every sum is in FP32 after decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import ShardLayout
+
+__all__ = ["decode", "decode_gathered", "decode_sum", "encode", "encode_reduced",
+           "simulate_exact_allreduce"]
+
+
+def encode(flat: torch.Tensor, layout: ShardLayout,
+           side: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Stage 1: every shard quantized with its own scales (then its ``side`` bytes, if any),
+    one after the other in one uint8 buffer."""
+    out = torch.empty(sum(layout.send_bytes(j) for j in range(layout.world_size)),
+                      dtype=torch.uint8, device=flat.device)
+    offset = 0
+    for j in range(layout.world_size):
+        payload = layout.shard_bytes(j)
+        layout.codec.encode_into(out[offset : offset + payload], layout.gather(flat, j),
+                                 layout.groups[j])
+        if layout.side[j]:
+            out[offset + payload : offset + layout.send_bytes(j)] = side[j]
+        offset += layout.send_bytes(j)
+    return out
+
+
+def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
+               unmap=None) -> torch.Tensor:
+    """Stage 3: dequantize the ``N`` senders' copies of ``shard`` and sum them in FP32.
+
+    ``unmap(values, side)``, when given, maps one sender's decoded shard back with that
+    sender's side metadata (per-sender decoding) before it enters the sum.
+    """
+    nbytes, numel = layout.send_bytes(shard), layout.shard_numel(shard)
+    payload = layout.shard_bytes(shard)
+    total = torch.zeros(numel, dtype=torch.float32, device=received.device)
+    values = torch.empty_like(total)
+    for r in range(layout.world_size):
+        buf = received[r * nbytes : (r + 1) * nbytes]
+        layout.codec.decode_into(values, buf[:payload], layout.groups[shard])
+        total += values if unmap is None else unmap(values, buf[payload:nbytes])
+    return total
+
+
+def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
+    """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``."""
+    out = torch.zeros(layout.max_shard_bytes, dtype=torch.uint8, device=shard_sum.device)
+    layout.codec.encode_into(out[: layout.shard_bytes(shard)], shard_sum, layout.groups[shard])
+    return out
+
+
+def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
+    """Stage 5: the full reduced vector; all NaN if any shard carries a non-finite scale."""
+    out = torch.empty(layout.numel, dtype=torch.float32, device=gathered[0].device)
+    poisoned = False
+    for j, buf in enumerate(gathered):
+        values = torch.empty(layout.shard_numel(j), dtype=torch.float32, device=buf.device)
+        poisoned |= not layout.codec.decode_into(values, buf[: layout.shard_bytes(j)],
+                                                 layout.groups[j])
+        layout.scatter(out, values, j)
+    if poisoned:
+        out.fill_(float("nan"))
+    return out
+
+
+def decode(sent: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """What ``encode(flat, layout)`` decodes to (the sender's own view, for error feedback)."""
+    out = torch.empty(layout.numel, dtype=torch.float32, device=sent.device)
+    offset = 0
+    for j in range(layout.world_size):
+        values = torch.empty(layout.shard_numel(j), dtype=torch.float32, device=sent.device)
+        layout.codec.decode_into(values, sent[offset : offset + layout.shard_bytes(j)],
+                                 layout.groups[j])
+        layout.scatter(out, values, j)
+        offset += layout.send_bytes(j)
+    return out
+
+
+def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
+    """What :func:`exact_allreduce` returns when rank ``r`` holds ``inputs[r]`` (one process)."""
+    n = layout.world_size
+    if len(inputs) != n:
+        raise ValueError(f"layout is for {n} ranks but {len(inputs)} inputs were given")
+    sent = [encode(x.reshape(-1).float(), layout) for x in inputs]
+    offsets = [0]
+    for j in range(n):
+        offsets.append(offsets[-1] + layout.send_bytes(j))
+    gathered = []
+    for j in range(n):
+        received = torch.cat([s[offsets[j] : offsets[j + 1]] for s in sent])
+        gathered.append(encode_reduced(decode_sum(received, layout, j), layout, j))
+    return decode_gathered(gathered, layout)
