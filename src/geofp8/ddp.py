@@ -242,7 +242,8 @@ class GeoFP8State:
 
         ``bytes_sent``: bytes this rank handed to the process group (payloads, scales,
         factor and selection traffic; not the one-time consistency check of the first step),
-        counting what each collective's standard algorithm sends: ring all-reduce ``2(N−1)/N·size``, all-to-all the ``N−1`` shards for others,
+        counting what each collective's standard algorithm sends: ring all-reduce
+        ``2(N−1)/N·size``, all-to-all the ``N−1`` shards for others,
         all-gather/broadcast ``N−1`` copies. ``bytes_fp32_equivalent``: the ring all-reduce
         of the same buckets in FP32. Times are host wall-clock seconds (on a GPU they
         measure launch, not kernel, time).
