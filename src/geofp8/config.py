@@ -78,7 +78,7 @@ class GeoFP8Config:
     factor_source: str = "refresh"  # FactorSource
     refresh_every: int = 50  # steps between refreshes / auto measurements (the paper's K)
     statistics: str = "auto"  # Statistics
-    sketch_above: int = 1024  # Statistics.AUTO sketches inputs wider than this
+    sketch_above: int = 256  # Statistics.AUTO sketches inputs wider than this
     oversample: int = 8  # p: the sketch has k + p columns
     # -- selection
     layers: str | list[str] = "auto"  # LayerMode, or module names
