@@ -107,6 +107,11 @@ class GeoFP8FSDP:
         if isinstance(config, FP8Config):
             config = config.to_geofp8()
         self.config = config if config is not None else GeoFP8Config()
+        cfg = self.config
+        if cfg.layers != "none" and cfg.transform != "euclidean":
+            raise NotImplementedError(
+                "GeoFP8 on FSDP: the geometry branch (selected Linear weights in whitened "
+                "coordinates) is not wired yet; use transform='euclidean', layers='none'")
         if residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {residual!r}")
         if mesh is None and not reduce_scatter:
@@ -304,8 +309,12 @@ class GeoFP8FSDP:
         n = rep.size
         layout = self._layout(unit, "replica", n)
         led = self.ledger
-        led.add("elements", shard.numel())
         led.add("bytes_fp32_equivalent", fp32_allreduce_wire_bytes(shard.numel(), n))
+        if not ours:  # FSDP's own FP32 reduce-scatter ran before: count it too
+            size = self._shard_size(unit)
+            led.add("elements", size * shard.numel())
+            for key in ("bytes_sent", "bytes_fp32_equivalent"):
+                led.add(key, (size - 1) * shard.numel() * 4)
         # FSDP divided by the shard group only; divide by the replicas unless the user set
         # their own divide factor (then it is the whole division)
         divisor = n if unit.param_group.gradient_divide_factor is None else 1
@@ -364,9 +373,10 @@ class GeoFP8FSDP:
 
         ``bytes_sent``: what this rank put on the wire: the all-to-all shards for others
         (reduce-scatter), the exact all-reduce (replicas), the flag all-reduce when FSDP's
-        own reduce-scatter runs under the HSDP hook. ``bytes_fp32_equivalent``: FSDP's FP32
-        reduce-scatter ``(N−1)/N·4`` bytes per element plus, for HSDP, a ring all-reduce of
-        the shard. ``elements``: unsharded gradient elements plus shard elements."""
+        own reduce-scatter runs under the HSDP hook (and that FP32 reduce-scatter itself).
+        ``bytes_fp32_equivalent``: FSDP's FP32 reduce-scatter, ``(N−1)/N·4`` bytes per
+        element, plus for HSDP a ring all-reduce of the shard. ``bytes_per_element``: per
+        element of the (padded) unsharded gradient."""
         self._settle()
         last = self.ledger.last
         return {
