@@ -100,8 +100,10 @@ def _two_rank_worker(rank, world):
     # FP8 without error feedback: one step, with the local inputs for the simulation
     net = _net()
     state = fsdp.enable(net, GeoFP8Config(error_feedback=False, **EUCLID))
+    state.shadow = True
     _backward(net, 0, rank)
-    out["fp8"] = _grads(net)
+    state.shadow = False
+    out["fp8"], out["fidelity"] = _grads(net), state.fidelity()
     ref = _net()
     _backward(ref, 0, rank)
     out["fp32"], out["local"] = _grads(ref), _local_grads(0, rank)
@@ -215,6 +217,16 @@ def test_fp8_reduce_scatter_equals_simulation_and_is_within_codec_bound(two_rank
                 amax = sum(g[name].chunk(world)[j].abs().max() for g in local)
                 assert (got - fp32).abs().max() <= amax * E4M3_REL / world, name
                 assert not torch.equal(got, fp32), name
+
+
+def test_shadow_fidelity_measures_the_communicated_error(two_ranks):
+    per_param, total, cos = two_ranks[0]["fidelity"]
+    assert two_ranks[1]["fidelity"][0] == per_param
+    for name in two_ranks[0]["fp8"]:
+        err = sum(float((r["fp8"][name] - r["fp32"][name]).pow(2).sum()) for r in two_ranks)
+        ref = sum(float(r["fp32"][name].pow(2).sum()) for r in two_ranks)
+        assert per_param[name]["rel_l2"] == pytest.approx((err / ref) ** 0.5, rel=1e-4), name
+    assert 0 < total < 2.0**-4 and 0.99 < cos <= 1.0
 
 
 def test_premul_sum_divide_factor_gives_the_sum(two_ranks):

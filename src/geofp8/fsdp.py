@@ -140,6 +140,9 @@ class GeoFP8FSDP:
             if self._replicate is not None:
                 module.set_all_reduce_hook(self._all_reduce_hook(unit, reduce_scatter))
         self._reduce_scatter_installed = reduce_scatter
+        self.shadow = False  # set before a backward: measure it against FP32 (see fidelity)
+        self._shadow_refs: dict[str, torch.Tensor] = {}
+        self._shadow_sums: dict[str, torch.Tensor] = {}
         self._hooks = [model.register_forward_pre_hook(lambda *_: self._settle())]
 
     # -- set-up ------------------------------------------------------------------------------
@@ -250,6 +253,7 @@ class GeoFP8FSDP:
             return
         t0 = time.perf_counter()
         flat = inp.float() if inp.dtype != torch.float32 else inp
+        exact = flat.clone() if self.shadow else None
         if self.config.error_feedback:
             self._add_residuals(unit, flat.view(n, -1), n, "")
         finite = torch.ones(1, dtype=torch.uint8, device=flat.device)
@@ -266,6 +270,38 @@ class GeoFP8FSDP:
             total.fill_(float("nan"))
             led.finite = False
         out.copy_(total.div_(divisor) if divisor != 1 else total)
+        if exact is not None:  # the FP32 reference, not counted in the bytes
+            ref = torch.empty(layout.numel // n, dtype=torch.float32, device=out.device)
+            dist.reduce_scatter_single(ref, exact, op=dist.ReduceOp.SUM, group=dg.group)
+            self._shadow_refs[unit.name] = ref.div_(divisor)
+            if self._replicate is None:
+                self._compare(unit, out.float(), n)
+
+    def _compare(self, unit: _Unit, got: torch.Tensor, world: int) -> None:
+        """Accumulate ``‖Ĝ−Ḡ‖², ‖Ḡ‖², Ĝ·Ḡ, ‖Ĝ‖²`` per parameter of this rank's shard."""
+        ref = self._shadow_refs.pop(unit.name)
+        for name, (pos, rows, width) in zip(unit.names, unit.rows(world)):
+            g, r = got[pos : pos + rows * width], ref[pos : pos + rows * width]
+            self._shadow_sums[name] = torch.stack([(g - r).pow(2).sum(), r.pow(2).sum(),
+                                                   g @ r, g.pow(2).sum()]).double()
+
+    def fidelity(self) -> tuple[dict[str, dict[str, float]], float, float]:
+        """``({parameter: {"rel_l2", "cos"}}, rel_l2, cos)`` of the last backward run with
+        :attr:`shadow` set: the communicated gradient against FSDP's FP32 reduction of
+        the same gradients (reduce-scatter, and the replica all-reduce under HSDP).
+        Collective over the world; call it on every rank after the backward."""
+        names = [n for u in self.units for n in u.names]
+        sums = torch.stack([self._shadow_sums.get(n, torch.zeros(4, dtype=torch.float64))
+                            for n in names])
+        self._shadow_sums = {}
+        dist.all_reduce(sums)  # HSDP replicas count twice in every term: ratios unchanged
+        out = {}
+        for name, (e2, r2, dot, g2) in zip(names, sums.tolist()):
+            out[name] = {"rel_l2": (e2 / r2) ** 0.5 if r2 > 0 else 0.0,
+                         "cos": dot / (g2 * r2) ** 0.5 if g2 * r2 > 0 else 1.0}
+        e2, r2, dot, g2 = sums.sum(0).tolist()
+        return out, (e2 / r2) ** 0.5 if r2 > 0 else 0.0, \
+            dot / (g2 * r2) ** 0.5 if g2 * r2 > 0 else 1.0
 
     def _passthrough(self, out, inp, dg: DeviceGroup, op, divisor: float) -> None:
         """FP32, as FSDP's default does (``PREMUL_SUM``, which gloo lacks: ``·(1/f)`` then
@@ -319,6 +355,8 @@ class GeoFP8FSDP:
         # their own divide factor (then it is the whole division)
         divisor = n if unit.param_group.gradient_divide_factor is None else 1
         x = shard.float() if shard.dtype != torch.float32 else shard.clone()
+        if self.shadow and not ours:  # FSDP's FP32 reduce-scatter: this shard is exact
+            self._shadow_refs[unit.name] = x.clone()
         if not ours:  # FSDP's FP32 reduce-scatter poisons only some shards: agree first
             shard_group = self._device_group(unit.param_group.mesh_info.shard_process_group,
                                              shard.device)
@@ -344,6 +382,11 @@ class GeoFP8FSDP:
         if not bool(torch.isfinite(x).all()):
             led.finite = False
         shard.copy_(x.div_(divisor) if divisor != 1 else x)
+        if self.shadow and unit.name in self._shadow_refs:
+            ref = self._shadow_refs[unit.name]
+            dist.all_reduce(ref, group=rep.group)
+            ref.div_(divisor)
+            self._compare(unit, shard.float(), self._shard_size(unit))
 
     def _chunk_shapes(self, unit: _Unit) -> list[tuple[int, ...]]:
         size = self._shard_size(unit)

@@ -131,6 +131,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
         shadow = cfg.shadow_every > 0 and step % cfg.shadow_every == 0
         if comm is not None:
             comm.capture = shadow
+        elif hasattr(state, "fidelity"):
+            state.shadow = shadow
         logits = ddp(input_ids=x).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         with counter.counting() if counter is not None else contextlib.nullcontext():
@@ -139,7 +141,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
             comm.capture = False
         record: dict = {"step": step}
         if shadow:
-            record["fidelity"], record["rel_l2"], record["cos"] = shadow_fidelity(model, comm)
+            measured = shadow_fidelity(model, comm) if comm is not None else \
+                state.fidelity() if hasattr(state, "fidelity") else None
+            if measured is not None:
+                record["fidelity"], record["rel_l2"], record["cos"] = measured
         grad_norm = torch.nn.utils.clip_grad_norm_(
             model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         lr = optimizers[0].param_groups[0]["lr"]
