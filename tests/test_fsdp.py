@@ -126,6 +126,17 @@ def _two_rank_worker(rank, world):
     out["nan_grads"] = _grads(net)
     after = state.state_dict()
     out["nan_state"] = (before, after, state.stats())
+    # geometry on both Linear weights: refreshed and fresh factors
+    for source in ("refresh", "fresh"):
+        net = _net()
+        state = fsdp.enable(net, GeoFP8Config(layers="all", factor_source=source,
+                                              refresh_every=2, k=8))
+        for step in range(4):
+            _backward(net, step, rank)
+        transforms = state.pipeline.transforms()
+        out["geometry_" + source] = (
+            {n: {k: v.clone() for k, v in t.state().items()} for n, t in transforms.items()},
+            state.stats()["geometry_layers"], _grads(net))
     # mixed precision: bf16 parameters, FP32 reduction
     ref, mine = _net(mp=True), _net(mp=True)
     fsdp.enable(mine, GeoFP8Config(error_feedback=False, **EUCLID))
@@ -249,9 +260,22 @@ def test_nan_on_one_rank_is_seen_by_every_rank_and_leaves_no_trace(two_ranks):
             assert torch.isfinite(grads[name]).all(), name
         before, after, stats = r["nan_state"]
         assert stats["skipped_steps"] == 1 and stats["step"] == 1
-        res0, res1 = before["feedback"]["residuals"], after["feedback"]["residuals"]
+        res0 = before["pipeline"]["feedback"]["residuals"]
+        res1 = after["pipeline"]["feedback"]["residuals"]
         assert res0.keys() == res1.keys() and len(res0) == 6
         assert all(torch.equal(res0[n], res1[n]) for n in res0)
+
+
+@pytest.mark.parametrize("source", ["refresh", "fresh"])
+def test_geometry_factors_bit_identical_on_every_rank(two_ranks, source):
+    (factors0, layers0, grads0), (factors1, layers1, _) = (r["geometry_" + source]
+                                                           for r in two_ranks)
+    assert layers0 == layers1 == ["a.weight", "b.weight"]
+    assert factors0.keys() == factors1.keys() == {"a.weight", "b.weight"}
+    for name in factors0:
+        for key, value in factors0[name].items():
+            assert torch.equal(value, factors1[name][key]), (name, key)
+    assert all(torch.isfinite(g).all() for g in grads0.values())
 
 
 def test_mixed_precision_bf16_params_fp32_reduce(two_ranks):

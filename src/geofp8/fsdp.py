@@ -44,6 +44,8 @@ from .config import FP8Config, GeoFP8Config
 from .feedback import IDENTITY as _IDENTITY
 from .feedback import ErrorFeedback
 from .ledger import StepLedger
+from .pipeline import IDENTITY as ROUTE_IDENTITY
+from .pipeline import GradientPipeline
 
 __all__ = ["GeoFP8FSDP", "GeoFP8ReduceScatter", "enable"]
 
@@ -108,16 +110,18 @@ class GeoFP8FSDP:
             config = config.to_geofp8()
         self.config = config if config is not None else GeoFP8Config()
         cfg = self.config
-        if cfg.layers != "none" and cfg.transform != "euclidean":
-            raise NotImplementedError(
-                "GeoFP8 on FSDP: the geometry branch (selected Linear weights in whitened "
-                "coordinates) is not wired yet; use transform='euclidean', layers='none'")
+        if str(getattr(cfg.transform, "value", cfg.transform)) in ("output", "kfac"):
+            raise ValueError("GeoFP8 on FSDP: output-side transforms act on rows, which FSDP "
+                             "shards; use an input-side transform (lowrank, full, diag, ...)")
+        if str(getattr(cfg.factor_source, "value", cfg.factor_source)) == "local":
+            raise ValueError("GeoFP8 on FSDP: factor_source='local' is DDP-only; use "
+                             "'refresh' or 'fresh'")
         if residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {residual!r}")
         if mesh is None and not reduce_scatter:
             raise ValueError("reduce_scatter=False needs an HSDP mesh (nothing would be FP8)")
         self.codec = make_codec(self.config.format, self.config.scaling, self.config.block_size)
-        self.feedback = ErrorFeedback(storage=residual)
+        self.feedback = ErrorFeedback(storage=residual)  # the HSDP replica stage
         self.ledger = StepLedger()
         self.residual = residual
         self._groups: dict[int, DeviceGroup] = {}
@@ -143,7 +147,16 @@ class GeoFP8FSDP:
         self.shadow = False  # set before a backward: measure it against FP32 (see fidelity)
         self._shadow_refs: dict[str, torch.Tensor] = {}
         self._shadow_sums: dict[str, torch.Tensor] = {}
-        self._hooks = [model.register_forward_pre_hook(lambda *_: self._settle())]
+        # routes, factors, selection and the reduce-scatter's residuals: the DDP code path,
+        # on the whole world (factors identical on every rank, HSDP replicas included)
+        self.world = DeviceGroup(None, next(model.parameters()).device)
+        self.pipeline = GradientPipeline(model, cfg, self.world, self.ledger, cfg.candidates)
+        self.pipeline.feedback = ErrorFeedback(storage=residual)
+        self._hooks = [model.register_forward_pre_hook(self._on_forward), *self.pipeline.hooks]
+
+    def _on_forward(self, *_) -> None:
+        self._settle()
+        self.pipeline.shared.new_forward()
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -202,16 +215,22 @@ class GeoFP8FSDP:
     # -- step bookkeeping --------------------------------------------------------------------
 
     def _begin(self) -> None:
+        if self.ledger.phase.value == "idle":
+            self.pipeline.start_step(self.ledger.step)
         self.ledger.begin_bucket(last=False)
 
     def _settle(self) -> None:
         """Commit (finite step) or discard (non-finite) what the last backward produced."""
         if self.ledger.phase.value == "idle":
             return
-        if self.ledger.settle():
+        finite = self.ledger.finite
+        self.pipeline.settle(finite)
+        if finite:
             self.feedback.commit()
         else:
             self.feedback.discard()
+        self.ledger.add("factor_bytes_sent", self.world.take_bytes().get("factor", 0.0))
+        self.ledger.settle()
 
     @property
     def _fp8(self) -> bool:
@@ -254,14 +273,13 @@ class GeoFP8FSDP:
         t0 = time.perf_counter()
         flat = inp.float() if inp.dtype != torch.float32 else inp
         exact = flat.clone() if self.shadow else None
-        if self.config.error_feedback:
-            self._add_residuals(unit, flat.view(n, -1), n, "")
+        routes = self._prepare(unit, flat.view(n, -1), n)
         finite = torch.ones(1, dtype=torch.uint8, device=flat.device)
         if not bool(torch.isfinite(flat).all()):
             finite.zero_()
         sent = encode(flat, layout, side=[finite] * n)
         if self.config.error_feedback:
-            self._stage_residuals(unit, (flat - decode(sent, layout)).view(n, -1), n, "")
+            self._stage_residuals(unit, (flat - decode(sent, layout)).view(n, -1), n, routes)
         led.add("codec_s", time.perf_counter() - t0)
         led.add("bytes_sent", layout.scatter_bytes(dg.rank))
         total = Communicator("exact", dg).launch(sent, layout, unmap=_poison_unless_flag,
@@ -269,6 +287,8 @@ class GeoFP8FSDP:
         if not bool(torch.isfinite(total).all()):
             total.fill_(float("nan"))
             led.finite = False
+        else:
+            self._map_back(unit, total, n, routes)
         out.copy_(total.div_(divisor) if divisor != 1 else total)
         if exact is not None:  # the FP32 reference, not counted in the bytes
             ref = torch.empty(layout.numel // n, dtype=torch.float32, device=out.device)
@@ -314,21 +334,32 @@ class GeoFP8FSDP:
 
     # -- error feedback over FSDP's row layout ----------------------------------------------
 
-    def _add_residuals(self, unit: _Unit, rows2d: torch.Tensor, n: int, tag: str) -> None:
-        """``Ũ = G + R`` in place, parameter by parameter (the rows of a parameter are the
-        same dim-0 chunks in every row of ``rows2d``)."""
+    def _prepare(self, unit: _Unit, rows2d: torch.Tensor, n: int) -> list:
+        """``Ũ = G T + R`` in place, parameter by parameter, through the pipeline (the rows
+        of a parameter are the same dim-0 chunks in every row of ``rows2d``)."""
+        routes = []
         for name, shape, (pos, rows, width) in zip(unit.names, unit.shapes, unit.rows(n)):
-            residual = self.feedback.residual_in(name + tag, _IDENTITY)
-            if residual is None:
-                continue
+            view = rows2d[:, pos : pos + rows * width]
+            G = view.reshape(n * rows, width)[: shape[0]].reshape(shape)
+            U = torch.empty(shape, dtype=torch.float32, device=rows2d.device)
+            routes.append(self.pipeline.prepare_into(name, G, U))
             padded = rows2d.new_zeros(n * rows, width)
-            padded[: shape[0]] = residual.reshape(shape[0], width)
-            rows2d[:, pos : pos + rows * width] += padded.view(n, rows * width)
+            padded[: shape[0]] = U.reshape(shape[0], width)
+            view.copy_(padded.view(n, rows * width))
+        return routes
 
-    def _stage_residuals(self, unit: _Unit, rows2d: torch.Tensor, n: int, tag: str) -> None:
-        for name, shape, (pos, rows, width) in zip(unit.names, unit.shapes, unit.rows(n)):
+    def _stage_residuals(self, unit: _Unit, rows2d: torch.Tensor, n: int, routes) -> None:
+        for name, shape, (pos, rows, width), route in zip(unit.names, unit.shapes,
+                                                           unit.rows(n), routes):
             full = rows2d[:, pos : pos + rows * width].reshape(n * rows, width)
-            self.feedback.stage(name + tag, full[: shape[0]].reshape(shape).clone(), _IDENTITY)
+            self.pipeline.feedback.stage(name, full[: shape[0]].reshape(shape).clone(), route)
+
+    def _map_back(self, unit: _Unit, total: torch.Tensor, n: int, routes) -> None:
+        """This rank's summed rows of each routed weight, ``Y T⁻¹`` (``T`` acts on columns)."""
+        for (pos, rows, width), route in zip(unit.rows(n), routes):
+            if route is not ROUTE_IDENTITY:
+                Y = total[pos : pos + rows * width].view(rows, width)
+                Y.copy_(self.pipeline.map_back(route, Y))
 
     # -- HSDP: the replica all-reduce --------------------------------------------------------
 
@@ -425,17 +456,19 @@ class GeoFP8FSDP:
         return {
             "step": self.ledger.step,
             "skipped_steps": self.ledger.skipped_steps,
-            "bytes_sent": int(last["bytes_sent"]),
+            "bytes_sent": int(last["bytes_sent"] + last["factor_bytes_sent"]),
             "payload_bytes_sent": int(last["bytes_sent"]),
             "factor_bytes_sent": int(last["factor_bytes_sent"]),
+            "factor_bytes": self.pipeline.factor_nbytes,
             "bytes_fp32_equivalent": int(last["bytes_fp32_equivalent"]),
-            "bytes_per_element": last["bytes_sent"] / last["elements"]
+            "bytes_per_element": (last["bytes_sent"] + last["factor_bytes_sent"]) /
+            last["elements"]
             if last["elements"] else 0.0,
-            "geometry_layers": [],
+            "geometry_layers": self.pipeline.geometry_layers(),
             "codec_s": last["codec_s"],
             "transform_s": last["transform_s"],
             "statistics_s": last["statistics_s"],
-            "ef_bytes": self.feedback.nbytes,
+            "ef_bytes": self.pipeline.feedback.nbytes + self.feedback.nbytes,
             "residual": self.residual,
         }
 
@@ -444,7 +477,7 @@ class GeoFP8FSDP:
         self._settle()
         return {"version": 1, "config": self.config.to_dict(), "residual": self.residual,
                 "step": self.ledger.step, "skipped_steps": self.ledger.skipped_steps,
-                "feedback": self.feedback.state_dict()}
+                "pipeline": self.pipeline.state_dict(), "replica": self.feedback.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("config") != self.config.to_dict() or state.get("residual") != \
@@ -454,7 +487,8 @@ class GeoFP8FSDP:
         self.ledger.step = int(state["step"])
         self.ledger.skipped_steps = int(state["skipped_steps"])
         self.ledger.reset_phase()
-        self.feedback.load_state_dict(state["feedback"], {})
+        self.pipeline.load_state_dict(state["pipeline"])
+        self.feedback.load_state_dict(state["replica"], {})
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
