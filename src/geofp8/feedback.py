@@ -7,6 +7,11 @@ coordinates it lives in; when a refresh or a selection change moves them, it is 
 
 A step's residuals are *staged* while its buckets are encoded and *committed* only when the
 whole step came back finite; a non-finite step discards them (it leaves no trace).
+
+Storage (``storage``): ``"fp32"`` keeps ``R`` exactly (4 bytes per element); ``"bf16"``
+rounds it to BF16 (2 bytes; relative error ``2⁻⁹``); ``"fp8"`` to E4M3 with one FP32 scale
+per row (``amax/448``; 1 byte per element plus 4 per row; relative error ``2⁻⁴``). Arithmetic
+stays FP32: a compact residual is widened when read and rounded once when committed.
 """
 
 from __future__ import annotations
@@ -20,19 +25,55 @@ __all__ = ["ErrorFeedback"]
 IDENTITY = Identity()
 
 
-class ErrorFeedback:
-    """Per-parameter residuals ``R`` (float32, the gradient's shape) and their coordinates."""
+STORAGES = ("fp32", "bf16", "fp8")
+FP8_MAX = 448.0  # largest finite E4M3 value
 
-    def __init__(self) -> None:
-        self.residuals: dict[str, torch.Tensor] = {}
+
+def pack(residual: torch.Tensor, storage: str):
+    """``residual`` (FP32) in ``storage``: a tensor, or for ``"fp8"`` ``{"codes", "scale"}``."""
+    if storage == "fp32":
+        return residual
+    if storage == "bf16":
+        return residual.to(torch.bfloat16)
+    rows = residual.reshape(residual.shape[0], -1) if residual.dim() else residual.reshape(1, 1)
+    scale = rows.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return {"codes": (rows / scale).to(torch.float8_e4m3fn).view(residual.shape),
+            "scale": scale}
+
+
+def unpack(stored) -> torch.Tensor:
+    """FP32 view of a :func:`pack` ed residual."""
+    if isinstance(stored, dict):
+        codes = stored["codes"]
+        rows = codes.reshape(stored["scale"].shape[0], -1).float() * stored["scale"]
+        return rows.view(codes.shape)
+    return stored if stored.dtype == torch.float32 else stored.float()
+
+
+def _nbytes(stored) -> int:
+    parts = stored.values() if isinstance(stored, dict) else (stored,)
+    return sum(t.numel() * t.element_size() for t in parts)
+
+
+class ErrorFeedback:
+    """Per-parameter residuals ``R`` (the gradient's shape, stored as ``storage``) and their
+    coordinates."""
+
+    def __init__(self, storage: str = "fp32") -> None:
+        if storage not in STORAGES:
+            raise ValueError(f"residual storage must be one of {STORAGES}, got {storage!r}")
+        self.storage = storage
+        self.residuals: dict = {}
         self.basis: dict[str, Transform] = {}
         self._staged: dict[str, tuple[torch.Tensor, Transform]] = {}
 
     def residual_in(self, name: str, route: Transform) -> torch.Tensor | None:
         """The committed residual of ``name`` in ``route``'s coordinates (``None``: none yet)."""
-        residual = self.residuals.get(name)
-        if residual is None:
+        stored = self.residuals.get(name)
+        if stored is None:
             return None
+        residual = unpack(stored)
         basis = self.basis.get(name, IDENTITY)
         return residual if basis is route else rebase(residual, basis, route)
 
@@ -42,7 +83,7 @@ class ErrorFeedback:
 
     def commit(self) -> None:
         for name, (residual, basis) in self._staged.items():
-            self.residuals[name], self.basis[name] = residual, basis
+            self.residuals[name], self.basis[name] = pack(residual, self.storage), basis
         self._staged = {}
 
     def discard(self) -> None:
@@ -50,23 +91,26 @@ class ErrorFeedback:
 
     def rescale(self, factor: float) -> None:
         """Multiply every residual by ``factor`` (a loss scale changed by that ratio)."""
-        for residual in self.residuals.values():
-            residual.mul_(factor)
+        for name, stored in self.residuals.items():
+            if self.storage == "fp32":
+                stored.mul_(factor)
+            else:
+                self.residuals[name] = pack(unpack(stored) * factor, self.storage)
 
     @property
     def nbytes(self) -> int:
-        return sum(r.numel() * r.element_size() for r in self.residuals.values())
+        return sum(_nbytes(r) for r in self.residuals.values())
 
     def state_dict(self) -> dict:
         """Residuals and their coordinates as tensors and plain containers."""
-        return {"residuals": {n: r.clone() for n, r in self.residuals.items()},
+        return {"residuals": {n: _clone(r) for n, r in self.residuals.items()},
                 "basis": {n: {"kind": t.name, "state": t.state()}
                           for n, t in self.basis.items()}}
 
     def load_state_dict(self, state: dict, transforms: dict[str, Transform]) -> None:
         """Restore; a basis equal to a live transform of ``transforms`` becomes that object
         again, so the residual is not re-based needlessly."""
-        self.residuals = {n: r.clone() for n, r in state["residuals"].items()}
+        self.residuals = {n: _clone(r) for n, r in state["residuals"].items()}
         self.basis, self._staged = {}, {}
         for name, saved in state["basis"].items():
             live = transforms.get(name)
@@ -76,6 +120,11 @@ class ErrorFeedback:
                 self.basis[name] = IDENTITY
             else:
                 self.basis[name] = transform_from_state(saved["kind"], saved["state"])
+
+
+def _clone(stored):
+    return {k: v.clone() for k, v in stored.items()} if isinstance(stored, dict) \
+        else stored.clone()
 
 
 def _same(t: Transform, saved: dict) -> bool:

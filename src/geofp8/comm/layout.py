@@ -77,6 +77,37 @@ class ShardLayout:
                    tuple(tuple(g) for g in groups), tuple(tuple(o) for o in owners),
                    tuple(side))
 
+    @classmethod
+    def for_rows(cls, shapes: list[tuple[int, ...]], codec: Codec, world_size: int,
+                 side_bytes: int = 0) -> ShardLayout:
+        """The layout of FSDP's reduce-scatter input: a flat ``[N, M]`` buffer whose row
+        ``r`` is every tensor's dim-0 chunk ``r`` (``⌈d₀/N⌉`` rows, zero-padded) in order,
+        ``M = Σ_p ⌈d₀,p/N⌉·numel_p/d₀,p``. Shard ``r`` is row ``r``: one segment per tensor
+        chunk, scale groups of the chunk's own shape (so a right-multiplication, acting on
+        columns, applies chunk by chunk). ``side_bytes`` travel with every shard."""
+        chunks = []
+        for shape in shapes:
+            if len(shape) == 0:
+                raise ValueError("for_rows: 0-dim tensors have no dim-0 chunks")
+            rows = -(-shape[0] // world_size)
+            chunks.append((rows, *shape[1:]))
+        sizes = [torch.Size(c).numel() for c in chunks]
+        width = sum(sizes)
+        segments, groups, owners = [], [], []
+        for r in range(world_size):
+            seg, grp, own, pos = [], [], [], r * width
+            for index, (chunk, n) in enumerate(zip(chunks, sizes)):
+                if n:
+                    seg.append((pos, pos + n))
+                    grp.append(tuple(codec.groups(chunk)))
+                    own.append(index)
+                pos += n
+            segments.append(tuple(seg))
+            groups.append(tuple(grp))
+            owners.append(tuple(own))
+        return cls(world_size * width, world_size, codec, tuple(segments), tuple(groups),
+                   tuple(owners), (side_bytes,) * world_size)
+
     def shard_numel(self, j: int) -> int:
         return sum(hi - lo for lo, hi in self.segments[j])
 
@@ -108,6 +139,10 @@ class ShardLayout:
         ``N − 1`` copies of its padded reduced shard (ring or direct all-gather alike)."""
         a2a = sum(self.send_bytes(j) for j in range(self.world_size) if j != rank)
         return a2a + (self.world_size - 1) * self.max_shard_bytes
+
+    def scatter_bytes(self, rank: int) -> int:
+        """Bytes this rank sends in a reduce-scatter (the all-to-all stage only)."""
+        return sum(self.send_bytes(j) for j in range(self.world_size) if j != rank)
 
     def gather(self, flat: torch.Tensor, j: int) -> torch.Tensor:
         """Shard ``j`` of ``flat`` as one contiguous tensor."""

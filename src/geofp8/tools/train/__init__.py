@@ -42,6 +42,10 @@ HELP = {
     "refresh_every": "GeoFP8 factor refresh period K (paper: 50)",
     "profile_steps": "steps of the geofp8 profile before its layers are fixed (default 100)",
     "k": "GeoFP8 low-rank factor k (paper: 32)",
+    "parallel": "ddp (DDP + comm hook), fsdp (fully_shard + FP8 reduce-scatter) or hsdp "
+                "(replicate x shard mesh: FP8 reduce-scatter + FP8 replica all-reduce)",
+    "shard_size": "hsdp: ranks per shard group (0: half the ranks)",
+    "residual": "fsdp/hsdp error-feedback storage: fp32 (4 B/param), bf16 (2), fp8 (1 + 4/row)",
     "eval_every": "validation loss every E steps and at the end (0: never)",
     "eval_batches": "validation batches per rank",
     "shadow_every": "every M steps also all-reduce the local gradients in FP32 and log the "
@@ -75,7 +79,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] =
         else:
             kind = {"stop_after": int, "dataset": str}.get(f.name, type(default))
             choices = {"method": list(METHODS), "optimizer": ["muon", "adamw"],
-                       "format": ["e4m3", "e5m2"]}.get(f.name)
+                       "format": ["e4m3", "e5m2"], "parallel": ["ddp", "fsdp", "hsdp"],
+                       "residual": ["fp32", "bf16", "fp8"]}.get(f.name)
             parser.add_argument(flag, type=kind, default=default, choices=choices,
                                 help=f"{HELP[f.name]} (default: %(default)s)")
 

@@ -40,6 +40,9 @@ class TrainConfig:
     refresh_every: int = 50
     profile_steps: int = 100
     k: int = 32  # GeoFP8 low-rank factor k
+    parallel: str = "ddp"
+    shard_size: int = 0  # hsdp: ranks per shard group (0: half the ranks)
+    residual: str = "fp32"  # fsdp/hsdp error-feedback storage
     # measurement and output
     eval_every: int = 50
     eval_batches: int = 16
@@ -57,6 +60,12 @@ class TrainConfig:
         checks = [
             (self.method in METHODS, f"method must be one of {list(METHODS)}"),
             (self.optimizer in ("muon", "adamw"), "optimizer must be 'muon' or 'adamw'"),
+            (self.parallel in ("ddp", "fsdp", "hsdp"), "parallel must be ddp, fsdp or hsdp"),
+            (self.residual in ("fp32", "bf16", "fp8"), "residual must be fp32, bf16 or fp8"),
+            (self.parallel == "ddp" or self.optimizer == "adamw",
+             "--parallel fsdp/hsdp needs --optimizer adamw (Muon needs whole matrices)"),
+            (self.parallel == "ddp" or (self.checkpoint_every == 0 and not self.resume),
+             "--parallel fsdp/hsdp: checkpoints are DDP-only for now"),
             (self.steps >= 1 and self.seq_len >= 1 and self.batch_size >= 1,
              "steps, seq_len and batch_size must be >= 1"),
             (self.warmup >= 0, "warmup must be >= 0"),

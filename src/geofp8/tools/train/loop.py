@@ -5,7 +5,9 @@ Run by every rank (``torchrun``, or ``geofp8 train --nproc N`` which launches it
 1. process group (gloo on CPU, NCCL on GPU) with a collective timeout;
 2. corpus → BPE tokens → train / validation blocks; the model (a preset or a local HF
    directory), identical on every rank;
-3. DDP with the ``--method``'s communication hook (:data:`geofp8.tools.train.config.METHODS`);
+3. DDP with the ``--method``'s communication hook (:data:`geofp8.tools.train.config.METHODS`),
+   or ``--parallel fsdp|hsdp``: ``fully_shard`` and GeoFP8's FP8 reduce-scatter / replica
+   all-reduce (:mod:`geofp8.tools.train.parallel`);
 4. optimizers (:mod:`.optim`): Muon for the hidden 2-D weights and AdamW for embeddings,
    head and norms (or AdamW throughout), Muon's Newton–Schulz in BF16 where the device has
    it natively and FP32 elsewhere; linear warm-up then cosine from ``lr`` to ``lr_min``;
@@ -36,16 +38,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...comm import fp32_allreduce_wire_bytes
 from ..data import get_batch, load_token_data, read_text
 from ..models import PRESETS, build_preset, load_model
-from ..shadow import ShadowState, shadow_fidelity, shadow_hook
+from ..shadow import shadow_fidelity
 from ..wire import ByteCounter
 from . import checkpoint as ckpt
-from .config import METHODS, TrainConfig, make_comm_hook
+from .config import METHODS, TrainConfig
 from .optim import build_optimizers, optimizer_info
+from .parallel import wrap
 
 __all__ = ["train"]
 
@@ -93,13 +95,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
         shared, mine = ckpt.load_shared(out, step), ckpt.load_rank(out, rank, step)
         model.load_state_dict(shared["model"])
 
-    # -- 3. DDP and the method's hook -------------------------------------------------------
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=1024 if METHODS[cfg.method].one_bucket else None)
-    state, hook, width = make_comm_hook(cfg.method, model, cfg)
-    counter = ByteCounter(rank, world) if width is None and not hasattr(state, "stats") else None
-    comm = ShadowState(state, hook)
-    ddp.register_comm_hook(comm, shadow_hook)
+    # -- 3. DDP with the method's hook, or FSDP/HSDP with GeoFP8's reduction ------------------
+    wrapped = wrap(model, cfg, rank, world, device)
+    ddp, state, width = wrapped.module, wrapped.state, wrapped.width
+    counter, comm = wrapped.counter, wrapped.shadow
 
     # -- 4. optimizers and schedule ---------------------------------------------------------
     optimizers = build_optimizers(model, cfg)
@@ -132,15 +131,22 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
         x, y = get_batch(data.train, step, cfg.batch_size, rank, world, cfg.seed)
         x, y = x.to(device), y.to(device)
         shadow = cfg.shadow_every > 0 and step % cfg.shadow_every == 0
-        comm.capture = shadow
+        if comm is not None:
+            comm.capture = shadow
+        elif hasattr(state, "fidelity"):
+            state.shadow = shadow
         logits = ddp(input_ids=x).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         with counter.counting() if counter is not None else contextlib.nullcontext():
             loss.backward()  # the hook all-reduces the gradients here
-        comm.capture = False
+        if comm is not None:
+            comm.capture = False
         record: dict = {"step": step}
         if shadow:
-            record["fidelity"], record["rel_l2"], record["cos"] = shadow_fidelity(model, comm)
+            measured = shadow_fidelity(model, comm) if comm is not None else \
+                state.fidelity() if hasattr(state, "fidelity") else None
+            if measured is not None:
+                record["fidelity"], record["rel_l2"], record["cos"] = measured
         grad_norm = torch.nn.utils.clip_grad_norm_(
             model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         lr = optimizers[0].param_groups[0]["lr"]
