@@ -93,10 +93,13 @@ class GradientPipeline:
         config: a :class:`~geofp8.config.GeoFP8Config`.
         group: the data-parallel :class:`DeviceGroup` (factor and selection traffic).
         ledger: the :class:`StepLedger` that receives timings.
+        candidates: which Linear layers may take geometry (see :func:`find_candidates`).
+        residual_storage: ``"fp32"``, ``"bf16"`` or ``"fp8"`` error-feedback residuals
+            (see :mod:`geofp8.feedback`).
     """
 
     def __init__(self, model: nn.Module, config, group: DeviceGroup, ledger: StepLedger,
-                 candidates="blocks") -> None:
+                 candidates="blocks", residual_storage: str = "fp32") -> None:
         self.config, self.group, self.ledger = config, group, ledger
         self.world_size, self.rank = group.size, group.rank
         self.codec = make_codec(config.format, config.scaling, config.block_size)
@@ -106,7 +109,7 @@ class GradientPipeline:
         self.source = make_source(config, self.layers, ledger, group, devices)
         self.selection = make_selection(config, self.codec, list(self.layers),
                                         config.factor_source)
-        self.feedback = ErrorFeedback()
+        self.feedback = ErrorFeedback(storage=residual_storage)
         self.shared = self.source.shared if self.source is not None else SharedInputs()
         modules = dict(model.named_modules())
         self.hooks = self.source.attach(modules) if self.source is not None else []
