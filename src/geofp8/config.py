@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .codecs import FORMATS, SCALINGS
+from .codecs import FORMATS, ROUNDINGS, SCALINGS
 from .comm import COLLECTIVES
 
-TRANSFORMS = ("lowrank", "full", "diag", "block", "output", "kfac", "hadamard", "euclidean")
+TRANSFORMS = ("lowrank", "full", "diag", "block", "output", "kfac", "hadamard", "rht",
+              "euclidean")
 LAYER_MODES = ("auto", "profile", "all", "none")
 
 
@@ -17,7 +18,10 @@ class GeoFP8Config:
 
     Codec
         format: ``"e4m3"`` (default: 2⁻⁴ relative error, enough range for amax-scaled
-            gradients) or ``"e5m2"`` (2⁻³, wider range).
+            gradients), ``"e5m2"`` (2⁻³, wider range), or a block format with its own
+            scales: ``"nvfp4"``, ``"mxfp4"``, ``"mxfp8"`` (see :mod:`geofp8.codecs`).
+        rounding: ``"nearest"`` (default) or ``"stochastic"`` (block formats; unbiased, its
+            stream seeded from ``seed``, the step and the bucket, the same on every rank).
         scaling: ``"tensor"`` (one FP32 scale per parameter and shard, default), ``"row"``
             or ``"block"`` (``block_size`` elements per scale).
         collective: ``"exact"`` (all-to-all + FP32 sum + all-gather; default) or
@@ -25,7 +29,9 @@ class GeoFP8Config:
     Geometry
         transform: input-side ``"lowrank"`` (default, DESIGN §1), ``"full"``, ``"diag"``,
             ``"block"``, output-side ``"output"``, two-sided ``"kfac"``, data-independent
-            ``"hadamard"``, or ``"euclidean"``.
+            ``"hadamard"`` (largest power-of-two block ≤ 256) and ``"rht"`` (random signs and
+            a Hadamard at the codec's scale block: 16 for NVFP4, 32 for MX), or
+            ``"euclidean"``.
         rank: ``k`` of the low-rank factor (default 32, the paper's choice).
         damping: ``λ = damping · tr(A)/d_in`` (default 0.1: our pre-code measurements).
         transform_block: block width for ``transform="block"``.
@@ -57,6 +63,7 @@ class GeoFP8Config:
     format: str = "e4m3"
     scaling: str = "tensor"
     block_size: int = 128
+    rounding: str = "nearest"
     collective: str = "exact"
     transform: str = "lowrank"
     rank: int = 32
@@ -80,6 +87,9 @@ class GeoFP8Config:
         checks = [
             (self.format in FORMATS, f"format must be one of {list(FORMATS)}"),
             (self.scaling in SCALINGS, f"scaling must be one of {SCALINGS}"),
+            (self.rounding in ROUNDINGS, f"rounding must be one of {ROUNDINGS}"),
+            (self.rounding == "nearest" or self.format not in ("e4m3", "e5m2"),
+             "stochastic rounding needs a block format (nvfp4, mxfp4, mxfp8)"),
             (self.collective in COLLECTIVES, f"collective must be one of {COLLECTIVES}"),
             (self.transform in TRANSFORMS, f"transform must be one of {TRANSFORMS}"),
             (self.statistics in ("auto", "exact", "sketch"),
