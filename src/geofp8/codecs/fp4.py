@@ -7,7 +7,7 @@ on normal values.
 Scales of a segment (one tensor's chunk of a shard, see :mod:`geofp8.codecs.base`) with
 amax ``A`` and a 16-element block ``b`` with amax ``a_b``:
 
-* segment scale ``s = max(A / (6·448), 2⁻¹²⁶)`` (FP32; the floor keeps it normal);
+* segment scale ``s = max(A / (6·448), 2⁻¹⁴⁹)`` (FP32; the floor keeps it non-zero);
 * block scale ``β_b`` = the smallest E4M3 value ``≥ a_b / (6 s)`` (rounded *up*, so that
   ``|x| / (β_b s) ≤ 6``: no element saturates and stochastic rounding stays unbiased);
 * element code = E2M1 of ``x / (β_b s)``; decoding is ``code · (β_b s)`` with ``β_b s``
@@ -96,7 +96,7 @@ def e2m1_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
     n, e = grid_round(a, 1, -1, u, emax=1)
     # the code of n·2^e is n + 2(e + 1): e = -1 counts halves 0..4 (codes 0–4),
     # e = 0 counts 2, 3, 4 (codes 4–6), e = 1 counts 4 and 6 (codes 6, 7)
-    code = (n.to(torch.int32) + 2 * e + 2).clamp_(0, 7)
+    code = (n.clamp_(max=8.0).to(torch.int32) + 2 * e + 2).clamp_(0, 7)
     return (code | sign).to(torch.uint8)
 
 
@@ -171,7 +171,7 @@ class NVFP4Codec(Codec):
         counts = torch.tensor([len(seg) for seg in segments], dtype=torch.long)
         finite = torch.where(torch.isinf(amax), torch.zeros_like(amax), amax)
         seg_amax = torch.segment_reduce(finite, "max", lengths=counts, unsafe=True)
-        s = (seg_amax / (E2M1_MAX * E4M3_MAX)).clamp_min_(2.0**-126)
+        s = (seg_amax / (E2M1_MAX * E4M3_MAX)).clamp_min_(2.0**-149)
         s_block = torch.repeat_interleave(s, counts, output_size=amax.numel())
         r = (amax / (E2M1_MAX * s_block)).clamp_(max=E4M3_MAX)
         nearest = r.to(torch.float8_e4m3fn)

@@ -11,7 +11,9 @@ rounded once, to nearest even (or stochastically, see :mod:`geofp8.codecs.fp4`).
 E8M0 byte ``e + 127``: ``0`` is ``2⁻¹²⁷``, ``254`` is ``2¹²⁷``, ``0xFF`` is NaN. Policies: an
 all-zero block decodes to exact zeros; a block holding NaN or ±Inf gets the NaN scale
 ``0xFF`` and decodes to NaN as a whole. A block whose amax is below ``fmax · 2⁻¹²⁷`` keeps
-the smallest scale and its elements round as subnormals of the element format.
+the smallest scale and its elements round as subnormals of the element format. A value
+within one code spacing of the FP32 maximum (``> 2¹²⁸ − 2¹²⁵`` for E2M1) rounds to ``2¹²⁸``
+and decodes to ±Inf.
 
 Byte layouts of a shard with ``G`` blocks and ``n`` elements::
 
