@@ -41,7 +41,7 @@ from typing import ClassVar
 import torch
 
 from .base import Codec, Segments, mix_seed
-from .fp8 import _group_amax, _info, _per_element, group_lengths
+from .fp8 import group_lengths
 
 __all__ = ["E2M1_VALUES", "NVFP4Codec", "ROUNDINGS", "e2m1_decode", "e2m1_encode",
            "segment_uniforms"]
@@ -142,10 +142,92 @@ def _check_input(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return x.reshape(-1).float()
 
 
-def block_amax(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+CHUNK = 1 << 16  # elements per kernel piece: the temporaries of a piece stay in cache
+
+
+def block_runs(segments: Segments) -> list[tuple[int, int, int, int]]:
+    """``(first element, first group, groups, group length)`` of every run of equal-length
+    groups: a segment's groups are ``[head?, b, …, b, tail?]`` (a tensor's blocks cut at the
+    shard boundaries), so a shard has at most three runs per segment."""
+    runs: list[tuple[int, int, int, int]] = []
+    lo = g = 0
+
+    def add(count: int, size: int) -> None:
+        nonlocal lo, g
+        if runs and runs[-1][3] == size and runs[-1][0] + runs[-1][2] * size == lo:
+            first, g0, n, _ = runs[-1]
+            runs[-1] = (first, g0, n + count, size)
+        else:
+            runs.append((lo, g, count, size))
+        lo += count * size
+        g += count
+
+    for seg in segments:
+        seg = list(seg)
+        middle = seg[1:-1]
+        if middle and middle.count(middle[0]) == len(middle):  # C-speed check of the body
+            add(1, seg[0])
+            add(len(middle), middle[0])
+            add(1, seg[-1])
+        else:
+            for n in seg:
+                add(1, n)
+    return runs
+
+
+def pieces(segments: Segments):
+    """Yield ``(lo, hi, g0, g1, size)``: elements ``[lo, hi)`` holding groups ``[g0, g1)`` of
+    ``size`` elements each, at most about :data:`CHUNK` elements per piece."""
+    for lo, g0, count, size in block_runs(segments):
+        per = max(1, CHUNK // size)
+        for a in range(0, count, per):
+            b = min(a + per, count)
+            yield lo + a * size, lo + b * size, g0 + a, g0 + b, size
+
+
+def _rows_amax(v: torch.Tensor) -> torch.Tensor:
+    """Max ``|v|`` of every row (NaN propagates): a halving tree of element-wise maxima for
+    power-of-two rows (torch's reductions over short rows are slow), else ``amax``."""
+    a = v.abs()
+    size = a.shape[1]
+    if size & (size - 1):
+        return a.amax(1)
+    while size > 1:
+        size //= 2
+        a = torch.maximum(a[:, :size], a[:, size:])
+    return a[:, 0]
+
+
+def block_amax(flat: torch.Tensor, segments: Segments) -> torch.Tensor:
     """Max ``|x|`` of every group; ``+Inf`` for a group holding NaN or ±Inf."""
-    amax = _group_amax(flat, lengths, _info(lengths))
+    amax = flat.new_empty(sum(len(seg) for seg in segments))
+    for lo, hi, g0, g1, size in pieces(segments):
+        amax[g0:g1] = _rows_amax(flat[lo:hi].view(g1 - g0, size))
     return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
+
+
+def encode_blocks(flat: torch.Tensor, divisor: torch.Tensor, segments: Segments,
+                  u: torch.Tensor | None, kernel) -> torch.Tensor:
+    """``kernel(x / divisor_g, u)`` piece by piece: the codes (uint8, one per element)."""
+    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
+    for lo, hi, g0, g1, size in pieces(segments):
+        v = flat[lo:hi].view(g1 - g0, size) / divisor[g0:g1, None]
+        codes[lo:hi] = kernel(v.view(-1), None if u is None else u[lo:hi])
+    return codes
+
+
+def decode_blocks(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                  segments: Segments, kernel) -> None:
+    """``out = kernel(codes) · scale_g`` piece by piece (``kernel``: exact FP32 values)."""
+    for lo, hi, g0, g1, size in pieces(segments):
+        o = out[lo:hi]
+        o.copy_(kernel(codes[lo:hi]))
+        o.view(g1 - g0, size).mul_(scale[g0:g1, None])
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """Exact FP32 values of int16 E2M1 codes (:func:`e2m1_decode` times 2¹⁴)."""
+    return e2m1_decode(codes).float().mul_(2.0**14)
 
 
 @dataclass(frozen=True)
@@ -189,14 +271,14 @@ class NVFP4Codec(Codec):
                              f"{self.payload_bytes(segments)}")
         if not lengths:
             return
-        s, code, scale = self._scales(block_amax(flat, lengths), segments)
+        s, code, scale = self._scales(block_amax(flat, segments), segments)
         out[: 4 * n_seg].copy_(s.view(torch.uint8))
         out[4 * n_seg : 4 * n_seg + n_groups].copy_(code)
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-        v = flat / _per_element(divisor, lengths, flat.numel())
         u = (segment_uniforms(segments, flat.numel(), seed, flat.device)
              if self.rounding == "stochastic" else None)
-        pack_nibbles(e2m1_encode(v, u), out[4 * n_seg + n_groups :])
+        codes = encode_blocks(flat, divisor, segments, u, e2m1_encode)
+        pack_nibbles(codes, out[4 * n_seg + n_groups :])
 
     def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments) -> bool:
         lengths = _flat_lengths(segments)
@@ -211,8 +293,8 @@ class NVFP4Codec(Codec):
         counts = torch.tensor([len(seg) for seg in segments], dtype=torch.long)
         scale = code.view(torch.float8_e4m3fn).float() * torch.repeat_interleave(
             s, counts, output_size=n_groups)
-        out.copy_(e2m1_decode(unpack_nibbles(buf[4 * n_seg + n_groups :], n)))
-        out.mul_(2.0**14).mul_(_per_element(scale, lengths, n))  # exact, then one rounding
+        decode_blocks(out, unpack_nibbles(buf[4 * n_seg + n_groups :], n), scale, segments,
+                      e2m1_values)
         return bool(torch.isfinite(scale).all())
 
     def clipped_fraction(self, x: torch.Tensor) -> float:

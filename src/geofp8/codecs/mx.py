@@ -36,15 +36,17 @@ from .fp4 import (
     _check_rounding,
     _flat_lengths,
     block_amax,
-    e2m1_decode,
+    decode_blocks,
     e2m1_encode,
+    e2m1_values,
+    encode_blocks,
     flushed_fraction,
     grid_round,
     pack_nibbles,
     segment_uniforms,
     unpack_nibbles,
 )
-from .fp8 import _per_element, group_lengths
+from .fp8 import group_lengths
 
 __all__ = ["MX_BLOCK", "MXCodec", "e8m0_scales"]
 
@@ -68,6 +70,15 @@ def e8m0_values(byte: torch.Tensor) -> torch.Tensor:
     bits = torch.where(byte == 0, torch.full_like(bits, 0x00400000), bits)
     bits = torch.where(byte == 0xFF, torch.full_like(bits, 0x7FC00000), bits)
     return bits.view(torch.float32)
+
+
+def e4m3_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    """E4M3 codes (uint8) of the FP32 ``v`` (``|v| ≤ 448``): torch's cast (round to nearest
+    even), or stochastic rounding onto the E4M3 grid followed by an exact cast."""
+    if u is not None:
+        n, e = grid_round(v.abs(), 3, -9, u, emax=5)
+        v = torch.ldexp(n, e.float()).clamp_(max=448.0).copysign_(v)
+    return v.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -118,23 +129,19 @@ class MXCodec(Codec):
         if not lengths:
             return
         g = len(lengths)
-        byte = e8m0_scales(block_amax(flat, lengths), self.element)
+        byte = e8m0_scales(block_amax(flat, segments), self.element)
         out[:g].copy_(byte)
         scale = e8m0_values(byte)
         scale = torch.where(torch.isnan(scale), torch.ones_like(scale), scale)
-        v = flat / _per_element(scale, lengths, flat.numel())  # exact: powers of two
         u = (segment_uniforms(segments, flat.numel(), seed, flat.device)
              if self.rounding == "stochastic" else None)
+        # x / X is exact (a power of two); the kernel rounds once
+        codes = encode_blocks(flat, scale, segments, u,
+                              e2m1_encode if self.packed else e4m3_encode)
         if self.packed:
-            pack_nibbles(e2m1_encode(v, u), out[g:])
-            return
-        codes = out[g:].view(torch.float8_e4m3fn)
-        if u is None:
-            codes.copy_(v)  # |v| ≤ 448: round to nearest even, never saturates
-            return
-        n, e = grid_round(v.abs(), 3, -9, u, emax=5)
-        q = torch.ldexp(n, e.float()).clamp_(max=448.0)
-        codes.copy_(q.copysign_(v))  # on the E4M3 grid: the cast is exact
+            pack_nibbles(codes, out[g:])
+        else:
+            out[g:].copy_(codes)
 
     def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments) -> bool:
         lengths = _flat_lengths(segments)
@@ -146,11 +153,10 @@ class MXCodec(Codec):
         g, n = len(lengths), sum(lengths)
         byte = buf[:g]
         if self.packed:
-            out.copy_(e2m1_decode(unpack_nibbles(buf[g:], n)))
-            out.mul_(2.0**14)
+            decode_blocks(out, unpack_nibbles(buf[g:], n), e8m0_values(byte), segments,
+                          e2m1_values)
         else:
-            out.copy_(e4m3_decode(buf[g : g + n]))
-        out.mul_(_per_element(e8m0_values(byte), lengths, n))
+            decode_blocks(out, buf[g : g + n], e8m0_values(byte), segments, e4m3_decode)
         return not bool((byte == 0xFF).any())
 
     def clipped_fraction(self, x: torch.Tensor) -> float:
