@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ demo: install
 
 bench: install
 	$(PY) -m geofp8.tools.cli bench
+
+# On a machine with one NVIDIA GPU (a CUDA build of torch installed first): correctness on
+# the device, a 1-rank NCCL run of every method, codec/transform throughput vs a D2D copy.
+gpu-check: install
+	$(PY) -m geofp8.tools.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis src/*.egg-info

@@ -9,10 +9,16 @@ import torch.nn.functional as F
 
 from geofp8.codecs import FP8Codec
 from geofp8.comm import ShardLayout, simulate_exact_allreduce
-from geofp8.geometry.transforms import Identity, full_input
+from geofp8.geometry.factory import make_transform
+from geofp8.geometry.transforms import Identity
 from geofp8.tools import analysis, cli, data, models
 
 SMALL = dict(seq_len=32, batch_size=4, vocab_size=512)
+
+
+def _full(A, damping):
+    """The full input-side ``(A+λI)^{-1/2}`` from the library's factory."""
+    return make_transform("full", damping, A=A)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +72,7 @@ def test_averaged_round_trip_uses_the_exact_all_reduce():
     assert torch.equal(three, simulate_exact_allreduce(grads, layout).reshape(24, 32) / 3)
     # A whitening transform maps back to the same Euclidean average.
     X = torch.randn(512, 32, generator=gen) * torch.logspace(0, -2, 32)
-    T = full_input((X.T @ X / 512).double(), 0.1)
+    T = _full((X.T @ X / 512).double(), 0.1)
     approx = analysis.averaged_round_trip(grads, T, codec)
     mean = torch.stack(grads).mean(0)
     assert approx.dtype == torch.float32

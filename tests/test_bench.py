@@ -71,7 +71,7 @@ def test_cli_writes_json_and_markdown(tmp_path):
 
 def test_cli_rejects_unknown_part():
     with pytest.raises(SystemExit):
-        main(["bench", "--quick", "--parts", "5"])
+        main(["bench", "--quick", "--parts", "9"])
 
 
 @pytest.mark.distributed
@@ -191,3 +191,14 @@ def test_calibration_hits_target_and_clamps():
     assert scaling.step_change(replace(W, hidden=h), 64, fab, "fp8") == pytest.approx(-0.1079,
                                                                                      abs=1e-6)
     assert scaling.calibrate_hidden(W, 64, fab, -0.99) == 0.0  # unreachable saving
+
+
+def test_optimizer_part_times_both_orthogonalization_dtypes():
+    res = bench.run_bench([5], [], quick=True, repeats=1, log=lambda _s: None)["optimizer"]
+    assert [r["optimizer"] for r in res["rows"]] == [
+        "Muon, Newton–Schulz FP32 + AdamW", "Muon, Newton–Schulz BF16 + AdamW", "AdamW"]
+    assert all(r["fwd_bwd_ms"] > 0 and r["step_ms"] > 0 and r["step_vs_fwd_bwd"] > 0
+               for r in res["rows"])
+    assert "Part 5" in bench.to_markdown({"meta": {"date": "d", "cpu_count": 2,
+                                                   "torch_threads": 2, "torch": "t"},
+                                          "optimizer": res}, "geofp8 bench --parts 5")

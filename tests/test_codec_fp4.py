@@ -272,9 +272,9 @@ def test_rht_mixes_within_codec_blocks_and_round_trips_through_state():
 def test_block_methods_keep_their_format():
     for name, fmt in [("nvfp4", "nvfp4"), ("nvfp4-auto-ef", "nvfp4"), ("mxfp4-rht-ef", "mxfp4"),
                       ("mxfp8-ef", "mxfp8")]:
-        cfg = METHODS[name].config(format="e5m2", rank=8)
+        cfg = METHODS[name].config(format="e5m2", k=8)
         assert cfg.format == fmt
-    assert METHODS["nvfp4-auto-ef"].config(rank=8).rank == 8
+    assert METHODS["nvfp4-auto-ef"].config(k=8).k == 8
     assert METHODS["nvfp4"].config().error_feedback is False
     assert METHODS["nvfp4-ef"].config().error_feedback is True
 
@@ -327,7 +327,7 @@ def _train_worker(rank, world_size, names, steps):
     for name in names:
         model = make_model()
         ddp = DDP(model, bucket_cap_mb=0.01)
-        state, hook, _ = METHODS[name].build(model, refresh_every=4, profile_steps=2, rank=8)
+        state, hook, _ = METHODS[name].build(model, refresh_every=4, profile_steps=2, k=8)
         ddp.register_comm_hook(state, hook)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for step in range(steps):
@@ -351,6 +351,7 @@ def test_replicas_bit_identical_after_20_steps_with_every_block_method():
         assert out[1][i] == out[0][i], f"{name}: replicas differ"
     digest = {name: out[0][i][0] for i, name in enumerate(BLOCK_METHODS)}
     for plain, other in [("nvfp4", "nvfp4-ef"), ("nvfp4-ef", "nvfp4-rht-ef"),
+                         ("nvfp4-ef", "nvfp4-sr-ef"),
                          ("nvfp4-ef", "nvfp4-geo-ef"), ("nvfp4-ef", "nvfp4-fresh-ef"),
                          ("mxfp4-ef", "mxfp4-rht-ef"), ("mxfp4-ef", "mxfp4-geo-ef")]:
         assert digest[plain] != digest[other], f"{other} trains exactly like {plain}"

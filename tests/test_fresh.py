@@ -41,7 +41,7 @@ def _fresh_worker(rank, world_size, slow):
         dist.all_reduce = delayed
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=0.01)
-    state = GeoFP8State(model, GeoFP8Config(layers="all", factor_source="fresh", rank=8))
+    state = GeoFP8State(model, GeoFP8Config(layers="all", factor_source="fresh", k=8))
     ddp.register_comm_hook(state, geofp8_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     digests = []
@@ -50,7 +50,7 @@ def _fresh_worker(rank, world_size, slow):
         loss_fn(ddp, step, rank).backward()
         opt.step()
         digests.append([(n, t.U.sum().item(), t.d_fwd.sum().item())
-                        for n, t in sorted(state.transforms.items())])
+                        for n, t in sorted(state.pipeline.transforms().items())])
     stats = state.stats()
     widths = [layer.d_in for layer in state.layers.values()]
     return digests, stats, widths, [p.detach().clone() for p in model.parameters()]
@@ -74,14 +74,13 @@ def _single_rank_worker(rank, world_size):
     layer = nn.Linear(48, 40, bias=False)
     x = torch.randn(2, 5, 48) @ torch.randn(48, 48)  # 10 tokens: rank(A) ≤ 10 < k + p
     ddp = DDP(layer)
-    state = GeoFP8State(layer, GeoFP8Config(layers="all", factor_source="fresh", rank=12))
+    state = GeoFP8State(layer, GeoFP8Config(layers="all", factor_source="fresh", k=12))
     ddp.register_comm_hook(state, geofp8_hook)
     ddp(x).pow(2).sum().backward()
-    state.stats()  # commits the step
     flat = x.reshape(-1, 48)
     A = flat.T @ flat / flat.shape[0]  # the fidelity analysis' same-batch factor
     G = torch.randn(40, 48)
-    fresh = state.transforms["weight"]
+    fresh = state.pipeline.transforms()["weight"]
     same = LowRankInput(LowRankFactor.from_matrix(A, 12), 0.1)
     return fresh.forward(G), same.forward(G), fresh.inverse(G), same.inverse(G)
 
@@ -97,7 +96,7 @@ def _grads_after_5_steps(rank, world_size, method):
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=0.01)
     if method == "fresh":
-        cfg = GeoFP8Config(layers="all", factor_source="fresh", rank=8, format="e5m2",
+        cfg = GeoFP8Config(layers="all", factor_source="fresh", k=8, format="e5m2",
                            error_feedback=False)
         ddp.register_comm_hook(GeoFP8State(model, cfg), geofp8_hook)
     elif method == "fp8":
@@ -125,7 +124,7 @@ def _local_worker(rank, world_size, source):
     x = (torch.randn(16, 48, generator=g) @ torch.randn(48, 48, generator=g)) * (rank + 1)
     local = [p.clone() for p in torch.autograd.grad(model(x).pow(2).mean(), model.parameters())]
     ddp = DDP(model)
-    cfg = GeoFP8Config(layers="all", factor_source=source, rank=8, error_feedback=False)
+    cfg = GeoFP8Config(layers="all", factor_source=source, k=8, error_feedback=False)
     state = GeoFP8State(model, cfg)
     ddp.register_comm_hook(state, geofp8_hook)
     ddp(x).pow(2).mean().backward()

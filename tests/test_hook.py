@@ -119,11 +119,12 @@ def _train_worker(rank, world_size, kind, kw, steps):
         loss_fn(ddp, step, rank).backward()
         opt.step()
         if isinstance(state, GeoFP8State):
-            transform_digests.append(_digest([t for name in sorted(state.transforms)
-                                              for t in state.transforms[name].tensors()]))
+            transforms = state.pipeline.transforms()
+            transform_digests.append(_digest([t for name in sorted(transforms)
+                                              for t in transforms[name].tensors()]))
     stats = state.stats()
     return (_digest(model.parameters()), transform_digests, stats,
-            sorted(state.selected), sorted(state.residuals))
+            sorted(state.pipeline.selection.selected), sorted(state.pipeline.feedback.residuals))
 
 
 @pytest.mark.parametrize("world_size,kind,kw", [
@@ -196,7 +197,8 @@ def _nonfinite_worker(rank, world_size, poison_step):
             opt.step()
         if handle is not None:
             handle.remove()
-    return _digest(model.parameters()), saw_nan, state.stats()["step"], state.skipped_steps
+    stats = state.stats()
+    return _digest(model.parameters()), saw_nan, stats["step"], stats["skipped_steps"]
 
 
 def _clean_worker(rank, world_size, skip_step):
@@ -253,7 +255,7 @@ def _checkpoint_worker(rank, world_size, path):
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
     opt2.load_state_dict(snapshot["opt"])
     run(model2, state2, opt2, ddp2, range(7, 12))
-    return uninterrupted, _digest(model2.parameters()), sorted(state.residuals)
+    return uninterrupted, _digest(model2.parameters()), sorted(state.pipeline.feedback.residuals)
 
 
 def test_state_dict_resume_is_bit_identical(tmp_path):
@@ -269,19 +271,22 @@ def _rebase_worker(rank, world_size):
     ddp = DDP(model, bucket_cap_mb=0.01)
     state = GeoFP8State(model, GeoFP8Config(layers="all", refresh_every=2))
     ddp.register_comm_hook(state, geofp8_hook)
-    checks = []
+    pipeline, checks = state.pipeline, []
+    refresh = pipeline.source.refresh
+
+    def observed_refresh():  # look across each refresh: the residual keeps its meaning
+        residuals = pipeline.feedback.residuals
+        before = {n: (pipeline.route(n), r.clone()) for n, r in residuals.items()}
+        refresh()
+        for n, (old, r_old) in before.items():
+            new = pipeline.route(n)
+            if old is not new and not isinstance(new, Identity):
+                r_new = pipeline.feedback.residual_in(n, new)
+                checks.append(float((old.inverse(r_old) - new.inverse(r_new)).norm()
+                                    / old.inverse(r_old).norm()))
+
+    pipeline.source.refresh = observed_refresh
     for step in range(5):
-        state._finish_step()  # commit the previous step, as the next forward would
-        before = {n: (state._route(n), r.clone()) for n, r in state.residuals.items()}
-        if step in (2, 4):  # refresh steps: open the step by hand to look across the refresh
-            state._check_consistency()
-            state._begin_step()
-            for n, (old, r_old) in before.items():
-                new = state._route(n)
-                if old is not new and not isinstance(new, Identity):
-                    r_new = state._residual_in(n, new)
-                    checks.append(float((old.inverse(r_old) - new.inverse(r_new)).norm()
-                                        / old.inverse(r_old).norm()))
         loss_fn(ddp, step, rank).backward()
     return checks
 

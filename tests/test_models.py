@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from geofp8.tools import data, models
+from geofp8.tools.errors import UsageError
 
 
 def test_preset_is_seeded_and_runs():
@@ -33,7 +34,7 @@ def test_preset_sizes(name, lo, hi):
 
 
 def test_unknown_spec_names_the_choices(tmp_path):
-    with pytest.raises(ValueError, match="llama-tiny"):
+    with pytest.raises(UsageError, match="llama-tiny"):
         models.load_model(str(tmp_path / "nothing-here"))
     with pytest.raises(ValueError, match="unknown preset"):
         models.preset_config("llama-huge", 100)
@@ -75,7 +76,7 @@ def test_preset_with_data_matches_vocabulary(tmp_path, monkeypatch):
 
 def test_gguf_without_the_package_says_what_to_install(tmp_path, monkeypatch):
     path = tmp_path / "model.gguf"
-    with pytest.raises(FileNotFoundError, match="model.gguf"):
+    with pytest.raises(UsageError, match="model.gguf: GGUF file not found"):
         models.load_model(path)
     path.write_bytes(b"GGUF")
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError

@@ -88,14 +88,16 @@ def _poison_run(rank, kw, poison, bad, steps):
             opt.step()
         if handle is not None:
             handle.remove()
-        transforms.append(_digest(t for n in sorted(state.transforms)
-                                  for t in state.transforms[n].tensors()))
+        maps = state.pipeline.transforms()
+        transforms.append(_digest(t for n in sorted(maps) for t in maps[n].tensors()))
     stats = state.stats()
+    residuals = state.pipeline.feedback.residuals
     return {"params": _digest(model.parameters()), "saw_bad": saw_bad,
             "step": stats["step"], "skipped": stats["skipped_steps"],
-            "transforms": transforms[-1], "selected": sorted(state.selected),
-            "residuals": _digest(state.residuals[n] for n in sorted(state.residuals)),
-            "profile": state._profile_scores.tolist()}
+            "transforms": transforms[-1],
+            "selected": sorted(state.pipeline.selection.selected),
+            "residuals": _digest(residuals[n] for n in sorted(residuals)),
+            "profile": getattr(state.pipeline.selection, "totals", torch.zeros(0)).tolist()}
 
 
 POISON_CASES = {
@@ -167,7 +169,7 @@ def _scaler_run(rank, kw, bad_step, clean, steps=6):
         log.append((step, finite, before == _digest(model.parameters()), scaler.get_scale()))
         if handle is not None:
             handle.remove()
-    return _digest(model.parameters()), log, state.stats()["step"], state.skipped_steps
+    return _digest(model.parameters()), log, state.stats()["step"], state.stats()["skipped_steps"]
 
 
 def _scaler_worker(rank, world_size, kw, bad_step):
@@ -289,7 +291,7 @@ def _codec_bounds(state, local, world_size):
     loose); mapping back multiplies by T⁻¹ on the right: ‖E T⁻¹‖ ≤ ‖E‖·‖T⁻¹‖₂. Divided by N."""
     u = U_ROUND[state.config.format]
     names = list(local)
-    routes = [state._route(n) for n in names]
+    routes = [state.pipeline.route(n) for n in names]
     norms = torch.tensor([float((g if isinstance(t, Identity) else t.forward(g)).norm())
                           for g, t in zip(local.values(), routes)], dtype=torch.float64)
     dist.all_reduce(norms)
@@ -305,7 +307,7 @@ def _codec_bounds(state, local, world_size):
 
 def _edge_worker(rank, world_size):
     torch.manual_seed(0)
-    cfg = dict(layers="all", refresh_every=2, sketch_above=64, rank=8, oversample=4,
+    cfg = dict(layers="all", refresh_every=2, sketch_above=64, k=8, oversample=4,
                error_feedback=False)
     model = EdgeModel()
     frozen_before = model.frozen.weight.detach().clone()
@@ -334,9 +336,9 @@ def _edge_worker(rank, world_size):
                            p.grad.dtype == p.dtype))
         opt.step()
     info = {
-        "sketch": state.layers["wide.weight"].window_A.mode,
+        "sketch": state.pipeline.source.window["wide.weight"]["A"].mode,
         "candidates": sorted(state.layers),
-        "routed": sorted(n for n in state.selected if n in state.transforms),
+        "routed": state.stats()["geometry_layers"],
         "frozen_unchanged": torch.equal(model.frozen.weight, frozen_before),
         "params": _digest(model.parameters()),
     }
@@ -451,8 +453,8 @@ def _accumulation_worker(rank, world_size):
     with ddp.no_sync():
         (loss(ddp, *halves[0]) / 2).backward()
     (loss(ddp, *halves[1]) / 2).backward()
-    state.stats()  # commits the step
-    weights = {n: float(l.window_A.weight) for n, l in state.layers.items()}
+    window = state.pipeline.source.window
+    weights = {n: float(window[state.pipeline.shared.of(n)]["A"].weight) for n in state.layers}
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     ref = make_model()
     ref.load_state_dict(model.state_dict())
@@ -924,7 +926,7 @@ def _memory_worker(rank, world_size):
         torch.manual_seed(0)
         model = _Wide(d_in)
         ddp = DDP(model)
-        state = GeoFP8State(model, GeoFP8Config(layers="all", refresh_every=1, rank=k,
+        state = GeoFP8State(model, GeoFP8Config(layers="all", refresh_every=1, k=k,
                                                 oversample=p, sketch_above=64))
         ddp.register_comm_hook(state, geofp8_hook)
         for step in range(2):
@@ -932,7 +934,8 @@ def _memory_worker(rank, world_size):
             x, y = batch(step, rank)
             nn.functional.cross_entropy(ddp(x).reshape(-1, 64), y.reshape(-1)).backward()
         stats = state.stats()
-        out[d_in] = (stats["factor_bytes"], sorted(state.transforms), sorted(state.layers))
+        out[d_in] = (stats["factor_bytes"], sorted(state.pipeline.transforms()),
+                     sorted(state.layers))
     return out
 
 

@@ -11,12 +11,14 @@ import os
 from dataclasses import replace
 
 import pytest
+import torch
 
 from geofp8.tools.train import METHODS, TrainConfig, add_arguments, config_from_args, to_argv
 from geofp8.tools.train.checkpoint import atomic_save, latest_step
 from geofp8.tools.train.compare import compare, run_dir
 from geofp8.tools.train.launch import launch
 from geofp8.tools.train.loop import lr_factor
+from geofp8.tools.train.optim import orthogonalization_dtype
 from geofp8.tools.train.report import aggregate, read_log, summarize_run
 
 TINY = dict(model="llama-tiny", seq_len=32, batch_size=2, steps=3, warmup=1, eval_every=2,
@@ -50,6 +52,10 @@ def test_every_method_writes_log_and_validation(all_methods, method):
     assert len(vals) == 2 and all(math.isfinite(v) for v in vals)  # step 2 and the last step
     info = json.loads((run_dir(out, method, 0) / "run.json").read_text())
     assert info["world_size"] == 2 and info["config"]["method"] == method
+    # Muon's Newton–Schulz precision is recorded: BF16 only where this CPU has it natively
+    dtype, why = orthogonalization_dtype(torch.device("cpu"))
+    assert info["optimizers"] == ["Muon", "AdamW"]
+    assert (info["muon_ns_dtype"], info["muon_ns_reason"]) == (str(dtype)[6:], why)
 
 
 @pytest.mark.distributed
@@ -192,5 +198,6 @@ def test_demo_runs_compare_and_prints_the_table(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| fp32 |" in printed and "| fp8 |" in printed
     assert str(out / "report.md") in printed
+    assert "minutes on 2 idle cores of an AVX2-only CPU" in printed
     saved = json.loads((out / "results.json").read_text())
     assert [r["method"] for r in saved["runs"]] == ["fp32", "fp8"]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from geofp8.codecs import FP8Codec
+from geofp8.geometry.factory import make_transform
 from geofp8.geometry.statistics import LowRankFactor, SecondMoment
 from geofp8.geometry.transforms import (
     BlockInput,
@@ -17,13 +18,17 @@ from geofp8.geometry.transforms import (
     LowRankInput,
     OutputSide,
     TwoSided,
-    full_input,
     rebase,
 )
 
 F64 = torch.float64
 D_IN, D_OUT = 24, 10
 DAMPING = 0.01
+
+
+def _full(A, damping):
+    """The full input-side ``(A+λI)^{-1/2}`` from the library's factory."""
+    return make_transform("full", damping, A=A)
 
 
 def _psd(d, seed, rank=None, scale=1.0):
@@ -57,7 +62,7 @@ def _all_transforms():
         "identity": Identity(),
         "lowrank": LowRankInput(LowRankFactor.from_matrix(A, 5), DAMPING),
         "lowrank-k0": LowRankInput(LowRankFactor.from_matrix(A, 0), DAMPING),
-        "full": full_input(A, DAMPING),
+        "full": _full(A, DAMPING),
         "diag": DiagonalInput(A, DAMPING),
         "block": BlockInput(A, 7, DAMPING),  # 24 = 7 + 7 + 7 + 3: a short last block
         "output": OutputSide(S, DAMPING),
@@ -89,7 +94,7 @@ def test_lowrank_with_full_rank_is_the_damped_inverse_square_root():
     for damping in (0.0, 1e-3, 0.1, 1.0):
         lam = _lam(A, damping)
         T = LowRankInput(LowRankFactor.from_matrix(A, D_IN), damping)
-        F = full_input(A, damping)
+        F = _full(A, damping)
         G = _grad(D_OUT, D_IN)
         I = torch.eye(D_IN, dtype=F64)
         if damping == 0.0:  # λ is floored at 1e-12·tr/d so that A + λI is never singular
@@ -203,7 +208,7 @@ def test_rebase_keeps_the_euclidean_meaning():
     pairs = [
         (LowRankInput(LowRankFactor.from_matrix(A_old, 4), DAMPING),
          LowRankInput(LowRankFactor.from_matrix(A_new, 4), DAMPING)),
-        (Identity(), full_input(A_new, 0.1)),
+        (Identity(), _full(A_new, 0.1)),
         (DiagonalInput(A_old, DAMPING), Hadamard(D_IN, dtype=F64)),
         (BlockInput(A_old, 5, DAMPING), Identity()),
         (TwoSided(A_old, _psd(D_OUT, 1), DAMPING), OutputSide(_psd(D_OUT, 2), DAMPING)),
@@ -246,7 +251,7 @@ def test_whitening_reduces_fp8_error_on_anisotropic_inputs(fmt, scaling):
     assert euclid > 0.01  # the mantissa floor of FP8
     low_rank = round_trip_error(LowRankInput(stats.factor(16), 0.1))
     assert low_rank < 0.6 * euclid
-    assert round_trip_error(full_input(stats.mean(), 0.1)) < 0.6 * euclid
+    assert round_trip_error(_full(stats.mean(), 0.1)) < 0.6 * euclid
     # and a rotation alone does not change the floor much (no geometry, no gain)
     assert round_trip_error(Hadamard(X.shape[1], dtype=F64)) > 0.8 * euclid
 
@@ -258,7 +263,7 @@ def test_zero_statistics_give_a_finite_invertible_transform():
     transforms = [
         LowRankInput(SecondMoment(d, "exact").factor(4), DAMPING),
         LowRankInput(SecondMoment(d, "sketch", sketch_size=8).factor(4), DAMPING),
-        full_input(Z, DAMPING),
+        _full(Z, DAMPING),
         DiagonalInput(Z, DAMPING),
         BlockInput(Z, 4, DAMPING),
         OutputSide(Zs, DAMPING),

@@ -1,10 +1,10 @@
 """Where a data-parallel step stands, and what it has cost.
 
 A DDP step is a sequence of bucket launches; it ends when the last bucket is launched and is
-*settled* at the next forward (or the next step's first bucket): committed if every bucket
-came back finite on every rank, discarded otherwise. The ledger holds that phase, the step
-counters and the per-step figures (bytes, seconds); :meth:`StepLedger.last` is the last
-settled step's figures, read without side effects.
+*settled* when the last bucket's result is ready (before ``backward()`` returns): committed
+if every bucket came back finite on every rank, discarded otherwise. The ledger holds that
+phase, the step counters and the per-step figures (bytes, seconds); :attr:`StepLedger.last`
+is the last settled step's figures, read without side effects.
 """
 
 from __future__ import annotations

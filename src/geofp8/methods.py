@@ -7,9 +7,10 @@ decides what a method name communicates. A :class:`Method` builds the DDP comm h
     >>> ddp_model.register_comm_hook(state, hook)
 
 ``kind``: ``"allreduce"`` (DDP's own FP32 all-reduce), ``"bf16"`` (PyTorch's bf16 compress
-hook), ``"powersgd"`` (PyTorch's PowerSGD hook, the low-rank peer), ``"torch-int8"``
-(PyTorch's per-tensor int8 quantization hook) or ``"geofp8"`` (this library, with the
-:class:`~geofp8.config.GeoFP8Config` that :meth:`Method.config` builds).
+hook), ``"powersgd"`` (PyTorch's PowerSGD hook, the low-rank peer) or ``"geofp8"`` (this
+library, with the :class:`~geofp8.config.GeoFP8Config` that :meth:`Method.config` builds).
+PyTorch's int8 ``quantization_pertensor_hook`` is not offered: on gloo in torch 2.13 its
+callback fails (``IndexError: invalid index of a 0-dim tensor``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from .config import GeoFP8Config
 
 __all__ = ["METHODS", "Method"]
 
-# Settings a caller may override on the geometry methods (the paper's k, K, profile window,
+# Settings a caller may override on the geometry methods (the low-rank k, K, profile window,
 # and the seed of the sketches). The Euclidean and Hadamard controls take only ``format``.
-GEOMETRY_OVERRIDES = ("format", "rank", "refresh_every", "profile_steps", "seed")
+GEOMETRY_OVERRIDES = ("format", "k", "refresh_every", "profile_steps", "seed")
 CONTROL_OVERRIDES = ("format",)
 # The block-format methods name their format: a caller's ``format`` does not replace it.
 BLOCK_OVERRIDES = tuple(k for k in GEOMETRY_OVERRIDES if k != "format")
@@ -37,7 +38,7 @@ class Method:
     description: str
     settings: dict[str, Any] = field(default_factory=dict)  # GeoFP8Config fields / PowerSGD rank
     overrides: tuple[str, ...] = GEOMETRY_OVERRIDES  # caller settings it accepts
-    # PyTorch's PowerSGD and int8 hooks issue collectives from completion callbacks; with
+    # PyTorch's PowerSGD hook issues collectives from completion callbacks; with
     # several buckets in flight those reach the ranks in different orders (gloo, 4 ranks:
     # "collective mismatch"). Register them on a DDP with one bucket.
     one_bucket: bool = False
@@ -60,7 +61,6 @@ class Method:
         from torch.distributed.algorithms.ddp_comm_hooks import (
             default_hooks,
             powerSGD_hook,
-            quantization_hooks,
         )
 
         from .ddp import GeoFP8State, geofp8_hook
@@ -69,8 +69,6 @@ class Method:
             return None, default_hooks.allreduce_hook, 4
         if self.kind == "bf16":
             return None, default_hooks.bf16_compress_hook, 2
-        if self.kind == "torch-int8":
-            return None, quantization_hooks.quantization_pertensor_hook, 1
         if self.kind == "powersgd":
             state = powerSGD_hook.PowerSGDState(
                 process_group, matrix_approximation_rank=self.settings["rank"],
@@ -80,8 +78,8 @@ class Method:
 
 
 def _control(description: str, **settings) -> Method:
-    return Method("geofp8", description, {"transform": "euclidean", "layers": "none", **settings},
-                  CONTROL_OVERRIDES)
+    return Method("geofp8", description, {"transform": "euclidean", "layers": "none",
+                                          "candidates": "linear", **settings}, CONTROL_OVERRIDES)
 
 
 def _block(fmt: str, description: str, transform: str = "euclidean", **settings) -> Method:
@@ -100,14 +98,13 @@ METHODS: dict[str, Method] = {
                        one_bucket=True),
     "powersgd8": Method("powersgd", "PyTorch PowerSGD, rank 8, error feedback", {"rank": 8},
                         one_bucket=True),
-    "torch-int8": Method("torch-int8", "PyTorch quantization_pertensor_hook (int8)",
-                         one_bucket=True),
     "fp8": _control("FP8, per-tensor scales", error_feedback=False),
     "fp8-ef": _control("FP8 + error feedback", error_feedback=True),
     "fp8-block": _control("FP8, a scale per 128 elements", scaling="block", block_size=128,
                           error_feedback=False),
     "hadamard": Method("geofp8", "FP8 + EF after a fixed block Hadamard rotation",
-                       {"transform": "hadamard", "layers": "all", "error_feedback": True},
+                       {"transform": "hadamard", "layers": "all", "candidates": "linear",
+                        "error_feedback": True},
                        CONTROL_OVERRIDES),
     "geofp8": Method("geofp8", "the paper: profile-selected layers, low-rank k, EF",
                      {"layers": "profile", "transform": "lowrank", "error_feedback": True}),
@@ -132,6 +129,8 @@ METHODS: dict[str, Method] = {
     "nvfp4": _block("nvfp4", "NVFP4 (E2M1, E4M3 scale per 16, FP32 per tensor chunk)",
                     error_feedback=False),
     "nvfp4-ef": _block("nvfp4", "NVFP4 + EF"),
+    "nvfp4-sr-ef": _block("nvfp4", "NVFP4 + EF, stochastic rounding (seeded per step and "
+                          "bucket, the same on every rank)", rounding="stochastic"),
     "nvfp4-rht-ef": _block("nvfp4", "NVFP4 + EF after a random Hadamard over each 16-block",
                            "rht"),
     "nvfp4-geo-ef": _block("nvfp4", "NVFP4 + EF, the refreshed low-rank factor on every layer",

@@ -43,6 +43,7 @@ class Codec(ABC):
     :data:`geofp8.codecs.FORMATS`."""
 
     format: str
+    block_size: int  # elements per scale block (FP8: of scaling="block"; the rht block)
 
     @abstractmethod
     def groups(self, shape: tuple[int, ...]) -> list[int]:

@@ -9,6 +9,8 @@ broadcast charged to its source).
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.distributed as dist
 
@@ -29,7 +31,8 @@ class DeviceGroup:
         self.rank = dist.get_rank(group)
         self.bytes: dict[str, float] = {}
 
-    def _charge(self, kind: str, nbytes: float) -> None:
+    def charge(self, kind: str, nbytes: float) -> None:
+        """Count ``nbytes`` under ``kind`` (also for traffic computed, not issued, here)."""
         self.bytes[kind] = self.bytes.get(kind, 0.0) + nbytes
 
     def take_bytes(self) -> dict[str, float]:
@@ -46,7 +49,7 @@ class DeviceGroup:
     def all_reduce(self, t: torch.Tensor, kind: str, async_op: bool = False):
         """SUM all-reduce of ``t`` (moved to the device); returns ``(tensor, work)``."""
         t = self.on_device(t)
-        self._charge(kind, 2 * (self.size - 1) * t.numel() * t.element_size() // self.size)
+        self.charge(kind, 2 * (self.size - 1) * t.numel() * t.element_size() // self.size)
         work = dist.all_reduce(t, group=self.group, async_op=async_op)
         return t, work
 
@@ -54,7 +57,7 @@ class DeviceGroup:
         """Broadcast from group rank ``src``; returns the (device) tensor."""
         t = self.on_device(t)
         if src == self.rank:
-            self._charge(kind, (self.size - 1) * t.numel() * t.element_size())
+            self.charge(kind, (self.size - 1) * t.numel() * t.element_size())
         dist.broadcast(t, src=self.global_rank(src), group=self.group)
         return t
 
@@ -62,7 +65,7 @@ class DeviceGroup:
         """``(list of every rank's t, work)``."""
         t = self.on_device(t)
         out = [torch.empty_like(t) for _ in range(self.size)]
-        self._charge(kind, (self.size - 1) * t.numel() * t.element_size())
+        self.charge(kind, (self.size - 1) * t.numel() * t.element_size())
         work = dist.all_gather(out, t, group=self.group, async_op=async_op)
         return out, work
 
@@ -71,7 +74,51 @@ class DeviceGroup:
         """Asynchronous ``all_to_all_single`` of uint8 buffers already on the device."""
         if out.device != self.device or inp.device != self.device:
             raise ValueError(f"all_to_all buffers must live on {self.device}")
-        self._charge(kind, sum(n for j, n in enumerate(in_splits) if j != self.rank))
+        self.charge(kind, sum(n for j, n in enumerate(in_splits) if j != self.rank))
         return dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
                                       input_split_sizes=in_splits, group=self.group,
                                       async_op=True)
+
+    # -- plain data: JSON text and named tensors as bytes (no Python objects) -----------------
+
+    def broadcast_tensors(self, named: dict[str, torch.Tensor] | None, src: int,
+                          kind: str) -> dict[str, torch.Tensor]:
+        """Broadcast ``{name: tensor}`` from group rank ``src`` bit-exactly: a JSON index of
+        names, dtypes and shapes, then the raw bytes of every tensor. Returns the dict (on
+        the device) on every rank; ``named`` is only read on ``src``."""
+        mine = src == self.rank
+        index, payload = "", torch.zeros(0, dtype=torch.uint8)
+        if mine:
+            index = json.dumps([[k, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                for k, t in named.items()])
+            payload = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+                                 for t in named.values()] or [payload])
+        entries = json.loads(self.broadcast_text(index, src, kind))
+        sizes = [torch.Size(shape).numel() * getattr(torch, dt).itemsize
+                 for _, dt, shape in entries]
+        data = payload if mine else torch.empty(sum(sizes), dtype=torch.uint8)
+        data = self.broadcast(data, src, kind)
+        out, pos = {}, 0
+        for (name, dt, shape), n in zip(entries, sizes):
+            out[name] = data[pos : pos + n].clone().view(getattr(torch, dt)).view(shape)
+            pos += n
+        return out
+
+    def broadcast_text(self, text: str, src: int, kind: str) -> str:
+        """Broadcast a UTF-8 string from group rank ``src`` (length first, then bytes)."""
+        raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else \
+            torch.zeros(0, dtype=torch.uint8)
+        length = self.broadcast(torch.tensor([raw.numel()], dtype=torch.int64), src, kind)
+        data = raw if src == self.rank else torch.empty(int(length), dtype=torch.uint8)
+        return bytes(self.broadcast(data, src, kind).cpu().tolist()).decode()
+
+    def all_gather_json(self, obj, kind: str) -> list:
+        """Every rank's JSON-serialisable ``obj``, in group-rank order."""
+        raw = json.dumps(obj, sort_keys=True).encode()
+        lengths, _ = self.all_gather(torch.tensor([len(raw)], dtype=torch.int64), kind)
+        longest = max(int(n) for n in lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        gathered, _ = self.all_gather(padded, kind)
+        return [json.loads(bytes(g[: int(n)].cpu().tolist()).decode())
+                for g, n in zip(gathered, lengths)]

@@ -43,7 +43,6 @@ __all__ = [
     "RandomHadamard",
     "Transform",
     "TwoSided",
-    "full_input",
     "rebase",
     "transform_from_state",
 ]
@@ -75,7 +74,7 @@ class Transform:
 
     :meth:`state` is the map as plain tensors (Python floats as 0-d float64 tensors), and
     :func:`transform_from_state` rebuilds it exactly: checkpoints and factor broadcasts
-    carry tensors only, never pickled objects.
+    carry tensors only, never serialised Python objects.
     """
 
     name = "transform"
@@ -168,13 +167,6 @@ class LowRankInput(Transform):
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.U, self.d_fwd, self.d_inv]
-
-
-def full_input(A: torch.Tensor, damping: float) -> LowRankInput:
-    """The full input-side ``(A+λI)^{-1/2}``: the low-rank form with ``k = d_in``."""
-    t = LowRankInput(LowRankFactor.from_matrix(A, A.shape[0]), damping)
-    t.name = "full"
-    return t
 
 
 class DiagonalInput(Transform):

@@ -42,18 +42,9 @@ import torch.nn.functional as F
 
 from ..codecs import FORMATS, Codec, FP8Codec, make_codec
 from ..comm import ShardLayout, simulate_exact_allreduce
+from ..geometry.factory import make_transform
 from ..geometry.statistics import LowRankFactor, SecondMoment
-from ..geometry.transforms import (
-    BlockInput,
-    DiagonalInput,
-    Hadamard,
-    Identity,
-    LowRankInput,
-    OutputSide,
-    RandomHadamard,
-    Transform,
-    TwoSided,
-)
+from ..geometry.transforms import Transform
 from .data import get_batch
 
 __all__ = [
@@ -231,7 +222,8 @@ def _top(factor: LowRankFactor, k: int) -> LowRankFactor:
 
 def layer_transforms(names: list[str], dampings: list[float], A: torch.Tensor,
                      S: torch.Tensor | None = None) -> dict[str, Transform]:
-    """The transforms of one layer, keyed ``name`` or ``name/d<damping>`` (damped ones).
+    """The transforms of one layer, keyed ``name`` or ``name/d<damping>`` (damped ones),
+    built by the library's one factory (:func:`geofp8.geometry.factory.make_transform`).
 
     ``full`` and every ``lowrank<k>`` share one eigendecomposition of ``A``.
     """
@@ -241,26 +233,15 @@ def layer_transforms(names: list[str], dampings: list[float], A: torch.Tensor,
     out: dict[str, Transform] = {}
     for name in names:
         fam = _family(name)
-        if fam == "euclidean":
-            out[name] = Identity()
-        elif fam == "hadamard":
-            out[name] = Hadamard(d_in, dtype=A.dtype)
+        if fam in ("euclidean", "hadamard"):
+            out[name] = make_transform(fam, 0.0, dim=d_in, A=A)
         elif fam == "rht":
-            out[name] = RandomHadamard(d_in, int(name[len("rht"):]), dtype=A.dtype)
+            out[name] = make_transform("rht", 0.0, dim=d_in, A=A, block=int(name[len("rht"):]))
         for d in dampings if fam in DAMPED else []:
-            key = f"{name}/d{d:g}"
-            if fam == "diag":
-                out[key] = DiagonalInput(A, d)
-            elif fam == "block":
-                out[key] = BlockInput(A, int(name[len("block"):]), d)
-            elif fam == "full":
-                out[key] = LowRankInput(eig, d)
-            elif fam == "lowrank":
-                out[key] = LowRankInput(_top(eig, int(name[len("lowrank"):])), d)
-            elif fam == "output":
-                out[key] = OutputSide(S, d)
-            else:
-                out[key] = TwoSided(A, S, d)
+            size = int(name[len(fam):]) if name != fam else None
+            factor = _top(eig, size) if fam == "lowrank" else eig
+            out[f"{name}/d{d:g}"] = make_transform(fam, d, A=A, S=S, factor=factor,
+                                                   block=size or 128)
     return out
 
 

@@ -6,7 +6,9 @@ Parts (``--parts``):
 2. low-rank geometry (transform, factor refresh) against the layer's weight-gradient GEMM;
 3. whole DDP steps on 2 and 4 real gloo processes: PyTorch's hooks and ours side by side,
    time, counted bytes and the communicated gradient's RelL2 (:mod:`geofp8.tools.ddp_bench`);
-4. an alpha-beta scaling model fed with the ratios of parts 1 and 2.
+4. an alpha-beta scaling model fed with the ratios of parts 1 and 2;
+5. the training driver's optimizer step against the model's forward+backward: Muon with its
+   Newton–Schulz in FP32 and in BF16 (+ AdamW on the rest), AdamW throughout.
 
 Every timing is the median of ``repeats`` runs after a warm-up;
 only ratios measured in the same run are compared, because shared machines are noisy.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -374,6 +377,67 @@ def part_scaling(results: dict, gpus: list[int], models: list[str], fabrics: lis
             "table": "\n\n".join([cal_table, gap_table, *grid_tables])}
 
 
+# -- part 5: optimizer step vs forward+backward ----------------------------------------------
+
+def _forward_backward(model: torch.nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=False)
+    logits = model(input_ids=x[:, :-1]).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                      x[:, 1:].reshape(-1)).backward()
+
+
+def _step(optimizers: list[torch.optim.Optimizer]) -> None:
+    for o in optimizers:
+        o.step()
+
+
+def part_optimizer(shapes: list[tuple[str, int, int]], repeats: int = 3) -> dict:
+    """Time of one optimizer step of the training driver as a ratio to the forward+backward
+    of one ``batch × seq_len`` batch of the same model (one process and one thread, like a
+    rank of ``geofp8 demo``; no communication), the forward+backward timed right before
+    each step. A BF16 Newton–Schulz on a CPU without native BF16 shows up here as a step
+    several times the forward+backward."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _part_optimizer(shapes, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _part_optimizer(shapes: list[tuple[str, int, int]], repeats: int) -> dict:
+    from .data import DEFAULT_VOCAB
+    from .models import build_preset
+    from .train import TrainConfig
+    from .train.optim import build_optimizers, native_bf16
+
+    native, why = native_bf16(torch.device("cpu"))
+    variants = [("Muon, Newton–Schulz FP32 + AdamW", "muon", torch.float32),
+                ("Muon, Newton–Schulz BF16 + AdamW", "muon", torch.bfloat16),
+                ("AdamW", "adamw", None)]
+    rows = []
+    for model_name, batch, seq_len in shapes:
+        model = build_preset(model_name, DEFAULT_VOCAB)
+        x = torch.randint(0, DEFAULT_VOCAB, (batch, seq_len + 1))
+        fwd_bwd = functools.partial(_forward_backward, model, x)
+        fwd_bwd()
+        t_fb = timeit(fwd_bwd, repeats)
+        for label, kind, dtype in variants:
+            opts = build_optimizers(model, TrainConfig(optimizer=kind), ns_dtype=dtype)
+            step = functools.partial(_step, opts)
+            t_step, ratio = timeit_vs(step, fwd_bwd, repeats)
+            rows.append({"model": model_name, "batch": batch, "seq_len": seq_len,
+                         "optimizer": label, "fwd_bwd_ms": 1e3 * t_fb,
+                         "step_ms": 1e3 * t_step, "step_vs_fwd_bwd": 1 / ratio})
+    title = ("Part 5 — optimizer step vs forward+backward (one process, one thread; this CPU: "
+             f"{'native' if native else 'no native'} BF16, {why})")
+    table = format_table(title, ["model", "batch×seq", "optimizer", "fwd+bwd ms", "step ms",
+                                 "step / fwd+bwd"],
+                         [[r["model"], f"{r['batch']}×{r['seq_len']}", r["optimizer"],
+                           r["fwd_bwd_ms"], r["step_ms"], r["step_vs_fwd_bwd"]] for r in rows])
+    return {"rows": rows, "native_bf16": native, "native_bf16_reason": why, "table": table}
+
+
 # -- driver ---------------------------------------------------------------------------------
 
 DEFAULT_SIZES = [4.0, 64.0, 256.0]
@@ -426,6 +490,12 @@ def run_bench(parts: list[int], sizes_mb: list[float], quick: bool = False,
                               ["ib200", "ib400", "ib400x8", "nvlink"])
         results["scaling"] = sc
         log(sc["table"] + "\n")
+    if 5 in parts:
+        # the demo's model and batch; a BF16 Newton–Schulz emulated on llama-small costs ~50 s
+        # a step, too slow for a benchmark run
+        shapes = [("llama-tiny", 2, 32)] if quick else [("llama-tiny", 4, 128)]
+        results["optimizer"] = part_optimizer(shapes, repeats)
+        log(results["optimizer"]["table"] + "\n")
     return results
 
 
@@ -456,11 +526,14 @@ def to_markdown(results: dict, command: str) -> str:
             f"{c['ratios_used']['codec_vs_memcpy']:.2f}× memcpy the two codec round trips per "
             "step cost more than the bytes FP8 saves over BF16. The GeoFP8-vs-FP8 gap is far "
             "less sensitive to it (only the EF path differs).")
+    if "optimizer" in results:
+        body.append(results["optimizer"]["table"])
     return "\n".join(head) + "\n" + "\n\n".join(body) + "\n"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parts", default="1,2,3,4", help="comma list of parts (1,2,3,4)")
+    parser.add_argument("--parts", default="1,2,3,4,5",
+                        help="comma list of parts (1,2,3,4,5)")
     parser.add_argument("--sizes", default=None,
                         help="codec tensor sizes in MB, comma list (default 4,64,256)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
@@ -482,9 +555,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     parts = [int(p) for p in str(args.parts).split(",") if p.strip()]
-    unknown = set(parts) - {1, 2, 3, 4}
+    unknown = set(parts) - {1, 2, 3, 4, 5}
     if unknown:
-        raise SystemExit(f"unknown bench part(s) {sorted(unknown)}; available: 1, 2, 3, 4")
+        raise SystemExit(f"unknown bench part(s) {sorted(unknown)}; available: 1, 2, 3, 4, 5")
     if args.sizes:
         sizes = [float(s) for s in args.sizes.split(",")]
     else:

@@ -1,11 +1,19 @@
 """The ``geofp8`` command. Each subcommand lives in its own module, which provides
-``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches."""
+``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches.
+
+A mistake in what the user asked for (a flag's value, a model or file that does not exist)
+is raised as :class:`~geofp8.tools.errors.UsageError` wherever it is found and printed here
+as argparse prints its own: ``geofp8 <command>: error: <message>``, exit status 2, no
+traceback. Every other exception keeps its traceback: a bug or an environment problem.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from .errors import UsageError
 
 # name -> (module, one-line help). Modules are imported lazily so `geofp8 --help` is fast.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -16,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("geofp8.tools.train.compare", "train with several methods and seeds on the "
                 "same data and write a report (report.md, loss.png, fidelity.png, results.json)"),
     "demo": ("geofp8.tools.demo", "the main job: compare fp32, fp8, fp8-ef, geofp8 and geofp8-auto "
-             "on a CPU-sized Llama with 2 ranks (about 10 minutes on 2 cores)"),
+             "on a CPU-sized Llama with 2 ranks (about 7 minutes on 2 idle cores)"),
     "bench": ("geofp8.tools.bench", "codec throughput, geometry overhead, whole DDP steps next to "
               "PyTorch's hooks, and the scaling model, measured as ratios in one run"),
 }
@@ -29,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, _parser=p)
         importlib.import_module(module).add_arguments(p)
     return parser
 
@@ -38,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args._argv = argv  # the command as typed, for reports that quote it
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except UsageError as e:
+        args._parser.exit(2, f"{args._parser.prog}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from ..comm import fp32_allreduce_wire_bytes
 from ..methods import METHODS
 from .wire import ByteCounter
 
-DEFAULT_METHODS = ("fp32", "bf16", "powersgd", "powersgd8", "torch-int8", "fp8", "fp8-ef",
+DEFAULT_METHODS = ("fp32", "bf16", "powersgd", "powersgd8", "fp8", "fp8-ef",
                    "hadamard", "geofp8", "geofp8-auto", "geofp8-fresh", "geofp8-local")
 
 

@@ -13,9 +13,11 @@ preset          hidden  inter  layers  heads  kv heads  non-embedding params
 ==============  ======  =====  ======  =====  ========  =========================
 
 :func:`load_model` also takes a local Hugging Face model directory (with its tokenizer when
-the directory has one) or a local ``.gguf`` file (needs the ``gguf`` package:
-``pip install 'geofp8[gguf]'``). :func:`load_model_and_data` pairs a model with the token
-blocks of :mod:`geofp8.tools.data` (a preset gets a BPE of its vocabulary size).
+the directory has one) or a local ``.gguf`` file, quantized or not (F32, F16, BF16, Q8_0,
+Q4_0, Q4_1, K-quants, ...; needs the ``gguf`` package: ``pip install 'geofp8[gguf]'``),
+dequantized to FP32 at load so that it trains. :func:`load_model_and_data` pairs a model
+with the token blocks of :mod:`geofp8.tools.data` (a preset gets a BPE of its vocabulary
+size).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["PRESETS", "build_preset", "load_model", "load_model_and_data", "preset_config"]
+from .errors import UsageError
+
+__all__ = ["PRESETS", "build_preset", "check_model_spec", "load_model", "load_model_and_data",
+           "preset_config"]
 
 PRESETS: dict[str, dict[str, int]] = {
     "llama-tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4,
@@ -66,42 +71,58 @@ def build_preset(name: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
     return model.float()
 
 
+def check_model_spec(spec: str | os.PathLike) -> None:
+    """Raise :class:`~geofp8.tools.errors.UsageError` unless ``spec`` is a preset, an existing
+    directory or an existing ``.gguf`` file."""
+    spec = str(spec)
+    path = Path(spec)
+    if spec in PRESETS or path.is_dir() or (path.suffix == ".gguf" and path.is_file()):
+        return
+    if path.suffix == ".gguf":
+        raise UsageError(f"--model {spec}: GGUF file not found")
+    raise UsageError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}), "
+                     "a Hugging Face model directory nor a .gguf file")
+
+
 def load_model(spec: str | os.PathLike, vocab_size: int = 2048,
                seed: int = 0) -> tuple[torch.nn.Module, Any]:
     """``(model, tokenizer or None)`` for a preset name, a Hugging Face directory or a
-    ``.gguf`` file. ``vocab_size`` and ``seed`` apply to presets only."""
+    ``.gguf`` file; the model in FP32. ``vocab_size`` and ``seed`` apply to presets only."""
+    check_model_spec(spec)
     spec = str(spec)
     if spec in PRESETS:
         return build_preset(spec, vocab_size, seed), None
     path = Path(spec)
     if path.suffix == ".gguf":
         return _load_gguf(path)
-    if path.is_dir():
-        from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path).float()
-        tokenizer = None
-        if any((path / f).exists() for f in _TOKENIZER_FILES):
-            from transformers import AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(path).float()
+    tokenizer = None
+    if any((path / f).exists() for f in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        return model, tokenizer
-    raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}), "
-                     "a Hugging Face model directory nor a .gguf file")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
 
 
 def _load_gguf(path: Path) -> tuple[torch.nn.Module, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    """A GGUF model and its tokenizer. Quantized tensors are dequantized into FP32 weights
+    as they are read: a quantized model cannot be cast afterwards (``.float()`` raises), and
+    transformers ≥ 5 would otherwise keep the blocks packed in layers that do not train."""
     try:
         import gguf  # noqa: F401
     except ImportError as e:
         raise ImportError(f"loading {path.name} needs the 'gguf' package: "
                           "pip install 'geofp8[gguf]'") from e
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = dict(gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, **kwargs).float()
+    kwargs: dict[str, Any] = dict(gguf_file=path.name)
+    options = dict(kwargs, dtype=torch.float32)
+    if hasattr(transformers, "GgufConfig"):  # transformers >= 5: packed unless told
+        options["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, **options)
     return model, AutoTokenizer.from_pretrained(path.parent, **kwargs)
 
 

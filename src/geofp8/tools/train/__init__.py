@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, fields
+from pathlib import Path
 
 from .config import METHODS, TrainConfig, make_comm_hook
 
-__all__ = ["METHODS", "TrainConfig", "add_arguments", "config_from_args", "make_comm_hook",
-           "run", "to_argv"]
+__all__ = ["METHODS", "TrainConfig", "add_arguments", "check_inputs", "config_from_args",
+           "make_comm_hook", "run", "to_argv"]
 
 HELP = {
     "model": "preset (llama-tiny, llama-small: CPU; llama-300m, llama-600m: paper scale) "
-             "or a local Hugging Face model directory",
+             "or a local Hugging Face model directory or .gguf file",
     "data": "local UTF-8 text files (default: the corpus that ships with Python)",
     "dataset": "a Hugging Face `datasets` name or a saved dataset directory (needs `datasets`)",
     "dataset_split": "split of --dataset",
@@ -40,7 +41,7 @@ HELP = {
     "format": "FP8 format of the fp8/hadamard/geofp8 methods: e4m3 or e5m2",
     "refresh_every": "GeoFP8 factor refresh period K (paper: 50)",
     "profile_steps": "steps of the geofp8 profile before its layers are fixed (default 100)",
-    "rank": "GeoFP8 low-rank factor k (paper: 32)",
+    "k": "GeoFP8 low-rank factor k (paper: 32)",
     "eval_every": "validation loss every E steps and at the end (0: never)",
     "eval_batches": "validation batches per rank",
     "shadow_every": "every M steps also all-reduce the local gradients in FP32 and log the "
@@ -90,6 +91,19 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
     return TrainConfig(**{**values, **overrides})
 
 
+def check_inputs(cfg: TrainConfig) -> None:
+    """The user's mistakes that can be found before any rank starts: a ``--model`` that is
+    neither a preset nor an existing directory or ``.gguf`` file, ``--data`` files that do
+    not exist (:class:`~geofp8.tools.errors.UsageError`)."""
+    from ..errors import UsageError
+    from ..models import check_model_spec
+
+    check_model_spec(cfg.model)
+    missing = [p for p in cfg.data if not Path(p).is_file()]
+    if missing:
+        raise UsageError(f"--data: no such file: {', '.join(missing)}")
+
+
 def to_argv(cfg: TrainConfig) -> list[str]:
     """The ``geofp8 train`` flags that reproduce ``cfg`` (defaults left out)."""
     argv = []
@@ -110,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from .launch import in_launched_process, launch
 
     cfg = config_from_args(args)
+    check_inputs(cfg)
     if args.nproc and not in_launched_process():
         return launch(args.nproc, to_argv(cfg))
     from .loop import train

@@ -15,7 +15,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from . import add_train_arguments, config_from_args, to_argv
+from ..errors import UsageError
+from . import add_train_arguments, check_inputs, config_from_args, to_argv
 from .config import METHODS, TrainConfig
 from .launch import launch
 from .report import build_report, format_table, read_log
@@ -53,8 +54,13 @@ def _complete(path: Path, steps: int) -> bool:
 
 def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
             out: str | Path, reuse: bool = False, run_timeout: float | None = None,
-            command: str | None = None, echo=print) -> dict:
-    """Run every method for every seed, then write the report under ``out``."""
+            command: str | None = None, echo=print, on_run=None) -> dict:
+    """Run every method for every seed, then write the report under ``out``;
+    ``on_run(method, seed, seconds)`` is called after each run that was not reused."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:  # before any run starts
+        raise UsageError(f"unknown method(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(METHODS)}")
     runs = []
     total, done = len(methods) * len(seeds), 0
     for seed in seeds:
@@ -73,10 +79,13 @@ def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
                 raise RuntimeError(f"{method} seed {seed} failed (exit status {rc}); "
                                    f"rerun: geofp8 train --nproc {nproc} "
                                    + shlex.join(to_argv(cfg)))
+            seconds = time.perf_counter() - t0
             records = read_log(path / "log.jsonl")
             val = [r["val_loss"] for r in records if "val_loss" in r]
-            echo(f"      done in {time.perf_counter() - t0:.0f} s: final loss "
+            echo(f"      done in {seconds:.0f} s: final loss "
                  f"{records[-1]['loss']:.4f}" + (f", validation {val[-1]:.4f}" if val else ""))
+            if on_run is not None:
+                on_run(method, seed, seconds)
     return build_report(out, runs, command=command)
 
 
@@ -87,12 +96,9 @@ def split_list(values: list[str]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     args.methods = split_list(args.methods)
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown:
-        raise SystemExit(f"geofp8 compare: unknown method(s) {unknown}; choose from "
-                         f"{', '.join(METHODS)}")
     args.seeds = [int(s) for s in split_list(args.seeds)]
     base = config_from_args(args)
+    check_inputs(base)
     command = "geofp8 compare " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 else None
     results = compare(base, args.methods, args.seeds, args.nproc, args.out, args.reuse,
                       args.run_timeout, command)

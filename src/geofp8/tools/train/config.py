@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ...methods import METHODS
+from ..errors import UsageError
 
 
 @dataclass
@@ -38,7 +39,7 @@ class TrainConfig:
     format: str = "e4m3"
     refresh_every: int = 50
     profile_steps: int = 100
-    rank: int = 32
+    k: int = 32  # GeoFP8 low-rank factor k
     # measurement and output
     eval_every: int = 50
     eval_batches: int = 16
@@ -65,7 +66,7 @@ class TrainConfig:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(f"TrainConfig: {message}")
+                raise UsageError(f"TrainConfig: {message}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,6 +80,6 @@ class TrainConfig:
 def make_comm_hook(method: str, model, cfg: TrainConfig):
     """``(state, hook, bytes_per_element)`` of ``method`` with this run's settings
     (see :meth:`geofp8.methods.Method.build`)."""
-    return METHODS[method].build(model, format=cfg.format, rank=cfg.rank,
+    return METHODS[method].build(model, format=cfg.format, k=cfg.k,
                                  refresh_every=cfg.refresh_every,
                                  profile_steps=cfg.profile_steps, seed=cfg.seed)

@@ -6,8 +6,9 @@ Run by every rank (``torchrun``, or ``geofp8 train --nproc N`` which launches it
 2. corpus → BPE tokens → train / validation blocks; the model (a preset or a local HF
    directory), identical on every rank;
 3. DDP with the ``--method``'s communication hook (:data:`geofp8.tools.train.config.METHODS`);
-4. optimizers: Muon for the hidden 2-D weights and AdamW for embeddings, head and norms
-   (or AdamW throughout); linear warm-up then cosine from ``lr`` to ``lr_min``;
+4. optimizers (:mod:`.optim`): Muon for the hidden 2-D weights and AdamW for embeddings,
+   head and norms (or AdamW throughout), Muon's Newton–Schulz in BF16 where the device has
+   it natively and FP32 elsewhere; linear warm-up then cosine from ``lr`` to ``lr_min``;
 5. the step loop: batch of this step (by index, so a resumed run reads the same data),
    forward, backward (the hook communicates), optional shadow fidelity, clipping,
    optimizer step, JSONL log line, validation every ``eval_every`` steps, checkpoints.
@@ -44,6 +45,7 @@ from ..shadow import ShadowState, shadow_fidelity, shadow_hook
 from ..wire import ByteCounter
 from . import checkpoint as ckpt
 from .config import METHODS, TrainConfig, make_comm_hook
+from .optim import build_optimizers, optimizer_info
 
 __all__ = ["train"]
 
@@ -118,7 +120,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
 
     log = _Log(out / "log.jsonl", start) if rank == 0 else None
     if rank == 0:
-        _write_run_info(out, cfg, world, n_params, data, device)
+        _write_run_info(out, cfg, world, n_params, data, device, optimizers)
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
     bar = _progress(cfg, rank, start)
     tokens_per_step = world * cfg.batch_size * data.seq_len
@@ -247,33 +249,6 @@ def _bytes(state, width: int | None, counter: ByteCounter | None, n_params: int,
             "bytes_per_element": sent / n_params}
 
 
-def build_optimizers(model: torch.nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
-    """Muon on the hidden 2-D weights + AdamW on the rest, or AdamW throughout. Weight decay
-    on matrices (embeddings and head included), none on norms and biases."""
-    embeddings = {id(m.weight) for m in (model.get_input_embeddings(),
-                                         model.get_output_embeddings()) if m is not None}
-    hidden, matrices, vectors = [], [], []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        if p.ndim == 2 and id(p) not in embeddings:
-            hidden.append(p)
-        elif p.ndim >= 2:
-            matrices.append(p)
-        else:
-            vectors.append(p)
-    adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    if cfg.optimizer == "adamw":
-        return [torch.optim.AdamW([{"params": hidden + matrices,
-                                    "weight_decay": cfg.weight_decay},
-                                   {"params": vectors, "weight_decay": 0.0}], **adamw)]
-    muon = torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                            adjust_lr_fn="match_rms_adamw")
-    rest = torch.optim.AdamW([{"params": matrices, "weight_decay": cfg.weight_decay},
-                              {"params": vectors, "weight_decay": 0.0}], **adamw)
-    return [muon, rest]
-
-
 def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up to 1, then cosine down to ``lr_min / lr`` at the last step."""
     warmup = min(cfg.warmup, cfg.steps)
@@ -325,12 +300,12 @@ def save_checkpoint(out: Path, step: int, model, optimizers, schedulers, state, 
 
 
 def _write_run_info(out: Path, cfg: TrainConfig, world: int, n_params: int, data,
-                    device: torch.device) -> None:
+                    device: torch.device, optimizers: list[torch.optim.Optimizer]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     info = {"config": cfg.to_dict(), "world_size": world, "parameters": n_params,
             "method_description": METHODS[cfg.method].description,
             "train_blocks": int(data.train.shape[0]), "val_blocks": int(data.val.shape[0]),
-            "device": str(device), "torch": torch.__version__}
+            "device": str(device), "torch": torch.__version__, **optimizer_info(optimizers)}
     (out / "run.json").write_text(json.dumps(info, indent=1))
 
 

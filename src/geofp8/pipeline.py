@@ -1,0 +1,304 @@
+"""The gradient pipeline: from (parameter names, gradients) to a payload and back.
+
+For a set of gradients ``G_p`` (one bucket, or one FSDP group):
+
+* route: ``T_p`` is the layer's geometry map (:mod:`geofp8.geometry.sources`) when the
+  selection (:mod:`geofp8.selection`) has chosen it, else the identity;
+* error feedback (:mod:`geofp8.feedback`): ``Ũ_p = G_p T_p + R_p``;
+* encode (:mod:`geofp8.comm.stages`) with the layout of the collective; the new residual
+  ``R_p ← Ũ_p − deq(Q(Ũ_p))`` is staged until the step settles;
+* after the collective's FP32 sum ``Σ``: ``Ĝ_p = (Σ / N) T_p⁻¹``.
+
+The pipeline issues no collective itself: the adapters (:mod:`geofp8.ddp`, FSDP) launch the
+payload, and the factor sources and selections use the :class:`~geofp8.comm.group.DeviceGroup`
+they are given. :meth:`GradientPipeline.start_step` and :meth:`~GradientPipeline.settle`
+bracket a step; per tensor, :meth:`~GradientPipeline.prepare_into` and
+:meth:`~GradientPipeline.map_back` are the two halves of the route.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .codecs import make_codec
+from .comm.group import DeviceGroup
+from .comm.layout import ShardLayout
+from .comm.stages import decode, encode
+from .feedback import ErrorFeedback
+from .geometry.sources import Layer, LocalFactors, SharedInputs, make_source
+from .geometry.transforms import Identity, LowRankInput, Transform
+from .ledger import StepLedger
+from .selection import make_selection
+
+__all__ = ["Encoded", "GradientPipeline", "find_candidates"]
+
+IDENTITY = Identity()
+
+
+def find_candidates(model: nn.Module, names: dict[int, str], scope, min_dim: int
+                    ) -> dict[str, Layer]:
+    """The Linear layers that may take the geometry branch, by weight name.
+
+    ``scope``: ``"blocks"`` (the Linear layers inside repeated blocks, i.e. under an
+    ``nn.ModuleList`` — the transformer blocks, not the LM head; all Linear layers when the
+    model has no repeated blocks), ``"linear"`` (every Linear layer) or module names. Frozen,
+    tied and narrow (``min(d_in, d_out) < min_dim``) weights are never candidates.
+    """
+    modules = dict(model.named_modules())
+    if isinstance(scope, (list, tuple)):
+        unknown = [n for n in scope if not isinstance(modules.get(n), nn.Linear)]
+        if unknown:
+            raise ValueError(f"GeoFP8Config names no nn.Linear module: {unknown}")
+    lists = [re.escape(n) for n, m in modules.items() if isinstance(m, nn.ModuleList) and n]
+    in_block = re.compile(rf"^(?:{'|'.join(lists)})\.\d+\.") if lists else None
+    layers = {}
+    for name, mod in modules.items():
+        if not isinstance(mod, nn.Linear) or not mod.weight.requires_grad:
+            continue
+        if min(mod.in_features, mod.out_features) < min_dim:
+            continue
+        pname = f"{name}.weight" if name else "weight"
+        if names.get(id(mod.weight)) != pname:  # tied to another parameter
+            continue
+        if isinstance(scope, (list, tuple)) and name not in scope:
+            continue
+        if scope == "blocks" and in_block is not None and not in_block.match(name):
+            continue
+        layers[pname] = Layer(name, pname, mod.in_features, mod.out_features)
+    return layers
+
+
+@dataclass
+class Encoded:
+    """One encoded set of gradients and what is needed to map the sum back."""
+
+    sent: torch.Tensor  # uint8: every shard's payload (and side bytes)
+    layout: ShardLayout
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    routes: list[Transform]
+    per_sender: tuple[bool, ...]  # mapped back by the receiver with each sender's own map
+    side_bytes: int  # bytes of sender factors in what this rank sends to the others
+
+
+class GradientPipeline:
+    """Routing, factors, selection, error feedback and encoding of one model's gradients.
+
+    Args:
+        model: the module whose parameters are communicated.
+        config: a :class:`~geofp8.config.GeoFP8Config`.
+        group: the data-parallel :class:`DeviceGroup` (factor and selection traffic).
+        ledger: the :class:`StepLedger` that receives timings.
+    """
+
+    def __init__(self, model: nn.Module, config, group: DeviceGroup, ledger: StepLedger,
+                 candidates="blocks") -> None:
+        self.config, self.group, self.ledger = config, group, ledger
+        self.world_size, self.rank = group.size, group.rank
+        self.codec = make_codec(config.format, config.scaling, config.block_size,
+                                config.rounding)
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.layers = find_candidates(model, self.names, candidates, config.min_dim)
+        devices = {n: p.device for n, p in model.named_parameters()}
+        self.source = make_source(config, self.layers, ledger, group, devices,
+                                  self.codec.block_size)
+        self.selection = make_selection(config, self.codec, list(self.layers),
+                                        config.factor_source)
+        self.feedback = ErrorFeedback()
+        self.shared = self.source.shared if self.source is not None else SharedInputs()
+        modules = dict(model.named_modules())
+        self.hooks = self.source.attach(modules) if self.source is not None else []
+        self._layouts: dict[tuple, ShardLayout] = {}
+        self._observing = False
+
+    # -- step boundaries ---------------------------------------------------------------------
+
+    def start_step(self, step: int) -> None:
+        """Decisions and refreshes due at the start of ``step`` (collective)."""
+        self.selection.start_step(step, self.group)
+        if self.source is not None:
+            self.source.start_step(step)
+        self._observing = self.source is not None and self.selection.wants(step)
+
+    def settle(self, finite: bool) -> None:
+        """Commit (finite step) or discard what the step produced."""
+        if self.source is not None:
+            self.source.settle(finite)
+        self.selection.settle(finite)
+        if finite:
+            self.feedback.commit()
+        else:
+            self.feedback.discard()
+
+    # -- per tensor --------------------------------------------------------------------------
+
+    def route(self, name: str) -> Transform:
+        """``T`` of ``name`` this step: its geometry map if selected and built, else identity."""
+        if name not in self.selection.selected or self.source is None:
+            return IDENTITY
+        transform = self.source.transform(name)
+        return IDENTITY if transform is None else transform
+
+    def prepare_into(self, name: str, G: torch.Tensor, out: torch.Tensor) -> Transform:
+        """Write ``Ũ = G T + R`` (FP32, ``G``'s shape) into ``out``; returns ``T``."""
+        candidate = name in self.layers and self.source is not None
+        if candidate:
+            self.source.prepare(name)
+        route = self.route(name)
+        G = G.detach().float()
+        if self._observing and candidate:
+            self.selection.observe(name, G, self.source.transform(name),
+                                   lambda r: self._residual(name, r))
+        x = G if route is IDENTITY else route.forward(G)
+        residual = self._residual(name, route)
+        if residual is None:
+            out.copy_(x)
+        else:
+            torch.add(x, residual, out=out)
+        return route
+
+    def _residual(self, name: str, route: Transform) -> torch.Tensor | None:
+        if not self.config.error_feedback:
+            return None
+        return self.feedback.residual_in(name, route)
+
+    def map_back(self, route: Transform, Y: torch.Tensor) -> torch.Tensor:
+        """``Y T⁻¹`` (identity routes pass ``Y`` through)."""
+        return Y if route is IDENTITY else route.inverse(Y)
+
+    # -- a set of gradients in one flat payload (a DDP bucket) --------------------------------
+
+    def encode(self, names: list[str], grads: list[torch.Tensor],
+               seed: int | None = None) -> Encoded:
+        """Route, add residuals, encode (``seed``: stochastic rounding's, the same on every
+        rank for this step and bucket); stage the new residuals."""
+        shapes = [tuple(g.shape) for g in grads]
+        flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32,
+                           device=grads[0].device if grads else self.group.device)
+        routes, pos = [], 0
+        for name, g in zip(names, grads):
+            slot = flat[pos : pos + g.numel()].view(g.shape)
+            routes.append(self.prepare_into(name, g, slot))
+            pos += g.numel()
+        local = isinstance(self.source, LocalFactors)
+        per_sender = tuple(local and n in self.selection.selected and n in self.layers
+                           for n in names)
+        layout = self._layout(shapes, per_sender)
+        side = self._sender_factors(shapes, per_sender, routes, layout) if any(per_sender) \
+            else None
+        sent = encode(flat, layout, side, seed)
+        if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ)), in place of the decoded copy
+            residual = decode(sent, layout)
+            torch.sub(flat, residual, out=residual)
+            pos = 0
+            for name, shape, route in zip(names, shapes, routes):
+                n = torch.Size(shape).numel()
+                self.feedback.stage(name, residual[pos : pos + n].view(shape), route)
+                pos += n
+        side_bytes = sum(layout.side[j] for j in range(self.world_size) if j != self.rank)
+        return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes)
+
+    def decode(self, encoded: Encoded, total: torch.Tensor) -> list[torch.Tensor]:
+        """The mean ``(Σ / N) T⁻¹`` of every tensor from the collective's FP32 sum."""
+        total.div_(self.world_size)
+        out, pos = [], 0
+        for shape, route, mapped in zip(encoded.shapes, encoded.routes, encoded.per_sender):
+            n = torch.Size(shape).numel()
+            y = total[pos : pos + n].view(shape)
+            out.append(y if mapped else self.map_back(route, y))
+            pos += n
+        return out
+
+    def _layout(self, shapes: list[tuple[int, ...]], per_sender: tuple[bool, ...]
+                ) -> ShardLayout:
+        key = (tuple(shapes), per_sender)
+        if key not in self._layouts:
+            side = [self._factor_bytes(shape[1]) if mapped else 0
+                    for shape, mapped in zip(shapes, per_sender)]
+            self._layouts[key] = ShardLayout.build(shapes, self.codec, self.world_size,
+                                                   list(per_sender), side)
+        return self._layouts[key]
+
+    # -- per-sender (local) factors ----------------------------------------------------------
+
+    def _factor_bytes(self, d_in: int) -> int:
+        """``U`` (``d_in × k``), ``d_inv`` (``k``) and ``c_inv`` as float32."""
+        k = self.source.rank_of(d_in)
+        return 4 * (d_in * k + k + 1)
+
+    def _sender_factors(self, shapes, per_sender, routes, layout: ShardLayout
+                        ) -> list[torch.Tensor]:
+        """Per shard: this sender's inverse map of every per-sender-decoded tensor in it."""
+        blobs = {}
+        for i, (shape, mapped, t) in enumerate(zip(shapes, per_sender, routes)):
+            if not mapped:
+                continue
+            d, k = shape[1], self.source.rank_of(shape[1])
+            if isinstance(t, LowRankInput):
+                parts = [t.U.reshape(-1), t.d_inv, torch.tensor([t.c_inv])]
+            else:  # no factor on this rank this step: the identity map
+                parts = [torch.zeros(d * k + k), torch.ones(1)]
+            blobs[i] = torch.cat([p.float().cpu() for p in parts]).view(torch.uint8)
+        return [torch.cat([blobs[i] for i in layout.owners[j] if i in blobs] or
+                          [torch.zeros(0, dtype=torch.uint8)]).to(self.group.device)
+                for j in range(layout.world_size)]
+
+    def unmap(self, encoded: Encoded):
+        """``unmap(values, side)`` for this receiver's shard: ``V T_r⁻¹`` per sender ``r``
+        (``None`` when nothing in ``encoded`` is decoded per sender)."""
+        if not any(encoded.per_sender):
+            return None
+        j, layout, shapes = self.rank, encoded.layout, encoded.shapes
+
+        def unmap(values: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
+            pos = spos = 0
+            for (lo, hi), i in zip(layout.segments[j], layout.owners[j]):
+                if encoded.per_sender[i]:
+                    d, k = shapes[i][1], self.source.rank_of(shapes[i][1])
+                    nb = self._factor_bytes(d)
+                    f = side[spos : spos + nb].clone().view(torch.float32)
+                    U, d_inv, c_inv = f[: d * k].view(d, k), f[d * k : d * k + k], f[-1]
+                    V = values[pos : pos + hi - lo].view(-1, d)
+                    values[pos : pos + hi - lo] = (V * c_inv + ((V @ U) * d_inv) @ U.T).view(-1)
+                    spos += nb
+                pos += hi - lo
+            return values
+        return unmap
+
+    # -- reporting and checkpoints -----------------------------------------------------------
+
+    def fingerprint(self) -> dict:
+        """What every rank must agree on (JSON-serialisable)."""
+        return {"candidates": sorted(self.layers),
+                "shared_inputs": sorted(self.shared.owner.items())}
+
+    def transforms(self) -> dict[str, Transform]:
+        """This step's geometry map of every candidate that has one, by weight name."""
+        if self.source is None:
+            return {}
+        return {n: t for n in self.layers if (t := self.source.transform(n)) is not None}
+
+    def geometry_layers(self) -> list[str]:
+        return sorted(n for n in self.selection.selected
+                      if self.source is not None and self.source.transform(n) is not None)
+
+    @property
+    def factor_nbytes(self) -> int:
+        return self.source.nbytes if self.source is not None else 0
+
+    def state_dict(self) -> dict:
+        return {"selection": self.selection.state_dict(),
+                "feedback": self.feedback.state_dict(),
+                "source": self.source.state_dict() if self.source is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.selection.load_state_dict(state["selection"])
+        if self.source is not None:
+            self.source.load_state_dict(state["source"])
+        transforms = {n: t for n in self.layers
+                      if (t := self.source.transform(n) if self.source else None) is not None}
+        self.feedback.load_state_dict(state["feedback"], transforms)

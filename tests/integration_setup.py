@@ -1,0 +1,53 @@
+"""Shared pieces of the framework-integration tests: a tiny Llama, byte-level text batches,
+and the raw DDP loop every framework run is compared against."""
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
+
+VOCAB, SEQ, BATCH, STEPS, LR = 256, 32, 4, 8, 3e-3
+# small layers take the geometry branch too, refreshed often enough to matter in 8 steps
+CONFIG = GeoFP8Config(rank=4, min_dim=16, refresh_every=2, layers="all")
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=SEQ, tie_word_embeddings=False,
+                         attn_implementation="eager")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).float()
+
+
+def rank_batches(rank: int, world_size: int, steps: int = STEPS) -> list[torch.Tensor]:
+    """This rank's token batches (``BATCH × SEQ`` bytes of local English text) for each step."""
+    from geofp8.tools.data import default_text
+
+    data = torch.frombuffer(bytearray(default_text()[:200_000].encode()), dtype=torch.uint8)
+    blocks = data[: (len(data) // SEQ) * SEQ].long().view(-1, SEQ)
+    return [blocks[(s * world_size + rank) * BATCH:(s * world_size + rank + 1) * BATCH]
+            for s in range(steps)]
+
+
+def flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def raw_ddp(rank: int, world_size: int, batches: list[torch.Tensor] | None = None):
+    """The reference: a plain DDP loop with the GeoFP8 hook, AdamW (no weight decay), on
+    ``batches`` (default: :func:`rank_batches`)."""
+    model = DDP(tiny_llama())
+    state = GeoFP8State(model.module, CONFIG)
+    model.register_comm_hook(state, geofp8_hook)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses = []
+    for tokens in batches if batches is not None else rank_batches(rank, world_size):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, flat_params(model.module), state.stats()
