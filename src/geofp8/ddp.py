@@ -206,7 +206,8 @@ class GeoFP8State:
         """Fail fast, on every rank, when ranks disagree on config or model structure
         (fingerprints travel as JSON text in uint8 tensors)."""
         self._checked = True
-        everyone = self.group.all_gather_json(self._fingerprint(), "factor")
+        # charged to its own kind, outside the per-step figures: it runs once
+        everyone = self.group.all_gather_json(self._fingerprint(), "consistency")
         problems = []
         first = everyone[0]
         for r, other in enumerate(everyone):
@@ -243,8 +244,9 @@ class GeoFP8State:
         """Figures of the last settled step (reading changes nothing).
 
         ``bytes_sent``: bytes this rank handed to the process group (payloads, scales,
-        factor and selection traffic), counting what each collective's standard algorithm
-        sends: ring all-reduce ``2(N−1)/N·size``, all-to-all the ``N−1`` shards for others,
+        factor and selection traffic; not the one-time consistency check of the first step),
+        counting what each collective's standard algorithm sends: ring all-reduce
+        ``2(N−1)/N·size``, all-to-all the ``N−1`` shards for others,
         all-gather/broadcast ``N−1`` copies. ``bytes_fp32_equivalent``: the ring all-reduce
         of the same buckets in FP32. Times are host wall-clock seconds (on a GPU they
         measure launch, not kernel, time).
@@ -269,7 +271,7 @@ class GeoFP8State:
 
     def state_dict(self) -> dict:
         """Everything needed to continue bit-identically: tensors and plain containers only
-        (load it with ``torch.load(..., weights_only=True)``)."""
+        (it loads with ``weights_only=True``)."""
         return {"version": STATE_VERSION, "config": self.config.to_dict(),
                 "step": self.ledger.step, "skipped_steps": self.ledger.skipped_steps,
                 "grad_scale": self.grad_scale, **self.pipeline.state_dict()}

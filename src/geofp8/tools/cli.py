@@ -25,6 +25,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "same data and write a report (report.md, loss.png, fidelity.png, results.json)"),
     "demo": ("geofp8.tools.demo", "the main job: compare fp32, fp8, fp8-ef, geofp8 and geofp8-auto "
              "on a CPU-sized Llama with 2 ranks (about 7 minutes on 2 idle cores)"),
+    "cluster": ("geofp8.tools.cluster", "time to loss on an emulated cluster: one network "
+                "namespace per rank, links shaped to 1/10 Gbit/s (root, ip and tc), per method "
+                "and rate, with the alpha-beta model's error and the overlap"),
     "bench": ("geofp8.tools.bench", "codec throughput, geometry overhead, whole DDP steps next to "
               "PyTorch's hooks, and the scaling model, measured as ratios in one run"),
 }

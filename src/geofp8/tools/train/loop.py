@@ -157,7 +157,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
         if hasattr(state, "stats"):
             record["geometry_layers"] = len(state.stats()["geometry_layers"])
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            t_eval = time.perf_counter()
             record["val_loss"] = evaluate(model, data.val, cfg, rank, world, device)
+            record["eval_s"] = time.perf_counter() - t_eval  # inside step_time_s
         dt = time.perf_counter() - t0
         elapsed += dt
         record.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt, elapsed_s=elapsed)

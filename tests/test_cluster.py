@@ -1,0 +1,188 @@
+"""`geofp8 cluster`: namespaces, shaped links and training through them.
+
+Needs root and iproute2 (``ip``, ``tc``); those tests are skipped with the reason otherwise.
+Every namespace, process and transfer is bounded in time; every test checks that nothing
+of its run is left on the host.
+"""
+
+import ipaddress
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from geofp8.tools import cluster, netem
+from geofp8.tools.cli import main
+from geofp8.tools.train import TrainConfig
+from geofp8.tools.train.loop import _model_and_data
+from geofp8.tools.train.report import read_log
+
+
+def _why_not() -> str | None:
+    try:
+        netem.require_tools()
+    except netem.ClusterUnavailable as e:
+        return str(e)
+    return None
+
+
+needs_root = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
+BENCHMARK_RANGE = ipaddress.ip_network("198.18.0.0/15")
+
+
+def _host_state() -> tuple[str, str]:
+    """The host namespace's links and qdiscs (what the emulation must never touch)."""
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True, timeout=10)
+    qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True,
+                            timeout=10)
+    return links.stdout, qdiscs.stdout
+
+
+def _ip(*argv: str) -> str:
+    return subprocess.run(["ip", *argv], capture_output=True, text=True, timeout=10,
+                          check=True).stdout
+
+
+# -- without the means: a clear message at once ---------------------------------------------
+
+def test_missing_root_and_tools_are_named(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netem.shutil, "which", lambda tool: None)
+    with pytest.raises(netem.ClusterUnavailable) as e:
+        netem.require_tools()
+    assert "root" in str(e.value) and "'ip'" in str(e.value) and "'tc'" in str(e.value)
+    with pytest.raises(netem.ClusterUnavailable):
+        netem.Cluster(2, 1e9)
+    t0 = time.perf_counter()
+    assert main(["cluster", "--rates", "1", "--methods", "fp32", "--out", "unused"]) == 2
+    assert time.perf_counter() - t0 < 5  # stops before any run
+    assert "needs root privileges" in capsys.readouterr().err
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="rate"):
+        netem.parse_rate("fast")
+    assert netem.parse_rate("10") == netem.parse_rate("10gbit") == 1e10
+    assert netem.parse_rate("500m") == 5e8
+    with pytest.raises(SystemExit, match="nproc"):
+        main(["cluster", "--nproc", "9", "--out", "unused"])
+    with pytest.raises(SystemExit, match="unknown method"):
+        main(["cluster", "--methods", "fp64", "--out", "unused"])
+
+
+def test_time_to_loss_and_break_even():
+    curve = [(10.0, 5.0), (20.0, 4.0), (30.0, 3.0)]
+    assert cluster.time_to_loss(curve, 3.5) == pytest.approx(25.0)
+    assert cluster.time_to_loss(curve, 5.5) == 10.0
+    assert cluster.time_to_loss(curve, 2.0) is None
+    # saves 1 MB per step for 10 ms of work: even at 8e6 bit / 0.01 s = 0.8 Gbit/s
+    geo, ref = {"step_s": 0.11, "bytes_per_step": 1e6}, {"step_s": 0.10, "bytes_per_step": 2e6}
+    assert cluster.break_even(geo, ref) == pytest.approx(8e8)
+    assert cluster.break_even(ref, geo) is None  # sends more bytes: never pays
+    # the model's ring: 2(N−1)/N of the vector per rank, so the bytes per rank over the rate
+    assert cluster.link_time(1.25e8, 4, 1e9) == pytest.approx(1.0)
+
+
+# -- namespaces -----------------------------------------------------------------------------
+
+@needs_root
+def test_namespaces_are_set_up_shaped_and_removed():
+    before = _host_state()
+    with netem.Cluster(3, 1e9) as c:
+        assert set(c.namespaces + [c.bridge_ns]) <= set(netem.leftovers(c.prefix))
+        for i, ns in enumerate(c.namespaces):
+            addrs = json.loads(_ip("-j", "-n", ns, "addr", "show"))
+            inet = [a["local"] for link in addrs for a in link["addr_info"]
+                    if a["family"] == "inet" and link["ifname"] != "lo"]
+            assert inet == [c.address(i)]
+            assert ipaddress.ip_address(inet[0]) in BENCHMARK_RANGE
+            assert {link["ifname"] for link in addrs} == {"lo", netem.IFACE}
+            routes = json.loads(_ip("-j", "-n", ns, "route", "show"))
+            assert [r["dst"] for r in routes] == ["198.18.0.0/24"]  # no way out
+            for where, dev in ((ns, netem.IFACE), (c.bridge_ns, f"p{i}")):
+                q = subprocess.run(["tc", "-n", where, "qdisc", "show", "dev", dev],
+                                   capture_output=True, text=True, timeout=10).stdout
+                assert "tbf" in q and "rate 1Gbit" in q
+        assert _host_state() == before  # the host's interfaces and qdiscs are untouched
+    assert netem.leftovers(c.prefix) == []
+    assert _host_state() == before
+
+
+@needs_root
+def test_teardown_after_a_failing_run_and_an_exception():
+    with netem.Cluster(2, 1e9) as c:
+        sleeper = c.popen(0, [sys.executable, "-c", "import time; time.sleep(60)"])
+        failing = c.popen(1, [sys.executable, "-c", "import sys; sys.exit(3)"])
+        t0 = time.perf_counter()
+        assert netem.wait_all([sleeper, failing], timeout=30)[1] == 3
+        assert time.perf_counter() - t0 < 15 and sleeper.poll() is not None  # stopped
+    assert netem.leftovers(c.prefix) == []
+    with pytest.raises(RuntimeError, match="boom"):
+        with netem.Cluster(2, None) as c:
+            orphan = c.popen(1, [sys.executable, "-c", "import time; time.sleep(60)"])
+            raise RuntimeError("boom")
+    assert orphan.poll() is not None and netem.leftovers(c.prefix) == []
+
+
+@needs_root
+def test_interrupted_command_leaves_nothing(tmp_path):
+    p = subprocess.Popen([sys.executable, "-m", "geofp8.tools.cli", "cluster", "--nproc", "2",
+                          "--rates", "1", "--methods", "fp32", "--model", "llama-tiny",
+                          "--steps", "1000", "--seq-len", "32", "--batch-size", "2",
+                          "--out", str(tmp_path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    mine = f"{netem.PREFIX}{p.pid:x}-"
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "runs" / "1gbit" / "fp32" / "log.jsonl").exists():  # training
+        assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()
+        time.sleep(0.2)
+    assert len(netem.leftovers(mine)) == 3
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) != 0
+    assert netem.leftovers(mine) == []
+    ranks = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert ranks.stdout == ""  # no trainer survives
+
+
+@needs_root
+def test_rate_limit_is_real():
+    with netem.Cluster(2, 1e9) as c:
+        goodput = netem.measure_throughput(c, src=1, dst=0, nbytes=32 << 20, timeout=20)
+    assert netem.leftovers(c.prefix) == []
+    assert goodput == pytest.approx(1e9, rel=0.15)
+
+
+# -- training through the emulated link -----------------------------------------------------
+
+@needs_root
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_training_through_the_link_matches_loopback_bitwise(tmp_path):
+    base = TrainConfig(model="llama-tiny", seq_len=32, batch_size=2, steps=4, warmup=1,
+                       eval_every=2, eval_batches=2, refresh_every=1, profile_steps=1)
+    results = cluster.run_comparison(base, ["geofp8", "powersgd"], ["loopback", "1"], 2,
+                                     tmp_path, run_timeout=120, echo=lambda *a: None)
+    for method in ("geofp8", "powersgd"):
+        logs = [read_log(tmp_path / "runs" / rate / method / "log.jsonl")
+                for rate in ("loopback", "1gbit")]
+        keys = ("step", "loss", "grad_norm", "val_loss", "bytes_sent")
+        assert [[r.get(k) for k in keys] for r in logs[0]] == \
+               [[r.get(k) for k in keys] for r in logs[1]]  # the network changes time only
+        assert all(math.isfinite(r["loss"]) for r in logs[1])
+    # PowerSGD's bytes, counted from its collectives: two FP32 warm-up steps, then P and Q
+    # (rank 4) of every matrix plus the vectors uncompressed; ring factor 2(N−1)/N = 1
+    ps = read_log(tmp_path / "runs" / "1gbit" / "powersgd" / "log.jsonl")
+    model, _ = _model_and_data(base)
+    n_all = sum(p.numel() for p in model.parameters())
+    low_rank = sum(4 * (p.shape[0] + p.shape[1]) if p.ndim == 2 else p.numel()
+                   for p in model.parameters())
+    assert [r["bytes_sent"] for r in ps] == [4 * n_all] * 2 + [4 * low_rank] * 2
+    fig = results["rates"]["1gbit"]["geofp8"]
+    assert fig["step_s"] > 0 and fig["link_s"] > 0 and "model_error" in fig
+    assert (tmp_path / "time_to_loss.png").stat().st_size > 0
+    assert "| 1gbit | powersgd |" in (tmp_path / "report.md").read_text()
