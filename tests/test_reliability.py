@@ -30,6 +30,7 @@ from geofp8.comm import (
     exact_allreduce,
     simulate_exact_allreduce,
 )
+from geofp8.comm.group import DeviceGroup
 from geofp8.geometry.transforms import Identity
 from toymodels import batch, loss_fn, make_model
 
@@ -852,8 +853,9 @@ def _collective_fuzz_worker(rank, world_size):
         shapes, codec, inputs = _fuzz_case(i, world_size)
         layout = ShardLayout.build(shapes, codec, world_size)
         exact = exact_allreduce(inputs[rank].clone(), layout)
-        gathered = Communicator("allgather").launch(encode(inputs[rank].clone(), layout),
-                                                    layout).wait()
+        group = DeviceGroup(None, inputs[rank].device)
+        gathered = Communicator("allgather", group).launch(
+            encode(inputs[rank].clone(), layout), layout).wait()
         out.append((exact, gathered))
     return out
 

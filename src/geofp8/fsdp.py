@@ -137,8 +137,17 @@ class GeoFP8FSDP:
         modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
         if not modules:
             raise ValueError("no fully_shard-ed module found: apply fully_shard first")
-        self.units = [self._unit(name, m, names) for name, m in modules]
-        for unit, (_, module) in zip(self.units, modules):
+        # a unit per FSDP parameter group: a module that owns none (a root whose children
+        # hold every parameter) has nothing to reduce, and fully_shard([a, b]) makes a and b
+        # share one group, installed once
+        units, seen = [], set()
+        for name, m in modules:
+            unit = self._unit(name, m, names)
+            if unit is not None and id(unit.group) not in seen:
+                seen.add(id(unit.group))
+                units.append((unit, m))
+        self.units = [u for u, _ in units]
+        for unit, module in units:
             if reduce_scatter:
                 module.set_custom_reduce_scatter(GeoFP8ReduceScatter(self, unit))
             if self._replicate is not None:
@@ -160,12 +169,14 @@ class GeoFP8FSDP:
 
     # -- set-up ------------------------------------------------------------------------------
 
-    def _unit(self, name: str, module: FSDPModule, names: dict[int, str]) -> _Unit:
+    def _unit(self, name: str, module: FSDPModule, names: dict[int, str]) -> _Unit | None:
         state = module._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None or not isinstance(groups, list):
             raise RuntimeError(f"GeoFP8: FSDP internals changed: module {name!r} has no "
                                "_fsdp_param_groups list (built for torch 2.13)")
+        if not groups:
+            return None
         if len(groups) != 1:
             raise ValueError(f"GeoFP8: module {name or '<root>'!r} has {len(groups)} FSDP "
                              "parameter groups (per-parameter meshes via shard_placement_fn?); "
