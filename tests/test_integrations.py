@@ -1,5 +1,6 @@
 """GeoFP8 inside real frameworks (Lightning, Accelerate, the transformers Trainer): each one
-trains a tiny Llama on 2 gloo ranks, and must match the raw DDP loop with the same batches."""
+trains a tiny Llama on 2 gloo ranks, and must match the raw DDP (or FSDP2) loop with the same
+batches."""
 
 import os
 
@@ -7,7 +8,18 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from integration_setup import CONFIG, LR, STEPS, flat_params, rank_batches, raw_ddp, tiny_llama
+from integration_setup import (
+    CONFIG,
+    LR,
+    STEPS,
+    flat_params,
+    full_params,
+    rank_batches,
+    raw_ddp,
+    raw_fsdp,
+    shard_llama,
+    tiny_llama,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -82,6 +94,93 @@ def test_lightning_strategy_trains_with_geofp8_on_cpu():
     rows = results[0][3][3]
     results[0] = (*results[0][:3], results[0][3][:3])
     _check_run(results, rows)
+
+
+def _check_fsdp_run(results, metric_rows=None):
+    """Both ranks: GeoFP8's FP8 reduce-scatter active, all-gathered parameters identical to
+    each other and to the raw FSDP2 loop."""
+    (losses0, params0, stats0, ref0), (losses1, params1, stats1, _) = results
+    ref_losses, ref_params, ref_stats = ref0
+    assert stats0["step"] == STEPS and stats1["step"] == STEPS
+    # FSDP's FP32 reduce-scatter: 4(N−1)/N = 2 bytes per element; FP8: ≈ (N−1)/N
+    assert stats0["bytes_sent"] > 0 and 0.5 <= stats0["bytes_per_element"] < 0.6
+    assert stats0["geometry_layers"], "no layer took the geometry branch"
+    assert torch.equal(params0, params1), "ranks diverged"
+    assert losses0[-1] < losses0[0] and losses1[-1] < losses1[0]
+    assert losses0 == ref_losses and torch.equal(params0, ref_params)
+    assert stats0["bytes_sent"] == ref_stats["bytes_sent"]
+    if metric_rows is not None:
+        assert [r["geofp8/step"] for r in metric_rows] == [float(s) for s in range(1, STEPS + 1)]
+        assert metric_rows[-1]["geofp8/bytes_per_step"] == stats0["bytes_sent"]
+
+
+def _lightning_fsdp_worker(rank, world_size):
+    os.environ["LOCAL_RANK"] = str(rank)
+    import lightning as L
+    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from geofp8.integrations.lightning import enable_fsdp
+
+    errors = {}
+
+    class LitLM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_llama()
+            self.losses = []
+
+        def configure_model(self):
+            try:
+                enable_fsdp(self, CONFIG)
+            except ValueError as e:
+                errors["unsharded"] = str(e)
+            shard_llama(self.model, self.device_mesh["data_parallel"])
+            enable_fsdp(self, CONFIG)
+            try:
+                enable_fsdp(self, CONFIG)
+            except RuntimeError as e:
+                errors["twice"] = str(e)
+
+        def training_step(self, tokens, batch_idx):
+            loss = self.model(input_ids=tokens, labels=tokens).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
+
+    class Rows(Logger):
+        name, version, rows = "rows", 0, []
+
+        def log_metrics(self, metrics, step=None):
+            if any(k.startswith("geofp8/") for k in metrics):
+                self.rows.append(metrics)
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    lit, rows = LitLM(), Rows()
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=rows,
+                        strategy=ModelParallelStrategy(data_parallel_size=world_size,
+                                                       tensor_parallel_size=1),
+                        log_every_n_steps=1, use_distributed_sampler=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(rank_batches(rank, world_size), batch_size=None)
+    trainer.fit(lit, loader)
+    return (lit.losses, full_params(lit.model), lit.geofp8_state.stats(),
+            raw_fsdp(rank, world_size) + ((rows.rows, errors) if rank == 0 else None,))
+
+
+def test_lightning_model_parallel_enable_fsdp_trains_with_geofp8():
+    """``ModelParallelStrategy`` runs on CPU/gloo: ``enable_fsdp`` in ``configure_model``."""
+    results = run_ranks(_lightning_fsdp_worker, world_size=2, timeout=180)
+    rows, errors = results[0][3][3]
+    results[0] = (*results[0][:3], results[0][3][:3])
+    _check_fsdp_run(results, rows)
+    assert "found 0" in errors["unsharded"]
+    assert "already enabled" in errors["twice"]
 
 
 # -- Hugging Face Accelerate -----------------------------------------------------------------
