@@ -8,7 +8,7 @@ from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
 
 VOCAB, SEQ, BATCH, STEPS, LR = 256, 32, 4, 8, 3e-3
 # small layers take the geometry branch too, refreshed often enough to matter in 8 steps
-CONFIG = GeoFP8Config(rank=4, min_dim=16, refresh_every=2, layers="all")
+CONFIG = GeoFP8Config(k=4, min_dim=16, refresh_every=2, layers="all")
 
 
 def tiny_llama(seed: int = 0):

@@ -258,6 +258,59 @@ def test_accelerate_enable_trains_with_geofp8_and_refuses_misuse():
     assert "supports the ('gloo', 'nccl') backends, got 'fake'" in errors["backend"]
 
 
+def _accelerate_fsdp_worker(rank, world_size):
+    os.environ["LOCAL_RANK"] = str(rank)
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from geofp8.integrations import accelerate as geo
+
+    class Wrapped(torch.nn.Module):
+        """The Llama under a plain module: Accelerate then leaves embedding, final norm and
+        head in the root unit (as :func:`shard_llama`) instead of carving them out."""
+
+        def __init__(self):
+            super().__init__()
+            self.llama = tiny_llama()
+
+        def forward(self, **batch):
+            return self.llama(**batch)
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    built = accelerator.distributed_type  # what Accelerate 1.16 builds on CPU: DDP
+    # Accelerate picks FSDP only for accelerator device types (state.py); force it, so that
+    # its own fsdp2_prepare_model runs here on CPU/gloo
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    model = Wrapped()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = geo.enable(accelerator, model, CONFIG)
+    losses, totals, rows = [], {}, []
+    for step, tokens in enumerate(rank_batches(rank, world_size)):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        rows.append(geo.log(accelerator, state, step=step, totals=totals))
+    return (losses, full_params(model), state.stats(),
+            raw_fsdp(rank, world_size) + ((rows, str(built)) if rank == 0 else None,))
+
+
+def test_accelerate_fsdp2_enable_installs_the_fp8_reduce_scatter():
+    results = run_ranks(_accelerate_fsdp_worker, world_size=2, timeout=180)
+    rows, built = results[0][3][3]
+    results[0] = (*results[0][:3], results[0][3][:3])
+    assert built == "DistributedType.MULTI_CPU"  # if Accelerate learns FSDP on CPU: unforce
+    _check_fsdp_run(results, rows)
+
+
 # -- the transformers Trainer ----------------------------------------------------------------
 
 def _trainer_worker(rank, world_size, out_dir):
