@@ -167,3 +167,20 @@ def test_cli_end_to_end_with_ranks_and_previous_factors(cache, tmp_path, capsys)
     assert set(report["summary"]) == keys
     printed = capsys.readouterr().out
     assert "2 rank(s)" in printed and "e5m2 / block64 scaling: summary" in printed
+
+
+def test_block_formats_and_rht_at_the_codec_block(setup):
+    model, td = setup
+    config = analysis.FidelityConfig(**SMALL, formats=["nvfp4", "mxfp4"],
+                                     scalings=["tensor", "row"], transforms=["euclidean", "rht"])
+    assert config.rht_blocks() == [16, 32]
+    report = analysis.fidelity(model, td.train, config)
+    keys = [m["key"] for m in report["config"]["methods"]]
+    assert keys == [f"{t}/{f}/block{b}" for f, b in (("nvfp4", 16), ("mxfp4", 32))
+                    for t in ("euclidean", "rht16", "rht32")]
+    mean = {k: v["rel_l2_mean"] for k, v in report["summary"].items()}
+    # 4-bit codes: about 4x the FP8 error; MX's power-of-two scales cost a little more
+    assert 0.06 < mean["euclidean/nvfp4/block16"] < 0.2
+    assert mean["euclidean/nvfp4/block16"] < mean["euclidean/mxfp4/block32"] < 0.25
+    with pytest.raises(ValueError, match="unknown format"):
+        analysis.FidelityConfig(formats=["fp4"])

@@ -24,10 +24,12 @@ def quick_results():
 
 def test_codec_part_rows_are_positive(quick_results):
     rows = quick_results["codec"]["rows"]
-    assert {(r["format"], r["scaling"]) for r in rows} == set(bench.CODECS)
+    assert {(r["format"], r["scaling"]) for r in rows} == set(bench.CODECS) | {
+        (f, f"block ({rounding})") for f, rounding in bench.BLOCK_CODECS}
     for r in rows:
+        fp8 = (r["format"], r["scaling"]) in bench.CODECS
         for key in ("memcpy_gbps", "quantize_gbps", "dequantize_gbps", "q+d_gbps",
-                    "ef_fused_gbps", "q+d_vs_memcpy"):
+                    "q+d_vs_memcpy") + (("ef_fused_gbps",) if fp8 else ()):
             assert r[key] > 0 and r[key] == r[key]
     assert "memcpy" in quick_results["codec"]["table"]
 

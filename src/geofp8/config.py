@@ -11,7 +11,7 @@ import enum
 import warnings
 from dataclasses import asdict, dataclass
 
-from .codecs import FORMATS, SCALINGS
+from .codecs import FORMATS, ROUNDINGS, SCALINGS
 from .comm import COLLECTIVES
 from .geometry.factory import TRANSFORMS
 
@@ -69,6 +69,7 @@ class GeoFP8Config:
     format: str = "e4m3"  # a name of geofp8.codecs.FORMATS; e4m3: 2⁻⁴ relative error
     scaling: str = "tensor"  # FP8 scale groups: tensor | row | block (block_size elements)
     block_size: int = 128
+    rounding: str = "nearest"  # nearest (ties to even) | stochastic (block formats, seeded)
     collective: str = "exact"  # exact: all-to-all + FP32 sum + all-gather | allgather
     # -- geometry
     transform: str = "lowrank"  # a kind of geofp8.geometry.factory.TRANSFORMS
@@ -105,6 +106,9 @@ class GeoFP8Config:
         problems = [
             _one_of(self.format, FORMATS, "format"),
             _one_of(self.scaling, SCALINGS, "scaling"),
+            _one_of(self.rounding, ROUNDINGS, "rounding"),
+            None if self.rounding == "nearest" or self.format not in ("e4m3", "e5m2") else
+            "stochastic rounding needs a block format (nvfp4, mxfp4, mxfp8)",
             _one_of(self.collective, COLLECTIVES, "collective"),
             _one_of(self.transform, TRANSFORMS, "transform"),
             _one_of(self.factor_source, FactorSource, "factor_source"),

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .codecs.base import mix_seed
 from .comm.collective import Communicator
 from .comm.group import DeviceGroup
 from .config import FP8Config, GeoFP8Config
@@ -172,7 +173,9 @@ class GeoFP8State:
             names.append(self.pipeline.names[id(p)])
             grads.append(g)
         t0 = time.perf_counter()
-        encoded = self.pipeline.encode(names, grads)
+        seed = (mix_seed(self.config.seed, self.ledger.step, bucket.index())
+                if self.config.rounding == "stochastic" else None)  # same on every rank
+        encoded = self.pipeline.encode(names, grads, seed)
         self.ledger.add("codec_s", time.perf_counter() - t0)
         offsets = [(g.data_ptr() - buffer.data_ptr()) // g.element_size() for g in grads]
 
@@ -188,7 +191,7 @@ class GeoFP8State:
             return buffer
 
         future = self.communicator.launch(encoded.sent, encoded.layout, last,
-                                          self.pipeline.unmap(encoded))
+                                          self.pipeline.unmap(encoded), seed=seed)
         self.group.charge("payload", -encoded.side_bytes)  # sender factors are factor bytes
         self.group.charge("factor", encoded.side_bytes)
         return future.then(map_back)

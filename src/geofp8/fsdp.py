@@ -150,8 +150,8 @@ class GeoFP8FSDP:
         # routes, factors, selection and the reduce-scatter's residuals: the DDP code path,
         # on the whole world (factors identical on every rank, HSDP replicas included)
         self.world = DeviceGroup(None, next(model.parameters()).device)
-        self.pipeline = GradientPipeline(model, cfg, self.world, self.ledger, cfg.candidates)
-        self.pipeline.feedback = ErrorFeedback(storage=residual)
+        self.pipeline = GradientPipeline(model, cfg, self.world, self.ledger, cfg.candidates,
+                                         residual_storage=residual)
         self._hooks = [model.register_forward_pre_hook(self._on_forward), *self.pipeline.hooks]
 
     def _on_forward(self, *_) -> None:

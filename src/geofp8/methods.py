@@ -26,6 +26,8 @@ __all__ = ["METHODS", "Method"]
 # and the seed of the sketches). The Euclidean and Hadamard controls take only ``format``.
 GEOMETRY_OVERRIDES = ("format", "k", "refresh_every", "profile_steps", "seed")
 CONTROL_OVERRIDES = ("format",)
+# The block-format methods name their format: a caller's ``format`` does not replace it.
+BLOCK_OVERRIDES = tuple(k for k in GEOMETRY_OVERRIDES if k != "format")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,15 @@ def _control(description: str, **settings) -> Method:
                                           "candidates": "linear", **settings}, CONTROL_OVERRIDES)
 
 
+def _block(fmt: str, description: str, transform: str = "euclidean", **settings) -> Method:
+    """A method of a block format (NVFP4 / MXFP4 / MXFP8) with error feedback unless told."""
+    layers = "none" if transform == "euclidean" else "all"
+    chosen = {"format": fmt, "transform": transform, "layers": layers, "error_feedback": True,
+              **settings}
+    return Method("geofp8", description, chosen,
+                  () if transform in ("euclidean", "rht") else BLOCK_OVERRIDES)
+
+
 METHODS: dict[str, Method] = {
     "fp32": Method("allreduce", "FP32 ring all-reduce (DDP default)"),
     "bf16": Method("bf16", "PyTorch bf16_compress_hook"),
@@ -114,4 +125,23 @@ METHODS: dict[str, Method] = {
                             "error_feedback": True}),
     "kfac": Method("geofp8", "two-sided (K-FAC) geometry on every layer, EF",
                    {"layers": "all", "transform": "kfac", "error_feedback": True}),
+    "mxfp8-ef": _block("mxfp8", "MXFP8 (E4M3, an E8M0 scale per 32) + EF"),
+    "nvfp4": _block("nvfp4", "NVFP4 (E2M1, E4M3 scale per 16, FP32 per tensor chunk)",
+                    error_feedback=False),
+    "nvfp4-ef": _block("nvfp4", "NVFP4 + EF"),
+    "nvfp4-sr-ef": _block("nvfp4", "NVFP4 + EF, stochastic rounding (seeded per step and "
+                          "bucket, the same on every rank)", rounding="stochastic"),
+    "nvfp4-rht-ef": _block("nvfp4", "NVFP4 + EF after a random Hadamard over each 16-block",
+                           "rht"),
+    "nvfp4-geo-ef": _block("nvfp4", "NVFP4 + EF, the refreshed low-rank factor on every layer",
+                           "lowrank"),
+    "nvfp4-fresh-ef": _block("nvfp4", "NVFP4 + EF, this step's factor on every layer",
+                             "lowrank", factor_source="fresh"),
+    "nvfp4-auto-ef": _block("nvfp4", "NVFP4 + EF, layers switched by measured round-trip "
+                            "error (refreshed factor)", "lowrank", layers="auto"),
+    "mxfp4-ef": _block("mxfp4", "MXFP4 (E2M1, an E8M0 scale per 32) + EF"),
+    "mxfp4-rht-ef": _block("mxfp4", "MXFP4 + EF after a random Hadamard over each 32-block",
+                           "rht"),
+    "mxfp4-geo-ef": _block("mxfp4", "MXFP4 + EF, the refreshed low-rank factor on every layer",
+                           "lowrank"),
 }

@@ -93,20 +93,25 @@ class GradientPipeline:
         config: a :class:`~geofp8.config.GeoFP8Config`.
         group: the data-parallel :class:`DeviceGroup` (factor and selection traffic).
         ledger: the :class:`StepLedger` that receives timings.
+        candidates: which Linear layers may take geometry (see :func:`find_candidates`).
+        residual_storage: ``"fp32"``, ``"bf16"`` or ``"fp8"`` error-feedback residuals
+            (see :mod:`geofp8.feedback`).
     """
 
     def __init__(self, model: nn.Module, config, group: DeviceGroup, ledger: StepLedger,
-                 candidates="blocks") -> None:
+                 candidates="blocks", residual_storage: str = "fp32") -> None:
         self.config, self.group, self.ledger = config, group, ledger
         self.world_size, self.rank = group.size, group.rank
-        self.codec = make_codec(config.format, config.scaling, config.block_size)
+        self.codec = make_codec(config.format, config.scaling, config.block_size,
+                                config.rounding)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.layers = find_candidates(model, self.names, candidates, config.min_dim)
         devices = {n: p.device for n, p in model.named_parameters()}
-        self.source = make_source(config, self.layers, ledger, group, devices)
+        self.source = make_source(config, self.layers, ledger, group, devices,
+                                  self.codec.block_size)
         self.selection = make_selection(config, self.codec, list(self.layers),
                                         config.factor_source)
-        self.feedback = ErrorFeedback()
+        self.feedback = ErrorFeedback(storage=residual_storage)
         self.shared = self.source.shared if self.source is not None else SharedInputs()
         modules = dict(model.named_modules())
         self.hooks = self.source.attach(modules) if self.source is not None else []
@@ -170,8 +175,10 @@ class GradientPipeline:
 
     # -- a set of gradients in one flat payload (a DDP bucket) --------------------------------
 
-    def encode(self, names: list[str], grads: list[torch.Tensor]) -> Encoded:
-        """Route, add residuals, encode; stage the new residuals."""
+    def encode(self, names: list[str], grads: list[torch.Tensor],
+               seed: int | None = None) -> Encoded:
+        """Route, add residuals, encode (``seed``: stochastic rounding's, the same on every
+        rank for this step and bucket); stage the new residuals."""
         shapes = [tuple(g.shape) for g in grads]
         flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32,
                            device=grads[0].device if grads else self.group.device)
@@ -186,7 +193,7 @@ class GradientPipeline:
         layout = self._layout(shapes, per_sender)
         side = self._sender_factors(shapes, per_sender, routes, layout) if any(per_sender) \
             else None
-        sent = encode(flat, layout, side)
+        sent = encode(flat, layout, side, seed)
         if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ)), in place of the decoded copy
             residual = decode(sent, layout)
             torch.sub(flat, residual, out=residual)

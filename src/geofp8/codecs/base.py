@@ -21,9 +21,21 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Codec", "Segments"]
+__all__ = ["Codec", "Segments", "mix_seed"]
 
 Segments = Sequence[Sequence[int]]  # per segment of a shard: its scale-group lengths
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64 finaliser over each in turn): distinct inputs
+    give unrelated streams, identical inputs the same one on every rank."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (int(v) & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 29
+    return h >> 1
 
 
 class Codec(ABC):
@@ -31,6 +43,7 @@ class Codec(ABC):
     :data:`geofp8.codecs.FORMATS`."""
 
     format: str
+    block_size: int  # elements per scale block (FP8: of scaling="block"; the rht block)
 
     @abstractmethod
     def groups(self, shape: tuple[int, ...]) -> list[int]:

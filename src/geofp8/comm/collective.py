@@ -49,14 +49,15 @@ class Communicator:
             raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
         self.collective, self.group = collective, group
         self.rank = group.rank
-        self._previous = None  # (work, recv, layout, result, unmap, gather): not yet finished
+        self._previous = None  # (work, recv, layout, result, unmap, gather, seed): unfinished
 
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
-               unmap=None, gather: bool = True) -> torch.futures.Future:
+               unmap=None, gather: bool = True, seed: int | None = None) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
         (each mapped back by ``unmap(values, side)`` first, see :func:`decode_sum`).
         ``gather=False`` stops after the FP32 sum (a reduce-scatter): the value is this
-        rank's reduced shard, ``layout.shard_numel(rank)`` elements."""
+        rank's reduced shard, ``layout.shard_numel(rank)`` elements. ``seed``: the one
+        ``sent`` was encoded with (stochastic rounding re-encodes the reduced shard with it)."""
         self.flush()
         if self.collective == "allgather":
             if unmap is not None or not gather:
@@ -68,7 +69,7 @@ class Communicator:
                            device=sent.device)
         work = self.group.all_to_all(recv, sent, [layout.send_bytes(self.rank)] * n,
                                      [layout.send_bytes(j) for j in range(n)], "payload")
-        self._previous = (work, recv, layout, result, unmap, gather)
+        self._previous = (work, recv, layout, result, unmap, gather, seed)
         if last:
             self.flush()  # issue the all-gather now, from this thread (see the class notes)
         return result
@@ -76,20 +77,20 @@ class Communicator:
     def flush(self) -> None:
         """Finish the previous launch's all-to-all and issue its all-gather, if any."""
         if self._previous is not None:
-            work, recv, layout, result, unmap, gather = self._previous
+            work, recv, layout, result, unmap, gather, seed = self._previous
             self._previous = None
             work.wait()
-            self._gather(work.get_future(), recv, layout, result, unmap, gather)
+            self._gather(work.get_future(), recv, layout, result, unmap, gather, seed)
 
     def _gather(self, fut, recv: torch.Tensor, layout: ShardLayout,
-                result: torch.futures.Future, unmap, gather: bool) -> None:
+                result: torch.futures.Future, unmap, gather: bool, seed: int | None) -> None:
         try:
             fut.value()
             reduced = decode_sum(recv, layout, self.rank, unmap)
             if not gather:
                 result.set_result(reduced)
                 return
-            shard = encode_reduced(reduced, layout, self.rank)
+            shard = encode_reduced(reduced, layout, self.rank, seed)
         except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
             result.set_exception(exc)
             return
@@ -118,8 +119,9 @@ class Communicator:
 
 
 def exact_allreduce(flat: torch.Tensor, layout: ShardLayout,
-                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Blocking exact FP8 all-reduce of ``flat`` (FP32, ``layout.numel`` elements, the same
-    ``layout`` on every rank): ``Σ_r flat_r`` in FP32. Collective over ``group``."""
+                    group: dist.ProcessGroup | None = None,
+                    seed: int | None = None) -> torch.Tensor:
+    """Blocking exact all-reduce of ``flat`` (FP32, ``layout.numel`` elements, the same
+    ``layout`` and ``seed`` on every rank): ``Σ_r flat_r`` in FP32. Collective over ``group``."""
     return Communicator("exact", DeviceGroup(group, flat.device)).launch(
-        encode(flat, layout), layout).wait()
+        encode(flat, layout, seed=seed), layout, seed=seed).wait()

@@ -11,20 +11,29 @@ For a flat FP32 vector ``x_r`` on each of ``N`` ranks and a :class:`ShardLayout`
    two roundings. If any shard carries a non-finite scale, *every* element is NaN.
 
 No arithmetic happens on encoded values: every sum is in FP32 after decoding.
+
+``seed`` (stochastic rounding): the same on every rank for a given step and bucket. Shard
+``j`` is encoded with ``mix_seed(seed, j)`` in stage 1 and ``mix_seed(seed, N + j)`` in
+stage 4, so the simulation reproduces the real collective bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..codecs.base import mix_seed
 from .layout import ShardLayout
 
 __all__ = ["decode", "decode_gathered", "decode_sum", "encode", "encode_reduced",
            "simulate_exact_allreduce"]
 
 
+def _shard_seed(seed: int | None, index: int) -> int | None:
+    return None if seed is None else mix_seed(seed, index)
+
+
 def encode(flat: torch.Tensor, layout: ShardLayout,
-           side: list[torch.Tensor] | None = None) -> torch.Tensor:
+           side: list[torch.Tensor] | None = None, seed: int | None = None) -> torch.Tensor:
     """Stage 1: every shard quantized with its own scales (then its ``side`` bytes, if any),
     one after the other in one uint8 buffer."""
     out = torch.empty(sum(layout.send_bytes(j) for j in range(layout.world_size)),
@@ -33,7 +42,7 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
     for j in range(layout.world_size):
         payload = layout.shard_bytes(j)
         layout.codec.encode_into(out[offset : offset + payload], layout.gather(flat, j),
-                                 layout.groups[j])
+                                 layout.groups[j], seed=_shard_seed(seed, j))
         if layout.side[j]:
             out[offset + payload : offset + layout.send_bytes(j)] = side[j]
         offset += layout.send_bytes(j)
@@ -58,10 +67,12 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
     return total
 
 
-def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
+def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
+                   seed: int | None = None) -> torch.Tensor:
     """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``."""
     out = torch.zeros(layout.max_shard_bytes, dtype=torch.uint8, device=shard_sum.device)
-    layout.codec.encode_into(out[: layout.shard_bytes(shard)], shard_sum, layout.groups[shard])
+    layout.codec.encode_into(out[: layout.shard_bytes(shard)], shard_sum, layout.groups[shard],
+                             seed=_shard_seed(seed, layout.world_size + shard))
     return out
 
 
@@ -92,17 +103,18 @@ def decode(sent: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     return out
 
 
-def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
+def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout,
+                             seed: int | None = None) -> torch.Tensor:
     """What :func:`exact_allreduce` returns when rank ``r`` holds ``inputs[r]`` (one process)."""
     n = layout.world_size
     if len(inputs) != n:
         raise ValueError(f"layout is for {n} ranks but {len(inputs)} inputs were given")
-    sent = [encode(x.reshape(-1).float(), layout) for x in inputs]
+    sent = [encode(x.reshape(-1).float(), layout, seed=seed) for x in inputs]
     offsets = [0]
     for j in range(n):
         offsets.append(offsets[-1] + layout.send_bytes(j))
     gathered = []
     for j in range(n):
         received = torch.cat([s[offsets[j] : offsets[j + 1]] for s in sent])
-        gathered.append(encode_reduced(decode_sum(received, layout, j), layout, j))
+        gathered.append(encode_reduced(decode_sum(received, layout, j), layout, j, seed))
     return decode_gathered(gathered, layout)

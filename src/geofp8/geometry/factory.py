@@ -17,6 +17,7 @@ from .transforms import (
     Identity,
     LowRankInput,
     OutputSide,
+    RandomHadamard,
     Transform,
     TwoSided,
 )
@@ -28,6 +29,7 @@ __all__ = ["TRANSFORMS", "make_transform", "needs"]
 TRANSFORMS: dict[str, tuple[str, ...]] = {
     "euclidean": (),
     "hadamard": (),
+    "rht": (),
     "lowrank": ("factor",),
     "full": ("A",),
     "diag": ("A",),
@@ -47,14 +49,17 @@ def needs(kind: str) -> tuple[str, ...]:
 def make_transform(kind: str, damping: float, *, A: torch.Tensor | None = None,
                    S: torch.Tensor | None = None, factor: LowRankFactor | None = None,
                    dim: int | None = None, block: int = 128, seed: int = 0) -> Transform:
-    """The map of one layer. ``dim``: ``d_in`` for ``hadamard``; ``block``: the column block
-    of ``block``; ``factor``: the top-k of ``A`` for ``lowrank`` (``full`` takes ``A`` or a
-    full-rank factor)."""
+    """The map of one layer. ``dim``: ``d_in`` for ``hadamard`` and ``rht``; ``block``: the
+    column block of ``block``, the codec's scale block for ``rht``; ``factor``: the top-k
+    of ``A`` for ``lowrank`` (``full`` takes ``A`` or a full-rank factor)."""
     needs(kind)
     if kind == "euclidean":
         return Identity()
     if kind == "hadamard":
         return Hadamard(dim, seed=seed, dtype=A.dtype if A is not None else torch.float32)
+    if kind == "rht":
+        return RandomHadamard(dim, block, seed=seed,
+                              dtype=A.dtype if A is not None else torch.float32)
     if kind in ("lowrank", "full"):
         if factor is None:
             factor = LowRankFactor.from_matrix(A, A.shape[0])

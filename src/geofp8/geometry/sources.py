@@ -6,7 +6,7 @@ small protocol: :meth:`FactorSource.attach` (forward hooks on the model),
 before a layer's gradient is encoded), :meth:`~FactorSource.transform`,
 :meth:`~FactorSource.settle` and a tensor-only ``state_dict``.
 
-* :class:`FixedFactors` — data-independent maps (the Hadamard control).
+* :class:`FixedFactors` — data-independent maps (the Hadamard and random-Hadamard controls).
 * :class:`RefreshFactors` — the paper: ``A = E[x xᵀ]`` (and ``S`` for output-side / K-FAC)
   accumulated over ``refresh_every`` settled steps and SUM-reduced; an exact statistic's map
   is computed on one owner rank and broadcast as tensors, a sketched one's by every rank
@@ -33,7 +33,7 @@ from torch import nn
 from ..comm.group import DeviceGroup
 from .factory import make_transform, needs
 from .statistics import SecondMoment, nystrom_factor, sketch_matrix
-from .transforms import Hadamard, LowRankInput, Transform, transform_from_state
+from .transforms import LowRankInput, Transform, transform_from_state
 
 __all__ = ["FactorSource", "FixedFactors", "FreshFactors", "Layer", "LocalFactors",
            "RefreshFactors", "SharedInputs", "make_source"]
@@ -130,11 +130,13 @@ class FactorSource:
 
 
 class FixedFactors(FactorSource):
-    """A fixed block Hadamard rotation (random signs, seed) of every candidate's columns."""
+    """A fixed rotation of every candidate's columns: random signs (seed) and a block
+    Hadamard (``hadamard``), or one at the codec's scale block ``block`` (``rht``)."""
 
-    def __init__(self, layers, ledger, seed: int) -> None:
+    def __init__(self, layers, ledger, kind: str, seed: int, block: int) -> None:
         super().__init__(layers, ledger)
-        self.transforms = {n: Hadamard(l.d_in, seed=seed) for n, l in layers.items()}
+        self.transforms = {n: make_transform(kind, 0.0, dim=l.d_in, block=block, seed=seed)
+                           for n, l in layers.items()}
 
 
 class RefreshFactors(FactorSource):
@@ -373,10 +375,11 @@ class LocalFactors(_SketchedFactors):
 
 
 def make_source(config, layers: dict[str, Layer], ledger, group: DeviceGroup,
-                devices: dict[str, torch.device]) -> FactorSource | None:
-    """The factor source of ``config`` (``None``: no candidate ever takes geometry)."""
-    if config.transform == "hadamard":
-        return FixedFactors(layers, ledger, config.seed)
+                devices: dict[str, torch.device], codec_block: int = 128) -> FactorSource | None:
+    """The factor source of ``config`` (``None``: no candidate ever takes geometry);
+    ``codec_block``: the codec's scale block (the block of ``rht``)."""
+    if config.transform in ("hadamard", "rht"):
+        return FixedFactors(layers, ledger, config.transform, config.seed, codec_block)
     if config.transform == "euclidean" or config.layers == "none":
         return None
     if config.factor_source == "fresh":

@@ -19,6 +19,9 @@ Damping is relative: ``λ = damping · tr(M) / dim(M)`` for the factor ``M`` it 
 ``Hadamard``       ``G̃ = (G · diag(s)) (I ⊗ H_b) / √b``, fixed ±1 signs ``s`` (seed 0) and
                    Sylvester ``H_b`` with ``b`` the largest power of two dividing ``d_in``
                    (capped at ``max_block``). Odd ``d_in`` gives ``b = 1``: signs only.
+``RandomHadamard`` the same map with ``b`` capped at the codec's scale block (16 for NVFP4,
+                   32 for MX): each scale block of a row mixes only within itself (the
+                   random Hadamard transform of NVFP4 training recipes)
 =================  =========================================================
 """
 
@@ -37,6 +40,7 @@ __all__ = [
     "Identity",
     "LowRankInput",
     "OutputSide",
+    "RandomHadamard",
     "Transform",
     "TwoSided",
     "rebase",
@@ -294,6 +298,19 @@ class Hadamard(Transform):
         return [self.signs, self.H]
 
 
+class RandomHadamard(Hadamard):
+    """Random signs and a Hadamard over blocks of the codec's scale block ``block``
+    (a power of two; smaller when ``d_in`` is not a multiple of it)."""
+
+    name = "rht"
+
+    def __init__(self, dim: int, block: int, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
+        if block < 1 or block & (block - 1):
+            raise ValueError(f"the RHT block must be a power of two, got {block}")
+        super().__init__(dim, max_block=block, seed=seed, dtype=dtype)
+
+
 def rebase(residual: torch.Tensor, old: Transform, new: Transform) -> torch.Tensor:
     """Error-feedback residual in new coordinates with the same Euclidean meaning:
     ``R ← R T_old⁻¹ T_new``."""
@@ -302,7 +319,7 @@ def rebase(residual: torch.Tensor, old: Transform, new: Transform) -> torch.Tens
 
 KINDS: dict[str, type[Transform]] = {
     cls.name: cls for cls in (Identity, LowRankInput, DiagonalInput, BlockInput, OutputSide,
-                              TwoSided, Hadamard)
+                              TwoSided, Hadamard, RandomHadamard)
 }
 
 

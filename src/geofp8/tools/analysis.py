@@ -18,8 +18,12 @@ from the batch whose gradient is measured (the paper's analysis); ``previous`` f
 other, earlier batches (what a run that refreshes its factors from past steps has).
 
 Transforms (:mod:`geofp8.geometry.transforms`): ``euclidean``, ``diag``, ``block<b>``, ``full``,
-``lowrank<k>``, ``output``, ``kfac``, ``hadamard``; ``block`` and ``lowrank`` expand over
-the block-size and k lists. Method keys are ``transform/format/scaling[/d<damping>]``.
+``lowrank<k>``, ``output``, ``kfac``, ``hadamard``, ``rht<b>`` (random Hadamard over
+``b``-column blocks); ``block`` and ``lowrank`` expand over the block-size and k lists,
+``rht`` over the scale blocks of the block formats measured (16 for NVFP4, 32 for MX).
+Formats: every name of :data:`geofp8.codecs.FORMATS` (``e4m3``, ``e5m2``, ``nvfp4``,
+``mxfp4``, ``mxfp8``); ``scalings`` apply to the FP8 formats only. Method keys are
+``transform/format/scaling[/d<damping>]``.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..codecs import FORMATS, FP8Codec
+from ..codecs import FORMATS, Codec, FP8Codec, make_codec
 from ..comm import ShardLayout, simulate_exact_allreduce
 from ..geometry.factory import make_transform
 from ..geometry.statistics import LowRankFactor, SecondMoment
@@ -60,7 +64,9 @@ __all__ = [
     "run_fidelity",
 ]
 
-FAMILIES = ("euclidean", "diag", "block", "full", "lowrank", "output", "kfac", "hadamard")
+FAMILIES = ("euclidean", "diag", "block", "full", "lowrank", "output", "kfac", "hadamard",
+            "rht")
+FP8_FORMATS = ("e4m3", "e5m2")
 DAMPED = {"diag", "block", "full", "lowrank", "output", "kfac"}
 NEEDS_S = {"output", "kfac"}
 
@@ -94,34 +100,46 @@ class FidelityConfig:
         if self.ranks < 1 or self.batch_size % self.ranks:
             raise ValueError(f"batch size {self.batch_size} must be a positive multiple of "
                              f"ranks {self.ranks}")
-        for f in self.formats:
-            FP8Codec(f)  # validates
-        expand_transforms(self.transforms, self.ks, self.a_blocks)
+        unknown = [f for f in self.formats if f not in FORMATS]
+        if unknown:
+            raise ValueError(f"unknown format(s) {unknown}; expected some of {list(FORMATS)}")
+        expand_transforms(self.transforms, self.ks, self.a_blocks, self.rht_blocks())
 
-    def codecs(self) -> list[FP8Codec]:
-        return [FP8Codec(f, s, self.block_size) for f in self.formats for s in self.scalings]
+    def codecs(self) -> list[Codec]:
+        """Every FP8 format at every scaling, and every block format once."""
+        return [make_codec(f, s, self.block_size) for f in self.formats
+                for s in (self.scalings if f in FP8_FORMATS else self.scalings[:1])]
+
+    def rht_blocks(self) -> list[int]:
+        """The scale blocks of the block formats measured (``rht`` expands over them; 16 if
+        only FP8 formats are measured)."""
+        blocks = sorted({c.block_size for c in self.codecs() if not isinstance(c, FP8Codec)})
+        return blocks or [16]
 
 
-def expand_transforms(names: Iterable[str], ks: Iterable[int],
-                      a_blocks: Iterable[int]) -> list[str]:
-    """``lowrank`` → ``lowrank<k>`` for every k, ``block`` → ``block<b>``; explicit
-    ``lowrank16`` / ``block32`` are kept. Order is preserved, duplicates dropped."""
+def expand_transforms(names: Iterable[str], ks: Iterable[int], a_blocks: Iterable[int],
+                      rht_blocks: Iterable[int] = (16,)) -> list[str]:
+    """``lowrank`` → ``lowrank<k>`` for every k, ``block`` → ``block<b>``, ``rht`` →
+    ``rht<b>``; explicit ``lowrank16`` / ``block32`` / ``rht32`` are kept. Order is
+    preserved, duplicates dropped."""
     out: list[str] = []
     for name in names:
         if name == "lowrank":
             out += [f"lowrank{k}" for k in ks]
         elif name == "block":
             out += [f"block{b}" for b in a_blocks]
+        elif name == "rht":
+            out += [f"rht{b}" for b in rht_blocks]
         elif _family(name) in FAMILIES:
             out.append(name)
         else:
             raise ValueError(f"unknown transform {name!r}; expected one of {FAMILIES} "
-                             "(lowrank and block optionally with a size, e.g. lowrank16)")
+                             "(lowrank, block and rht optionally with a size, e.g. lowrank16)")
     return list(dict.fromkeys(out))
 
 
 def _family(name: str) -> str:
-    m = re.fullmatch(r"(lowrank|block)(\d+)", name)
+    m = re.fullmatch(r"(lowrank|block|rht)(\d+)", name)
     return m.group(1) if m else name
 
 
@@ -130,7 +148,9 @@ def layer_type(name: str) -> str:
     return name.rsplit(".", 1)[-1].removesuffix("_proj")
 
 
-def scaling_label(codec: FP8Codec) -> str:
+def scaling_label(codec: Codec) -> str:
+    if not isinstance(codec, FP8Codec):
+        return f"block{codec.block_size}"
     return f"block{codec.block_size}" if codec.scaling == "block" else codec.scaling
 
 
@@ -215,6 +235,8 @@ def layer_transforms(names: list[str], dampings: list[float], A: torch.Tensor,
         fam = _family(name)
         if fam in ("euclidean", "hadamard"):
             out[name] = make_transform(fam, 0.0, dim=d_in, A=A)
+        elif fam == "rht":
+            out[name] = make_transform("rht", 0.0, dim=d_in, A=A, block=int(name[len("rht"):]))
         for d in dampings if fam in DAMPED else []:
             size = int(name[len(fam):]) if name != fam else None
             factor = _top(eig, size) if fam == "lowrank" else eig
@@ -224,7 +246,7 @@ def layer_transforms(names: list[str], dampings: list[float], A: torch.Tensor,
 
 
 def method_table(names: list[str], dampings: list[float],
-                 codecs: list[FP8Codec]) -> list[tuple[str, str, FP8Codec]]:
+                 codecs: list[Codec]) -> list[tuple[str, str, Codec]]:
     """``(method key, transform key, codec)`` for every method, codec-major; transform keys
     are those of :func:`layer_transforms`."""
     tkeys = [k for n in names
@@ -238,14 +260,14 @@ def method_table(names: list[str], dampings: list[float],
     return out
 
 
-def _describe(key: str, tkey: str, codec: FP8Codec) -> dict:
+def _describe(key: str, tkey: str, codec: Codec) -> dict:
     transform, _, damping = tkey.partition("/d")
     return {"key": key, "transform": transform, "format": codec.format,
             "scaling": scaling_label(codec), "damping": float(damping) if damping else None}
 
 
 def averaged_round_trip(grads: list[torch.Tensor], transform: Transform,
-                        codec: FP8Codec) -> torch.Tensor:
+                        codec: Codec) -> torch.Tensor:
     """``Ĝ = T⁻¹(AllReduce_Q({G_r T}) / R)`` through the shared exact-all-reduce model;
     ``R = 1`` is one round trip ``T⁻¹(Q(G T))``. Returns float32."""
     coords = [transform.forward(G) for G in grads]
@@ -292,7 +314,8 @@ def fidelity(model: torch.nn.Module, blocks: torch.Tensor, config: FidelityConfi
     model.eval()
     B, R, P = config.batch_size, config.ranks, config.previous_batches
     previous = config.factor_source == "previous"
-    names = expand_transforms(config.transforms, config.ks, config.a_blocks)
+    names = expand_transforms(config.transforms, config.ks, config.a_blocks,
+                              config.rht_blocks())
     output_side = any(_family(n) in NEEDS_S for n in names)
 
     # The measured batch comes after the P factor batches in the data stream.
@@ -417,7 +440,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="batches the 'previous' factors are built from")
     a("--formats", type=_list(str), default=d.formats, help=f"comma list of {list(FORMATS)}")
     a("--scalings", type=_list(str), default=d.scalings, help="comma list of tensor,row,block")
-    a("--block-size", type=int, default=d.block_size, help="elements per FP8 scale block")
+    a("--block-size", type=int, default=d.block_size,
+      help="elements per FP8 scale block (the block formats fix their own)")
     a("--transforms", type=_list(str), default=d.transforms,
       help=f"comma list of {', '.join(FAMILIES)} (default: %(default)s)")
     a("--ranks-k", type=_list(int), default=d.ks, help="k list of 'lowrank'")

@@ -1,0 +1,309 @@
+"""NVFP4: E2M1 codes (two per byte), an E4M3 scale per 16 elements, an FP32 scale per segment.
+
+E2M1 (1 sign, 2 exponent, 1 mantissa bit, bias 1, no Inf/NaN) has the magnitudes
+``0, 0.5, 1, 1.5, 2, 3, 4, 6`` (codes 0–7; bit 3 is the sign). Its unit round-off is 2⁻²
+on normal values.
+
+Scales of a segment (one tensor's chunk of a shard, see :mod:`geofp8.codecs.base`) with
+amax ``A`` and a 16-element block ``b`` with amax ``a_b``:
+
+* segment scale ``s = max(A / (6·448), 2⁻¹⁴⁹)`` (FP32; the floor keeps it non-zero);
+* block scale ``β_b`` = the smallest E4M3 value ``≥ a_b / (6 s)`` (rounded *up*, so that
+  ``|x| / (β_b s) ≤ 6``: no element saturates and stochastic rounding stays unbiased);
+* element code = E2M1 of ``x / (β_b s)``; decoding is ``code · (β_b s)`` with ``β_b s``
+  evaluated in FP32 (the same product on both sides).
+
+Blocks are runs of 16 elements of the row-major flattened tensor (the last one shorter),
+cut where a shard boundary falls. Policies: an all-zero block has ``β_b = 0`` and decodes
+to exact zeros; a block holding NaN or ±Inf gets the E4M3 NaN code ``0x7F`` as its scale
+and decodes to NaN as a whole (its segment scale comes from the finite blocks only).
+
+Byte layout of a shard with ``S`` segments, ``G`` blocks and ``n`` elements::
+
+    [S × float32 segment scales][G × uint8 E4M3 block scales][⌈n/2⌉ × uint8 codes]
+
+little-endian; element ``2i`` in the low nibble of code byte ``i``, element ``2i+1`` in the
+high nibble (a zero nibble pads an odd ``n``). Bytes per element: ``1/2 + 1/16`` plus
+``4/numel`` per segment (≈ 0.5625 = 0.14× FP32).
+
+Rounding: to nearest even by default; ``rounding="stochastic"`` rounds ``|v|`` up to the
+next grid point with probability equal to its distance from the one below, which is
+unbiased (``E[q] = v``). Its uniforms come from :func:`segment_uniforms`: one stream per
+segment, seeded from the caller's ``seed`` and the segment's index, so every rank that
+encodes the same values with the same seed gets the same codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import Codec, Segments, mix_seed
+from .fp8 import group_lengths
+
+__all__ = ["E2M1_VALUES", "NVFP4Codec", "ROUNDINGS", "e2m1_decode", "e2m1_encode",
+           "segment_uniforms"]
+
+ROUNDINGS = ("nearest", "stochastic")
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0..7
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+NVFP4_BLOCK = 16
+
+
+def segment_uniforms(segments: Segments, numel: int, seed: int | None,
+                     device: torch.device) -> torch.Tensor:
+    """Uniforms in ``[0, 1)`` for a shard: segment ``i`` draws from its own generator seeded
+    with ``mix_seed(seed, i)`` (``seed=None`` counts as 0)."""
+    u = torch.empty(numel, dtype=torch.float32, device=device)
+    lo = 0
+    for i, seg in enumerate(segments):
+        n = sum(seg)
+        gen = torch.Generator(device=device).manual_seed(mix_seed(seed or 0, i))
+        u[lo : lo + n].uniform_(generator=gen)
+        lo += n
+    return u
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """``2^e`` (FP32) for an int32 tensor of normal exponents ``-126 ≤ e ≤ 127``."""
+    return ((e + 127) << 23).view(torch.float32)
+
+
+def grid_round(a: torch.Tensor, mbits: int, emin: int, u: torch.Tensor | None,
+               emax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round the non-negative FP32 ``a`` onto a float grid with ``mbits`` mantissa bits whose
+    finest spacing is ``2^emin``: returns ``(n, e)`` with the result ``n · 2^e`` (``n`` an
+    FP32 integer, ``e`` int32, ``emin ≤ e ≤ emax``). ``u is None``: to nearest, ties to even;
+    else ``⌊a/2^e + u⌋`` (stochastic, unbiased for ``u ~ U[0, 1)``)."""
+    e = ((_bits(a) >> 23) - (127 + mbits)).clamp_(emin, emax)
+    y = a * _pow2(-e)  # exact: a power-of-two scaling of a normal quotient
+    n = y.add_(u).floor_() if u is not None else y.round_()
+    return n, e
+
+
+def e2m1_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    """E2M1 codes (uint8, 0–15) of the FP32 ``v`` (``|v| ≤ 6``; larger saturates at 6)."""
+    sign = (_bits(v) >> 28) & 8
+    a = v.abs()
+    # spacing 2^e of E2M1 at |v|: 0.5 below 2, 1 on [2, 4), 2 from 4
+    n, e = grid_round(a, 1, -1, u, emax=1)
+    # the code of n·2^e is n + 2(e + 1): e = -1 counts halves 0..4 (codes 0–4),
+    # e = 0 counts 2, 3, 4 (codes 4–6), e = 1 counts 4 and 6 (codes 6, 7)
+    code = (n.clamp_(max=8.0).to(torch.int32) + 2 * e + 2).clamp_(0, 7)
+    return (code | sign).to(torch.uint8)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """``value(code) / 2¹⁴`` as FP16 for the int16 codes (0–15): the magnitude bits shifted
+    into an IEEE half (``(code & 7) << 9``; normal and subnormal codes alike) and the sign."""
+    half = ((codes & 7) << 9) | ((codes & 8) << 12)
+    return half.view(torch.float16)
+
+
+def pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """Two 4-bit codes per byte into ``out`` (``⌈n/2⌉`` bytes): element ``2i`` low."""
+    n = codes.numel()
+    even = codes[0::2]
+    torch.bitwise_or(even[: n // 2], codes[1::2] << 4, out=out[: n // 2])
+    if n % 2:
+        out[n // 2] = even[-1]
+
+
+def unpack_nibbles(buf: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` int16 codes packed by :func:`pack_nibbles`."""
+    b = buf[: (n + 1) // 2].to(torch.int16)
+    codes = torch.empty(2 * b.numel(), dtype=torch.int16, device=buf.device)
+    codes[0::2] = b & 15
+    codes[1::2] = b >> 4
+    return codes[:n]
+
+
+def _check_rounding(rounding: str) -> None:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown rounding {rounding!r}; expected one of {ROUNDINGS}")
+
+
+def _flat_lengths(segments: Segments) -> list[int]:
+    return [n for seg in segments for n in seg]
+
+
+def _check_input(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    if not x.is_floating_point():
+        raise TypeError(f"GeoFP8 codecs take floating-point tensors, got {x.dtype}")
+    if sum(lengths) != x.numel():
+        raise ValueError(f"group lengths sum to {sum(lengths)} but x has {x.numel()} elements")
+    return x.reshape(-1).float()
+
+
+CHUNK = 1 << 16  # elements per kernel piece: the temporaries of a piece stay in cache
+
+
+def block_runs(segments: Segments) -> list[tuple[int, int, int, int]]:
+    """``(first element, first group, groups, group length)`` of every run of equal-length
+    groups: a segment's groups are ``[head?, b, …, b, tail?]`` (a tensor's blocks cut at the
+    shard boundaries), so a shard has at most three runs per segment."""
+    runs: list[tuple[int, int, int, int]] = []
+    lo = g = 0
+
+    def add(count: int, size: int) -> None:
+        nonlocal lo, g
+        if runs and runs[-1][3] == size and runs[-1][0] + runs[-1][2] * size == lo:
+            first, g0, n, _ = runs[-1]
+            runs[-1] = (first, g0, n + count, size)
+        else:
+            runs.append((lo, g, count, size))
+        lo += count * size
+        g += count
+
+    for seg in segments:
+        seg = list(seg)
+        middle = seg[1:-1]
+        if middle and middle.count(middle[0]) == len(middle):  # C-speed check of the body
+            add(1, seg[0])
+            add(len(middle), middle[0])
+            add(1, seg[-1])
+        else:
+            for n in seg:
+                add(1, n)
+    return runs
+
+
+def pieces(segments: Segments):
+    """Yield ``(lo, hi, g0, g1, size)``: elements ``[lo, hi)`` holding groups ``[g0, g1)`` of
+    ``size`` elements each, at most about :data:`CHUNK` elements per piece."""
+    for lo, g0, count, size in block_runs(segments):
+        per = max(1, CHUNK // size)
+        for a in range(0, count, per):
+            b = min(a + per, count)
+            yield lo + a * size, lo + b * size, g0 + a, g0 + b, size
+
+
+def _rows_amax(v: torch.Tensor) -> torch.Tensor:
+    """Max ``|v|`` of every row (NaN propagates): a halving tree of element-wise maxima for
+    power-of-two rows (torch's reductions over short rows are slow), else ``amax``."""
+    a = v.abs()
+    size = a.shape[1]
+    if size & (size - 1):
+        return a.amax(1)
+    while size > 1:
+        size //= 2
+        a = torch.maximum(a[:, :size], a[:, size:])
+    return a[:, 0]
+
+
+def block_amax(flat: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """Max ``|x|`` of every group; ``+Inf`` for a group holding NaN or ±Inf."""
+    amax = flat.new_empty(sum(len(seg) for seg in segments))
+    for lo, hi, g0, g1, size in pieces(segments):
+        amax[g0:g1] = _rows_amax(flat[lo:hi].view(g1 - g0, size))
+    return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
+
+
+def encode_blocks(flat: torch.Tensor, divisor: torch.Tensor, segments: Segments,
+                  u: torch.Tensor | None, kernel) -> torch.Tensor:
+    """``kernel(x / divisor_g, u)`` piece by piece: the codes (uint8, one per element)."""
+    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
+    for lo, hi, g0, g1, size in pieces(segments):
+        v = flat[lo:hi].view(g1 - g0, size) / divisor[g0:g1, None]
+        codes[lo:hi] = kernel(v.view(-1), None if u is None else u[lo:hi])
+    return codes
+
+
+def decode_blocks(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                  segments: Segments, kernel) -> None:
+    """``out = kernel(codes) · scale_g`` piece by piece (``kernel``: exact FP32 values)."""
+    for lo, hi, g0, g1, size in pieces(segments):
+        o = out[lo:hi]
+        o.copy_(kernel(codes[lo:hi]))
+        o.view(g1 - g0, size).mul_(scale[g0:g1, None])
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """Exact FP32 values of int16 E2M1 codes (:func:`e2m1_decode` times 2¹⁴)."""
+    return e2m1_decode(codes).float().mul_(2.0**14)
+
+
+@dataclass(frozen=True)
+class NVFP4Codec(Codec):
+    """NVFP4 (see the module notes for scales and byte layout)."""
+
+    format: str = "nvfp4"
+    rounding: str = "nearest"
+    block_size: ClassVar[int] = NVFP4_BLOCK  # elements per E4M3 scale
+
+    def __post_init__(self) -> None:
+        _check_rounding(self.rounding)
+
+    def groups(self, shape: tuple[int, ...]) -> list[int]:
+        return group_lengths(tuple(shape), "block", NVFP4_BLOCK)
+
+    def payload_bytes(self, segments: Segments) -> int:
+        n = sum(sum(seg) for seg in segments)
+        return 4 * len(segments) + sum(len(seg) for seg in segments) + (n + 1) // 2
+
+    def _scales(self, amax: torch.Tensor, segments: Segments) -> tuple[torch.Tensor, ...]:
+        """``(segment scales s, block scale codes, block scales β·s per block)``."""
+        counts = torch.tensor([len(seg) for seg in segments], dtype=torch.long)
+        finite = torch.where(torch.isinf(amax), torch.zeros_like(amax), amax)
+        seg_amax = torch.segment_reduce(finite, "max", lengths=counts, unsafe=True)
+        s = (seg_amax / (E2M1_MAX * E4M3_MAX)).clamp_min_(2.0**-149)
+        s_block = torch.repeat_interleave(s, counts, output_size=amax.numel())
+        r = (amax / (E2M1_MAX * s_block)).clamp_(max=E4M3_MAX)
+        nearest = r.to(torch.float8_e4m3fn)
+        code = nearest.view(torch.uint8) + (nearest.float() < r).to(torch.uint8)  # round up
+        code = torch.where(torch.isinf(amax), torch.full_like(code, 0x7F), code)
+        return s, code, code.view(torch.float8_e4m3fn).float() * s_block
+
+    def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
+                    seed: int | None = None) -> None:
+        lengths = _flat_lengths(segments)
+        flat = _check_input(x, lengths)
+        n_seg, n_groups = len(segments), len(lengths)
+        if out.numel() != self.payload_bytes(segments):
+            raise ValueError(f"out has {out.numel()} bytes, the payload "
+                             f"{self.payload_bytes(segments)}")
+        if not lengths:
+            return
+        s, code, scale = self._scales(block_amax(flat, segments), segments)
+        out[: 4 * n_seg].copy_(s.view(torch.uint8))
+        out[4 * n_seg : 4 * n_seg + n_groups].copy_(code)
+        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+        u = (segment_uniforms(segments, flat.numel(), seed, flat.device)
+             if self.rounding == "stochastic" else None)
+        codes = encode_blocks(flat, divisor, segments, u, e2m1_encode)
+        pack_nibbles(codes, out[4 * n_seg + n_groups :])
+
+    def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments) -> bool:
+        lengths = _flat_lengths(segments)
+        n_seg, n_groups, n = len(segments), len(lengths), sum(lengths)
+        if buf.numel() < self.payload_bytes(segments):
+            raise ValueError(f"buffer of {buf.numel()} bytes is shorter than the payload "
+                             f"{self.payload_bytes(segments)}")
+        if not lengths:
+            return True
+        s = buf[: 4 * n_seg].clone().view(torch.float32)
+        code = buf[4 * n_seg : 4 * n_seg + n_groups]
+        counts = torch.tensor([len(seg) for seg in segments], dtype=torch.long)
+        scale = code.view(torch.float8_e4m3fn).float() * torch.repeat_interleave(
+            s, counts, output_size=n_groups)
+        decode_blocks(out, unpack_nibbles(buf[4 * n_seg + n_groups :], n), scale, segments,
+                      e2m1_values)
+        return bool(torch.isfinite(scale).all())
+
+    def clipped_fraction(self, x: torch.Tensor) -> float:
+        return flushed_fraction(self, x)
+
+
+def flushed_fraction(codec: Codec, x: torch.Tensor) -> float:
+    """Share of the non-zero elements of ``x`` that decode to zero: the clipped-fraction score
+    of a block-scaled codec whose blocks never saturate."""
+    flat = x.reshape(-1).float()
+    flushed = (codec.round_trip(flat) == 0) & (flat != 0)
+    return float(flushed.sum()) / max(flat.numel(), 1)

@@ -1,0 +1,163 @@
+"""MX formats (OCP microscaling): MXFP4 (E2M1) and MXFP8 (E4M3) codes, one E8M0 scale per 32.
+
+A block ``b`` of 32 elements (runs of the row-major flattened tensor, the last one shorter,
+cut where a shard boundary falls) with amax ``a_b`` gets the power-of-two scale
+``X_b = 2^e``, ``e`` the smallest integer with ``a_b ≤ fmax · 2^e`` (``fmax`` = 6 for E2M1,
+448 for E4M3), clamped to the E8M0 range ``[−127, 127]``. Rounding the exponent *up* (the
+OCP spec's ``⌊log₂ a_b⌋ − emax`` would saturate the top of the block) means no element is
+clipped; the quotient ``x / X_b`` is exact (a power-of-two scaling), so each element is
+rounded once, to nearest even (or stochastically, see :mod:`geofp8.codecs.fp4`).
+
+E8M0 byte ``e + 127``: ``0`` is ``2⁻¹²⁷``, ``254`` is ``2¹²⁷``, ``0xFF`` is NaN. Policies: an
+all-zero block decodes to exact zeros; a block holding NaN or ±Inf gets the NaN scale
+``0xFF`` and decodes to NaN as a whole. A block whose amax is below ``fmax · 2⁻¹²⁷`` keeps
+the smallest scale and its elements round as subnormals of the element format. A value
+within one code spacing of the FP32 maximum (``> 2¹²⁸ − 2¹²⁵`` for E2M1) rounds to ``2¹²⁸``
+and decodes to ±Inf.
+
+Byte layouts of a shard with ``G`` blocks and ``n`` elements::
+
+    MXFP4: [G × uint8 E8M0 scales][⌈n/2⌉ × uint8 codes]   (element 2i in the low nibble)
+    MXFP8: [G × uint8 E8M0 scales][n × uint8 E4M3 codes]
+
+Bytes per element: ``1/2 + 1/32`` (MXFP4, 0.133× FP32) and ``1 + 1/32`` (MXFP8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import Codec, Segments
+from .fp4 import (
+    _check_input,
+    _check_rounding,
+    _flat_lengths,
+    block_amax,
+    decode_blocks,
+    e2m1_encode,
+    e2m1_values,
+    encode_blocks,
+    flushed_fraction,
+    grid_round,
+    pack_nibbles,
+    segment_uniforms,
+    unpack_nibbles,
+)
+from .fp8 import group_lengths
+
+__all__ = ["MX_BLOCK", "MXCodec", "e8m0_scales"]
+
+MX_BLOCK = 32
+# element format -> (mantissa of fmax as frexp gives it, its exponent, fmax)
+_ELEMENTS = {"e2m1": (0.75, 3, 6.0), "e4m3": (0.875, 9, 448.0)}
+
+
+def e8m0_scales(amax: torch.Tensor, element: str) -> torch.Tensor:
+    """E8M0 bytes of the blocks with the given amax (``+Inf`` marks a non-finite block)."""
+    frac, top, _ = _ELEMENTS[element]
+    m, k = torch.frexp(amax)  # amax = m·2^k, m in [0.5, 1): amax ≤ fmax·2^e iff e ≥ …
+    e = (k - top + (m > frac).to(k.dtype)).clamp_(-127, 127)
+    byte = (e + 127).to(torch.uint8)
+    return torch.where(torch.isfinite(amax), byte, torch.full_like(byte, 0xFF))
+
+
+def e8m0_values(byte: torch.Tensor) -> torch.Tensor:
+    """``2^(byte − 127)`` as FP32 (``0`` → the subnormal ``2⁻¹²⁷``, ``0xFF`` → NaN)."""
+    bits = byte.to(torch.int32) << 23
+    bits = torch.where(byte == 0, torch.full_like(bits, 0x00400000), bits)
+    bits = torch.where(byte == 0xFF, torch.full_like(bits, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def e4m3_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    """E4M3 codes (uint8) of the FP32 ``v`` (``|v| ≤ 448``): torch's cast (round to nearest
+    even), or stochastic rounding onto the E4M3 grid followed by an exact cast."""
+    if u is not None:
+        n, e = grid_round(v.abs(), 3, -9, u, emax=5)
+        v = torch.ldexp(n, e.float()).clamp_(max=448.0).copysign_(v)
+    return v.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
+    """Exact FP32 values of E4M3 codes (uint8): ``|code| << 7`` is an IEEE half of value
+    ``value / 2⁸``; the NaN codes ``S.1111.111`` are restored explicitly."""
+    c = codes.to(torch.int16)
+    half = ((c & 0x7F) << 7) | ((c & 0x80) << 8)
+    out = half.view(torch.float16).float().mul_(256.0)
+    return out.masked_fill_((c & 0x7F) == 0x7F, float("nan"))
+
+
+@dataclass(frozen=True)
+class MXCodec(Codec):
+    """MXFP4 (``element="e2m1"``) or MXFP8 (``element="e4m3"``); see the module notes."""
+
+    format: str = "mxfp4"
+    element: str = "e2m1"
+    rounding: str = "nearest"
+    block_size: ClassVar[int] = MX_BLOCK  # elements per E8M0 scale
+
+    def __post_init__(self) -> None:
+        if self.element not in _ELEMENTS:
+            raise ValueError(f"unknown MX element format {self.element!r}; "
+                             f"expected one of {list(_ELEMENTS)}")
+        _check_rounding(self.rounding)
+
+    @property
+    def packed(self) -> bool:
+        return self.element == "e2m1"
+
+    def groups(self, shape: tuple[int, ...]) -> list[int]:
+        return group_lengths(tuple(shape), "block", MX_BLOCK)
+
+    def _code_bytes(self, n: int) -> int:
+        return (n + 1) // 2 if self.packed else n
+
+    def payload_bytes(self, segments: Segments) -> int:
+        lengths = _flat_lengths(segments)
+        return len(lengths) + self._code_bytes(sum(lengths))
+
+    def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
+                    seed: int | None = None) -> None:
+        lengths = _flat_lengths(segments)
+        flat = _check_input(x, lengths)
+        if out.numel() != self.payload_bytes(segments):
+            raise ValueError(f"out has {out.numel()} bytes, the payload "
+                             f"{self.payload_bytes(segments)}")
+        if not lengths:
+            return
+        g = len(lengths)
+        byte = e8m0_scales(block_amax(flat, segments), self.element)
+        out[:g].copy_(byte)
+        scale = e8m0_values(byte)
+        scale = torch.where(torch.isnan(scale), torch.ones_like(scale), scale)
+        u = (segment_uniforms(segments, flat.numel(), seed, flat.device)
+             if self.rounding == "stochastic" else None)
+        # x / X is exact (a power of two); the kernel rounds once
+        codes = encode_blocks(flat, scale, segments, u,
+                              e2m1_encode if self.packed else e4m3_encode)
+        if self.packed:
+            pack_nibbles(codes, out[g:])
+        else:
+            out[g:].copy_(codes)
+
+    def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments) -> bool:
+        lengths = _flat_lengths(segments)
+        if buf.numel() < self.payload_bytes(segments):
+            raise ValueError(f"buffer of {buf.numel()} bytes is shorter than the payload "
+                             f"{self.payload_bytes(segments)}")
+        if not lengths:
+            return True
+        g, n = len(lengths), sum(lengths)
+        byte = buf[:g]
+        if self.packed:
+            decode_blocks(out, unpack_nibbles(buf[g:], n), e8m0_values(byte), segments,
+                          e2m1_values)
+        else:
+            decode_blocks(out, buf[g : g + n], e8m0_values(byte), segments, e4m3_decode)
+        return not bool((byte == 0xFF).any())
+
+    def clipped_fraction(self, x: torch.Tensor) -> float:
+        return flushed_fraction(self, x)
