@@ -227,6 +227,10 @@ def _accelerate_worker(rank, world_size):
         geo.enable(accelerator, model, CONFIG)
     except RuntimeError as e:
         errors["twice"] = str(e)
+    try:
+        geo.enable(accelerator, model, CONFIG, residual="bf16")
+    except TypeError as e:
+        errors["fsdp_kwargs"] = str(e)
     # a process group whose backend GeoFP8 does not support
     from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 ("fake")
 
@@ -256,6 +260,7 @@ def test_accelerate_enable_trains_with_geofp8_and_refuses_misuse():
     assert "accelerator.prepare(model)" in errors["unprepared"]
     assert "already has the communication hook 'geofp8_hook'" in errors["twice"]
     assert "supports the ('gloo', 'nccl') backends, got 'fake'" in errors["backend"]
+    assert "['residual'] apply to FSDP2 only" in errors["fsdp_kwargs"]
 
 
 def _accelerate_fsdp_worker(rank, world_size):
@@ -290,6 +295,12 @@ def _accelerate_fsdp_worker(rank, world_size):
     model = Wrapped()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
+    plugin.fsdp_version = 1  # what an FSDP1 accelerator reports
+    try:
+        geo.enable(accelerator, model, CONFIG)
+    except RuntimeError as e:
+        fsdp1 = str(e)
+    plugin.fsdp_version = 2
     state = geo.enable(accelerator, model, CONFIG)
     losses, totals, rows = [], {}, []
     for step, tokens in enumerate(rank_batches(rank, world_size)):
@@ -300,15 +311,16 @@ def _accelerate_fsdp_worker(rank, world_size):
         losses.append(loss.item())
         rows.append(geo.log(accelerator, state, step=step, totals=totals))
     return (losses, full_params(model), state.stats(),
-            raw_fsdp(rank, world_size) + ((rows, str(built)) if rank == 0 else None,))
+            raw_fsdp(rank, world_size) + ((rows, str(built), fsdp1) if rank == 0 else None,))
 
 
 def test_accelerate_fsdp2_enable_installs_the_fp8_reduce_scatter():
     results = run_ranks(_accelerate_fsdp_worker, world_size=2, timeout=180)
-    rows, built = results[0][3][3]
+    rows, built, fsdp1 = results[0][3][3]
     results[0] = (*results[0][:3], results[0][3][:3])
     assert built == "DistributedType.MULTI_CPU"  # if Accelerate learns FSDP on CPU: unforce
     _check_fsdp_run(results, rows)
+    assert "built an FSDP1 model" in fsdp1
 
 
 # -- the transformers Trainer ----------------------------------------------------------------
@@ -370,11 +382,13 @@ def test_transformers_trainer_callback_trains_with_geofp8(tmp_path):
 def test_lightning_strategy_is_registered_and_refuses_another_hook():
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from geofp8.integrations.lightning import GeoFP8DDPStrategy
+    from geofp8.integrations.lightning import GeoFP8DDPStrategy, enable_fsdp
 
     assert StrategyRegistry["geofp8_ddp"]["strategy"] is GeoFP8DDPStrategy
     with pytest.raises(TypeError, match="DDP accepts only one"):
         GeoFP8DDPStrategy(config=CONFIG, ddp_comm_hook=lambda state, bucket: None)
+    with pytest.raises(TypeError, match="takes the LightningModule"):
+        enable_fsdp(torch.nn.Linear(2, 2), CONFIG)
 
 
 def test_single_process_accelerator_and_trainer_are_refused(tmp_path):
