@@ -8,7 +8,7 @@ from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
 
 VOCAB, SEQ, BATCH, STEPS, LR = 256, 32, 4, 8, 3e-3
 # small layers take the geometry branch too, refreshed often enough to matter in 8 steps
-CONFIG = GeoFP8Config(rank=4, min_dim=16, refresh_every=2, layers="all")
+CONFIG = GeoFP8Config(k=4, min_dim=16, refresh_every=2, layers="all")
 
 
 def tiny_llama(seed: int = 0):
@@ -51,3 +51,37 @@ def raw_ddp(rank: int, world_size: int, batches: list[torch.Tensor] | None = Non
         opt.zero_grad()
         losses.append(loss.item())
     return losses, flat_params(model.module), state.stats()
+
+
+def shard_llama(model, mesh=None):
+    """FSDP2 as the frameworks apply it here: each decoder layer, then ``model`` (the root)."""
+    from torch.distributed.fsdp import fully_shard
+
+    kw = {"mesh": mesh} if mesh is not None else {}
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def full_params(model) -> torch.Tensor:
+    """All parameters of a ``fully_shard``-ed model, all-gathered (a collective)."""
+    return torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+
+
+def raw_fsdp(rank: int, world_size: int):
+    """The FSDP2 reference: ``fully_shard`` + :func:`geofp8.fsdp.enable`, AdamW (no weight
+    decay), on :func:`rank_batches`."""
+    from geofp8 import fsdp
+
+    model = shard_llama(tiny_llama())
+    state = fsdp.enable(model, CONFIG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses = []
+    for tokens in rank_batches(rank, world_size):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, full_params(model), state.stats()

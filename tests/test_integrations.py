@@ -1,5 +1,6 @@
 """GeoFP8 inside real frameworks (Lightning, Accelerate, the transformers Trainer): each one
-trains a tiny Llama on 2 gloo ranks, and must match the raw DDP loop with the same batches."""
+trains a tiny Llama on 2 gloo ranks, and must match the raw DDP (or FSDP2) loop with the same
+batches."""
 
 import os
 
@@ -7,7 +8,18 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from integration_setup import CONFIG, LR, STEPS, flat_params, rank_batches, raw_ddp, tiny_llama
+from integration_setup import (
+    CONFIG,
+    LR,
+    STEPS,
+    flat_params,
+    full_params,
+    rank_batches,
+    raw_ddp,
+    raw_fsdp,
+    shard_llama,
+    tiny_llama,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -84,6 +96,93 @@ def test_lightning_strategy_trains_with_geofp8_on_cpu():
     _check_run(results, rows)
 
 
+def _check_fsdp_run(results, metric_rows=None):
+    """Both ranks: GeoFP8's FP8 reduce-scatter active, all-gathered parameters identical to
+    each other and to the raw FSDP2 loop."""
+    (losses0, params0, stats0, ref0), (losses1, params1, stats1, _) = results
+    ref_losses, ref_params, ref_stats = ref0
+    assert stats0["step"] == STEPS and stats1["step"] == STEPS
+    # FSDP's FP32 reduce-scatter: 4(N−1)/N = 2 bytes per element; FP8: ≈ (N−1)/N
+    assert stats0["bytes_sent"] > 0 and 0.5 <= stats0["bytes_per_element"] < 0.6
+    assert stats0["geometry_layers"], "no layer took the geometry branch"
+    assert torch.equal(params0, params1), "ranks diverged"
+    assert losses0[-1] < losses0[0] and losses1[-1] < losses1[0]
+    assert losses0 == ref_losses and torch.equal(params0, ref_params)
+    assert stats0["bytes_sent"] == ref_stats["bytes_sent"]
+    if metric_rows is not None:
+        assert [r["geofp8/step"] for r in metric_rows] == [float(s) for s in range(1, STEPS + 1)]
+        assert metric_rows[-1]["geofp8/bytes_per_step"] == stats0["bytes_sent"]
+
+
+def _lightning_fsdp_worker(rank, world_size):
+    os.environ["LOCAL_RANK"] = str(rank)
+    import lightning as L
+    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from geofp8.integrations.lightning import enable_fsdp
+
+    errors = {}
+
+    class LitLM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_llama()
+            self.losses = []
+
+        def configure_model(self):
+            try:
+                enable_fsdp(self, CONFIG)
+            except ValueError as e:
+                errors["unsharded"] = str(e)
+            shard_llama(self.model, self.device_mesh["data_parallel"])
+            enable_fsdp(self, CONFIG)
+            try:
+                enable_fsdp(self, CONFIG)
+            except RuntimeError as e:
+                errors["twice"] = str(e)
+
+        def training_step(self, tokens, batch_idx):
+            loss = self.model(input_ids=tokens, labels=tokens).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
+
+    class Rows(Logger):
+        name, version, rows = "rows", 0, []
+
+        def log_metrics(self, metrics, step=None):
+            if any(k.startswith("geofp8/") for k in metrics):
+                self.rows.append(metrics)
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    lit, rows = LitLM(), Rows()
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=rows,
+                        strategy=ModelParallelStrategy(data_parallel_size=world_size,
+                                                       tensor_parallel_size=1),
+                        log_every_n_steps=1, use_distributed_sampler=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(rank_batches(rank, world_size), batch_size=None)
+    trainer.fit(lit, loader)
+    return (lit.losses, full_params(lit.model), lit.geofp8_state.stats(),
+            raw_fsdp(rank, world_size) + ((rows.rows, errors) if rank == 0 else None,))
+
+
+def test_lightning_model_parallel_enable_fsdp_trains_with_geofp8():
+    """``ModelParallelStrategy`` runs on CPU/gloo: ``enable_fsdp`` in ``configure_model``."""
+    results = run_ranks(_lightning_fsdp_worker, world_size=2, timeout=180)
+    rows, errors = results[0][3][3]
+    results[0] = (*results[0][:3], results[0][3][:3])
+    _check_fsdp_run(results, rows)
+    assert "found 0" in errors["unsharded"]
+    assert "already enabled" in errors["twice"]
+
+
 # -- Hugging Face Accelerate -----------------------------------------------------------------
 
 def _accelerate_worker(rank, world_size):
@@ -128,6 +227,10 @@ def _accelerate_worker(rank, world_size):
         geo.enable(accelerator, model, CONFIG)
     except RuntimeError as e:
         errors["twice"] = str(e)
+    try:
+        geo.enable(accelerator, model, CONFIG, residual="bf16")
+    except TypeError as e:
+        errors["fsdp_kwargs"] = str(e)
     # a process group whose backend GeoFP8 does not support
     from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 ("fake")
 
@@ -157,6 +260,67 @@ def test_accelerate_enable_trains_with_geofp8_and_refuses_misuse():
     assert "accelerator.prepare(model)" in errors["unprepared"]
     assert "already has the communication hook 'geofp8_hook'" in errors["twice"]
     assert "supports the ('gloo', 'nccl') backends, got 'fake'" in errors["backend"]
+    assert "['residual'] apply to FSDP2 only" in errors["fsdp_kwargs"]
+
+
+def _accelerate_fsdp_worker(rank, world_size):
+    os.environ["LOCAL_RANK"] = str(rank)
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from geofp8.integrations import accelerate as geo
+
+    class Wrapped(torch.nn.Module):
+        """The Llama under a plain module: Accelerate then leaves embedding, final norm and
+        head in the root unit (as :func:`shard_llama`) instead of carving them out."""
+
+        def __init__(self):
+            super().__init__()
+            self.llama = tiny_llama()
+
+        def forward(self, **batch):
+            return self.llama(**batch)
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    built = accelerator.distributed_type  # what Accelerate 1.16 builds on CPU: DDP
+    # Accelerate picks FSDP only for accelerator device types (state.py); force it, so that
+    # its own fsdp2_prepare_model runs here on CPU/gloo
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    model = Wrapped()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    plugin.fsdp_version = 1  # what an FSDP1 accelerator reports
+    try:
+        geo.enable(accelerator, model, CONFIG)
+    except RuntimeError as e:
+        fsdp1 = str(e)
+    plugin.fsdp_version = 2
+    state = geo.enable(accelerator, model, CONFIG)
+    losses, totals, rows = [], {}, []
+    for step, tokens in enumerate(rank_batches(rank, world_size)):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        rows.append(geo.log(accelerator, state, step=step, totals=totals))
+    return (losses, full_params(model), state.stats(),
+            raw_fsdp(rank, world_size) + ((rows, str(built), fsdp1) if rank == 0 else None,))
+
+
+def test_accelerate_fsdp2_enable_installs_the_fp8_reduce_scatter():
+    results = run_ranks(_accelerate_fsdp_worker, world_size=2, timeout=180)
+    rows, built, fsdp1 = results[0][3][3]
+    results[0] = (*results[0][:3], results[0][3][:3])
+    assert built == "DistributedType.MULTI_CPU"  # if Accelerate learns FSDP on CPU: unforce
+    _check_fsdp_run(results, rows)
+    assert "built an FSDP1 model" in fsdp1
 
 
 # -- the transformers Trainer ----------------------------------------------------------------
@@ -218,11 +382,13 @@ def test_transformers_trainer_callback_trains_with_geofp8(tmp_path):
 def test_lightning_strategy_is_registered_and_refuses_another_hook():
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from geofp8.integrations.lightning import GeoFP8DDPStrategy
+    from geofp8.integrations.lightning import GeoFP8DDPStrategy, enable_fsdp
 
     assert StrategyRegistry["geofp8_ddp"]["strategy"] is GeoFP8DDPStrategy
     with pytest.raises(TypeError, match="DDP accepts only one"):
         GeoFP8DDPStrategy(config=CONFIG, ddp_comm_hook=lambda state, bucket: None)
+    with pytest.raises(TypeError, match="takes the LightningModule"):
+        enable_fsdp(torch.nn.Linear(2, 2), CONFIG)
 
 
 def test_single_process_accelerator_and_trainer_are_refused(tmp_path):

@@ -7,24 +7,29 @@ One line, after ``prepare``::
 
 and ``log(accelerator, state, step, totals)`` sends GeoFP8's figures to Accelerate's trackers.
 (``DistributedDataParallelKwargs(comm_hook=...)`` accepts only Accelerate's built-in hooks.)
-DDP only for now: an FSDP2 model (``fully_shard``) needs GeoFP8's FSDP2 reduce-scatter,
-which is not in this version and is refused with an error.
+DDP or FSDP2, whichever ``prepare`` built: with ``FullyShardedDataParallelPlugin(fsdp_version=2)``
+(``accelerator.is_fsdp2``) GeoFP8's exact FP8 reduce-scatter is installed on every
+``fully_shard`` unit (:func:`geofp8.fsdp.enable`). FSDP1 and DeepSpeed are refused.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from .. import GeoFP8Config, GeoFP8State
-from . import install, metrics
+from .. import GeoFP8Config, GeoFP8State, fsdp
+from . import install, metrics, unwrap_compiled
 
 
-def enable(accelerator, model: nn.Module, config: GeoFP8Config | None = None) -> GeoFP8State:
+def enable(accelerator, model: nn.Module, config: GeoFP8Config | None = None,
+           **fsdp_kwargs) -> GeoFP8State | fsdp.GeoFP8FSDP:
     """Register GeoFP8 on ``model`` (as returned by ``accelerator.prepare``); return its state.
 
-    Raises ``RuntimeError`` for a single-process, FSDP or DeepSpeed accelerator, and what
-    :func:`geofp8.integrations.install` raises (model not prepared, a comm hook already
-    registered, an unsupported backend).
+    DDP: :func:`geofp8.integrations.install`. FSDP2: :func:`geofp8.fsdp.enable` on the
+    prepared model, with ``fsdp_kwargs`` (``residual=``, ``mesh=`` for HSDP).
+
+    Raises ``RuntimeError`` for a single-process, FSDP1 or DeepSpeed accelerator, and what
+    :func:`geofp8.integrations.install` or :func:`geofp8.fsdp.enable` raise (model not
+    prepared, a comm hook already registered, an unsupported backend).
     """
     from accelerate.utils import DistributedType
 
@@ -36,8 +41,12 @@ def enable(accelerator, model: nn.Module, config: GeoFP8Config | None = None) ->
             "launch`, `torchrun`); without a GPU, Accelerate needs `Accelerator(cpu=True)` "
             "(or `accelerate launch --cpu`) to train on several CPU processes")
     if kind == DistributedType.FSDP:
-        raise RuntimeError("GeoFP8: Accelerate built an FSDP model; GeoFP8's FSDP2 "
-                           "reduce-scatter is not available in this version (DDP only)")
+        if not accelerator.is_fsdp2:
+            raise RuntimeError("GeoFP8: Accelerate built an FSDP1 model; GeoFP8 supports FSDP2 "
+                               "(FullyShardedDataParallelPlugin(fsdp_version=2)) and DDP")
+        return fsdp.enable(unwrap_compiled(model), config, **fsdp_kwargs)
+    if fsdp_kwargs:
+        raise TypeError(f"{sorted(fsdp_kwargs)} apply to FSDP2 only; Accelerate built {kind}")
     if kind not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         raise RuntimeError(f"GeoFP8 supports Accelerate's DDP (MULTI_CPU, MULTI_GPU), "
                            f"not {kind}")
@@ -45,7 +54,7 @@ def enable(accelerator, model: nn.Module, config: GeoFP8Config | None = None) ->
                    wrapped_by="accelerator.prepare(model) (pass the model it returns)")
 
 
-def log(accelerator, state: GeoFP8State, step: int | None = None,
+def log(accelerator, state: GeoFP8State | fsdp.GeoFP8FSDP, step: int | None = None,
         totals: dict | None = None) -> dict[str, float]:
     """Send :func:`geofp8.integrations.metrics` to the accelerator's trackers; return them.
     Call once per step; pass the same ``totals`` dict every time for the run's figures."""

@@ -12,15 +12,28 @@ registers GeoFP8 on every device (CPU/gloo included) and fails loudly when it ca
 optimizer step logs :func:`geofp8.integrations.metrics` (``geofp8/bytes_per_element``, ...)
 through ``LightningModule.log``, so every Lightning logger receives them; the live state is
 ``strategy.geofp8_state``.
+
+FSDP2 (``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)``): one call at
+the end of ``configure_model``, after the ``fully_shard`` calls::
+
+    def configure_model(self):
+        for block in self.model.model.layers:
+            fully_shard(block, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+        enable_fsdp(self, GeoFP8Config())
+
+It installs GeoFP8's exact FP8 reduce-scatter (:func:`geofp8.fsdp.enable`) and, unless
+``log_stats=False``, logs :func:`geofp8.integrations.metrics` after every training batch.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-from .. import GeoFP8Config, GeoFP8State
+from .. import FP8Config, GeoFP8Config, GeoFP8State
 from . import install, metrics
 
 STRATEGY_NAME = "geofp8_ddp"
@@ -81,4 +94,52 @@ class GeoFP8DDPStrategy(DDPStrategy):
 
 GeoFP8DDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["STRATEGY_NAME", "GeoFP8DDPStrategy"]
+
+def enable_fsdp(module: LightningModule, config: GeoFP8Config | FP8Config | None = None, *,
+                log_stats: bool = True, **kwargs: Any):
+    """Install GeoFP8 on a ``fully_shard``-ed ``LightningModule``; return the
+    :class:`geofp8.fsdp.GeoFP8FSDP` state (also ``module.geofp8_state``).
+
+    Call at the end of ``configure_model``. GeoFP8 goes on the outermost ``fully_shard``-ed
+    module (the one ``training_step`` calls; its forward marks GeoFP8's step boundaries),
+    which must be unique. ``kwargs`` go to :func:`geofp8.fsdp.enable`
+    (``mesh=`` for HSDP, ``residual=``). With ``log_stats``, GeoFP8's figures of each step are
+    logged through ``module.log_dict`` at the end of every training batch.
+
+    Raises:
+        TypeError: ``module`` is not a ``LightningModule``.
+        ValueError: no ``fully_shard``-ed submodule, or several outermost ones.
+        RuntimeError: GeoFP8 is already enabled on this module.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from .. import fsdp
+
+    if not isinstance(module, LightningModule):
+        raise TypeError(f"enable_fsdp takes the LightningModule (self in configure_model), "
+                        f"got {type(module).__name__}")
+    if getattr(module, "geofp8_state", None) is not None:
+        raise RuntimeError("GeoFP8 is already enabled on this LightningModule")
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    inner = {id(sub) for m in sharded for sub in m.modules() if sub is not m}
+    roots = [m for m in sharded if id(m) not in inner]
+    if len(roots) != 1:
+        raise ValueError(f"enable_fsdp: needs exactly one outermost fully_shard-ed module (the "
+                         f"model training_step calls), found {len(roots)}; call it at the end "
+                         "of configure_model, after fully_shard")
+    state = fsdp.enable(roots[0], config, **kwargs)
+    module.geofp8_state = state
+    if log_stats:
+        totals: dict = {}
+
+        users_hook = module.on_train_batch_end
+
+        def on_train_batch_end(outputs: Any, batch: Any, batch_idx: int) -> None:
+            users_hook(outputs, batch, batch_idx)
+            module.log_dict(metrics(state, totals), on_step=True, on_epoch=False, batch_size=1)
+
+        module.on_train_batch_end = on_train_batch_end  # this instance only, wraps the user's
+    return state
+
+
+__all__ = ["STRATEGY_NAME", "GeoFP8DDPStrategy", "enable_fsdp"]
