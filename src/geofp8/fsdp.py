@@ -143,8 +143,8 @@ class GeoFP8FSDP:
         units, seen = [], set()
         for name, m in modules:
             unit = self._unit(name, m, names)
-            if unit is not None and id(unit.group) not in seen:
-                seen.add(id(unit.group))
+            if unit is not None and id(unit.param_group) not in seen:
+                seen.add(id(unit.param_group))
                 units.append((unit, m))
         self.units = [u for u, _ in units]
         for unit, module in units:
