@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .codecs.fp8 import FP8Codec, Packed
 from .geometry.transforms import Identity, Transform, rebase, transform_from_state
 
 __all__ = ["ErrorFeedback"]
@@ -26,28 +27,27 @@ IDENTITY = Identity()
 
 
 STORAGES = ("fp32", "bf16", "fp8")
-FP8_MAX = 448.0  # largest finite E4M3 value
+ROW_FP8 = FP8Codec("e4m3", "row")  # the compact residual: the wire codec, one scale per row
 
 
 def pack(residual: torch.Tensor, storage: str):
-    """``residual`` (FP32) in ``storage``: a tensor, or for ``"fp8"`` ``{"codes", "scale"}``."""
+    """``residual`` (FP32) in ``storage``: a tensor, or for ``"fp8"`` ``{"codes", "scale"}``
+    (E4M3 codes shaped like ``residual`` and :data:`ROW_FP8`'s per-row scales)."""
     if storage == "fp32":
         return residual
     if storage == "bf16":
         return residual.to(torch.bfloat16)
-    rows = residual.reshape(residual.shape[0], -1) if residual.dim() else residual.reshape(1, 1)
-    scale = rows.abs().amax(dim=1, keepdim=True) / FP8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return {"codes": (rows / scale).to(torch.float8_e4m3fn).view(residual.shape),
-            "scale": scale}
+    packed = ROW_FP8.quantize(residual)
+    return {"codes": packed.codes.view(residual.shape), "scale": packed.scales}
 
 
 def unpack(stored) -> torch.Tensor:
     """FP32 view of a :func:`pack` ed residual."""
     if isinstance(stored, dict):
         codes = stored["codes"]
-        rows = codes.reshape(stored["scale"].shape[0], -1).float() * stored["scale"]
-        return rows.view(codes.shape)
+        shape = tuple(codes.shape)
+        return Packed(codes.reshape(-1), stored["scale"], shape, ROW_FP8,
+                      tuple(ROW_FP8.groups(shape))).dequantize()
     return stored if stored.dtype == torch.float32 else stored.float()
 
 
