@@ -22,6 +22,8 @@ import traceback
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from geofp8.tools.train.launch import end_process_group
+
 COLLECTIVE_TIMEOUT_S = 60
 
 
@@ -42,13 +44,12 @@ def _entry(rank, world_size, port, fn, args, queue):
         # plain pickle sends tensors by value; torch's queue would share memory that dies
         # with this process before the parent reads it
         result = pickle.dumps(fn(rank, world_size, *args))
-        dist.barrier()  # no rank tears its process group down while a peer still uses it
+        end_process_group(completed=True)
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group(completed=False)  # a no-op once the group is gone
 
 
 def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> list:

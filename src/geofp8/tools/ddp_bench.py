@@ -132,11 +132,13 @@ def _worker(rank: int, cfg: DDPBenchConfig, port: int, out_path: str) -> None:
     import datetime
 
     from .data import load_token_data
+    from .train.launch import end_process_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size,
                             timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    completed = False
     try:
         data = load_token_data(seq_len=cfg.seq_len)
         rows = []
@@ -154,9 +156,9 @@ def _worker(rank: int, cfg: DDPBenchConfig, port: int, out_path: str) -> None:
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(rows, f)
-        dist.barrier()  # every rank done with every collective before any tears down
+        completed = True
     finally:
-        dist.destroy_process_group()
+        end_process_group(completed)
 
 
 def _innermost_error(text: str) -> str:

@@ -80,6 +80,7 @@ def _train_worker(method: str, port: int) -> dict:
 
     from ..methods import METHODS
     from .models import build_preset
+    from .train.launch import end_process_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("nccl", rank=0, world_size=1,
@@ -105,7 +106,7 @@ def _train_worker(method: str, port: int) -> dict:
         return {"losses": losses, "step": stats.get("step"),
                 "geometry": len(stats.get("geometry_layers", []))}
     finally:
-        dist.destroy_process_group()
+        end_process_group(completed=False)  # one rank: nothing to wait for
 
 
 def check_training(rows: list) -> None:

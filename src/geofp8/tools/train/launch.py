@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
 import sys
 
-__all__ = ["free_port", "in_launched_process", "launch"]
+import torch.distributed as dist
+
+__all__ = ["end_process_group", "free_port", "in_launched_process", "launch"]
 
 
 def free_port() -> int:
@@ -34,3 +37,22 @@ def launch(nproc: int, train_argv: list[str], timeout: float | None = None) -> i
         return subprocess.run(cmd, env=env, timeout=timeout).returncode
     except subprocess.TimeoutExpired:
         return 124
+
+
+def end_process_group(completed: bool) -> None:
+    """Tear the default process group down: a barrier first when this rank ``completed``
+    (no rank destroys its group while a peer still uses it; skipped on failure, where a
+    peer may never arrive), then a garbage collection, then ``destroy_process_group``.
+
+    The collection frees reference cycles (modules, hooks, futures) that may still hold
+    gloo work while the interpreter is whole: a worker thread that first touches Python
+    during interpreter shutdown aborts the process ("terminate called without an active
+    exception") after a run that had finished."""
+    if not dist.is_initialized():
+        return
+    try:
+        if completed:
+            dist.barrier()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

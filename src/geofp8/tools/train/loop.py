@@ -46,6 +46,7 @@ from ..shadow import shadow_fidelity
 from ..wire import ByteCounter
 from . import checkpoint as ckpt
 from .config import METHODS, TrainConfig
+from .launch import end_process_group
 from .optim import build_optimizers, optimizer_info
 from .parallel import wrap
 
@@ -72,14 +73,14 @@ def train(cfg: TrainConfig) -> dict | None:
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_world))
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
+    completed = False
     try:
         result = _train(cfg, rank, world, device, out)
-        if owns_group:
-            dist.barrier()  # every rank done with every collective before any tears down
+        completed = True
         return result
     finally:
         if owns_group:
-            dist.destroy_process_group()
+            end_process_group(completed)
 
 
 def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: Path):
