@@ -14,6 +14,7 @@ older checkout for comparison.
 
 import argparse
 import datetime
+import gc
 import os
 import socket
 
@@ -22,15 +23,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from geofp8.tools.train.launch import end_process_group
-
 
 def _worker(rank, world, port, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
-    completed = False
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -76,9 +74,10 @@ def _worker(rank, world, port, args, queue):
                          st["bytes_per_element"]))
         if rank == 0:
             queue.put((rows, {k: sum(v) / len(v) for k, v in fidelity.items()}))
-        completed = True
-    finally:
-        end_process_group(completed)
+        dist.barrier()
+    finally:  # public API only (this script also measures older checkouts): no geofp8.tools
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def main() -> None:
