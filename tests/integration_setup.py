@@ -17,7 +17,7 @@ def tiny_llama(seed: int = 0):
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=SEQ, tie_word_embeddings=False,
-                         attn_implementation="eager")
+                         attn_implementation="eager", use_cache=False)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).float()
 
