@@ -206,6 +206,8 @@ def test_refuses_unsharded_and_unsupported_parallelism():
         fn(None, [nn.Linear(4, 4)], _Dims(dp_replicate=2, world_size=4))
     with pytest.raises(RuntimeError, match="tp=2"):
         fn(None, [nn.Linear(4, 4)], _Dims(tp=2, world_size=4))
+    with pytest.raises(RuntimeError, match="full_dtensor SPMD backend"):
+        fn(None, [nn.Linear(4, 4)], _Dims(spmd_backend="full_dtensor"))
     with pytest.raises(RuntimeError, match="not installed"):
         tt_geofp8.log([nn.Linear(4, 4)])
 
@@ -228,8 +230,9 @@ def test_config_manager_switches_geofp8_on():
 
     config = ConfigManager().parse_args(
         ["--module", "geofp8.integrations.torchtitan", "--config", "llama3_debugmodel",
-         "--training.steps", "3"])
+         "--training.steps", "3", "--parallelism.spmd_backend", "partial_dtensor"])
     assert config.training.steps == 3
+    assert config.parallelism.spmd_backend == "partial_dtensor"
     fn = config.model_spec.post_optimizer_build_fn
     assert fn.geofp8_config is tt_geofp8.CONFIG
     assert config.model_spec.name == "llama3" and config.model_spec.flavor == "debugmodel"

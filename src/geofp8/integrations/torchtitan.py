@@ -6,7 +6,8 @@ functions are torchtitan's own with GeoFP8 switched on)::
     torchrun --nproc_per_node 8 -m torchtitan.train \\
         --module geofp8.integrations.torchtitan --config llama3_8b
 
-or in Python, on any model spec::
+(with torch 2.13, add ``--parallelism.spmd_backend partial_dtensor``: torchtitan's default
+``spmd_types`` backend fails in that torch's ``fully_shard``), or in Python, on any model spec::
 
     config.model_spec = with_geofp8(config.model_spec, GeoFP8Config())
 
@@ -15,13 +16,14 @@ torchtitan applies ``fully_shard`` in the model's ``parallelize_fn`` and then, i
 before the first step. :func:`post_optimizer_build_fn` calls :func:`geofp8.fsdp.enable` on
 every model part there, then the spec's own function (MoE load balancing, ...). Supported:
 FSDP (``parallelism.data_parallel_shard_degree`` > 1) with no replicate, tensor, pipeline,
-context or expert parallelism; anything else is refused with a ``RuntimeError``. The states
+context or expert parallelism, SPMD backend ``partial_dtensor`` (tested) or ``spmd_types``
+(not ``full_dtensor``); anything else is refused with a ``RuntimeError``. The states
 are ``part.geofp8`` on every model part; :func:`log` sends their figures to torchtitan's
 logger (``log_every=`` does it from an optimizer step hook).
 
 Installing: torchtitan 0.3.0's pins would downgrade ``datasets`` and ``huggingface_hub``;
-``pip install --no-deps torchtitan==0.3.0`` plus the modules it imports (see the Makefile's
-``torchtitan`` line; ``triton`` included: torchtitan's model package imports it even on CPU).
+``pip install --no-deps torchtitan==0.3.0`` plus the modules it imports (the Makefile's
+``TORCHTITAN_PACKAGES``; ``triton`` included: torchtitan's model package imports it even on CPU).
 torchtitan's ``Trainer`` needs CUDA (it calls ``torch.cuda.set_device``); on CPU the model
 path (``parallelize_fn`` + ``post_optimizer_build_fn``) runs, see tests/test_torchtitan.py.
 """
@@ -64,6 +66,11 @@ def _check_parallelism(parallel_dims) -> None:
             f"also has {', '.join(f'{k}={v}' for k, v in on.items())}: torchtitan shards HSDP "
             "natively on a 2-D mesh (GeoFP8's HSDP needs the 1-D shard mesh), and TP/PP/CP/EP "
             "are not supported")
+    if getattr(parallel_dims, "spmd_backend", None) == "full_dtensor":
+        raise RuntimeError(
+            "GeoFP8 on torchtitan: the full_dtensor SPMD backend makes activations DTensors, "
+            "which GeoFP8's input statistics do not take; use --parallelism.spmd_backend "
+            "partial_dtensor (tested) or spmd_types")
     if parallel_dims.dp_shard <= 1:
         raise RuntimeError(
             f"GeoFP8: this torchtitan job does not shard over data-parallel ranks (dp_shard="
