@@ -3,15 +3,23 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# torchtitan 0.3.0 for geofp8.integrations.torchtitan and its tests, without its own pins
+# (datasets<4.8 would downgrade datasets and huggingface_hub): --no-deps, plus the modules
+# its model, parallelize and config code import (triton: its llama3 package imports Triton
+# kernels even on CPU; tensorboard, protobuf, absl-py, torchdata: its Trainer module).
+TORCHTITAN_PACKAGES ?= torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 \
+	docstring_parser==0.18.0 typeguard==4.6.1 triton==3.9.0 torchdata==0.11.0 \
+	tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1
 
 .PHONY: install test lint demo bench gpu-check clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# A loose torch requirement pulls a multi-GB CUDA build; pin the local CPU build first.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e ".[all]"
+	$(PY) -m pip install -q --no-deps $(TORCHTITAN_PACKAGES)
 	touch $@
 
 install: $(VENV)/.installed

@@ -8,7 +8,9 @@ imports another:
 * Hugging Face Accelerate: ``state = enable(accelerator, model, config)`` after ``prepare``
   (:mod:`geofp8.integrations.accelerate`);
 * the ``transformers`` Trainer: ``enable(trainer, config)`` before ``train()``
-  (:mod:`geofp8.integrations.transformers`).
+  (:mod:`geofp8.integrations.transformers`);
+* torchtitan 0.3 (FSDP2): ``--module geofp8.integrations.torchtitan --config llama3_8b``, or
+  ``with_geofp8(model_spec, config)`` (:mod:`geofp8.integrations.torchtitan`).
 
 All of them go through :func:`install`, which checks what the framework built and refuses
 loudly rather than letting a run silently communicate in FP32.
