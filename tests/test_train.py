@@ -201,3 +201,28 @@ def test_demo_runs_compare_and_prints_the_table(tmp_path, capsys):
     assert "minutes on 2 idle cores of an AVX2-only CPU" in printed
     saved = json.loads((out / "results.json").read_text())
     assert [r["method"] for r in saved["runs"]] == ["fp32", "fp8"]
+
+
+class _CollectiveForward(torch.nn.Module):
+    """A model whose forward is a collective, as FSDP's is (it all-gathers parameters)."""
+
+    def forward(self, input_ids):
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.ones(1))
+        return argparse.Namespace(logits=torch.zeros(*input_ids.shape, 8))
+
+
+def _uneven_evaluation(rank, world_size):
+    from geofp8.tools.train.loop import evaluate
+
+    cfg = TrainConfig(batch_size=2, eval_batches=4)
+    blocks = torch.randint(0, 8, (5, 9))  # 5 blocks over 2 ranks: 3 and 2, i.e. 2 and 1 batches
+    return evaluate(_CollectiveForward(), blocks, cfg, rank, world_size, torch.device("cpu"))
+
+
+def test_evaluation_runs_the_same_forwards_on_every_rank():
+    from distributed import run_ranks
+
+    losses = run_ranks(_uneven_evaluation, world_size=2, timeout=60)
+    assert losses[0] == losses[1] == pytest.approx(math.log(8))  # uniform logits, 5 blocks

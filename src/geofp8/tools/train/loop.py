@@ -272,13 +272,19 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 def evaluate(model: torch.nn.Module, blocks: torch.Tensor, cfg: TrainConfig, rank: int,
              world: int, device: torch.device) -> float:
     """Mean next-token loss over (up to ``eval_batches`` batches per rank of) the validation
-    blocks, the same blocks whatever the method; reduced over ranks."""
+    blocks, the same blocks whatever the method; reduced over ranks. Every rank runs the
+    same number of forwards (FSDP's forward is a collective): a rank with fewer blocks
+    repeats its first batch without counting it."""
     model.eval()
     n = min(blocks.shape[0], cfg.eval_batches * cfg.batch_size * world)
     mine = blocks[rank:n:world]
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for i in range(0, mine.shape[0], cfg.batch_size):
+    most = -(-n // world)  # blocks of the rank with the most
+    for i in range(0, most, cfg.batch_size):
         b = mine[i : i + cfg.batch_size].to(device)
+        if b.shape[0] == 0:
+            model(input_ids=blocks[: cfg.batch_size, :-1].to(device))
+            continue
         logits = model(input_ids=b[:, :-1]).logits
         total[0] += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                     b[:, 1:].reshape(-1), reduction="sum").double()
