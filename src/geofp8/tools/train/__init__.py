@@ -126,7 +126,9 @@ def to_argv(cfg: TrainConfig) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .launch import in_launched_process, launch
+    import torch.distributed as dist
+
+    from .launch import exit_rank, in_launched_process, launch
 
     cfg = config_from_args(args)
     check_inputs(cfg)
@@ -138,4 +140,6 @@ def run(args: argparse.Namespace) -> int:
     if last is not None and not cfg.quiet:
         val = f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else ""
         print(f"step {last['step'] + 1}: loss {last['loss']:.4f}{val} -> {cfg.out}/log.jsonl")
+    if in_launched_process() and not dist.is_initialized():  # our own group, torn down
+        exit_rank(0)
     return 0

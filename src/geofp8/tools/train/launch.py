@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import socket
 import subprocess
@@ -10,7 +11,7 @@ import sys
 
 import torch.distributed as dist
 
-__all__ = ["end_process_group", "free_port", "in_launched_process", "launch"]
+__all__ = ["end_process_group", "exit_rank", "free_port", "in_launched_process", "launch"]
 
 
 def free_port() -> int:
@@ -56,3 +57,16 @@ def end_process_group(completed: bool) -> None:
     finally:
         gc.collect()
         dist.destroy_process_group()
+
+
+def exit_rank(status: int = 0):
+    """End a launched rank's process now, after its process group is gone: flush the
+    streams and the logging handlers, then ``os._exit`` — no interpreter shutdown. During
+    that shutdown a gloo worker thread that still has to release a Python-owned tensor
+    takes the GIL and aborts the process (``terminate called without an active
+    exception``, exit -6) after a run that had finished; seen rarely, at the end of
+    trainer runs and of a Lightning run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(status)
