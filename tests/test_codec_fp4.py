@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distributed import run_ranks
 from geofp8 import GeoFP8Config
 from geofp8.codecs import NVFP4Codec, make_codec
-from geofp8.codecs.fp4 import E2M1_VALUES, e2m1_decode, e2m1_encode
+from geofp8.codecs.fp4 import E2M1_VALUES, e2m1_encode, e2m1_round, e2m1_values
 from geofp8.codecs.mx import e8m0_scales, e8m0_values
 from geofp8.comm import ShardLayout, exact_allreduce, simulate_exact_allreduce
 from geofp8.geometry.factory import make_transform
@@ -43,7 +43,7 @@ def _decode(codec, buf, segments):
 
 def test_every_e2m1_code_decodes_to_its_value_and_encodes_back():
     codes = torch.arange(16, dtype=torch.int16)
-    values = e2m1_decode(codes).float() * 2.0**14
+    values = e2m1_values(codes)
     expected = torch.cat([E2M1, -E2M1])
     assert torch.equal(values, expected)
     assert torch.equal(e2m1_encode(expected).to(torch.int16)[1:], codes[1:])  # -0 → 8, 0 → 0
@@ -53,9 +53,25 @@ def test_every_e2m1_code_decodes_to_its_value_and_encodes_back():
 def test_e2m1_ties_go_to_the_even_code_and_saturate_at_six():
     v = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.2500001, 6.9, 1e30])
     want = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.5, 6.0, 6.0])
-    got = e2m1_decode(e2m1_encode(v).to(torch.int16)).float() * 2.0**14
+    got = e2m1_values(e2m1_encode(v))
     assert torch.equal(got, want)
-    assert torch.equal(e2m1_decode(e2m1_encode(-v).to(torch.int16)).float() * 2.0**14, -want)
+    assert torch.equal(e2m1_values(e2m1_encode(-v)), -want)
+
+
+def test_e2m1_table_encode_equals_grid_rounding_for_every_key():
+    """The lookup encoder agrees with the grid rounding on every 16-bit key, with the 16 low
+    bits zero, one, all set and random, and on both neighbours of every tie."""
+    keys = torch.arange(1 << 16, dtype=torch.int32) << 16
+    gen = torch.Generator().manual_seed(0)
+    for low in (torch.zeros_like(keys), torch.ones_like(keys), torch.full_like(keys, 0xFFFF),
+                torch.randint(0, 1 << 16, keys.shape, generator=gen, dtype=torch.int32)):
+        v = (keys | low).view(torch.float32)
+        finite = v.isfinite()
+        assert torch.equal(e2m1_encode(v)[finite], e2m1_round(v)[finite])
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    ties = torch.cat([ties, -ties])
+    near = torch.cat([ties, torch.nextafter(ties, ties * 2), torch.nextafter(ties, ties * 0)])
+    assert torch.equal(e2m1_encode(near), e2m1_round(near))
 
 
 # -- NVFP4 -----------------------------------------------------------------------------------
@@ -206,6 +222,22 @@ def test_payload_bytes_exact_and_shard_layout_round_trip(fmt):
     with pytest.raises(ValueError):
         codec.encode_into(torch.empty(codec.payload_bytes(segments) + 1, dtype=torch.uint8),
                           x, segments)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("n", [1, 47, 64])
+def test_decode_into_an_unaligned_slice(fmt, n):
+    """Decoding into a view at an odd element offset (a shard inside a flat buffer) gives
+    the same values as decoding into a fresh tensor."""
+    codec = make_codec(fmt)
+    segments = [codec.groups((n,))]
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    buf = _encode(codec, x, segments)
+    fresh, _ = _decode(codec, buf, segments)
+    flat = torch.full((n + 2,), 7.0)
+    assert codec.decode_into(flat[1 : n + 1], buf, segments)
+    assert torch.equal(flat[1 : n + 1], fresh)
+    assert flat[0] == 7.0 and flat[-1] == 7.0
 
 
 def test_bytes_per_element_of_a_large_tensor():

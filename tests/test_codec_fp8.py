@@ -66,6 +66,23 @@ def check_codec_contract(x: torch.Tensor, codec: FP8Codec, out: torch.Tensor, le
     return checked
 
 
+# -- the decode table against torch's conversion ----------------------------------------------
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_e4m3_lookup_decode_equals_torch_conversion_bitwise(scaling):
+    """Every code (all 256 bytes, NaN codes included) decodes to torch's ``code.float() · s``."""
+    codec = FP8Codec("e4m3", scaling, block_size=64)
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(4)
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(0)) * 1e-3
+    packed = codec.quantize(x)
+    packed.codes.copy_(every)  # all codes under every scale
+    want = packed.codes.view(torch.float8_e4m3fn).float() * torch.repeat_interleave(
+        packed.scales, torch.tensor(packed.lengths))
+    got = packed.dequantize().reshape(-1)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num().view(torch.int32), want.nan_to_num().view(torch.int32))
+
+
 # -- error bounds --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -35,15 +35,16 @@ encodes the same values with the same seed gets the same codes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from .base import Codec, Segments, mix_seed
-from .fp8 import group_lengths
+from .fp8 import group_lengths, lookup_into
 
-__all__ = ["E2M1_VALUES", "NVFP4Codec", "ROUNDINGS", "e2m1_decode", "e2m1_encode",
+__all__ = ["E2M1_VALUES", "NVFP4Codec", "ROUNDINGS", "e2m1_encode", "e2m1_values",
            "segment_uniforms"]
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -88,8 +89,9 @@ def grid_round(a: torch.Tensor, mbits: int, emin: int, u: torch.Tensor | None,
     return n, e
 
 
-def e2m1_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
-    """E2M1 codes (uint8, 0–15) of the FP32 ``v`` (``|v| ≤ 6``; larger saturates at 6)."""
+def e2m1_round(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    """E2M1 codes (uint8, 0–15) of the FP32 ``v`` (``|v| ≤ 6``; larger saturates at 6),
+    computed on the grid: the reference that :func:`e2m1_encode`'s table is built from."""
     sign = (_bits(v) >> 28) & 8
     a = v.abs()
     # spacing 2^e of E2M1 at |v|: 0.5 below 2, 1 on [2, 4), 2 from 4
@@ -100,29 +102,81 @@ def e2m1_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
     return (code | sign).to(torch.uint8)
 
 
-def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """``value(code) / 2¹⁴`` as FP16 for the int16 codes (0–15): the magnitude bits shifted
-    into an IEEE half (``(code & 7) << 9``; normal and subnormal codes alike) and the sign."""
-    half = ((codes & 7) << 9) | ((codes & 8) << 12)
-    return half.view(torch.float16)
+@functools.cache
+def _encode_table(device: torch.device) -> torch.Tensor:
+    """The E2M1 code of every 16-bit key ``k`` (the top half of an FP32 pattern, see
+    :func:`e2m1_encode`), rounded on the grid from the value with bit pattern ``k·2¹⁶``."""
+    keys = torch.arange(1 << 16, dtype=torch.int32) << 16
+    return e2m1_round(keys.view(torch.float32)).to(device)
+
+
+@functools.cache
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """For every byte, the FP32 values of its low and high nibble, as one int64."""
+    values = torch.tensor(E2M1_VALUES)
+    values = torch.cat([values, -values])  # code 8 is -0
+    byte = torch.arange(256)
+    pairs = torch.stack([values[byte & 15], values[byte >> 4]], dim=1).contiguous()
+    return pairs.view(torch.int64).view(-1).to(device)
+
+
+def e2m1_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    """E2M1 codes (uint8, 0–15) of the contiguous FP32 ``v`` (``|v| ≤ 6``; larger saturates
+    at 6); ``u``: uniforms for stochastic rounding (:func:`e2m1_round`).
+
+    To nearest, one lookup: the key of ``v`` is the top 16 bits of its FP32 pattern with the
+    lowest bit set when any of the 16 bits below is (rounding to odd). Every E2M1 tie has
+    two significant bits, so an odd key lies strictly between two ties and an even key is
+    exact: the table entry of the key is the correctly rounded code of every ``v`` that maps
+    to it.
+    """
+    if u is not None:
+        return e2m1_round(v, u)
+    bits = _bits(v)
+    key = bits >> 16
+    key.bitwise_or_((bits & 0xFFFF) != 0).bitwise_and_(0xFFFF)
+    return torch.index_select(_encode_table(v.device), 0, key)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """Exact FP32 values of E2M1 codes (integers 0–15; code 8 is -0)."""
+    values = torch.tensor(E2M1_VALUES, device=codes.device)
+    return torch.cat([values, -values])[codes.long()]
 
 
 def pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
-    """Two 4-bit codes per byte into ``out`` (``⌈n/2⌉`` bytes): element ``2i`` low."""
+    """Two 4-bit codes per byte into ``out`` (``⌈n/2⌉`` bytes): element ``2i`` low. The codes
+    are read as little-endian int16 pairs ``c₂ᵢ + 256·c₂ᵢ₊₁``; ``pair | pair >> 4`` brings
+    ``c₂ᵢ₊₁`` next to ``c₂ᵢ`` in the low byte."""
     n = codes.numel()
-    even = codes[0::2]
-    torch.bitwise_or(even[: n // 2], codes[1::2] << 4, out=out[: n // 2])
+    pairs = n // 2
+    if pairs:
+        even = codes[: 2 * pairs]
+        if even.storage_offset() % 2:
+            even = even.clone()
+        p = even.view(torch.int16)
+        out[:pairs].copy_(torch.bitwise_or(p, p >> 4).bitwise_and_(0xFF))
     if n % 2:
-        out[n // 2] = even[-1]
+        out[pairs] = codes[-1]
 
 
-def unpack_nibbles(buf: torch.Tensor, n: int) -> torch.Tensor:
-    """The ``n`` int16 codes packed by :func:`pack_nibbles`."""
-    b = buf[: (n + 1) // 2].to(torch.int16)
-    codes = torch.empty(2 * b.numel(), dtype=torch.int16, device=buf.device)
-    codes[0::2] = b & 15
-    codes[1::2] = b >> 4
-    return codes[:n]
+def unpack_into(out: torch.Tensor, buf: torch.Tensor) -> None:
+    """The FP32 values of the ``out.numel()`` E2M1 codes packed in ``buf`` by
+    :func:`pack_nibbles`: one lookup per byte in the 256-entry table of value pairs."""
+    n = out.numel()
+    pairs = n // 2
+    table = _pair_table(out.device)
+    if pairs:
+        dst = out[: 2 * pairs]
+        aligned = dst.storage_offset() % 2 == 0  # an int64 view needs 8-byte alignment
+        target = (dst.view(torch.int64) if aligned
+                  else torch.empty(pairs, dtype=torch.int64, device=out.device))
+        lookup_into(target, table, buf[:pairs])
+        if not aligned:
+            dst.copy_(target.view(torch.float32))
+    if n % 2:
+        last = torch.index_select(table, 0, buf[pairs : pairs + 1].to(torch.int32))
+        out[n - 1 :] = last.view(torch.float32)[:1]
 
 
 def _check_rounding(rounding: str) -> None:
@@ -216,18 +270,10 @@ def encode_blocks(flat: torch.Tensor, divisor: torch.Tensor, segments: Segments,
     return codes
 
 
-def decode_blocks(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                  segments: Segments, kernel) -> None:
-    """``out = kernel(codes) · scale_g`` piece by piece (``kernel``: exact FP32 values)."""
+def scale_blocks(out: torch.Tensor, scale: torch.Tensor, segments: Segments) -> None:
+    """``out_g ·= scale_g`` for every group, piece by piece."""
     for lo, hi, g0, g1, size in pieces(segments):
-        o = out[lo:hi]
-        o.copy_(kernel(codes[lo:hi]))
-        o.view(g1 - g0, size).mul_(scale[g0:g1, None])
-
-
-def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """Exact FP32 values of int16 E2M1 codes (:func:`e2m1_decode` times 2¹⁴)."""
-    return e2m1_decode(codes).float().mul_(2.0**14)
+        out[lo:hi].view(g1 - g0, size).mul_(scale[g0:g1, None])
 
 
 @dataclass(frozen=True)
@@ -293,8 +339,8 @@ class NVFP4Codec(Codec):
         counts = torch.tensor([len(seg) for seg in segments], dtype=torch.long)
         scale = code.view(torch.float8_e4m3fn).float() * torch.repeat_interleave(
             s, counts, output_size=n_groups)
-        decode_blocks(out, unpack_nibbles(buf[4 * n_seg + n_groups :], n), scale, segments,
-                      e2m1_values)
+        unpack_into(out[:n], buf[4 * n_seg + n_groups :])
+        scale_blocks(out, scale, segments)
         return bool(torch.isfinite(scale).all())
 
     def clipped_fraction(self, x: torch.Tensor) -> float:

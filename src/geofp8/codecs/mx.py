@@ -36,17 +36,16 @@ from .fp4 import (
     _check_rounding,
     _flat_lengths,
     block_amax,
-    decode_blocks,
     e2m1_encode,
-    e2m1_values,
     encode_blocks,
     flushed_fraction,
     grid_round,
     pack_nibbles,
+    scale_blocks,
     segment_uniforms,
-    unpack_nibbles,
+    unpack_into,
 )
-from .fp8 import group_lengths
+from .fp8 import e4m3_table, group_lengths, lookup_into
 
 __all__ = ["MX_BLOCK", "MXCodec", "e8m0_scales"]
 
@@ -79,15 +78,6 @@ def e4m3_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
         n, e = grid_round(v.abs(), 3, -9, u, emax=5)
         v = torch.ldexp(n, e.float()).clamp_(max=448.0).copysign_(v)
     return v.to(torch.float8_e4m3fn).view(torch.uint8)
-
-
-def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
-    """Exact FP32 values of E4M3 codes (uint8): ``|code| << 7`` is an IEEE half of value
-    ``value / 2⁸``; the NaN codes ``S.1111.111`` are restored explicitly."""
-    c = codes.to(torch.int16)
-    half = ((c & 0x7F) << 7) | ((c & 0x80) << 8)
-    out = half.view(torch.float16).float().mul_(256.0)
-    return out.masked_fill_((c & 0x7F) == 0x7F, float("nan"))
 
 
 @dataclass(frozen=True)
@@ -153,10 +143,10 @@ class MXCodec(Codec):
         g, n = len(lengths), sum(lengths)
         byte = buf[:g]
         if self.packed:
-            decode_blocks(out, unpack_nibbles(buf[g:], n), e8m0_values(byte), segments,
-                          e2m1_values)
+            unpack_into(out[:n], buf[g:])
         else:
-            decode_blocks(out, buf[g : g + n], e8m0_values(byte), segments, e4m3_decode)
+            lookup_into(out[:n], e4m3_table(out.device), buf[g : g + n])
+        scale_blocks(out, e8m0_values(byte), segments)
         return not bool((byte == 0xFF).any())
 
     def clipped_fraction(self, x: torch.Tensor) -> float:
