@@ -16,7 +16,7 @@ from geofp8 import GeoFP8Config
 from geofp8.codecs import NVFP4Codec, make_codec
 from geofp8.codecs.fp4 import E2M1_VALUES, e2m1_encode, e2m1_round, e2m1_values
 from geofp8.codecs.mx import e8m0_scales, e8m0_values
-from geofp8.comm import ShardLayout, exact_allreduce, simulate_exact_allreduce
+from geofp8.comm import ShardLayout, decode, encode, exact_allreduce, simulate_exact_allreduce
 from geofp8.geometry.factory import make_transform
 from geofp8.geometry.transforms import RandomHadamard, transform_from_state
 from geofp8.methods import METHODS
@@ -271,6 +271,22 @@ def test_stochastic_rounding_is_unbiased_and_seeded(fmt):
     assert bool((gap <= 5 * a_b.reshape(-1) / 3 / trials**0.5).all())
     bias_nn = (nearest.round_trip(x) - x).abs()
     assert float(gap.mean()) < 0.3 * float(bias_nn.mean())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_senders_round_independently_so_their_errors_average_out(fmt):
+    """Stage 1 draws one stream per sender: four ranks holding the same gradient send four
+    different roundings, and the error of their mean is about half (1/√4) of one rounding's.
+    A stream shared by the senders would give four identical payloads and no reduction."""
+    world = 4
+    layout = ShardLayout.build([(64, 256)], make_codec(fmt, rounding="stochastic"), world)
+    x = torch.randn(64 * 256, generator=torch.Generator().manual_seed(0))
+    sent = [encode(x, layout, seed=5, sender=r) for r in range(world)]
+    assert torch.equal(sent[0], encode(x, layout, seed=5, sender=0))  # seeded
+    assert not torch.equal(sent[0], sent[1])
+    one = (decode(sent[0], layout) - x).norm()
+    mean = (sum(decode(s, layout) for s in sent) / world - x).norm()
+    assert mean < 0.6 * one
 
 
 def test_stochastic_rounding_only_for_block_formats():

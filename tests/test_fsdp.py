@@ -143,6 +143,14 @@ def _two_rank_worker(rank, world):
     _backward(ref, 0, rank)
     _backward(mine, 0, rank)
     out["mixed"] = (_grads(ref), _grads(mine))
+    # stochastic rounding: the same batch twice rounds differently (a new stream per step)
+    net = _net()
+    fsdp.enable(net, GeoFP8Config(format="nvfp4", rounding="stochastic", error_feedback=False,
+                                  **EUCLID))
+    out["stochastic"] = []
+    for _ in range(2):
+        _backward(net, 0, rank)
+        out["stochastic"].append(_grads(net))
     # several parameter groups in one unit
     other = init_device_mesh("cpu", (world, 1), mesh_dim_names=("x", "y"))["y"]
     from torch.distributed.fsdp import fully_shard
@@ -228,6 +236,15 @@ def test_fp8_reduce_scatter_equals_simulation_and_is_within_codec_bound(two_rank
                 amax = sum(g[name].chunk(world)[j].abs().max() for g in local)
                 assert (got - fp32).abs().max() <= amax * E4M3_REL / world, name
                 assert not torch.equal(got, fp32), name
+
+
+def test_stochastic_rounding_draws_a_new_stream_every_step(two_ranks):
+    for result in two_ranks:
+        first, second = result["stochastic"]
+        assert any(not torch.equal(first[n], second[n]) for n in first)
+        for name, exact in result["fp32"].items():
+            for got in (first[name], second[name]):
+                assert (got - exact).norm() <= 0.3 * exact.norm(), name
 
 
 def test_shadow_fidelity_measures_the_communicated_error(two_ranks):

@@ -29,6 +29,7 @@ the model (or at :meth:`GeoFP8FSDP.stats` / :meth:`GeoFP8FSDP.state_dict`).
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .codecs import make_codec
+from .codecs.base import mix_seed
 from .comm import Communicator, ShardLayout, decode, encode, fp32_allreduce_wire_bytes
 from .comm.group import DeviceGroup
 from .config import FP8Config, GeoFP8Config
@@ -120,7 +122,8 @@ class GeoFP8FSDP:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {residual!r}")
         if mesh is None and not reduce_scatter:
             raise ValueError("reduce_scatter=False needs an HSDP mesh (nothing would be FP8)")
-        self.codec = make_codec(self.config.format, self.config.scaling, self.config.block_size)
+        self.codec = make_codec(self.config.format, self.config.scaling, self.config.block_size,
+                                self.config.rounding)
         self.feedback = ErrorFeedback(storage=residual)  # the HSDP replica stage
         self.ledger = StepLedger()
         self.residual = residual
@@ -247,6 +250,14 @@ class GeoFP8FSDP:
     def _fp8(self) -> bool:
         return self.ledger.step >= self.config.warmup_steps
 
+    def _seed(self, unit: _Unit, hop: int) -> int | None:
+        """Stochastic rounding's seed for this step, unit and hop (0: the reduce-scatter,
+        1: the replica all-reduce): the same on every rank; ``None`` when rounding to
+        nearest."""
+        if self.config.rounding != "stochastic":
+            return None
+        return mix_seed(self.config.seed, self.ledger.step, zlib.crc32(unit.name.encode()), hop)
+
     # -- the reduce-scatter ------------------------------------------------------------------
 
     def _divisor(self, unit: _Unit, op, world: int) -> float:
@@ -288,7 +299,7 @@ class GeoFP8FSDP:
         finite = torch.ones(1, dtype=torch.uint8, device=flat.device)
         if not bool(torch.isfinite(flat).all()):
             finite.zero_()
-        sent = encode(flat, layout, side=[finite] * n)
+        sent = encode(flat, layout, side=[finite] * n, seed=self._seed(unit, 0), sender=dg.rank)
         if self.config.error_feedback:
             self._stage_residuals(unit, (flat - decode(sent, layout)).view(n, -1), n, routes)
         led.add("codec_s", time.perf_counter() - t0)
@@ -415,12 +426,13 @@ class GeoFP8FSDP:
             chunks = self._chunk_shapes(unit)
             if self.config.error_feedback:
                 self._add_chunk_residuals(unit, chunks, x)
-            sent = encode(x, layout)
+            seed = self._seed(unit, 1)
+            sent = encode(x, layout, seed=seed, sender=rep.rank)
             if self.config.error_feedback:
                 self._stage_chunk_residuals(unit, chunks, x - decode(sent, layout))
             led.add("codec_s", time.perf_counter() - t0)
             led.add("bytes_sent", layout.wire_bytes(rep.rank))
-            x = Communicator("exact", rep).launch(sent, layout, gather=True).wait()
+            x = Communicator("exact", rep).launch(sent, layout, gather=True, seed=seed).wait()
         if not bool(torch.isfinite(x).all()):
             led.finite = False
         shard.copy_(x.div_(divisor) if divisor != 1 else x)

@@ -129,8 +129,8 @@ METHODS: dict[str, Method] = {
     "nvfp4": _block("nvfp4", "NVFP4 (E2M1, E4M3 scale per 16, FP32 per tensor chunk)",
                     error_feedback=False),
     "nvfp4-ef": _block("nvfp4", "NVFP4 + EF"),
-    "nvfp4-sr-ef": _block("nvfp4", "NVFP4 + EF, stochastic rounding (seeded per step and "
-                          "bucket, the same on every rank)", rounding="stochastic"),
+    "nvfp4-sr-ef": _block("nvfp4", "NVFP4 + EF, stochastic rounding (seeded per step, "
+                          "bucket and sender)", rounding="stochastic"),
     "nvfp4-rht-ef": _block("nvfp4", "NVFP4 + EF after a random Hadamard over each 16-block",
                            "rht"),
     "nvfp4-geo-ef": _block("nvfp4", "NVFP4 + EF, the refreshed low-rank factor on every layer",

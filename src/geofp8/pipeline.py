@@ -193,7 +193,7 @@ class GradientPipeline:
         layout = self._layout(shapes, per_sender)
         side = self._sender_factors(shapes, per_sender, routes, layout) if any(per_sender) \
             else None
-        sent = encode(flat, layout, side, seed)
+        sent = encode(flat, layout, side, seed, sender=self.group.rank)
         if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ)), in place of the decoded copy
             residual = decode(sent, layout)
             torch.sub(flat, residual, out=residual)

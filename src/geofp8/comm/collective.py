@@ -123,5 +123,6 @@ def exact_allreduce(flat: torch.Tensor, layout: ShardLayout,
                     seed: int | None = None) -> torch.Tensor:
     """Blocking exact all-reduce of ``flat`` (FP32, ``layout.numel`` elements, the same
     ``layout`` and ``seed`` on every rank): ``Σ_r flat_r`` in FP32. Collective over ``group``."""
-    return Communicator("exact", DeviceGroup(group, flat.device)).launch(
-        encode(flat, layout, seed=seed), layout, seed=seed).wait()
+    device_group = DeviceGroup(group, flat.device)
+    return Communicator("exact", device_group).launch(
+        encode(flat, layout, seed=seed, sender=device_group.rank), layout, seed=seed).wait()

@@ -12,9 +12,12 @@ For a flat FP32 vector ``x_r`` on each of ``N`` ranks and a :class:`ShardLayout`
 
 No arithmetic happens on encoded values: every sum is in FP32 after decoding.
 
-``seed`` (stochastic rounding): the same on every rank for a given step and bucket. Shard
-``j`` is encoded with ``mix_seed(seed, j)`` in stage 1 and ``mix_seed(seed, N + j)`` in
-stage 4, so the simulation reproduces the real collective bit for bit.
+``seed`` (stochastic rounding): the same on every rank for a given step and bucket. Sender
+``r`` encodes shard ``j`` with ``mix_seed(seed, r, j)`` in stage 1, so the ``N`` roundings
+that enter a sum are independent (a stream shared by all senders would round every
+sender's copy of an element with the same uniform, and their errors would add up instead of
+averaging out); the owner re-encodes with ``mix_seed(seed, N + j)`` in stage 4. The
+simulation derives the same streams, so it reproduces the real collective bit for bit.
 """
 
 from __future__ import annotations
@@ -28,21 +31,22 @@ __all__ = ["decode", "decode_gathered", "decode_sum", "encode", "encode_reduced"
            "simulate_exact_allreduce"]
 
 
-def _shard_seed(seed: int | None, index: int) -> int | None:
-    return None if seed is None else mix_seed(seed, index)
+def _shard_seed(seed: int | None, *index: int) -> int | None:
+    return None if seed is None else mix_seed(seed, *index)
 
 
 def encode(flat: torch.Tensor, layout: ShardLayout,
-           side: list[torch.Tensor] | None = None, seed: int | None = None) -> torch.Tensor:
+           side: list[torch.Tensor] | None = None, seed: int | None = None,
+           sender: int = 0) -> torch.Tensor:
     """Stage 1: every shard quantized with its own scales (then its ``side`` bytes, if any),
-    one after the other in one uint8 buffer."""
+    one after the other in one uint8 buffer; ``sender``: this rank (its rounding stream)."""
     out = torch.empty(sum(layout.send_bytes(j) for j in range(layout.world_size)),
                       dtype=torch.uint8, device=flat.device)
     offset = 0
     for j in range(layout.world_size):
         payload = layout.shard_bytes(j)
         layout.codec.encode_into(out[offset : offset + payload], layout.gather(flat, j),
-                                 layout.groups[j], seed=_shard_seed(seed, j))
+                                 layout.groups[j], seed=_shard_seed(seed, sender, j))
         if layout.side[j]:
             out[offset + payload : offset + layout.send_bytes(j)] = side[j]
         offset += layout.send_bytes(j)
@@ -109,7 +113,8 @@ def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout,
     n = layout.world_size
     if len(inputs) != n:
         raise ValueError(f"layout is for {n} ranks but {len(inputs)} inputs were given")
-    sent = [encode(x.reshape(-1).float(), layout, seed=seed) for x in inputs]
+    sent = [encode(x.reshape(-1).float(), layout, seed=seed, sender=r)
+            for r, x in enumerate(inputs)]
     offsets = [0]
     for j in range(n):
         offsets.append(offsets[-1] + layout.send_bytes(j))
