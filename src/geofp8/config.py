@@ -12,6 +12,7 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from .codecs import FORMATS, ROUNDINGS, SCALINGS
+from .codecs.base import mix_seed
 from .comm import COLLECTIVES
 from .geometry.factory import TRANSFORMS
 
@@ -141,6 +142,11 @@ class GeoFP8Config:
             value = getattr(self, name)
             if isinstance(value, enum.Enum):
                 setattr(self, name, value.value)
+
+    def rounding_seed(self, *index: int) -> int | None:
+        """Stochastic rounding's seed for ``index`` (step, bucket or unit, …): the same on
+        every rank; ``None`` when rounding to nearest."""
+        return mix_seed(self.seed, *index) if self.rounding == "stochastic" else None
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .codecs.base import mix_seed
 from .comm.collective import Communicator
 from .comm.group import DeviceGroup
 from .config import FP8Config, GeoFP8Config
@@ -173,8 +172,7 @@ class GeoFP8State:
             names.append(self.pipeline.names[id(p)])
             grads.append(g)
         t0 = time.perf_counter()
-        seed = (mix_seed(self.config.seed, self.ledger.step, bucket.index())
-                if self.config.rounding == "stochastic" else None)  # same on every rank
+        seed = self.config.rounding_seed(self.ledger.step, bucket.index())
         encoded = self.pipeline.encode(names, grads, seed)
         self.ledger.add("codec_s", time.perf_counter() - t0)
         offsets = [(g.data_ptr() - buffer.data_ptr()) // g.element_size() for g in grads]

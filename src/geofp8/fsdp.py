@@ -39,7 +39,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .codecs import make_codec
-from .codecs.base import mix_seed
 from .comm import Communicator, ShardLayout, decode, encode, fp32_allreduce_wire_bytes
 from .comm.group import DeviceGroup
 from .config import FP8Config, GeoFP8Config
@@ -252,11 +251,8 @@ class GeoFP8FSDP:
 
     def _seed(self, unit: _Unit, hop: int) -> int | None:
         """Stochastic rounding's seed for this step, unit and hop (0: the reduce-scatter,
-        1: the replica all-reduce): the same on every rank; ``None`` when rounding to
-        nearest."""
-        if self.config.rounding != "stochastic":
-            return None
-        return mix_seed(self.config.seed, self.ledger.step, zlib.crc32(unit.name.encode()), hop)
+        1: the replica all-reduce)."""
+        return self.config.rounding_seed(self.ledger.step, zlib.crc32(unit.name.encode()), hop)
 
     # -- the reduce-scatter ------------------------------------------------------------------
 

@@ -113,8 +113,7 @@ def _encode_table(device: torch.device) -> torch.Tensor:
 @functools.cache
 def _pair_table(device: torch.device) -> torch.Tensor:
     """For every byte, the FP32 values of its low and high nibble, as one int64."""
-    values = torch.tensor(E2M1_VALUES)
-    values = torch.cat([values, -values])  # code 8 is -0
+    values = e2m1_values(torch.arange(16))
     byte = torch.arange(256)
     pairs = torch.stack([values[byte & 15], values[byte >> 4]], dim=1).contiguous()
     return pairs.view(torch.int64).view(-1).to(device)

@@ -374,22 +374,21 @@ def _decode_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     the 256-entry value table; a piece with one scale looks its codes up in the table times
     that scale (the same FP32 product ``value · s``, in one pass).
     """
-    if fmt == "e5m2":
-        if info.irregular:
+    u8 = codes.view(torch.uint8)
+    table = e4m3_table(codes.device) if fmt == "e4m3" else None
+    if info.irregular:
+        if table is None:
             out.copy_(codes.view(torch.float8_e5m2))
-            out.mul_(_per_element(scales, lengths, out.numel()))
-            return
+        else:
+            lookup_into(out, table, u8)
+        out.mul_(_per_element(scales, lengths, out.numel()))
+        return
+    if table is None:
         c5 = codes.view(torch.float8_e5m2)
         for lo, hi, rows, s in _pieces(lengths, info, scales):
             o = out[lo:hi]
             o.copy_(c5[lo:hi])
             (o.view(rows, -1) if rows else o).mul_(s)
-        return
-    u8 = codes.view(torch.uint8)
-    table = e4m3_table(codes.device)
-    if info.irregular:
-        lookup_into(out, table, u8)
-        out.mul_(_per_element(scales, lengths, out.numel()))
         return
     for lo, hi, rows, s in _pieces(lengths, info, scales):
         o = out[lo:hi]
