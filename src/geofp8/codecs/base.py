@@ -11,7 +11,8 @@ Policies every codec follows:
 
 * an all-zero group decodes to exact zeros;
 * a group containing NaN or ±Inf decodes to NaN as a whole, and :meth:`Codec.decode_into`
-  reports it (returns ``False``) so the caller can poison the whole result.
+  reports it (a device flag, ``False``) so the caller can poison the whole result on the
+  device, without reading the flag on the host.
 """
 
 from __future__ import annotations
@@ -61,8 +62,11 @@ class Codec(ABC):
         every rank for a given step and tensor; ignored by round-to-nearest codecs."""
 
     @abstractmethod
-    def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments) -> bool:
-        """Decode ``buf`` into the flat FP32 ``out``; ``False`` if any scale is non-finite."""
+    def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
+                    segments: Segments) -> torch.Tensor:
+        """Decode ``buf`` into the flat FP32 ``out``; returns a 0-dim bool tensor on ``buf``'s
+        device, ``False`` if any scale is non-finite (no host sync: the caller poisons on the
+        device with it)."""
 
     def clipped_fraction(self, x: torch.Tensor) -> float:
         """Share of the elements of ``x`` that the codec saturates at its largest code or

@@ -325,14 +325,15 @@ class NVFP4Codec(Codec):
         codes = encode_blocks(flat, divisor, segments, u, e2m1_encode)
         pack_nibbles(codes, out[4 * n_seg + n_groups :])
 
-    def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments) -> bool:
+    def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
+                    segments: Segments) -> torch.Tensor:
         lengths = _flat_lengths(segments)
         n_seg, n_groups, n = len(segments), len(lengths), sum(lengths)
         if buf.numel() < self.payload_bytes(segments):
             raise ValueError(f"buffer of {buf.numel()} bytes is shorter than the payload "
                              f"{self.payload_bytes(segments)}")
         if not lengths:
-            return True
+            return torch.ones((), dtype=torch.bool, device=buf.device)
         s = buf[: 4 * n_seg].clone().view(torch.float32)
         code = buf[4 * n_seg : 4 * n_seg + n_groups]
         counts = torch.tensor([len(seg) for seg in segments], dtype=torch.long)
@@ -340,7 +341,7 @@ class NVFP4Codec(Codec):
             s, counts, output_size=n_groups)
         unpack_into(out[:n], buf[4 * n_seg + n_groups :])
         scale_blocks(out, scale, segments)
-        return bool(torch.isfinite(scale).all())
+        return torch.isfinite(scale).all()
 
     def clipped_fraction(self, x: torch.Tensor) -> float:
         return flushed_fraction(self, x)

@@ -109,11 +109,12 @@ class FP8Codec(Codec):
         packed = self.quantize(x, lengths, out=out[4 * n_groups : 4 * n_groups + x.numel()])
         out[: 4 * n_groups].copy_(packed.scales.view(torch.uint8))
 
-    def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments) -> bool:
+    def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
+                    segments: Segments) -> torch.Tensor:
         lengths = [n for seg in segments for n in seg]
         packed = Packed.from_bytes(buf, (sum(lengths),), self, lengths)
         packed.dequantize(out=out)
-        return not bool((~torch.isfinite(packed.scales)).any())
+        return torch.isfinite(packed.scales).all()
 
     def clipped_fraction(self, x: torch.Tensor) -> float:
         """Share of codes saturated at ``±fmax`` or flushed to zero from a non-zero value."""

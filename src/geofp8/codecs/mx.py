@@ -133,13 +133,14 @@ class MXCodec(Codec):
         else:
             out[g:].copy_(codes)
 
-    def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments) -> bool:
+    def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
+                    segments: Segments) -> torch.Tensor:
         lengths = _flat_lengths(segments)
         if buf.numel() < self.payload_bytes(segments):
             raise ValueError(f"buffer of {buf.numel()} bytes is shorter than the payload "
                              f"{self.payload_bytes(segments)}")
         if not lengths:
-            return True
+            return torch.ones((), dtype=torch.bool, device=buf.device)
         g, n = len(lengths), sum(lengths)
         byte = buf[:g]
         if self.packed:
@@ -147,7 +148,7 @@ class MXCodec(Codec):
         else:
             lookup_into(out[:n], e4m3_table(out.device), buf[g : g + n])
         scale_blocks(out, e8m0_values(byte), segments)
-        return not bool((byte == 0xFF).any())
+        return (byte != 0xFF).all()
 
     def clipped_fraction(self, x: torch.Tensor) -> float:
         return flushed_fraction(self, x)

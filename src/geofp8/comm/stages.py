@@ -28,7 +28,7 @@ from ..codecs.base import mix_seed
 from .layout import ShardLayout
 
 __all__ = ["decode", "decode_gathered", "decode_sum", "encode", "encode_reduced",
-           "simulate_exact_allreduce"]
+           "poison_unless", "simulate_exact_allreduce"]
 
 
 def _shard_seed(seed: int | None, *index: int) -> int | None:
@@ -83,15 +83,19 @@ def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
 def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
     """Stage 5: the full reduced vector; all NaN if any shard carries a non-finite scale."""
     out = torch.empty(layout.numel, dtype=torch.float32, device=gathered[0].device)
-    poisoned = False
+    finite = torch.ones((), dtype=torch.bool, device=out.device)
     for j, buf in enumerate(gathered):
         values = torch.empty(layout.shard_numel(j), dtype=torch.float32, device=buf.device)
-        poisoned |= not layout.codec.decode_into(values, buf[: layout.shard_bytes(j)],
-                                                 layout.groups[j])
+        finite &= layout.codec.decode_into(values, buf[: layout.shard_bytes(j)],
+                                           layout.groups[j])
         layout.scatter(out, values, j)
-    if poisoned:
-        out.fill_(float("nan"))
-    return out
+    return poison_unless(out, finite)
+
+
+def poison_unless(values: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """``values`` in place, all NaN unless the 0-dim bool ``finite`` (on the device: no host
+    sync)."""
+    return values.masked_fill_(~finite, float("nan"))
 
 
 def decode(sent: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
