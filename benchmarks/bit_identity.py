@@ -2,7 +2,8 @@
 
 ``PYTHONPATH=<checkout>/src python benchmarks/bit_identity.py OUT.json`` trains a tiny HF Llama
 (hidden 64, 2 blocks) for 8 steps on 2 gloo ranks under each configuration below and writes the
-MD5 of the final parameters and the bytes sent per step; run it once per checkout, then
+MD5 of the final parameters and the bytes sent per step (DDP: every METHODS row of kind
+``geofp8`` and the configurations below; FSDP2: three); run it once per checkout, then
 ``python benchmarks/bit_identity.py --compare OLD.json NEW.json``. Both trees get the same
 configuration (a tree with ``GeoFP8Config.candidates`` gets ``k`` for ``rank`` and
 ``candidates="linear"``, the older default).
@@ -30,7 +31,15 @@ CONFIGS = {  # name -> (state kind, GeoFP8Config fields)
     "local, layers=all": ("geo", dict(factor_source="local", layers="all", refresh_every=2)),
     "kfac, layers=all": ("geo", dict(transform="kfac", layers="all", refresh_every=2)),
     "diag, layers=all": ("geo", dict(transform="diag", layers="all", refresh_every=2)),
+    # FSDP2 (every parameter's dim 0 even: the Llama below) through geofp8.fsdp.enable
+    "fsdp euclidean + EF": ("fsdp", dict(transform="euclidean", layers="none")),
+    "fsdp refresh, layers=all": ("fsdp", dict(layers="all", refresh_every=2)),
+    "fsdp nvfp4 fresh, layers=all": ("fsdp", dict(format="nvfp4", factor_source="fresh",
+                                                  layers="all")),
 }
+# and every METHODS row of this library's kind, built as the trainer builds it (the overrides
+# a method takes: K = 2 and a 2-step profile, so refreshes and selections happen in 8 steps)
+OVERRIDES = dict(k=8, refresh_every=2, profile_steps=2)
 
 
 def _model():
@@ -45,7 +54,20 @@ def _model():
 
 def _state(kind: str, fields: dict, model):
     import geofp8
+    from geofp8.methods import METHODS
 
+    if kind == "method":
+        method = METHODS[fields["name"]]
+        chosen = {k: v for k, v in OVERRIDES.items() if k in method.overrides}
+        state, hook, _ = method.build(model, **chosen)
+        return state, hook
+    if kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return geofp8.fsdp.enable(model, geofp8.GeoFP8Config(k=8, **fields)), None
     if kind == "fp8":
         return geofp8.FP8State(model, geofp8.FP8Config(error_feedback=True)), geofp8.fp8_hook
     if kind == "hadamard":
@@ -63,12 +85,17 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+    from geofp8.methods import METHODS
+
     results = {}
-    for name, (kind, fields) in CONFIGS.items():
+    configs = dict(CONFIGS, **{f"method {n}": ("method", {"name": n})
+                               for n, m in METHODS.items() if m.kind == "geofp8"})
+    for name, (kind, fields) in configs.items():
         model = _model()
-        ddp = DDP(model)
         state, hook = _state(kind, fields, model)
-        ddp.register_comm_hook(state, hook)
+        ddp = model if hook is None else DDP(model)
+        if hook is not None:
+            ddp.register_comm_hook(state, hook)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         gen = torch.Generator().manual_seed(rank)
         sent = []
@@ -80,7 +107,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             if hasattr(state, "_finish_step"):  # checkouts that settled a step lazily
                 state._finish_step()
             sent.append(int(state.stats().get("bytes_sent", 0)))
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                          .reshape(-1) for p in model.parameters()])
         results[name] = {"params": hashlib.md5(flat.numpy().tobytes()).hexdigest(),
                          "bytes": sent}
     if rank == 0:
@@ -94,6 +122,8 @@ def compare(old_path: str, new_path: str) -> None:
     with open(old_path) as f, open(new_path) as g:
         old, new = json.load(f), json.load(g)
     print("| configuration | parameters | bytes per step (old vs new) |\n|---|---|---|")
+    for name in (n for n in new if n not in old):
+        print(f"| {name} | new only | |")
     for name in old:
         params = "identical" if old[name]["params"] == new[name]["params"] else "DIFFERENT"
         same = old[name]["bytes"] == new[name]["bytes"]

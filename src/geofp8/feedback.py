@@ -19,11 +19,10 @@ from __future__ import annotations
 import torch
 
 from .codecs.fp8 import FP8Codec, Packed
-from .geometry.transforms import Identity, Transform, rebase, transform_from_state
+from .geometry.transforms import IDENTITY, Transform, rebase, transform_from_state
 
 __all__ = ["ErrorFeedback"]
 
-IDENTITY = Identity()
 
 
 STORAGES = ("fp32", "bf16", "fp8")

@@ -30,13 +30,12 @@ from .comm.layout import ShardLayout
 from .comm.stages import decode, encode
 from .feedback import ErrorFeedback
 from .geometry.sources import LocalFactors, SharedInputs, make_source
-from .geometry.transforms import Identity, LowRankInput, Transform
+from .geometry.transforms import IDENTITY, LowRankInput, Transform
 from .ledger import StepLedger
 from .selection import make_selection
 
 __all__ = ["Encoded", "GradientPipeline"]
 
-IDENTITY = Identity()
 
 
 @dataclass
@@ -261,14 +260,11 @@ class GradientPipeline:
         return self.source.nbytes if self.source is not None else 0
 
     def state_dict(self) -> dict:
+        """Selection and factors (the residuals are the engine's to save)."""
         return {"selection": self.selection.state_dict(),
-                "feedback": self.feedback.state_dict(),
                 "source": self.source.state_dict() if self.source is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.selection.load_state_dict(state["selection"])
         if self.source is not None:
             self.source.load_state_dict(state["source"])
-        transforms = {n: t for n in self.layers
-                      if (t := self.source.transform(n) if self.source else None) is not None}
-        self.feedback.load_state_dict(state["feedback"], transforms)

@@ -25,12 +25,11 @@ import torch
 
 from .codecs import Codec
 from .comm.group import DeviceGroup
-from .geometry.transforms import Identity, Transform
+from .geometry.transforms import IDENTITY, Transform
 
 __all__ = ["AutoSelection", "FixedSelection", "ProfileSelection", "Selection",
            "make_selection"]
 
-IDENTITY = Identity()
 ResidualIn = Callable[[Transform], "torch.Tensor | None"]
 
 

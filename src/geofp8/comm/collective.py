@@ -10,7 +10,14 @@ import torch.distributed as dist
 
 from .group import DeviceGroup
 from .layout import ShardLayout
-from .stages import decode, decode_gathered, decode_sum, encode, encode_reduced
+from .stages import (
+    decode,
+    decode_gathered,
+    decode_sum,
+    encode,
+    encode_reduced,
+    poison_unless,
+)
 
 __all__ = ["COLLECTIVES", "Communicator", "exact_allreduce", "wire_bytes"]
 
@@ -74,6 +81,10 @@ class Communicator:
             self.flush()  # issue the all-gather now, from this thread (see the class notes)
         return result
 
+    def reset(self) -> None:
+        """Drop an unfinished launch (after a failed step): its all-gather is never issued."""
+        self._previous = None
+
     def flush(self) -> None:
         """Finish the previous launch's all-to-all and issue its all-gather, if any."""
         if self._previous is not None:
@@ -112,7 +123,7 @@ class Communicator:
             for buf in gathered:
                 total += decode(buf, layout)
             # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
-            return total if bool(torch.isfinite(total).all()) else total.fill_(float("nan"))
+            return poison_unless(total, torch.isfinite(total).all())
 
         gathered, work = self.group.all_gather(sent, "payload", async_op=True)
         return work.get_future().then(decode_all)

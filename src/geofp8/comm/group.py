@@ -69,6 +69,12 @@ class DeviceGroup:
         work = dist.all_gather(out, t, group=self.group, async_op=async_op)
         return out, work
 
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, kind: str) -> None:
+        """Blocking ``reduce_scatter_single`` (the ``N − 1`` shards for others are sent)."""
+        self.charge(kind, (self.size - 1) * out.numel() * out.element_size())
+        dist.reduce_scatter_single(self.on_device(out), self.on_device(inp), op=op,
+                                   group=self.group)
+
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
                    in_splits: list[int], kind: str):
         """Asynchronous ``all_to_all_single`` of uint8 buffers already on the device."""

@@ -25,6 +25,7 @@ and one map (:class:`SharedInputs`): the statistic is recorded, reduced and fact
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -303,6 +304,7 @@ class FreshFactors(_SketchedFactors):
         super().__init__(layers, ledger, config)
         self.group = group
         self._works: dict[str, list] = {}
+        self.warned: set[str] = set()
 
     def record(self, name: str, x: torch.Tensor) -> None:
         """Launch the SUM all-reduce of ``[Σ x xᵀ Ω, Σ‖x‖², tokens]`` of this micro-batch."""
@@ -331,6 +333,12 @@ class FreshFactors(_SketchedFactors):
             Y = total[: d * omega.shape[1]].view(d, omega.shape[1]) / tokens
             factor = nystrom_factor(Y, omega, min(cfg.k, d), float(total[-2]) / tokens)
             self._step[key] = LowRankInput(factor, cfg.damping)
+        elif tokens > 0 and key not in self.warned:  # the same reduced sketch on every rank
+            self.warned.add(key)
+            warnings.warn(f"GeoFP8: this step's input sketch of {key!r} is not finite (its "
+                          "activations overflow x xᵀ Ω in FP32); the layer keeps its last "
+                          "map for this step (warned once per layer)", RuntimeWarning,
+                          stacklevel=2)
         self._timed("transform_s", t0)
 
     def settle(self, finite: bool) -> None:

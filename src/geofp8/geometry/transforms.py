@@ -34,6 +34,7 @@ import torch
 from .statistics import LowRankFactor
 
 __all__ = [
+    "IDENTITY",
     "BlockInput",
     "DiagonalInput",
     "Hadamard",
@@ -134,6 +135,9 @@ class Identity(Transform):
 
     def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
         return Gt
+
+
+IDENTITY = Identity()  # the one identity route: compared by ``is``
 
 
 class LowRankInput(Transform):

@@ -1,0 +1,283 @@
+"""One step of gradient synchronisation, for any layout: the engine behind every adapter.
+
+DDP's comm hook (:mod:`geofp8.ddp`), FSDP2's reduce-scatter and HSDP's replica all-reduce
+(:mod:`geofp8.fsdp`) are small adapters that hand the engine *units* of a step (a bucket, a
+``fully_shard`` unit's reduction) and launch their collectives. The engine owns the rest:
+
+* **begin** (the first unit of a step): the cross-rank consistency check (first step only,
+  every rank fails with the differing fields named), the loss scale, refreshes and
+  selection decisions (collectives on the data-parallel group, :meth:`start_unit`);
+* **route, EF, encode** per unit: :attr:`pipeline` (``Ũ = G T + R``, staged residuals);
+* **finite agreement**: every unit's result is folded into one device flag
+  (:meth:`observe`, no host sync); the step reads it once when it settles. Adapters whose
+  collective does not already give every rank the same verdict (a reduce-scatter leaves each
+  rank its own shard) set ``agree=True``: the flags are then all-reduced at settling;
+* **settle** (every unit of a launched step done): commit (finite) or discard (any rank
+  non-finite) the staged residuals, statistics and selections; take the bytes every
+  :class:`DeviceGroup` counted at the process-group door; advance the step counters;
+* **rollback** (an exception inside a unit): discard the step's staging and forget it, so the
+  next step starts clean;
+* **FP32 warm-up** (:attr:`fp8` is false for the first ``warmup_steps`` steps), stochastic
+  rounding seeds, :meth:`stats` (read-only) and a versioned :meth:`state_dict`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm.group import DeviceGroup
+from .feedback import ErrorFeedback
+from .ledger import StepLedger
+from .pipeline import GradientPipeline
+
+__all__ = ["STATE_VERSION", "SyncEngine"]
+
+STATE_VERSION = 3
+BYTE_KINDS = (("bytes_sent", "payload"), ("factor_bytes_sent", "factor"),
+              ("bytes_fp32_equivalent", "fp32_equivalent"))
+
+
+class SyncEngine:
+    """Gradient synchronisation of one model's data-parallel step (module notes).
+
+    Args:
+        model: the module whose gradients are communicated (its parameter names key
+            residuals, factors and selections).
+        config: a :class:`~geofp8.config.GeoFP8Config` (identical on every rank: checked).
+        group: the data-parallel :class:`DeviceGroup` (factors, selections, agreement).
+        kind: the adapter's name (``"ddp"``, ``"fsdp"``), part of the fingerprint and state.
+        residual_storage: storage of the error-feedback residuals (:mod:`geofp8.feedback`).
+        agree: all-reduce the finite flag at settling (module notes).
+        grad_scaler: a ``torch.amp.GradScaler`` whose scale changes rescale the residuals.
+    """
+
+    def __init__(self, model: nn.Module, config, group: DeviceGroup, kind: str,
+                 residual_storage: str = "fp32", agree: bool = False,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        self.config, self.group, self.kind, self.agree = config, group, kind, agree
+        self.ledger = StepLedger()
+        self.pipeline = GradientPipeline(model, config, group, self.ledger, config.candidates,
+                                         residual_storage=residual_storage)
+        self.feedbacks: dict[str, ErrorFeedback] = {"sender": self.pipeline.feedback}
+        self.groups: list[DeviceGroup] = [group]
+        self.grad_scaler, self.grad_scale = grad_scaler, 1.0
+        self.fingerprint_extra: dict = {}
+        self._parameters = [[n, list(p.shape), str(p.dtype), p.requires_grad]
+                            for n, p in model.named_parameters()]
+        self._checked = False
+        self._lock = threading.RLock()
+        self._outstanding = 0
+        self._finite: torch.Tensor | None = None
+        self._hooks = [model.register_forward_pre_hook(self._on_forward), *self.pipeline.hooks]
+
+    # -- set-up by the adapters --------------------------------------------------------------
+
+    def device_group(self, group: dist.ProcessGroup | None, device) -> DeviceGroup:
+        """The :class:`DeviceGroup` of ``group``, whose bytes this engine counts."""
+        for known in self.groups:
+            if known.group is group and known.device == torch.device(device):
+                return known
+        made = DeviceGroup(group, device)
+        self.groups.append(made)
+        return made
+
+    def add_feedback(self, name: str, storage: str) -> ErrorFeedback:
+        """A further set of residuals (e.g. HSDP's replica hop), committed with the step."""
+        self.feedbacks[name] = ErrorFeedback(storage=storage)
+        return self.feedbacks[name]
+
+    def remove_hooks(self) -> None:
+        """Detach the statistics hooks from the model."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _on_forward(self, *_) -> None:
+        self.pipeline.shared.new_forward()
+
+    # -- the step ----------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self.ledger.step
+
+    @property
+    def fp8(self) -> bool:
+        """Whether this step is communicated in low precision (the warm-up is FP32)."""
+        return self.ledger.step >= self.config.warmup_steps
+
+    def seed(self, *index: int) -> int | None:
+        """Stochastic rounding's seed for this step and ``index`` (bucket, unit, hop)."""
+        return self.config.rounding_seed(self.ledger.step, *index)
+
+    def start_unit(self, last: bool = False) -> None:
+        """A unit of the step starts; the first one begins the step (collectives)."""
+        with self._lock:
+            first = self.ledger.begin_unit(last)
+            self._outstanding += 1
+        if first:
+            if not self._checked:
+                self.check_consistency()
+            if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+                self.set_grad_scale(float(self.grad_scaler.get_scale()))
+            self.pipeline.start_step(self.ledger.step)
+
+    def observe(self, values: torch.Tensor) -> None:
+        """Fold ``values`` (a unit's result) into the step's device flag (no host sync)."""
+        ok = torch.isfinite(values).all()
+        with self._lock:
+            self._finite = ok if self._finite is None else self._finite & ok
+
+    def finish_unit(self) -> None:
+        """A unit's result is ready; the last one of a launched step settles it."""
+        with self._lock:
+            self._outstanding -= 1
+            if self._outstanding == 0 and self.ledger.unsettled:
+                self._settle()
+
+    def end_step(self) -> None:
+        """No more units this step (FSDP: the end of backward); settle once all are done."""
+        with self._lock:
+            if self.ledger.begin_unit(last=True):  # nothing started: nothing to settle
+                self.ledger.reset_phase()
+                return
+            if self._outstanding == 0:
+                self._settle()
+
+    def _settle(self) -> None:
+        ok = self._finite if self._finite is not None else torch.ones((), dtype=torch.bool)
+        if self.agree:  # count the ranks whose flag is down
+            bad, _ = self.group.all_reduce((~ok).to(torch.float32).reshape(1), "flag")
+            ok = bad == 0
+        finite = bool(ok.all())  # the step's one host read
+        self.pipeline.settle(finite)
+        for name, feedback in self.feedbacks.items():
+            if name != "sender":  # the pipeline settles its own
+                feedback.commit() if finite else feedback.discard()
+        for group in self.groups:
+            taken = group.take_bytes()
+            for key, kind in BYTE_KINDS:
+                self.ledger.add(key, taken.get(kind, 0.0))
+            self.ledger.add("bytes_sent", taken.get("flag", 0.0))
+        self.ledger.settle(finite)
+        self._finite = None
+
+    def rollback(self) -> None:
+        """Forget the step in flight after an exception: nothing it staged is kept."""
+        with self._lock:
+            self.pipeline.settle(False)
+            for feedback in self.feedbacks.values():
+                feedback.discard()
+            for group in self.groups:
+                group.take_bytes()
+            self.ledger.reset_phase()
+            self._outstanding, self._finite = 0, None
+
+    def set_grad_scale(self, scale: float) -> None:
+        """The loss scale of the coming backward: rescale the residuals if it changed."""
+        if scale != self.grad_scale:
+            for feedback in self.feedbacks.values():
+                feedback.rescale(scale / self.grad_scale)
+            self.grad_scale = float(scale)
+
+    # -- consistency -------------------------------------------------------------------------
+
+    def fingerprint(self) -> dict:
+        """What every rank must agree on (JSON-serialisable)."""
+        return {"kind": self.kind, "config": self.config.to_dict(),
+                "world_size": self.group.size, "parameters": self._parameters,
+                **self.pipeline.fingerprint(), **self.fingerprint_extra}
+
+    def check_consistency(self) -> None:
+        """Fail fast, on every rank, when ranks disagree on config or model structure
+        (fingerprints travel as JSON text in uint8 tensors, outside the step's bytes)."""
+        self._checked = True
+        everyone = self.group.all_gather_json(self.fingerprint(), "consistency")
+        problems = [problem for r, other in enumerate(everyone)
+                    for problem in _differences(everyone[0], other, r)]
+        if problems:
+            raise RuntimeError("GeoFP8: ranks disagree:\n  " + "\n  ".join(problems))
+
+    # -- reporting and checkpoints -----------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Figures of the last settled step (reading changes nothing); see the adapters."""
+        last = self.ledger.last
+        sent = last["bytes_sent"] + last["factor_bytes_sent"]
+        return {
+            "step": self.ledger.step,
+            "skipped_steps": self.ledger.skipped_steps,
+            "bytes_sent": int(sent),
+            "payload_bytes_sent": int(last["bytes_sent"]),
+            "factor_bytes_sent": int(last["factor_bytes_sent"]),
+            "bytes_fp32_equivalent": int(last["bytes_fp32_equivalent"]),
+            "bytes_per_element": sent / last["elements"] if last["elements"] else 0.0,
+            "geometry_layers": self.pipeline.geometry_layers(),
+            "codec_s": last["codec_s"],
+            "transform_s": last["transform_s"],
+            "statistics_s": last["statistics_s"],
+            "ef_bytes": sum(f.nbytes for f in self.feedbacks.values()),
+            "factor_bytes": self.pipeline.factor_nbytes,
+        }
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue bit-identically: tensors and plain containers only
+        (loads with ``weights_only=True``). Residuals differ per rank: save every rank's."""
+        return {"version": STATE_VERSION, "kind": self.kind, "config": self.config.to_dict(),
+                "world_size": self.group.size, "step": self.ledger.step,
+                "skipped_steps": self.ledger.skipped_steps, "grad_scale": self.grad_scale,
+                **self.pipeline.state_dict(),
+                "feedback": {n: f.state_dict() for n, f in self.feedbacks.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; refuses another version, adapter, config or (the
+        residuals being per rank and shaped by the layout) world size."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"GeoFP8 checkpoint version {state.get('version')!r} is not "
+                             f"supported (this version reads {STATE_VERSION})")
+        if state.get("kind") != self.kind:
+            raise ValueError(f"GeoFP8 checkpoint is of a {state.get('kind')!r} state, "
+                             f"not {self.kind!r}")
+        mine, theirs = self.config.to_dict(), state.get("config", {})
+        if theirs != mine:
+            diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+            raise ValueError("GeoFP8 checkpoint was written with another config: "
+                             f"(checkpoint, current) = {diff}")
+        if state.get("world_size") != self.group.size:
+            raise ValueError(f"GeoFP8 checkpoint was written on {state.get('world_size')} "
+                             f"ranks, this run has {self.group.size}: the error-feedback "
+                             "residuals are per rank and cannot be resharded")
+        self.rollback()
+        self.ledger.step = int(state["step"])
+        self.ledger.skipped_steps = int(state["skipped_steps"])
+        self.grad_scale = float(state["grad_scale"])
+        self.pipeline.load_state_dict(state)
+        transforms = self.pipeline.transforms()
+        for name, feedback in self.feedbacks.items():
+            feedback.load_state_dict(state["feedback"][name],
+                                     transforms if name == "sender" else {})
+
+
+def _differences(first: dict, other: dict, rank: int) -> list[str]:
+    """What rank ``rank``'s fingerprint says differently from rank 0's."""
+    problems = []
+    for key in sorted(set(first) | set(other)):
+        a, b = first.get(key), other.get(key)
+        if a == b:
+            continue
+        if key == "config":
+            detail = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+                      if a.get(k) != b.get(k)}
+            problems.append(f"rank {rank} vs rank 0: config differs (rank 0, rank {rank}): "
+                            f"{detail}")
+        elif key == "parameters":
+            diff = [(x, y) for x, y in zip(a, b) if x != y][:3]
+            problems.append(f"rank {rank} vs rank 0: model structure differs ({len(a)} vs "
+                            f"{len(b)} parameters; first differences {diff})")
+        else:
+            problems.append(f"rank {rank} vs rank 0: {key} differs: {a!r} vs {b!r}")
+    return problems

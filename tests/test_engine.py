@@ -1,0 +1,228 @@
+"""The sync engine's step, through the public API on real gloo ranks: one lifecycle for DDP,
+FSDP and HSDP, and the holes that two copies of it had opened, each with its test."""
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_ranks
+from geofp8 import GeoFP8Config
+
+EUCLID = dict(transform="euclidean", layers="none")
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _sharded(mesh=None):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    net = Tiny()
+    kw = {"mesh": mesh} if mesh is not None else {}
+    for module in (net.a, net.b, net):
+        fully_shard(module, **kw)
+    return net
+
+
+def _x(step, rank):
+    return torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _backward(net, step, rank):
+    net(_x(step, rank)).pow(2).sum().backward()
+
+
+# -- FSDP ranks that disagree fail at the first step, on every rank, naming the field -------
+
+def _mismatch_worker(rank, world, field, values):
+    from geofp8 import fsdp
+
+    net = _sharded()
+    fsdp.enable(net, GeoFP8Config(**{field: values[rank]}))
+    try:
+        _backward(net, 0, rank)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("field,values", [("damping", (0.1, 10.0)),
+                                          ("format", ("e4m3", "e5m2"))])
+def test_fsdp_ranks_that_disagree_fail_at_the_first_step(field, values):
+    for message in run_ranks(_mismatch_worker, 2, args=(field, values)):
+        assert message is not None and "ranks disagree" in message and field in message
+
+
+# -- a sum that overflows on one rank only: every rank skips the step -----------------------
+
+def _overflow_worker(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    from geofp8 import fsdp
+
+    torch.manual_seed(0)
+    net = nn.Linear(4, 8, bias=False)
+    fully_shard(net)
+    state = fsdp.enable(net, GeoFP8Config(**EUCLID))
+    # dL/dW row i = scale_i: rows 0-3 (rank 0's shard) are 2e38 on each rank, finite, and
+    # sum to 4e38 = inf on rank 0; rows 4-7 (rank 1's) sum to 2
+    scale = torch.tensor([2e38] * 4 + [1.0] * 4)
+    (net(torch.ones(1, 4)) * scale).sum().backward()
+    finite = bool(torch.isfinite(net.weight.grad.to_local()).all())
+    return state.stats(), finite, state.state_dict()["feedback"]["sender"]["residuals"]
+
+
+def test_fsdp_overflow_on_one_rank_is_skipped_on_every_rank():
+    results = run_ranks(_overflow_worker, 2)
+    assert [finite for _, finite, _ in results] == [False, True]  # each rank owns its shard
+    for stats, _, residuals in results:
+        assert (stats["step"], stats["skipped_steps"]) == (0, 1)
+        assert residuals == {}  # nothing committed from the skipped step
+
+
+# -- one lifecycle: FSDP settles at the end of backward, reading changes nothing ------------
+
+def _lifecycle_worker(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from geofp8 import GeoFP8State, fsdp, geofp8_hook
+
+    net = _sharded()
+    state = fsdp.enable(net, GeoFP8Config(**EUCLID))
+    _backward(net, 0, rank)
+    out = {"phase": state.engine.ledger.phase.value, "stats": [state.stats(), state.stats()]}
+    saved = state.state_dict()
+    out["fsdp_state"] = (saved["version"], saved["kind"], state.stats()["step"])
+    torch.manual_seed(0)
+    model = Tiny()
+    ddp_state = GeoFP8State(model, GeoFP8Config(**EUCLID))
+    ddp = DDP(model)
+    ddp.register_comm_hook(ddp_state, geofp8_hook)
+    _backward(ddp, 0, rank)
+    out["ddp_state"] = (ddp_state.state_dict()["version"], ddp_state.state_dict()["kind"])
+    try:
+        ddp_state.load_state_dict(saved)
+    except ValueError as exc:
+        out["cross_load"] = str(exc)
+    return out
+
+
+def test_fsdp_settles_at_the_end_of_backward_and_stats_only_read():
+    for r in run_ranks(_lifecycle_worker, 2):
+        assert r["phase"] == "idle"  # settled before backward() returned
+        first, second = r["stats"]
+        assert first == second and first["step"] == 1 and first["bytes_sent"] > 0
+        assert r["fsdp_state"] == (3, "fsdp", 1)
+        assert r["ddp_state"] == (3, "ddp")
+        assert "'fsdp' state" in r["cross_load"]
+
+
+# -- an exception inside the DDP hook rolls the step back -----------------------------------
+
+def _ddp(model):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from geofp8 import geofp8_hook
+
+    ddp = DDP(model)
+    ddp.register_comm_hook(model.geofp8, geofp8_hook)
+    return ddp
+
+
+def _trained(rank, fail_at=None):
+    """Four SGD steps; with ``fail_at``, that step's hook raises, and the run resumes from a
+    checkpoint taken before it, with a new DDP wrapper around the same model and state."""
+    import gc
+
+    from geofp8 import GeoFP8State
+
+    torch.manual_seed(0)
+    model = Tiny()
+    model.geofp8 = GeoFP8State(model, GeoFP8Config(**EUCLID))
+    ddp, opt = _ddp(model), torch.optim.SGD(model.parameters(), lr=0.1)
+    failed, step = False, 0
+    while step < 4:
+        if step == fail_at and not failed:
+            buf = io.BytesIO()
+            torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                        "geofp8": model.geofp8.state_dict()}, buf)
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("injected failure")
+            model.geofp8.pipeline.encode = broken
+            try:
+                _backward(ddp, step, rank)
+            except RuntimeError as exc:
+                failed = "injected failure" in str(exc)
+            del model.geofp8.pipeline.encode
+            saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+            with torch.no_grad():
+                for p, t in zip(model.parameters(), saved["params"]):
+                    p.copy_(t)
+            model.geofp8.load_state_dict(saved["geofp8"])
+            del ddp
+            gc.collect()
+            ddp = _ddp(model)
+            continue
+        opt.zero_grad(set_to_none=True)
+        _backward(ddp, step, rank)
+        opt.step()
+        step += 1
+    return failed, [p.detach().clone() for p in model.parameters()], model.geofp8.stats()
+
+
+def _rollback_worker(rank, world):
+    return _trained(rank), _trained(rank, fail_at=2)
+
+
+def test_ddp_hook_exception_rolls_back_and_resume_is_bitwise():
+    for (clean_failed, clean, clean_stats), (failed, resumed, stats) in run_ranks(
+            _rollback_worker, 2):
+        assert failed and not clean_failed
+        assert stats["step"] == clean_stats["step"] == 4
+        assert all(torch.equal(a, b) for a, b in zip(clean, resumed))
+
+
+# -- HSDP honours set_requires_all_reduce(False) ----------------------------------------------
+
+def _accumulation_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from geofp8 import fsdp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    grads, sent = {}, {}
+    for mode in ("geofp8", "native"):
+        net = _sharded(mesh=mesh["shard"] if mode == "geofp8" else mesh)
+        state = fsdp.enable(net, GeoFP8Config(error_feedback=False, **EUCLID), mesh=mesh) \
+            if mode == "geofp8" else None
+        net.set_requires_all_reduce(False)
+        _backward(net, 0, rank)
+        first = state.stats()["payload_bytes_sent"] if state else 0
+        net.set_requires_all_reduce(True)
+        _backward(net, 1, rank)
+        second = state.stats()["payload_bytes_sent"] if state else 0
+        grads[mode] = {n: p.grad.to_local().clone() for n, p in net.named_parameters()}
+        sent[mode] = (first, second)
+    return grads, sent["geofp8"]
+
+
+def test_hsdp_accumulation_all_reduces_once():
+    results = run_ranks(_accumulation_worker, 4, timeout=180)
+    for grads, (first, second) in results:
+        assert 0 < first < second  # the first micro-batch sent no replica all-reduce
+        for name, ref in grads["native"].items():
+            err = (grads["geofp8"][name] - ref).abs().max()
+            assert err <= 4 * 2.0**-4 * ref.abs().max(), name  # as test_fsdp's HSDP bound
+    for r in (0, 1):  # replicas (r, r + 2) hold the same shard: bit-identical
+        for name, g in results[r][0]["geofp8"].items():
+            assert torch.equal(g, results[r + 2][0]["geofp8"][name]), name
