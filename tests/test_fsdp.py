@@ -277,8 +277,8 @@ def test_nan_on_one_rank_is_seen_by_every_rank_and_leaves_no_trace(two_ranks):
             assert torch.isfinite(grads[name]).all(), name
         before, after, stats = r["nan_state"]
         assert stats["skipped_steps"] == 1 and stats["step"] == 1
-        res0 = before["pipeline"]["feedback"]["residuals"]
-        res1 = after["pipeline"]["feedback"]["residuals"]
+        res0 = before["feedback"]["sender"]["residuals"]
+        res1 = after["feedback"]["sender"]["residuals"]
         assert res0.keys() == res1.keys() and len(res0) == 6
         assert all(torch.equal(res0[n], res1[n]) for n in res0)
 

@@ -113,8 +113,8 @@ def _stats_worker(rank, world_size):
     before = {k: v for k, v in state.state_dict().items()}
     first, second = state.stats(), state.stats()
     after = state.state_dict()
-    same_state = _digest(v for k, v in sorted(before["feedback"]["residuals"].items())) == \
-        _digest(v for k, v in sorted(after["feedback"]["residuals"].items()))
+    same_state = _digest(v for k, v in sorted(before["feedback"]["sender"]["residuals"].items())) == \
+        _digest(v for k, v in sorted(after["feedback"]["sender"]["residuals"].items()))
     return first, second, same_state, before["step"] == after["step"]
 
 

@@ -8,8 +8,8 @@ DDP's comm hook (:mod:`geofp8.ddp`), FSDP2's reduce-scatter and HSDP's replica a
   every rank fails with the differing fields named), the loss scale, refreshes and
   selection decisions (collectives on the data-parallel group, :meth:`start_unit`);
 * **route, EF, encode** per unit: :attr:`pipeline` (``Ũ = G T + R``, staged residuals);
-* **finite agreement**: every unit's result is folded into one device flag
-  (:meth:`observe`, no host sync); the step reads it once when it settles. Adapters whose
+* **finite agreement**: every unit's result gives a device flag (:meth:`observe`, no host
+  sync); the step reads them once when it settles. Adapters whose
   collective does not already give every rank the same verdict (a reduce-scatter leaves each
   rank its own shard) set ``agree=True``: the flags are then all-reduced at settling;
 * **settle** (every unit of a launched step done): commit (finite) or discard (any rank
@@ -66,12 +66,13 @@ class SyncEngine:
         self.groups: list[DeviceGroup] = [group]
         self.grad_scaler, self.grad_scale = grad_scaler, 1.0
         self.fingerprint_extra: dict = {}
+        self.on_skip: list = []  # callbacks(finite per observed unit) of a skipped step
         self._parameters = [[n, list(p.shape), str(p.dtype), p.requires_grad]
                             for n, p in model.named_parameters()]
         self._checked = False
         self._lock = threading.RLock()
         self._outstanding = 0
-        self._finite: torch.Tensor | None = None
+        self._finite: list[torch.Tensor] = []  # per observed unit
         self._hooks = [model.register_forward_pre_hook(self._on_forward), *self.pipeline.hooks]
 
     # -- set-up by the adapters --------------------------------------------------------------
@@ -127,10 +128,10 @@ class SyncEngine:
             self.pipeline.start_step(self.ledger.step)
 
     def observe(self, values: torch.Tensor) -> None:
-        """Fold ``values`` (a unit's result) into the step's device flag (no host sync)."""
-        ok = torch.isfinite(values).all()
+        """Record whether ``values`` (a unit's result) is finite, as a device flag (no host
+        sync); units are observed in the same order on every rank."""
         with self._lock:
-            self._finite = ok if self._finite is None else self._finite & ok
+            self._finite.append(torch.isfinite(values).all())
 
     def finish_unit(self) -> None:
         """A unit's result is ready; the last one of a launched step settles it."""
@@ -149,11 +150,12 @@ class SyncEngine:
                 self._settle()
 
     def _settle(self) -> None:
-        ok = self._finite if self._finite is not None else torch.ones((), dtype=torch.bool)
-        if self.agree:  # count the ranks whose flag is down
-            bad, _ = self.group.all_reduce((~ok).to(torch.float32).reshape(1), "flag")
+        ok = torch.stack(self._finite) if self._finite else torch.ones(1, dtype=torch.bool)
+        if self.agree:  # per unit, count the ranks whose flag is down
+            bad, _ = self.group.all_reduce((~ok).to(torch.float32), "flag")
             ok = bad == 0
-        finite = bool(ok.all())  # the step's one host read
+        units_ok = ok.tolist()  # the step's one host read
+        finite = all(units_ok)
         self.pipeline.settle(finite)
         for name, feedback in self.feedbacks.items():
             if name != "sender":  # the pipeline settles its own
@@ -164,7 +166,10 @@ class SyncEngine:
                 self.ledger.add(key, taken.get(kind, 0.0))
             self.ledger.add("bytes_sent", taken.get("flag", 0.0))
         self.ledger.settle(finite)
-        self._finite = None
+        self._finite = []
+        if not finite:
+            for callback in self.on_skip:
+                callback(units_ok)
 
     def rollback(self) -> None:
         """Forget the step in flight after an exception: nothing it staged is kept."""
@@ -175,7 +180,7 @@ class SyncEngine:
             for group in self.groups:
                 group.take_bytes()
             self.ledger.reset_phase()
-            self._outstanding, self._finite = 0, None
+            self._outstanding, self._finite = 0, []
 
     def set_grad_scale(self, scale: float) -> None:
         """The loss scale of the coming backward: rescale the residuals if it changed."""

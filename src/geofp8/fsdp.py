@@ -17,9 +17,12 @@ buffer ``[N, M]`` whose row ``r`` is every parameter's dim-0 chunk ``r`` (see
   ``PREMUL_SUM`` after ``set_gradient_divide_factor(f)``: ``/f``). One rounding, no
   all-gather: ``(N−1)/N`` encoded bytes per element and rank, against ``4(N−1)/N`` in FP32.
 * non-finite: a sender whose input is not finite says so in its flag; every receiver then
-  sets the whole unit's output to NaN. A sum that overflows on one receiver only is agreed
-  on when the step settles (the engine all-reduces the finite flags), so every rank counts
-  the step as skipped and commits nothing.
+  sets the whole unit's output to NaN. A sum that overflows on one receiver only, or a NaN
+  that FSDP's own reduce-scatter left in one shard (HSDP hook only), is agreed on when the
+  step settles (the engine all-reduces the finite flags): every rank counts the step as
+  skipped, commits nothing, and sets the local gradient shards of the units that were not
+  finite on some rank to NaN on every rank, so an optimizer or ``GradScaler`` sees the same
+  verdict everywhere.
 
 :class:`ReplicaAllReduce` (HSDP: ``enable(..., mesh=2-D mesh with dims ("replicate",
 "shard"))``, the model sharded on ``mesh["shard"]``): FSDP's all-reduce hook receives this
@@ -102,7 +105,7 @@ class GeoFP8ReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False) -> None:
-        self.state.run_unit(self._reduce, output_tensor, input_tensor, group, op)
+        self.state.run_unit(self.unit, self._reduce, output_tensor, input_tensor, group, op)
 
     def _reduce(self, out: torch.Tensor, inp: torch.Tensor, group, op) -> None:
         engine, unit = self.state.engine, self.unit
@@ -192,7 +195,7 @@ class ReplicaAllReduce:
         if self._partial is not None:
             reduce_output.add_(self._partial)
             self._partial = None
-        self.state.run_unit(self._all_reduce, reduce_output)
+        self.state.run_unit(self.unit, self._all_reduce, reduce_output)
 
     def _all_reduce(self, shard: torch.Tensor) -> None:
         engine, unit, rep = self.state.engine, self.unit, self.group
@@ -330,6 +333,8 @@ class GeoFP8FSDP:
         self.probe = Fidelity()
         self._communicators: dict[int, Communicator] = {}
         self._armed = False
+        self._reduced: list[_Unit] = []  # units reduced in the step in flight
+        self.engine.on_skip.append(self._poison_reduced)
         units = _units(model, mesh)
         self.units = [u for u, _ in units]
         if mesh is not None:
@@ -341,7 +346,7 @@ class GeoFP8FSDP:
             if mesh is not None:
                 module.set_all_reduce_hook(ReplicaAllReduce(self, unit, replicate,
                                                             reduce_scatter))
-        self._hook = model.register_forward_pre_hook(lambda *_: self.engine.end_step())
+        self._hook = model.register_forward_pre_hook(lambda *_: self._end_step())
 
     # -- what the adapters share -------------------------------------------------------------
 
@@ -350,7 +355,7 @@ class GeoFP8FSDP:
     ledger = property(lambda self: self.engine.ledger)
     step = property(lambda self: self.engine.step)
 
-    def run_unit(self, work, *args) -> None:
+    def run_unit(self, unit: _Unit, work, *args) -> None:
         """Run one unit of the step through the engine: begin the step if it is the first,
         settle at the end of backward, roll back on an exception."""
         engine = self.engine
@@ -358,15 +363,32 @@ class GeoFP8FSDP:
             engine.start_unit()
             if not self._armed:
                 self._armed = _queue_end_of_backward(self._end_of_backward)
+            self._reduced.append(unit)
             work(*args)
             engine.finish_unit()
         except BaseException:
+            self._reduced = []
             engine.rollback()
             raise
 
     def _end_of_backward(self) -> None:
         self._armed = False
+        self._end_step()
+
+    def _end_step(self) -> None:
         self.engine.end_step()
+        self._reduced = []
+
+    def _poison_reduced(self, finite: list[bool]) -> None:
+        """A skipped step: NaN in the local gradient shards of its non-finite units (module
+        notes; one flag per :meth:`run_unit`, in order)."""
+        for unit, ok in zip(self._reduced, finite):
+            if ok:
+                continue
+            for fsdp_param in unit.param_group.fsdp_params:
+                grad = fsdp_param.sharded_param.grad
+                if grad is not None:
+                    getattr(grad, "_local_tensor", grad).fill_(float("nan"))
 
     def communicator(self, group: DeviceGroup) -> Communicator:
         key = id(group)

@@ -1,0 +1,109 @@
+"""Host syncs and aten ops per DDP bucket on an ordinary step, counted through the public API.
+
+A ``TorchDispatchMode`` around ``backward()`` counts every aten op and every device-to-host
+read (``_local_scalar_dense``: ``.item()``, ``bool(t)``, ``.tolist()``) that the comm hook
+issues on the autograd thread, on ranks of a real gloo group. The model: 32 Linear(256, 256)
+weights, DDP buckets of ~1 MB (8 buckets). Step 0 (consistency check) and refresh steps
+are excluded: the figures are those of an ordinary step. Work done in the collective's
+completion callbacks (gloo's threads) is not seen, so the op counts are a lower bound.
+
+    python benchmarks/host_syncs.py               # 2 and 4 ranks, fp8-ef and geofp8-auto
+    PYTHONPATH=<other checkout>/src python benchmarks/host_syncs.py   # another version
+
+Counts are deterministic (the same on every run), so they compare versions exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SYNC_OPS = ("aten._local_scalar_dense.default",)
+STEPS = 4  # steps 1..3 are ordinary (refresh_every is large); step 0 is skipped
+
+
+class Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    from geofp8.methods import METHODS
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(32)])
+    spec = METHODS[method]
+    state, hook, _ = spec.build(model, **({"refresh_every": 1000}
+                                         if "refresh_every" in spec.overrides else {}))
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+    ddp.register_comm_hook(state, hook)
+    torch.manual_seed(1 + rank)
+    per_step = []
+    for step in range(STEPS):
+        loss = ddp(torch.randn(16, 256)).pow(2).mean()
+        counter = Counter()
+        with counter:
+            loss.backward()
+        if step:
+            per_step.append(counter.ops)
+        ddp.zero_grad()
+    buckets = len(ddp.reducer._get_zeros_like_grad_buckets())
+    total = sum(per_step, collections.Counter())
+    steps = len(per_step)
+    queue.put((rank, buckets, sum(total.values()) / steps,
+               sum(total[o] for o in SYNC_OPS) / steps))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(method: str, world: int) -> tuple[int, float, float]:
+    """``(buckets, aten ops per step, host syncs per step)`` on rank 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, method, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict((r, rest) for r, *rest in (queue.get(timeout=600) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    return tuple(results[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=["fp8-ef", "geofp8-auto"])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    args = parser.parse_args()
+    print("| method | ranks | buckets | aten ops / bucket | host syncs / bucket |")
+    print("|---|---|---|---|---|")
+    for method in args.methods:
+        for world in args.ranks:
+            buckets, ops, syncs = measure(method, world)
+            print(f"| {method} | {world} | {buckets} | {ops / buckets:.1f} | "
+                  f"{syncs / buckets:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
