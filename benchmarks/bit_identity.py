@@ -58,11 +58,14 @@ def _state(kind: str, fields: dict, model):
 
     if kind == "method":
         method = METHODS[fields["name"]]
-        chosen = {k: v for k, v in OVERRIDES.items() if k in method.overrides}
+        chosen = {k: v for k, v in OVERRIDES.items()
+                  if k in method.overrides and method.kind == "geofp8"}
         state, hook, _ = method.build(model, **chosen)
         return state, hook
     if kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
+
+        import geofp8.fsdp
 
         for layer in model.model.layers:
             fully_shard(layer)

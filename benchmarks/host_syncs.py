@@ -51,8 +51,8 @@ def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(32)])
     spec = METHODS[method]
-    state, hook, _ = spec.build(model, **({"refresh_every": 1000}
-                                         if "refresh_every" in spec.overrides else {}))
+    state, hook, _ = spec.build(model, **{k: v for k, v in {"refresh_every": 1000}.items()
+                                          if k in spec.overrides and spec.kind == "geofp8"})
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
     ddp.register_comm_hook(state, hook)
     torch.manual_seed(1 + rank)

@@ -317,11 +317,18 @@ def test_rht_mixes_within_codec_blocks_and_round_trips_through_state():
         RandomHadamard(32, block=12)
 
 
-def test_block_methods_keep_their_format():
+def test_block_methods_keep_their_format_and_refuse_another():
     for name, fmt in [("nvfp4", "nvfp4"), ("nvfp4-auto-ef", "nvfp4"), ("mxfp4-rht-ef", "mxfp4"),
                       ("mxfp8-ef", "mxfp8")]:
-        cfg = METHODS[name].config(format="e5m2", k=8)
-        assert cfg.format == fmt
+        assert METHODS[name].config().format == fmt
+        with pytest.raises(ValueError, match=r"does not take \['format'\]"):
+            METHODS[name].config(format="e5m2")
+    with pytest.raises(ValueError, match=r"does not take \['k'\]"):
+        METHODS["fp8-ef"].config(k=8)
+    with pytest.raises(ValueError, match="does not take"):
+        METHODS["fp32"].build(None, format="e5m2")
+    assert METHODS["nvfp4-ef"].takes(format="e5m2", k=8, refresh_every=None) == {
+        "k": 8, "refresh_every": None}
     assert METHODS["nvfp4-auto-ef"].config(k=8).k == 8
     assert METHODS["nvfp4"].config().error_feedback is False
     assert METHODS["nvfp4-ef"].config().error_feedback is True
@@ -375,7 +382,8 @@ def _train_worker(rank, world_size, names, steps):
     for name in names:
         model = make_model()
         ddp = DDP(model, bucket_cap_mb=0.01)
-        state, hook, _ = METHODS[name].build(model, refresh_every=4, profile_steps=2, k=8)
+        state, hook, _ = METHODS[name].build(
+            model, **METHODS[name].takes(refresh_every=4, profile_steps=2, k=8))
         ddp.register_comm_hook(state, hook)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for step in range(steps):

@@ -151,3 +151,39 @@ def test_local_factors_decoded_per_sender(world_size):
     # each sender ships U (d_in×k), d_inv (k), c_inv for each of the 2 weights to N−1 peers
     per_peer = 4 * ((48 * k + k + 1) + (64 * k + k + 1))
     assert stats["factor_bytes_sent"] == (world_size - 1) * per_peer
+
+
+def _overflow_worker(rank, world_size):
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    ddp = DDP(model)
+    state = GeoFP8State(model, GeoFP8Config(layers="all", candidates="linear",
+                                            factor_source="fresh", k=4))
+    ddp.register_comm_hook(state, geofp8_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step + 10 * rank))
+            if step in (1, 3) and rank == 0:  # x xᵀ Ω overflows FP32: the sketch is inf
+                x = x * 1e20
+            ddp(x).pow(2).mean().backward()
+            if all(torch.isfinite(p.grad).all() for p in model.parameters()):
+                opt.step()  # as GradScaler does: skip a step whose gradient is not finite
+            opt.zero_grad()
+    said = [str(w.message) for w in caught if "sketch of" in str(w.message)]
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return said, state.stats()["skipped_steps"], params
+
+
+def test_a_non_finite_fresh_sketch_is_said_once_per_layer_and_the_step_skipped():
+    results = run_ranks(_overflow_worker, 2)
+    for said, skipped, params in results:
+        # both layers' sketches overflow, at steps 1 and 3: one warning per layer
+        layers = {s.split("sketch of ")[1].split()[0] for s in said}
+        assert len(said) == 2 and layers == {"'0.weight'", "'2.weight'"}
+        assert all("keeps its last map" in s for s in said)
+        assert skipped == 2 and torch.isfinite(params).all()
+    assert torch.equal(results[0][2], results[1][2])

@@ -113,8 +113,9 @@ def _stats_worker(rank, world_size):
     before = {k: v for k, v in state.state_dict().items()}
     first, second = state.stats(), state.stats()
     after = state.state_dict()
-    same_state = _digest(v for k, v in sorted(before["feedback"]["sender"]["residuals"].items())) == \
-        _digest(v for k, v in sorted(after["feedback"]["sender"]["residuals"].items()))
+    residuals = [s["feedback"]["sender"]["residuals"] for s in (before, after)]
+    same_state = _digest(v for _, v in sorted(residuals[0].items())) == \
+        _digest(v for _, v in sorted(residuals[1].items()))
     return first, second, same_state, before["step"] == after["step"]
 
 

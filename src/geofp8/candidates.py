@@ -15,10 +15,11 @@ def find_candidates(model: nn.Module, names: dict[int, str], scope, min_dim: int
                     ) -> dict[str, Layer]:
     """The Linear layers that may take the geometry branch, by weight name.
 
-    ``scope``: ``"blocks"`` (the Linear layers inside repeated blocks, i.e. under an
-    ``nn.ModuleList`` — the transformer blocks, not the LM head; all Linear layers when the
-    model has no repeated blocks), ``"linear"`` (every Linear layer) or module names. Frozen,
-    tied and narrow (``min(d_in, d_out) < min_dim``) weights are never candidates.
+    ``scope``: ``"blocks"`` (the Linear layers inside repeated blocks, i.e. in or
+    under an ``nn.ModuleList``: ``layers.3.mlp.up`` or ``layers.3`` itself; the transformer
+    blocks, not the LM head; all Linear layers when the model has no repeated blocks),
+    ``"linear"`` (every Linear layer) or module names. Frozen, tied and narrow
+    (``min(d_in, d_out) < min_dim``) weights are never candidates.
     """
     modules = dict(model.named_modules())
     if isinstance(scope, (list, tuple)):
@@ -26,7 +27,7 @@ def find_candidates(model: nn.Module, names: dict[int, str], scope, min_dim: int
         if unknown:
             raise ValueError(f"GeoFP8Config names no nn.Linear module: {unknown}")
     lists = [re.escape(n) for n, m in modules.items() if isinstance(m, nn.ModuleList) and n]
-    in_block = re.compile(rf"^(?:{'|'.join(lists)})\.\d+\.") if lists else None
+    in_block = re.compile(rf"^(?:{'|'.join(lists)})\.\d+(?:\.|$)") if lists else None
     layers = {}
     for name, mod in modules.items():
         if not isinstance(mod, nn.Linear) or not mod.weight.requires_grad:

@@ -1,8 +1,11 @@
-"""Configuration of GeoFP8: string enums for every choice, one frozen-in-spirit dataclass.
+"""Configuration of GeoFP8: string enums for every choice, two small frozen dataclasses.
 
 Every field decides what goes on the wire, so the configuration must be identical on every
-rank (checked at the first step). Choices are plain strings (``format="e4m3"``) validated
-against the enums below; the enums are there to read and to autocomplete.
+rank (checked at the first step). Choices may be given as plain strings
+(``format="e4m3"``); they are normalised to the enums below at construction, so a typo fails
+there and not at the first step. A field that does not apply to the chosen format or
+transform (``scaling`` of ``nvfp4``, ``transform_block`` of ``lowrank``) raises; left at
+``None`` it takes the format's or transform's default.
 """
 
 from __future__ import annotations
@@ -16,11 +19,24 @@ from .codecs.base import mix_seed
 from .comm import COLLECTIVES
 from .geometry.factory import TRANSFORMS
 
-__all__ = ["Candidates", "FP8Config", "FactorSource", "GeoFP8Config", "LayerMode",
-           "Statistics"]
+__all__ = ["Candidates", "Collective", "FP8Config", "FactorSource", "Format", "GeoFP8Config",
+           "LayerMode", "Rounding", "Scaling", "Statistics", "Transform"]
 
 
-class LayerMode(str, enum.Enum):
+def _registry_enum(name: str, values) -> type[enum.StrEnum]:
+    """A string enum of a registry's names (one place adds a format or a transform)."""
+    return enum.StrEnum(name, {v.upper(): v for v in values})
+
+
+Format = _registry_enum("Format", FORMATS)  # E4M3, E5M2, NVFP4, MXFP4, MXFP8
+Scaling = _registry_enum("Scaling", SCALINGS)  # FP8 scale groups: TENSOR, ROW, BLOCK
+Rounding = _registry_enum("Rounding", ROUNDINGS)  # NEAREST, STOCHASTIC
+Collective = _registry_enum("Collective", COLLECTIVES)  # EXACT, ALLGATHER
+Transform = _registry_enum("Transform", TRANSFORMS)  # EUCLIDEAN, LOWRANK, KFAC, ...
+FP8_FORMATS = (Format.E4M3, Format.E5M2)
+
+
+class LayerMode(enum.StrEnum):
     """Which candidate layers take the geometry branch (see :mod:`geofp8.selection`)."""
 
     AUTO = "auto"  # measured at every refresh, with error feedback, switched with hysteresis
@@ -29,14 +45,14 @@ class LayerMode(str, enum.Enum):
     NONE = "none"
 
 
-class Candidates(str, enum.Enum):
+class Candidates(enum.StrEnum):
     """Which Linear layers may take the geometry branch at all."""
 
     BLOCKS = "blocks"  # Linear layers inside repeated blocks (not the LM head); the paper's set
     LINEAR = "linear"  # every Linear layer
 
 
-class FactorSource(str, enum.Enum):
+class FactorSource(enum.StrEnum):
     """Where the geometry maps come from (see :mod:`geofp8.geometry.sources`)."""
 
     REFRESH = "refresh"  # the paper: statistics over refresh_every steps, reduced, broadcast
@@ -44,7 +60,7 @@ class FactorSource(str, enum.Enum):
     LOCAL = "local"  # each sender's own factor, shipped with its payload
 
 
-class Statistics(str, enum.Enum):
+class Statistics(enum.StrEnum):
     """How ``A = E[x xᵀ]`` is accumulated for refreshed factors."""
 
     AUTO = "auto"  # sketch when d_in > sketch_above (low-rank maps only), else exact
@@ -52,13 +68,33 @@ class Statistics(str, enum.Enum):
     SKETCH = "sketch"  # d_in·(k+p) floats
 
 
-def _one_of(value, choices, what: str) -> str | None:
-    values = [c.value if isinstance(c, enum.Enum) else c for c in choices]
-    value = value.value if isinstance(value, enum.Enum) else value
-    return None if value in values else f"{what} must be one of {values}, got {value!r}"
+def _choice(value, kind: type[enum.StrEnum], what: str, problems: list[str]):
+    """``value`` as a member of ``kind``; a problem is recorded when it is none."""
+    try:
+        return kind(value.value if isinstance(value, enum.Enum) else value)
+    except ValueError:
+        problems.append(f"{what} must be one of {[m.value for m in kind]}, got {value!r}")
+        return value
 
 
-@dataclass
+def _choice_or_names(value, kind: type[enum.StrEnum], what: str, problems: list[str]):
+    """A member of ``kind``, or a tuple of module names."""
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return _choice(value, kind, f"{what} (or a list of module names)", problems)
+
+
+def _default_if_applies(value, applies: bool, default, what: str, problems: list[str]):
+    """``value`` (``default`` when ``None``) where it applies; ``None`` where it does not,
+    and a problem when the caller set it there."""
+    if applies:
+        return default if value is None else value
+    if value is not None:
+        problems.append(what)
+    return None
+
+
+@dataclass(frozen=True)
 class GeoFP8Config:
     """Everything that decides what goes on the wire. Must be identical on every rank.
 
@@ -67,24 +103,24 @@ class GeoFP8Config:
     """
 
     # -- codec
-    format: str = "e4m3"  # a name of geofp8.codecs.FORMATS; e4m3: 2⁻⁴ relative error
-    scaling: str = "tensor"  # FP8 scale groups: tensor | row | block (block_size elements)
-    block_size: int = 128
-    rounding: str = "nearest"  # nearest (ties to even) | stochastic (block formats, seeded)
-    collective: str = "exact"  # exact: all-to-all + FP32 sum + all-gather | allgather
+    format: Format = Format.E4M3  # e4m3: 2⁻⁴ relative error; see geofp8.codecs
+    scaling: Scaling | None = None  # FP8 only: tensor (default) | row | block
+    block_size: int | None = None  # FP8 scaling="block" only: elements per scale (128)
+    rounding: Rounding = Rounding.NEAREST  # stochastic: block formats, seeded
+    collective: Collective = Collective.EXACT  # exact: all-to-all + FP32 sum + all-gather
     # -- geometry
-    transform: str = "lowrank"  # a kind of geofp8.geometry.factory.TRANSFORMS
+    transform: Transform = Transform.LOWRANK  # a kind of geofp8.geometry.factory.TRANSFORMS
     k: int = 32  # rank of the low-rank factor (the paper's k)
     damping: float = 0.1  # λ = damping · tr(A) / d_in
-    transform_block: int = 128  # column block of transform="block"
-    factor_source: str = "refresh"  # FactorSource
+    transform_block: int | None = None  # transform="block" only: column block (128)
+    factor_source: FactorSource = FactorSource.REFRESH
     refresh_every: int = 50  # steps between refreshes / auto measurements (the paper's K)
-    statistics: str = "auto"  # Statistics
+    statistics: Statistics = Statistics.AUTO
     sketch_above: int = 256  # Statistics.AUTO sketches inputs wider than this
     oversample: int = 8  # p: the sketch has k + p columns
     # -- selection
-    layers: str | list[str] = "auto"  # LayerMode, or module names
-    candidates: str | list[str] = "blocks"  # Candidates, or module names
+    layers: LayerMode | tuple[str, ...] = LayerMode.AUTO  # or module names
+    candidates: Candidates | tuple[str, ...] = Candidates.BLOCKS  # or module names
     auto_margin: float = 0.1  # auto switches on below (1 − margin) × Euclidean error
     profile_steps: int = 100  # profile: steps scored after the warm-up
     profile_top: int | None = None  # profile: layers kept (default: a quarter)
@@ -96,34 +132,45 @@ class GeoFP8Config:
     rank: int | None = None  # deprecated name of ``k``
 
     def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         if self.rank is not None:
             warnings.warn("GeoFP8Config(rank=...) is deprecated: the low-rank factor's rank is "
                           "now called k", DeprecationWarning, stacklevel=3)
-            self.k, self.rank = self.rank, None
+            set_("k", self.rank)
+            set_("rank", None)
         if self.collective == "native":
             raise ValueError("collective='native' (summing FP8 codes inside the backend) is not "
                              "offered: no backend available to this project sums FP8 with "
                              "per-rank scales exactly; use 'exact' or 'allgather'")
-        problems = [
-            _one_of(self.format, FORMATS, "format"),
-            _one_of(self.scaling, SCALINGS, "scaling"),
-            _one_of(self.rounding, ROUNDINGS, "rounding"),
-            None if self.rounding == "nearest" or self.format not in ("e4m3", "e5m2") else
-            "stochastic rounding needs a block format (nvfp4, mxfp4, mxfp8)",
-            _one_of(self.collective, COLLECTIVES, "collective"),
-            _one_of(self.transform, TRANSFORMS, "transform"),
-            _one_of(self.factor_source, FactorSource, "factor_source"),
-            _one_of(self.statistics, Statistics, "statistics"),
-            None if isinstance(self.layers, (list, tuple)) else
-            _one_of(self.layers, LayerMode, "layers (or a list of module names)"),
-            None if isinstance(self.candidates, (list, tuple)) else
-            _one_of(self.candidates, Candidates, "candidates (or a list of module names)"),
-        ]
+        problems: list[str] = []
+        for name, kind in (("format", Format), ("rounding", Rounding),
+                           ("collective", Collective), ("transform", Transform),
+                           ("factor_source", FactorSource), ("statistics", Statistics)):
+            set_(name, _choice(getattr(self, name), kind, name, problems))
+        set_("layers", _choice_or_names(self.layers, LayerMode, "layers", problems))
+        set_("candidates", _choice_or_names(self.candidates, Candidates, "candidates",
+                                            problems))
+        fp8 = self.format in FP8_FORMATS
+        set_("scaling", _default_if_applies(
+            self.scaling, fp8, Scaling.TENSOR,
+            f"scaling applies to the FP8 formats only; {self.format} fixes its own scales",
+            problems))
+        if self.scaling is not None:
+            set_("scaling", _choice(self.scaling, Scaling, "scaling", problems))
+        set_("block_size", _default_if_applies(
+            self.block_size, self.scaling == Scaling.BLOCK, 128,
+            "block_size applies to scaling='block' only", problems))
+        set_("transform_block", _default_if_applies(
+            self.transform_block, self.transform == Transform.BLOCK, 128,
+            "transform_block applies to transform='block' only", problems))
         checks = [
+            (self.rounding == "nearest" or not fp8,
+             "stochastic rounding needs a block format (nvfp4, mxfp4, mxfp8)"),
             (self.k >= 1, "k must be >= 1"),
             (self.damping >= 0, "damping must be >= 0"),
             (self.refresh_every >= 1, "refresh_every must be >= 1"),
-            (self.block_size >= 1 and self.transform_block >= 1, "block sizes must be >= 1"),
+            ((self.block_size or 1) >= 1 and (self.transform_block or 1) >= 1,
+             "block sizes must be >= 1"),
             (self.warmup_steps >= 0 and self.profile_steps >= 1, "step counts must be >= 0"),
             (0 <= self.auto_margin < 1, "auto_margin must be in [0, 1)"),
             (self.factor_source == "refresh" or self.transform == "lowrank",
@@ -134,14 +181,8 @@ class GeoFP8Config:
              "statistics='sketch' only supports transform='lowrank'"),
         ]
         problems += [message for ok, message in checks if not ok]
-        problems = [p for p in problems if p]
         if problems:
             raise ValueError("GeoFP8Config: " + "; ".join(problems))
-        for name in ("format", "scaling", "collective", "transform", "factor_source",
-                     "statistics", "layers", "candidates"):
-            value = getattr(self, name)
-            if isinstance(value, enum.Enum):
-                setattr(self, name, value.value)
 
     def rounding_seed(self, *index: int) -> int | None:
         """Stochastic rounding's seed for ``index`` (step, bucket or unit, …): the same on
@@ -149,23 +190,26 @@ class GeoFP8Config:
         return mix_seed(self.seed, *index) if self.rounding == "stochastic" else None
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        for key in ("layers", "candidates"):
-            if isinstance(d[key], tuple):
-                d[key] = list(d[key])
-        return d
+        """Plain strings, numbers and lists (JSON, ``weights_only`` checkpoints)."""
+        return {k: list(v) if isinstance(v, tuple) else
+                v.value if isinstance(v, enum.Enum) else v for k, v in asdict(self).items()}
 
 
-@dataclass
+@dataclass(frozen=True)
 class FP8Config:
     """Plain (Euclidean) FP8 communication: the control GeoFP8 must beat."""
 
-    format: str = "e4m3"
-    scaling: str = "tensor"
-    block_size: int = 128
-    collective: str = "exact"
+    format: Format = Format.E4M3
+    scaling: Scaling | None = None
+    block_size: int | None = None
+    collective: Collective = Collective.EXACT
     error_feedback: bool = False
     warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        normal = self.to_geofp8()  # validates; the fields as GeoFP8Config normalises them
+        for name in ("format", "scaling", "block_size", "collective"):
+            object.__setattr__(self, name, getattr(normal, name))
 
     def to_geofp8(self, transform: str = "euclidean", layers: str = "none",
                   candidates: str = "linear") -> GeoFP8Config:

@@ -309,7 +309,7 @@ class GeoFP8FSDP:
         if isinstance(config, FP8Config):
             config = config.to_geofp8()
         cfg = config if config is not None else GeoFP8Config()
-        if str(getattr(cfg.transform, "value", cfg.transform)) in ("output", "kfac"):
+        if cfg.transform in ("output", "kfac"):
             raise ValueError("GeoFP8 on FSDP: output-side transforms act on rows, which FSDP "
                              "shards; use an input-side transform (lowrank, full, diag, ...)")
         if str(getattr(cfg.factor_source, "value", cfg.factor_source)) == "local":

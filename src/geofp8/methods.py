@@ -37,19 +37,30 @@ class Method:
     kind: str
     description: str
     settings: dict[str, Any] = field(default_factory=dict)  # GeoFP8Config fields / PowerSGD rank
-    overrides: tuple[str, ...] = GEOMETRY_OVERRIDES  # caller settings it accepts
+    overrides: tuple[str, ...] = GEOMETRY_OVERRIDES  # caller settings it takes (see config)
     # PyTorch's PowerSGD hook issues collectives from completion callbacks; with
     # several buckets in flight those reach the ranks in different orders (gloo, 4 ranks:
     # "collective mismatch"). Register them on a DDP with one bucket.
     one_bucket: bool = False
 
     def config(self, **overrides) -> GeoFP8Config | None:
-        """The :class:`GeoFP8Config` of a ``geofp8`` method; caller ``overrides`` that this
-        method does not take are ignored (e.g. ``rank`` for plain FP8)."""
+        """The :class:`GeoFP8Config` of a ``geofp8`` method (``None`` for PyTorch's hooks),
+        with the caller's ``overrides`` (a ``None`` value keeps the method's own). An
+        override the method does not take raises: ``format`` for ``nvfp4-ef``, which names
+        its format, or ``k`` for ``fp8-ef``, which has no factor."""
+        chosen = {k: v for k, v in overrides.items() if v is not None}
+        refused = sorted(set(chosen) - set(self.overrides))
+        if refused:
+            raise ValueError(f"method {self.description!r} does not take {refused}; it takes "
+                             f"{list(self.overrides)}")
         if self.kind != "geofp8":
             return None
-        chosen = {k: v for k, v in overrides.items() if k in self.overrides and v is not None}
         return GeoFP8Config(**{**chosen, **self.settings})
+
+    def takes(self, **settings) -> dict:
+        """The part of run-wide ``settings`` (one sweep over many methods) this method
+        takes; pass the result to :meth:`build` or :meth:`config`."""
+        return {k: v for k, v in settings.items() if k in self.overrides}
 
     def build(self, model, process_group=None, **overrides):
         """``(state, hook, bytes_per_element)`` to register on DDP.
@@ -65,6 +76,7 @@ class Method:
 
         from .ddp import GeoFP8State, geofp8_hook
 
+        config = self.config(**overrides)  # raises on an override the method does not take
         if self.kind == "allreduce":
             return None, default_hooks.allreduce_hook, 4
         if self.kind == "bf16":
@@ -74,7 +86,7 @@ class Method:
                 process_group, matrix_approximation_rank=self.settings["rank"],
                 start_powerSGD_iter=2, use_error_feedback=True)
             return state, powerSGD_hook.powerSGD_hook, None
-        return GeoFP8State(model, self.config(**overrides), process_group), geofp8_hook, None
+        return GeoFP8State(model, config, process_group), geofp8_hook, None
 
 
 def _control(description: str, **settings) -> Method:
@@ -92,12 +104,12 @@ def _block(fmt: str, description: str, transform: str = "euclidean", **settings)
 
 
 METHODS: dict[str, Method] = {
-    "fp32": Method("allreduce", "FP32 ring all-reduce (DDP default)"),
-    "bf16": Method("bf16", "PyTorch bf16_compress_hook"),
+    "fp32": Method("allreduce", "FP32 ring all-reduce (DDP default)", overrides=()),
+    "bf16": Method("bf16", "PyTorch bf16_compress_hook", overrides=()),
     "powersgd": Method("powersgd", "PyTorch PowerSGD, rank 4, error feedback", {"rank": 4},
-                       one_bucket=True),
+                       (), one_bucket=True),
     "powersgd8": Method("powersgd", "PyTorch PowerSGD, rank 8, error feedback", {"rank": 8},
-                        one_bucket=True),
+                        (), one_bucket=True),
     "fp8": _control("FP8, per-tensor scales", error_feedback=False),
     "fp8-ef": _control("FP8 + error feedback", error_feedback=True),
     "fp8-block": _control("FP8, a scale per 128 elements", scaling="block", block_size=128,

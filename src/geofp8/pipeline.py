@@ -18,6 +18,7 @@ bracket a step; per tensor, :meth:`~GradientPipeline.prepare_into` and
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,10 @@ class GradientPipeline:
                                 config.rounding)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.layers = find_candidates(model, self.names, candidates, config.min_dim)
+        if not self.layers and config.transform != "euclidean" and config.layers != "none":
+            warnings.warn(f"GeoFP8: the model has no candidate layer (candidates="
+                          f"{config.candidates!r}, min_dim={config.min_dim}): every gradient "
+                          f"is communicated in plain {config.format} (Euclidean)", stacklevel=3)
         devices = {n: p.device for n, p in model.named_parameters()}
         self.source = make_source(config, self.layers, ledger, group, devices,
                                   self.codec.block_size)

@@ -170,8 +170,19 @@ class AutoSelection(Selection):
 
 def make_selection(config, codec: Codec, candidates: list[str],
                    factor_source: str) -> Selection:
-    """The selection policy of ``config.layers`` over ``candidates`` (parameter names)."""
+    """The selection policy of ``config.layers`` over ``candidates`` (parameter names).
+    Module names in ``config.layers`` that are not candidates raise."""
     layers = config.layers
+    if isinstance(layers, (list, tuple)):
+        refused = [n for n in layers if f"{n}.weight" not in candidates]
+        if refused:
+            raise ValueError(
+                f"GeoFP8Config(layers=...) names {refused}, which are not candidates under "
+                f"candidates={config.candidates!r} (candidates: "
+                f"{[c.removesuffix('.weight') for c in candidates]}); name them in "
+                "candidates too, or use candidates='linear'")
+    if not candidates:
+        return FixedSelection(candidates)
     if layers == "profile":
         return ProfileSelection(candidates, codec, config.warmup_steps, config.profile_steps,
                                 config.profile_top)

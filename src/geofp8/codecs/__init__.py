@@ -33,16 +33,16 @@ __all__ = ["FORMATS", "ROUNDINGS", "SCALINGS", "Codec", "FP8Codec", "MXCodec", "
 
 
 def _fp8(fmt: str) -> Callable[..., Codec]:
-    def factory(scaling="tensor", block_size=128, rounding="nearest") -> Codec:
+    def factory(scaling=None, block_size=None, rounding="nearest") -> Codec:
         if rounding != "nearest":
             raise ValueError(f"format {fmt!r} rounds to nearest only; stochastic rounding "
                              "is offered for nvfp4, mxfp4 and mxfp8")
-        return FP8Codec(fmt, scaling, block_size)
+        return FP8Codec(fmt, scaling or "tensor", block_size or 128)
     return factory
 
 
 def _mx(fmt: str, element: str) -> Callable[..., Codec]:
-    return lambda scaling="tensor", block_size=128, rounding="nearest": MXCodec(
+    return lambda scaling=None, block_size=None, rounding="nearest": MXCodec(
         fmt, element, rounding)
 
 
@@ -50,17 +50,17 @@ def _mx(fmt: str, element: str) -> Callable[..., Codec]:
 FORMATS: dict[str, Callable[..., Codec]] = {
     "e4m3": _fp8("e4m3"),
     "e5m2": _fp8("e5m2"),
-    "nvfp4": lambda scaling="tensor", block_size=128, rounding="nearest": NVFP4Codec(
+    "nvfp4": lambda scaling=None, block_size=None, rounding="nearest": NVFP4Codec(
         "nvfp4", rounding),
     "mxfp4": _mx("mxfp4", "e2m1"),
     "mxfp8": _mx("mxfp8", "e4m3"),
 }
 
 
-def make_codec(format: str = "e4m3", scaling: str = "tensor", block_size: int = 128,
+def make_codec(format: str = "e4m3", scaling: str | None = None, block_size: int | None = None,
                rounding: str = "nearest") -> Codec:
-    """The codec of ``format`` with the given scale granularity (where the format has one)
-    and rounding."""
+    """The codec of ``format`` with the given scale granularity (FP8 formats: ``None`` is
+    ``"tensor"`` and 128 elements per block; the block formats fix their own) and rounding."""
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; expected one of {list(FORMATS)}")
     if rounding not in ROUNDINGS:

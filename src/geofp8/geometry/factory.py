@@ -52,6 +52,7 @@ def make_transform(kind: str, damping: float, *, A: torch.Tensor | None = None,
     """The map of one layer. ``dim``: ``d_in`` for ``hadamard`` and ``rht``; ``block``: the
     column block of ``block``, the codec's scale block for ``rht``; ``factor``: the top-k
     of ``A`` for ``lowrank`` (``full`` takes ``A`` or a full-rank factor)."""
+    kind = str(kind)  # a plain string in the map's name and state, also from an enum
     needs(kind)
     if kind == "euclidean":
         return Identity()

@@ -145,7 +145,7 @@ class RefreshFactors(FactorSource):
 
     def __init__(self, layers, ledger, config, group: DeviceGroup, devices) -> None:
         super().__init__(layers, ledger)
-        self.config, self.group, self.kind = config, group, config.transform
+        self.config, self.group, self.kind = config, group, str(config.transform)
         self.pending: dict[str, dict[str, SecondMoment]] = {}
         self.window: dict[str, dict[str, SecondMoment]] = {}
         for name, layer in layers.items():
@@ -384,8 +384,10 @@ class LocalFactors(_SketchedFactors):
 
 def make_source(config, layers: dict[str, Layer], ledger, group: DeviceGroup,
                 devices: dict[str, torch.device], codec_block: int = 128) -> FactorSource | None:
-    """The factor source of ``config`` (``None``: no candidate ever takes geometry);
-    ``codec_block``: the codec's scale block (the block of ``rht``)."""
+    """The factor source of ``config`` (``None``: no candidate ever takes geometry, or there
+    is no candidate); ``codec_block``: the codec's scale block (the block of ``rht``)."""
+    if not layers:
+        return None
     if config.transform in ("hadamard", "rht"):
         return FixedFactors(layers, ledger, config.transform, config.seed, codec_block)
     if config.transform == "euclidean" or config.layers == "none":

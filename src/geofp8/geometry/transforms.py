@@ -333,5 +333,5 @@ def transform_from_state(kind: str, state: dict[str, torch.Tensor]) -> Transform
     if kind not in KINDS and kind != "full":
         raise ValueError(f"unknown transform kind {kind!r}; expected one of {list(KINDS)}")
     t = KINDS["lowrank" if kind == "full" else kind]._from_state(state)
-    t.name = kind
+    t.name = str(kind)  # plain: it goes into checkpoints
     return t

@@ -57,8 +57,9 @@ def _make_hook(method: str, model, cfg: DDPBenchConfig):
     spec = METHODS[method]
     if spec.kind == "allreduce":
         return None, None
-    state, hook, _ = spec.build(model, refresh_every=cfg.refresh_every,
-                                profile_steps=cfg.profile_steps, seed=cfg.seed)
+    state, hook, _ = spec.build(model, **spec.takes(refresh_every=cfg.refresh_every,
+                                                    profile_steps=cfg.profile_steps,
+                                                    seed=cfg.seed))
     return state, hook
 
 

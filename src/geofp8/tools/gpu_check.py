@@ -90,7 +90,7 @@ def _train_worker(method: str, port: int) -> dict:
         model = build_preset("llama-tiny", 256).cuda()
         spec = METHODS[method]
         ddp = DDP(model, device_ids=[0], bucket_cap_mb=1024 if spec.one_bucket else 1)
-        state, hook, _ = spec.build(model, refresh_every=2, profile_steps=2)
+        state, hook, _ = spec.build(model, **spec.takes(refresh_every=2, profile_steps=2))
         ddp.register_comm_hook(state, hook)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(0)

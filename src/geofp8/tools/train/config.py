@@ -59,6 +59,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.method in METHODS, f"method must be one of {list(METHODS)}"),
+            (self.method not in METHODS or self.format == "e4m3"
+             or "format" in METHODS[self.method].takes(format=self.format),
+             f"--format {self.format}: method {self.method!r} fixes its own format"),
             (self.optimizer in ("muon", "adamw"), "optimizer must be 'muon' or 'adamw'"),
             (self.parallel in ("ddp", "fsdp", "hsdp"), "parallel must be ddp, fsdp or hsdp"),
             (self.residual in ("fp32", "bf16", "fp8"), "residual must be fp32, bf16 or fp8"),
@@ -89,6 +92,7 @@ class TrainConfig:
 def make_comm_hook(method: str, model, cfg: TrainConfig):
     """``(state, hook, bytes_per_element)`` of ``method`` with this run's settings
     (see :meth:`geofp8.methods.Method.build`)."""
-    return METHODS[method].build(model, format=cfg.format, k=cfg.k,
-                                 refresh_every=cfg.refresh_every,
-                                 profile_steps=cfg.profile_steps, seed=cfg.seed)
+    spec = METHODS[method]
+    return spec.build(model, **spec.takes(format=cfg.format, k=cfg.k,
+                                          refresh_every=cfg.refresh_every,
+                                          profile_steps=cfg.profile_steps, seed=cfg.seed))

@@ -78,8 +78,9 @@ def _sharded(model, cfg: TrainConfig, world: int, device: torch.device) -> Wrapp
     fully_shard(model, **kw)
     if native:
         return Wrapped(model, FP32Sharded(model, world, shard), None, None, None)
-    config = method.config(format=cfg.format, k=cfg.k, refresh_every=cfg.refresh_every,
-                           profile_steps=cfg.profile_steps, seed=cfg.seed)
+    config = method.config(**method.takes(format=cfg.format, k=cfg.k,
+                                          refresh_every=cfg.refresh_every,
+                                          profile_steps=cfg.profile_steps, seed=cfg.seed))
     state = geofp8_fsdp.enable(model, config, mesh=mesh, residual=cfg.residual)
     return Wrapped(model, state, None, None, None)
 
