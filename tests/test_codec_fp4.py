@@ -327,7 +327,7 @@ def test_block_methods_keep_their_format_and_refuse_another():
         METHODS["fp8-ef"].config(k=8)
     with pytest.raises(ValueError, match="does not take"):
         METHODS["fp32"].build(None, format="e5m2")
-    assert METHODS["nvfp4-ef"].takes(format="e5m2", k=8, refresh_every=None) == {
+    assert METHODS["nvfp4-geo-ef"].takes(format="e5m2", k=8, refresh_every=None) == {
         "k": 8, "refresh_every": None}
     assert METHODS["nvfp4-auto-ef"].config(k=8).k == 8
     assert METHODS["nvfp4"].config().error_feedback is False

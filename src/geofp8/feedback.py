@@ -10,38 +10,54 @@ whole step came back finite; a non-finite step discards them (it leaves no trace
 
 Storage (``storage``): ``"fp32"`` keeps ``R`` exactly (4 bytes per element); ``"bf16"``
 rounds it to BF16 (2 bytes; relative error ``2⁻⁹``); ``"fp8"`` to E4M3 with one FP32 scale
-per row (``amax/448``; 1 byte per element plus 4 per row; relative error ``2⁻⁴``). Arithmetic
-stays FP32: a compact residual is widened when read and rounded once when committed.
+per row (``amax/448``; 1 byte per element plus 4 per row; relative error ``2⁻⁴``);
+``"nvfp4"`` to the NVFP4 wire format (E2M1 codes, an E4M3 scale per 16 elements, one FP32
+scale: 0.5625 bytes per element; relative error about 0.1, which the next step's feedback
+carries on). Arithmetic stays FP32: a compact residual is widened when read and rounded once
+when committed.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .codecs.fp4 import NVFP4Codec
 from .codecs.fp8 import FP8Codec, Packed
 from .geometry.transforms import IDENTITY, Transform, rebase, transform_from_state
 
 __all__ = ["ErrorFeedback"]
 
-
-
-STORAGES = ("fp32", "bf16", "fp8")
+STORAGES = ("fp32", "bf16", "fp8", "nvfp4")
 ROW_FP8 = FP8Codec("e4m3", "row")  # the compact residual: the wire codec, one scale per row
+NVFP4 = NVFP4Codec("nvfp4")  # the 4-bit residual: the wire format, one segment per tensor
 
 
 def pack(residual: torch.Tensor, storage: str):
     """``residual`` (FP32) in ``storage``: a tensor, or for ``"fp8"`` ``{"codes", "scale"}``
-    (E4M3 codes shaped like ``residual`` and :data:`ROW_FP8`'s per-row scales)."""
+    (E4M3 codes shaped like ``residual`` and :data:`ROW_FP8`'s per-row scales), for
+    ``"nvfp4"`` ``{"payload", "shape"}`` (the NVFP4 bytes and the shape as a list)."""
     if storage == "fp32":
         return residual
     if storage == "bf16":
         return residual.to(torch.bfloat16)
+    if storage == "nvfp4":
+        shape = list(residual.shape)
+        segments = [NVFP4.groups(tuple(shape))]
+        payload = torch.empty(NVFP4.payload_bytes(segments), dtype=torch.uint8,
+                              device=residual.device)
+        NVFP4.encode_into(payload, residual.reshape(-1), segments)
+        return {"payload": payload, "shape": shape}
     packed = ROW_FP8.quantize(residual)
     return {"codes": packed.codes.view(residual.shape), "scale": packed.scales}
 
 
 def unpack(stored) -> torch.Tensor:
     """FP32 view of a :func:`pack` ed residual."""
+    if isinstance(stored, dict) and "payload" in stored:
+        shape = tuple(stored["shape"])
+        out = torch.empty(shape, dtype=torch.float32, device=stored["payload"].device)
+        NVFP4.decode_into(out.view(-1), stored["payload"], [NVFP4.groups(shape)])
+        return out
     if isinstance(stored, dict):
         codes = stored["codes"]
         shape = tuple(codes.shape)
@@ -52,7 +68,7 @@ def unpack(stored) -> torch.Tensor:
 
 def _nbytes(stored) -> int:
     parts = stored.values() if isinstance(stored, dict) else (stored,)
-    return sum(t.numel() * t.element_size() for t in parts)
+    return sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
 
 
 class ErrorFeedback:
@@ -122,8 +138,10 @@ class ErrorFeedback:
 
 
 def _clone(stored):
-    return {k: v.clone() for k, v in stored.items()} if isinstance(stored, dict) \
-        else stored.clone()
+    if isinstance(stored, dict):
+        return {k: v.clone() if isinstance(v, torch.Tensor) else list(v)
+                for k, v in stored.items()}
+    return stored.clone()
 
 
 def _same(t: Transform, saved: dict) -> bool:

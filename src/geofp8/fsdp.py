@@ -299,7 +299,8 @@ class GeoFP8FSDP:
         reduce_scatter: install the low-precision reduce-scatter (default); ``False`` with a
             mesh: only the replica all-reduce is (the reduce-scatter stays FSDP's FP32 one).
         residual: storage of the error-feedback residuals: ``"fp32"`` (4 bytes per
-            parameter and rank), ``"bf16"`` (2) or ``"fp8"`` (1, plus 4 per row).
+            parameter and rank), ``"bf16"`` (2), ``"fp8"`` (1, plus 4 per row) or
+            ``"nvfp4"`` (0.5625).
     """
 
     def __init__(self, model: nn.Module, config: GeoFP8Config | FP8Config | None = None,

@@ -61,8 +61,8 @@ class GradientPipeline:
         group: the data-parallel :class:`DeviceGroup` (factor and selection traffic).
         ledger: the :class:`StepLedger` that receives timings.
         candidates: which Linear layers may take geometry (see :func:`find_candidates`).
-        residual_storage: ``"fp32"``, ``"bf16"`` or ``"fp8"`` error-feedback residuals
-            (see :mod:`geofp8.feedback`).
+        residual_storage: ``"fp32"``, ``"bf16"``, ``"fp8"`` or ``"nvfp4"`` error-feedback
+            residuals (see :mod:`geofp8.feedback`).
     """
 
     def __init__(self, model: nn.Module, config, group: DeviceGroup, ledger: StepLedger,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from ...feedback import STORAGES
 from ...methods import METHODS
 from ..errors import UsageError
 
@@ -64,7 +65,7 @@ class TrainConfig:
              f"--format {self.format}: method {self.method!r} fixes its own format"),
             (self.optimizer in ("muon", "adamw"), "optimizer must be 'muon' or 'adamw'"),
             (self.parallel in ("ddp", "fsdp", "hsdp"), "parallel must be ddp, fsdp or hsdp"),
-            (self.residual in ("fp32", "bf16", "fp8"), "residual must be fp32, bf16 or fp8"),
+            (self.residual in STORAGES, f"residual must be one of {STORAGES}"),
             (self.parallel == "ddp" or self.optimizer == "adamw",
              "--parallel fsdp/hsdp needs --optimizer adamw (Muon needs whole matrices)"),
             (self.parallel == "ddp" or (self.checkpoint_every == 0 and not self.resume),
