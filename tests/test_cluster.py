@@ -157,6 +157,30 @@ def test_rate_limit_is_real():
     assert goodput == pytest.approx(1e9, rel=0.15)
 
 
+@needs_root
+def test_two_level_cluster_shapes_only_the_link_between_nodes():
+    before = _host_state()
+    rate = 2e8
+    with netem.Cluster(4, rate, ranks_per_node=2) as c:
+        assert (c.nodes, len(c.namespaces)) == (2, 2)
+        assert c.address(0) == c.address(1) != c.address(2) == c.address(3)
+        inside = netem.measure_throughput(c, src=1, dst=0, nbytes=16 << 20, timeout=20)
+        between = netem.measure_throughput(c, src=2, dst=0, nbytes=16 << 20, timeout=20)
+        assert _host_state() == before
+    assert netem.leftovers(c.prefix) == [] and _host_state() == before
+    assert between == pytest.approx(rate, rel=0.15)
+    assert inside > 5 * rate  # the node's own loopback, unshaped
+    with pytest.raises(ValueError, match="at least 2 nodes"):
+        netem.Cluster(4, rate, ranks_per_node=4)
+
+
+def test_link_time_counts_what_crosses_a_node_link():
+    one = cluster.link_time(1e6, 4, 1e9)
+    assert one == pytest.approx(8e6 / 1e9)  # a rank's own bytes over its own link
+    # 2 nodes of 2: each rank sends 2/3 of its bytes to the other node, two ranks per link
+    assert cluster.link_time(1e6, 4, 1e9, ranks_per_node=2) == pytest.approx(one * 4 / 3)
+
+
 # -- training through the emulated link -----------------------------------------------------
 
 @needs_root
@@ -186,3 +210,20 @@ def test_training_through_the_link_matches_loopback_bitwise(tmp_path):
     assert fig["step_s"] > 0 and fig["link_s"] > 0 and "model_error" in fig
     assert (tmp_path / "time_to_loss.png").stat().st_size > 0
     assert "| 1gbit | powersgd |" in (tmp_path / "report.md").read_text()
+
+
+@needs_root
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_training_on_two_nodes_of_two_ranks_matches_loopback_bitwise(tmp_path):
+    base = TrainConfig(model="llama-tiny", seq_len=32, batch_size=2, steps=3, warmup=1,
+                       eval_every=3, eval_batches=1)
+    results = cluster.run_comparison(base, ["fp8-ef"], ["loopback", "1"], 4, tmp_path,
+                                     run_timeout=180, echo=lambda *a: None, ranks_per_node=2)
+    logs = [read_log(tmp_path / "runs" / rate / "fp8-ef" / "log.jsonl")
+            for rate in ("loopback", "1gbit")]
+    keys = ("step", "loss", "grad_norm", "bytes_sent")
+    assert [[r.get(k) for k in keys] for r in logs[0]] == \
+           [[r.get(k) for k in keys] for r in logs[1]]
+    assert results["setup"]["ranks_per_node"] == 2
+    assert "2 nodes of 2" in (tmp_path / "report.md").read_text()

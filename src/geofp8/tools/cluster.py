@@ -1,7 +1,10 @@
 """``geofp8 cluster``: training measured on an emulated bandwidth-limited cluster.
 
-Every rank runs ``geofp8 train`` in its own network namespace, on a link shaped to the
-given rate (:mod:`geofp8.tools.netem`); gloo runs over real TCP through those links. For
+Every node runs its ranks' ``geofp8 train`` processes in its own network namespace, on a
+link shaped to the given rate (:mod:`geofp8.tools.netem`); gloo runs over real TCP through
+those links. A node is one rank unless ``--ranks-per-node R`` (or ``--nodes M``) makes it
+several, which then reach each other over the node's unshaped loopback: the two networks
+of a real cluster (fast inside a node, the shaped link between nodes). For
 each rate (``loopback``: the plain local launch, the wire there is practically free) and
 each method, one run with the same seed, data and flags; the network changes time, not
 numbers (the tests check the losses bitwise). Then the report:
@@ -58,8 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="link rates, space- or comma-separated: Gbit/s (1, 10), with a "
                         "unit (500m, 25g), or 'loopback' (the plain local launch, needed for "
                         "the overlap and the model; default: %(default)s)")
-    parser.add_argument("--nproc", type=int, default=4, help="ranks, one namespace each, "
+    parser.add_argument("--nproc", type=int, default=4, help="ranks in all, "
                         f"2..{netem.MAX_RANKS} (default: %(default)s)")
+    parser.add_argument("--ranks-per-node", type=int, default=1,
+                        help="ranks sharing a node's namespace and link (default: 1)")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="nodes; sets --nproc to nodes × ranks-per-node")
     parser.add_argument("--queue-ms", type=float, default=20.0,
                         help="token-bucket queue bound in ms (tbf latency; not a delay)")
     parser.add_argument("--burst", type=int, default=None,
@@ -87,15 +94,19 @@ def rate_label(rate: str) -> str:
 
 def launch_emulated(cluster: netem.Cluster, train_argv: list[str], threads: int,
                     timeout: float) -> int:
-    """One ``geofp8 train`` process per namespace (rank i in namespace i, rendezvous at
-    rank 0's address, gloo bound to the namespace's link). Exit status: 0, the first
-    failing rank's, or 124 at the timeout; every rank is stopped before it returns."""
+    """One ``geofp8 train`` process per rank, in its node's namespace, with torchrun's
+    variables (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``: the node), rendezvous at
+    rank 0's address, gloo bound to the node's link. Exit status: 0, the first failing
+    rank's, or 124 at the timeout; every rank is stopped before it returns."""
+    r = cluster.ranks_per_node
     env = dict(os.environ, WORLD_SIZE=str(cluster.n), MASTER_ADDR=cluster.address(0),
-               MASTER_PORT=str(MASTER_PORT), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_PORT=str(MASTER_PORT), LOCAL_WORLD_SIZE=str(r),
                GLOO_SOCKET_IFNAME=netem.IFACE, OMP_NUM_THREADS=str(threads))
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # namespaces have no DNS: c10d warns
     argv = [sys.executable, "-m", "geofp8.tools.cli", "train", *train_argv]
-    procs = [cluster.popen(i, argv, env={**env, "RANK": str(i)}) for i in range(cluster.n)]
+    procs = [cluster.popen(i, argv, env={**env, "RANK": str(i), "LOCAL_RANK": str(i % r),
+                                         "GROUP_RANK": str(i // r)})
+             for i in range(cluster.n)]
     codes = netem.wait_all(procs, timeout)
     return next((c for c in codes if c != 0), 0)
 
@@ -103,7 +114,8 @@ def launch_emulated(cluster: netem.Cluster, train_argv: list[str], threads: int,
 def run_comparison(base: TrainConfig, methods: list[str], rates: list[str], nproc: int,
                    out: str | Path, queue_ms: float = 20.0, burst: int | None = None,
                    mtu: int = 1500, run_timeout: float = 3600.0, reuse: bool = False,
-                   command: str | None = None, loss_slack: float = 1e-3, echo=print) -> dict:
+                   command: str | None = None, loss_slack: float = 1e-3, echo=print,
+                   ranks_per_node: int = 1) -> dict:
     """Train every method at every rate into ``<out>/runs/<rate>/<method>``, then write the
     report (``report.md``, ``results.json``, ``time_to_loss.png``) under ``out``."""
     out = Path(out)
@@ -126,14 +138,16 @@ def run_comparison(base: TrainConfig, methods: list[str], rates: list[str], npro
         clusters = {}
         for rate in dict.fromkeys(r for r, _, _ in todo if r != "loopback"):
             c = clusters[rate] = stack.enter_context(
-                netem.Cluster(nproc, netem.parse_rate(rate), queue_ms / 1e3, burst, mtu))
-            echo(f"{labels[rate]}: namespaces {c.prefix}* up ({nproc} ranks)")
+                netem.Cluster(nproc, netem.parse_rate(rate), queue_ms / 1e3, burst, mtu,
+                              ranks_per_node))
+            echo(f"{labels[rate]}: namespaces {c.prefix}* up ({c.nodes} nodes × "
+                 f"{ranks_per_node} ranks)")
         for rate, method, path in todo:
             argv = to_argv(replace(base, method=method, out=str(path)))
             start = (partial(launch, nproc, argv, run_timeout) if rate == "loopback" else
                      partial(launch_emulated, clusters[rate], argv, threads, run_timeout))
             _one(labels[rate], method, start, path, echo)
-    return write_report(out, runs, nproc, command, loss_slack)
+    return write_report(out, runs, nproc, command, loss_slack, ranks_per_node)
 
 
 def _one(label: str, method: str, start, path: Path, echo) -> None:
@@ -183,11 +197,16 @@ def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | Non
     return None
 
 
-def link_time(bytes_per_step: float, n: int, rate: float) -> float:
-    """Seconds the scaling model gives one step's bytes on a link of ``rate`` bit/s: a ring
-    all-reduce of the vector whose ring traffic per rank is ``bytes_per_step``."""
+def link_time(bytes_per_step: float, n: int, rate: float, ranks_per_node: int = 1) -> float:
+    """Seconds the scaling model gives one step's bytes on a node link of ``rate`` bit/s.
+
+    A flat collective spreads a rank's ``bytes_per_step`` evenly over its ``n − 1`` peers, so
+    a node of ``r`` ranks sends ``r·bytes·(n − r)/(n − 1)`` over its link; that is costed as a
+    ring all-reduce whose traffic per rank it is (``r = 1``: the rank's own bytes)."""
+    r = ranks_per_node
+    crossing = r * bytes_per_step * (n - r) / (n - 1)
     fabric = scaling.Fabric(f"{rate / 1e9:g} Gbit/s", alpha=0.0, inter_bw=rate / 8)
-    return scaling.all_reduce_time(bytes_per_step * n / (2 * (n - 1)), n, fabric)
+    return scaling.all_reduce_time(crossing * n / (2 * (n - 1)), n, fabric)
 
 
 def break_even(geo: dict, other: dict) -> float | None:
@@ -213,7 +232,7 @@ def fit_hidden(rows: list[dict]) -> float | None:
 
 
 def write_report(out: Path, runs: list[dict], nproc: int, command: str | None,
-                 loss_slack: float = 1e-3) -> dict:
+                 loss_slack: float = 1e-3, ranks_per_node: int = 1) -> dict:
     table: dict[str, dict[str, dict]] = {}  # rate -> method -> figures
     info = {}
     for r in runs:
@@ -236,7 +255,7 @@ def write_report(out: Path, runs: list[dict], nproc: int, command: str | None,
                     t_ref, t = rows[ref].get("s_to_fp32_loss"), s["s_to_fp32_loss"]
                     s[f"ttl_speedup_vs_{ref}"] = t_ref / t if t_ref and t else None
             if rate is not None:
-                s["link_s"] = link_time(s["bytes_per_step"], nproc, rate)
+                s["link_s"] = link_time(s["bytes_per_step"], nproc, rate, ranks_per_node)
                 if name in base:
                     s["predicted_step_s"] = base[name]["step_s"] + s["link_s"]
                     s["model_error"] = s["predicted_step_s"] / s["step_s"] - 1
@@ -254,7 +273,8 @@ def write_report(out: Path, runs: list[dict], nproc: int, command: str | None,
                 even[f"{geo}_vs_{ref}"] = break_even(base[geo], base[ref])
     results = {"command": command, "setup": {**{k: cfg[k] for k in (
         "model", "seq_len", "batch_size", "steps", "optimizer", "eval_every", "seed", "threads")},
-        "world_size": info["world_size"], "parameters": info["parameters"],
+        "world_size": info["world_size"], "ranks_per_node": ranks_per_node,
+        "parameters": info["parameters"],
         "tokens_per_step": tokens, "loss_slack": loss_slack}, "rates": table,
         "break_even_bit_s": even,
         "model_error_mean_abs": statistics.fmean(abs(e) for e in errors) if errors else None,
@@ -304,8 +324,11 @@ def markdown(results: dict) -> str:
     parts = ["# Time to loss on an emulated cluster", ""]
     if results.get("command"):
         parts += ["```", results["command"], "```", ""]
-    parts += [f"{s['model']} ({s['parameters']:,} parameters), {s['world_size']} ranks (one "
-              f"network namespace each, links shaped by tbf), {s['batch_size']} × "
+    r = s.get("ranks_per_node", 1)
+    layout = "one network namespace each" if r == 1 else \
+        f"{s['world_size'] // r} nodes of {r}, a network namespace per node"
+    parts += [f"{s['model']} ({s['parameters']:,} parameters), {s['world_size']} ranks "
+              f"({layout}, links shaped by tbf), {s['batch_size']} × "
               f"{s['seq_len']} tokens per rank and step, {s['steps']} steps, {s['optimizer']},"
               f" seed {s['seed']}, {s['threads']} torch thread(s) per rank on a "
               f"{results['cpus']}-CPU host (load average when the report was written: "
@@ -377,8 +400,14 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"geofp8 cluster: unknown method(s) {unknown}; choose from "
                          f"{', '.join(METHODS)}")
+    if args.nodes is not None:
+        args.nproc = args.nodes * args.ranks_per_node
     if not 2 <= args.nproc <= netem.MAX_RANKS:
         raise SystemExit(f"geofp8 cluster: --nproc must be in 2..{netem.MAX_RANKS}")
+    if args.ranks_per_node < 1 or args.nproc % args.ranks_per_node or \
+            args.nproc // args.ranks_per_node < 2:
+        raise SystemExit(f"geofp8 cluster: --ranks-per-node {args.ranks_per_node} must "
+                         f"divide the {args.nproc} ranks into at least 2 nodes")
     try:
         labels = [rate_label(r) for r in rates]
     except ValueError as e:
@@ -393,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         results = run_comparison(base, methods, rates, args.nproc, args.out, args.queue_ms,
                                  args.burst, args.mtu, args.run_timeout, args.reuse, command,
-                                 args.loss_slack)
+                                 args.loss_slack, ranks_per_node=args.ranks_per_node)
     except netem.ClusterUnavailable as e:
         print(f"geofp8 cluster: {e}", file=sys.stderr)
         return 2

@@ -1,17 +1,21 @@
-"""An emulated cluster on one Linux host: one network namespace per rank, joined by shaped
+"""An emulated cluster on one Linux host: one network namespace per node, joined by shaped
 virtual Ethernet links.
 
 ::
 
-    rank i's namespace                 the bridge's namespace
+    node j's namespace                 the bridge's namespace
     ┌──────────────────────┐           ┌───────────────────────────┐
-    │ eth0 198.18.0.(i+1)  │═══veth════│ p<i> ── br0 ── p<j> ...   │
-    │ tbf rate R (egress)  │           │ tbf rate R (egress to i)  │
+    │ ranks jR .. jR+R−1   │           │                           │
+    │ eth0 198.18.0.(j+1)  │═══veth════│ p<j> ── br0 ── p<k> ...   │
+    │ tbf rate B (egress)  │           │ tbf rate B (egress to j)  │
     └──────────────────────┘           └───────────────────────────┘
 
-Every link is shaped in both directions by a token-bucket filter
-(``tc qdisc add dev … root tbf rate R burst B latency L``): a rank sends and receives at
-most ``R`` bit/s, like a node with one NIC of that rate on a switch. ``L`` bounds the
+A node holds ``ranks_per_node`` (R) ranks; by default one, so a node is a rank. The ranks of
+a node share its namespace and its address and reach each other through the namespace's
+own loopback, unshaped (the fast network inside a node); traffic between nodes crosses the
+node's one link. Every link is shaped in both directions by a token-bucket filter
+(``tc qdisc add dev … root tbf rate B burst … latency L``): a node sends and receives at
+most ``B`` bit/s, like a node with one NIC of that rate on a switch. ``L`` bounds the
 queue (``limit = R·L + B``); it is not a propagation delay (that needs ``netem``, which the
 kernels we run on lack), so the per-message latency is the veth's own (tens of µs).
 
@@ -123,28 +127,36 @@ class Shaping:
 
 
 class Cluster:
-    """``n`` namespaces joined by a bridge; each link shaped to ``rate`` bit/s (``None``:
-    unshaped). ``with Cluster(4, 1e9) as c: ...``; :meth:`popen` starts a process in rank
-    ``i``'s namespace, :meth:`down` kills what is left there and removes everything."""
+    """``n`` ranks on ``n / ranks_per_node`` nodes, a namespace each, joined by a bridge; each
+    node's link shaped to ``rate`` bit/s (``None``: unshaped). ``with Cluster(4, 1e9) as c:``;
+    :meth:`popen` starts a process in rank ``i``'s node, :meth:`down` kills what is left
+    there and removes everything."""
 
     def __init__(self, n: int, rate: float | None, latency: float = 0.02,
-                 burst: int | None = None, mtu: int = 1500) -> None:
+                 burst: int | None = None, mtu: int = 1500, ranks_per_node: int = 1) -> None:
         if not 2 <= n <= MAX_RANKS:
             raise ValueError(f"ranks must be in 2..{MAX_RANKS}, got {n}")
+        if ranks_per_node < 1 or n % ranks_per_node or n // ranks_per_node < 2:
+            raise ValueError(f"ranks per node must divide the {n} ranks into at least 2 "
+                             f"nodes, got {ranks_per_node}")
         if not 576 <= mtu <= 65535:
             raise ValueError(f"mtu must be in 576..65535, got {mtu}")
         require_tools()
-        self.n, self.mtu = n, mtu
+        self.n, self.mtu, self.ranks_per_node = n, mtu, ranks_per_node
+        self.nodes = n // ranks_per_node
         self.shaping = Shaping.for_rate(rate, latency, burst) if rate else None
         self.prefix = f"{PREFIX}{os.getpid():x}-{secrets.token_hex(3)}-"
         self.bridge_ns = self.prefix + "br"
-        self.namespaces = [f"{self.prefix}r{i}" for i in range(n)]
+        self.namespaces = [f"{self.prefix}r{j}" for j in range(self.nodes)]  # one per node
         self._created: list[str] = []
         self._procs: list[subprocess.Popen] = []
 
     def address(self, i: int) -> str:
-        """Rank ``i``'s address (198.18.0.1 for rank 0)."""
-        return str(NETWORK.network_address + i + 1)
+        """Rank ``i``'s address: its node's (198.18.0.1 for the node of rank 0)."""
+        return self.node_address(i // self.ranks_per_node)
+
+    def node_address(self, j: int) -> str:
+        return str(NETWORK.network_address + j + 1)
 
     # -- set-up and teardown -----------------------------------------------------------------
 
@@ -160,7 +172,8 @@ class Cluster:
                 _run([*br, "link", "add", port, "mtu", str(self.mtu), "type", "veth", "peer",
                       "name", IFACE, "mtu", str(self.mtu), "netns", ns])
                 _run([*br, "link", "set", port, "master", "br0", "up"])
-                _run(["ip", "-n", ns, "addr", "add", f"{self.address(i)}/{NETWORK.prefixlen}",
+                _run(["ip", "-n", ns, "addr", "add",
+                      f"{self.node_address(i)}/{NETWORK.prefixlen}",
                       "dev", IFACE])
                 _run(["ip", "-n", ns, "link", "set", IFACE, "up"])
                 _run(["ip", "-n", ns, "link", "set", "lo", "up"])  # the namespace's own lo
@@ -206,9 +219,10 @@ class Cluster:
 
     def popen(self, i: int, argv: list[str], env: dict[str, str] | None = None,
               **kwargs) -> subprocess.Popen:
-        """Start ``argv`` inside rank ``i``'s namespace (its own session, so :meth:`down`
-        can stop it with everything it started)."""
-        p = subprocess.Popen(["ip", "netns", "exec", self.namespaces[i], *argv], env=env,
+        """Start ``argv`` inside rank ``i``'s node namespace (its own session, so
+        :meth:`down` can stop it with everything it started)."""
+        node = self.namespaces[i // self.ranks_per_node]
+        p = subprocess.Popen(["ip", "netns", "exec", node, *argv], env=env,
                              start_new_session=True, **kwargs)
         self._procs.append(p)
         return p
