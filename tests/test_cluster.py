@@ -216,13 +216,16 @@ def test_training_through_the_link_matches_loopback_bitwise(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_training_on_two_nodes_of_two_ranks_matches_loopback_bitwise(tmp_path):
+    # the hierarchical collective (FP32 inside a node, FP8 between), nodes of 2 at both
+    # rates: on loopback they are emulated by --node-size, on the cluster they are real
     base = TrainConfig(model="llama-tiny", seq_len=32, batch_size=2, steps=3, warmup=1,
-                       eval_every=3, eval_batches=1)
+                       eval_every=3, eval_batches=1, hierarchy="node", node_size=2)
     results = cluster.run_comparison(base, ["fp8-ef"], ["loopback", "1"], 4, tmp_path,
                                      run_timeout=180, echo=lambda *a: None, ranks_per_node=2)
     logs = [read_log(tmp_path / "runs" / rate / "fp8-ef" / "log.jsonl")
             for rate in ("loopback", "1gbit")]
-    keys = ("step", "loss", "grad_norm", "bytes_sent")
+    keys = ("step", "loss", "grad_norm", "bytes_sent", "bytes_inter_node")
+    assert all(r["bytes_inter_node"] > 0 for r in logs[1])
     assert [[r.get(k) for k in keys] for r in logs[0]] == \
            [[r.get(k) for k in keys] for r in logs[1]]
     assert results["setup"]["ranks_per_node"] == 2

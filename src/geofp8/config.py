@@ -20,7 +20,7 @@ from .comm import COLLECTIVES
 from .geometry.factory import TRANSFORMS
 
 __all__ = ["Candidates", "Collective", "FP8Config", "FactorSource", "Format", "GeoFP8Config",
-           "LayerMode", "Rounding", "Scaling", "Statistics", "Transform"]
+           "Hierarchy", "LayerMode", "Rounding", "Scaling", "Statistics", "Transform"]
 
 
 def _registry_enum(name: str, values) -> type[enum.StrEnum]:
@@ -34,6 +34,14 @@ Rounding = _registry_enum("Rounding", ROUNDINGS)  # NEAREST, STOCHASTIC
 Collective = _registry_enum("Collective", COLLECTIVES)  # EXACT, ALLGATHER
 Transform = _registry_enum("Transform", TRANSFORMS)  # EUCLIDEAN, LOWRANK, KFAC, ...
 FP8_FORMATS = (Format.E4M3, Format.E5M2)
+
+
+class Hierarchy(enum.StrEnum):
+    """DDP's collective over the node layout (see :mod:`geofp8.hierarchy`)."""
+
+    AUTO = "auto"  # NODE when there are >= 2 nodes of >= 2 ranks, else FLAT
+    FLAT = "flat"  # one exact collective over every rank
+    NODE = "node"  # FP32 inside a node, the exact collective between nodes
 
 
 class LayerMode(enum.StrEnum):
@@ -108,6 +116,8 @@ class GeoFP8Config:
     block_size: int | None = None  # FP8 scaling="block" only: elements per scale (128)
     rounding: Rounding = Rounding.NEAREST  # stochastic: block formats, seeded
     collective: Collective = Collective.EXACT  # exact: all-to-all + FP32 sum + all-gather
+    hierarchy: Hierarchy = Hierarchy.AUTO  # DDP: compress only between nodes (auto|flat|node)
+    node_size: int | None = None  # ranks per node (None: torchrun's LOCAL_WORLD_SIZE)
     # -- geometry
     transform: Transform = Transform.LOWRANK  # a kind of geofp8.geometry.factory.TRANSFORMS
     k: int = 32  # rank of the low-rank factor (the paper's k)
@@ -144,7 +154,8 @@ class GeoFP8Config:
                              "per-rank scales exactly; use 'exact' or 'allgather'")
         problems: list[str] = []
         for name, kind in (("format", Format), ("rounding", Rounding),
-                           ("collective", Collective), ("transform", Transform),
+                           ("collective", Collective), ("hierarchy", Hierarchy),
+                           ("transform", Transform),
                            ("factor_source", FactorSource), ("statistics", Statistics)):
             set_(name, _choice(getattr(self, name), kind, name, problems))
         set_("layers", _choice_or_names(self.layers, LayerMode, "layers", problems))
@@ -167,6 +178,9 @@ class GeoFP8Config:
             (self.rounding == "nearest" or not fp8,
              "stochastic rounding needs a block format (nvfp4, mxfp4, mxfp8)"),
             (self.k >= 1, "k must be >= 1"),
+            (self.node_size is None or self.node_size >= 1, "node_size must be >= 1"),
+            (self.hierarchy != "node" or self.collective == "exact",
+             "hierarchy='node' needs collective='exact'"),
             (self.damping >= 0, "damping must be >= 0"),
             (self.refresh_every >= 1, "refresh_every must be >= 1"),
             ((self.block_size or 1) >= 1 and (self.transform_block or 1) >= 1,

@@ -35,6 +35,7 @@ from .comm.group import DeviceGroup
 from .comm.layout import fp32_allreduce_wire_bytes
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
+from .hierarchy import HierarchicalAllReduce, node_size
 
 __all__ = [
     "FP8State",
@@ -81,6 +82,11 @@ class GeoFP8State:
         self.engine = SyncEngine(model, config, DeviceGroup(process_group, device), "ddp",
                                  grad_scaler=grad_scaler)
         self.communicator = Communicator(config.collective, self.engine.group)
+        size = node_size(config, self.engine.group.size)
+        if process_group is not None and config.hierarchy == "auto":
+            size = None  # a group of the caller's: its node layout is not ours to guess
+        self.hierarchy = HierarchicalAllReduce(self.engine, size, device) if size else None
+        self.engine.fingerprint_extra = {"node_size": size}
 
     # -- what the engine holds, by its usual names ------------------------------------------
 
@@ -151,11 +157,15 @@ class GeoFP8State:
                                    "GeoFP8State: pass the module that DDP wraps")
             names.append(pipeline.names[id(p)])
             grads.append(g)
-        t0 = time.perf_counter()
         seed = self.engine.seed(bucket.index())
+        offsets = [(g.data_ptr() - buffer.data_ptr()) // g.element_size() for g in grads]
+        if self.hierarchy is not None:  # runs to completion (see geofp8.hierarchy)
+            done = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+            done.set_result(self.hierarchy(names, grads, buffer, offsets, seed))
+            return done
+        t0 = time.perf_counter()
         encoded = pipeline.encode(names, grads, seed)
         self.ledger.add("codec_s", time.perf_counter() - t0)
-        offsets = [(g.data_ptr() - buffer.data_ptr()) // g.element_size() for g in grads]
 
         def map_back(fut: torch.futures.Future) -> torch.Tensor:
             total = fut.value()  # all NaN on every rank if any rank sent a non-finite value

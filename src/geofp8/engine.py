@@ -77,12 +77,14 @@ class SyncEngine:
 
     # -- set-up by the adapters --------------------------------------------------------------
 
-    def device_group(self, group: dist.ProcessGroup | None, device) -> DeviceGroup:
-        """The :class:`DeviceGroup` of ``group``, whose bytes this engine counts."""
+    def device_group(self, group: dist.ProcessGroup | None, device,
+                     link: str | None = None) -> DeviceGroup:
+        """The :class:`DeviceGroup` of ``group``, whose bytes this engine counts (also per
+        ``link``, when given)."""
         for known in self.groups:
             if known.group is group and known.device == torch.device(device):
                 return known
-        made = DeviceGroup(group, device)
+        made = DeviceGroup(group, device, link)
         self.groups.append(made)
         return made
 
@@ -165,6 +167,9 @@ class SyncEngine:
             for key, kind in BYTE_KINDS:
                 self.ledger.add(key, taken.get(kind, 0.0))
             self.ledger.add("bytes_sent", taken.get("flag", 0.0))
+            if group.link is not None:
+                self.ledger.add(f"bytes_{group.link}", sum(taken.get(kind, 0.0) for kind in
+                                                           ("payload", "factor", "flag")))
         self.ledger.settle(finite)
         self._finite = []
         if not finite:
@@ -227,6 +232,7 @@ class SyncEngine:
             "statistics_s": last["statistics_s"],
             "ef_bytes": sum(f.nbytes for f in self.feedbacks.values()),
             "factor_bytes": self.pipeline.factor_nbytes,
+            **{f"bytes_{g.link}": int(last[f"bytes_{g.link}"]) for g in self.groups if g.link},
         }
 
     def state_dict(self) -> dict:

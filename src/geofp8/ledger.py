@@ -17,7 +17,7 @@ import threading
 __all__ = ["Phase", "StepLedger"]
 
 COUNTERS = ("bytes_sent", "factor_bytes_sent", "bytes_fp32_equivalent", "elements",
-            "codec_s", "transform_s", "statistics_s")
+            "codec_s", "transform_s", "statistics_s", "bytes_intra_node", "bytes_inter_node")
 
 
 class Phase(enum.Enum):

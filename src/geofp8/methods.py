@@ -24,8 +24,11 @@ __all__ = ["METHODS", "Method"]
 
 # Settings a caller may override on the geometry methods (the low-rank k, K, profile window,
 # and the seed of the sketches). The Euclidean and Hadamard controls take only ``format``.
-GEOMETRY_OVERRIDES = ("format", "k", "refresh_every", "profile_steps", "seed")
-CONTROL_OVERRIDES = ("format",)
+# Every GeoFP8 method also takes the node layout of DDP's collective (geofp8.hierarchy).
+LAYOUT_OVERRIDES = ("hierarchy", "node_size")
+GEOMETRY_OVERRIDES = ("format", "k", "refresh_every", "profile_steps", "seed",
+                      *LAYOUT_OVERRIDES)
+CONTROL_OVERRIDES = ("format", *LAYOUT_OVERRIDES)
 # The block-format methods name their format: a caller's ``format`` does not replace it.
 BLOCK_OVERRIDES = tuple(k for k in GEOMETRY_OVERRIDES if k != "format")
 
@@ -100,7 +103,7 @@ def _block(fmt: str, description: str, transform: str = "euclidean", **settings)
     chosen = {"format": fmt, "transform": transform, "layers": layers, "error_feedback": True,
               **settings}
     return Method("geofp8", description, chosen,
-                  () if transform in ("euclidean", "rht") else BLOCK_OVERRIDES)
+                  LAYOUT_OVERRIDES if transform in ("euclidean", "rht") else BLOCK_OVERRIDES)
 
 
 METHODS: dict[str, Method] = {

@@ -23,10 +23,13 @@ class DeviceGroup:
     Args:
         group: the process group (``None``: the world).
         device: the gradients' device; every tensor handed over is moved there.
+        link: which network its traffic crosses when that is known (``"intra_node"``,
+            ``"inter_node"``), else ``None``.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
-        self.group, self.device = group, torch.device(device)
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
+                 link: str | None = None) -> None:
+        self.group, self.device, self.link = group, torch.device(device), link
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.bytes: dict[str, float] = {}

@@ -11,6 +11,7 @@ import argparse
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+from ...feedback import STORAGES
 from .config import METHODS, TrainConfig, make_comm_hook
 
 __all__ = ["METHODS", "TrainConfig", "add_arguments", "check_inputs", "config_from_args",
@@ -45,7 +46,12 @@ HELP = {
     "parallel": "ddp (DDP + comm hook), fsdp (fully_shard + FP8 reduce-scatter) or hsdp "
                 "(replicate x shard mesh: FP8 reduce-scatter + FP8 replica all-reduce)",
     "shard_size": "hsdp: ranks per shard group (0: half the ranks)",
-    "residual": "fsdp/hsdp error-feedback storage: fp32 (4 B/param), bf16 (2), fp8 (1 + 4/row)",
+    "residual": "fsdp/hsdp error-feedback storage: fp32 (4 B/param), bf16 (2), fp8 (1 + 4/row), "
+                "nvfp4 (0.5625)",
+    "hierarchy": "ddp: auto (node when >= 2 nodes of >= 2 ranks), flat, or node (FP32 inside "
+                 "a node, the exact low-precision collective between nodes)",
+    "node_size": "ranks per node (0: torchrun's LOCAL_WORLD_SIZE); with --hierarchy node, "
+                 "emulates nodes on one machine",
     "eval_every": "validation loss every E steps and at the end (0: never)",
     "eval_batches": "validation batches per rank",
     "shadow_every": "every M steps also all-reduce the local gradients in FP32 and log the "
@@ -80,7 +86,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] =
             kind = {"stop_after": int, "dataset": str}.get(f.name, type(default))
             choices = {"method": list(METHODS), "optimizer": ["muon", "adamw"],
                        "format": ["e4m3", "e5m2"], "parallel": ["ddp", "fsdp", "hsdp"],
-                       "residual": ["fp32", "bf16", "fp8"]}.get(f.name)
+                       "residual": list(STORAGES),
+                       "hierarchy": ["auto", "flat", "node"]}.get(f.name)
             parser.add_argument(flag, type=kind, default=default, choices=choices,
                                 help=f"{HELP[f.name]} (default: %(default)s)")
 

@@ -44,6 +44,8 @@ class TrainConfig:
     parallel: str = "ddp"
     shard_size: int = 0  # hsdp: ranks per shard group (0: half the ranks)
     residual: str = "fp32"  # fsdp/hsdp error-feedback storage
+    hierarchy: str = "auto"  # ddp: auto | flat | node (FP32 inside a node, FP8 between)
+    node_size: int = 0  # ranks per node (0: torchrun's LOCAL_WORLD_SIZE)
     # measurement and output
     eval_every: int = 50
     eval_batches: int = 16
@@ -66,6 +68,8 @@ class TrainConfig:
             (self.optimizer in ("muon", "adamw"), "optimizer must be 'muon' or 'adamw'"),
             (self.parallel in ("ddp", "fsdp", "hsdp"), "parallel must be ddp, fsdp or hsdp"),
             (self.residual in STORAGES, f"residual must be one of {STORAGES}"),
+            (self.hierarchy in ("auto", "flat", "node"), "hierarchy must be auto, flat or node"),
+            (self.node_size >= 0, "node_size must be >= 0"),
             (self.parallel == "ddp" or self.optimizer == "adamw",
              "--parallel fsdp/hsdp needs --optimizer adamw (Muon needs whole matrices)"),
             (self.parallel == "ddp" or (self.checkpoint_every == 0 and not self.resume),
@@ -96,4 +100,6 @@ def make_comm_hook(method: str, model, cfg: TrainConfig):
     spec = METHODS[method]
     return spec.build(model, **spec.takes(format=cfg.format, k=cfg.k,
                                           refresh_every=cfg.refresh_every,
-                                          profile_steps=cfg.profile_steps, seed=cfg.seed))
+                                          profile_steps=cfg.profile_steps, seed=cfg.seed,
+                                          hierarchy=cfg.hierarchy,
+                                          node_size=cfg.node_size or None))

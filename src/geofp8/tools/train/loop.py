@@ -246,9 +246,10 @@ def _bytes(state, width: int | None, counter: ByteCounter | None, n_params: int,
     Python hook (PowerSGD), or the ring all-reduce of a fixed width (FP32, bf16)."""
     if hasattr(state, "stats"):
         st = state.stats()
+        per_link = {k: st[k] for k in ("bytes_inter_node", "bytes_intra_node") if k in st}
         return {"bytes_sent": st["bytes_sent"],
                 "bytes_fp32_equivalent": st["bytes_fp32_equivalent"],
-                "bytes_per_element": st["bytes_per_element"]}
+                "bytes_per_element": st["bytes_per_element"], **per_link}
     if counter is not None:
         sent, counter.bytes = counter.bytes, 0
     else:
