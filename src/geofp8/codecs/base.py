@@ -45,7 +45,7 @@ def device_lengths(lengths: tuple[int, ...], device: torch.device) -> torch.Tens
     """``lengths`` as an int64 tensor on ``device`` (``segment_reduce`` and
     ``repeat_interleave`` want them beside the data), copied once per distinct tuple: a
     host-to-device copy of pageable memory waits for the device, so not on every step."""
-    return torch.tensor(lengths, dtype=torch.long, device=device)
+    return torch.tensor(lengths, dtype=torch.long).to(device)
 
 
 def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:

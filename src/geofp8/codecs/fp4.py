@@ -139,7 +139,7 @@ def e2m1_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """Exact FP32 values of E2M1 codes (integers 0–15; code 8 is -0)."""
-    values = torch.tensor(E2M1_VALUES, device=codes.device)
+    values = torch.tensor(E2M1_VALUES).to(codes.device)
     return torch.cat([values, -values])[codes.long()]
 
 

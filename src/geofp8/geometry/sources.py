@@ -312,7 +312,7 @@ class FreshFactors(_SketchedFactors):
         x = x.reshape(-1, self.layers[name].d_in).float()
         omega = self.omega(x.shape[1], x.device)
         buf = torch.cat([(x.T @ (x @ omega)).reshape(-1), x.pow(2).sum().reshape(1),
-                         torch.tensor([float(x.shape[0])], device=x.device)])
+                         x.new_full((1,), float(x.shape[0]))])
         buf, work = self.group.all_reduce(buf, "factor", async_op=True)
         self._works.setdefault(name, []).append((work, buf))
 
