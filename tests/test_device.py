@@ -7,6 +7,9 @@ be bitwise equal, and the ordinary-step part (encode, all-to-all stages, decode,
 its inverse) must not sync with the host once the per-layout tables exist (first call). The
 per-method step is the one ``geofp8.tools.gpu_check`` runs on a real GPU."""
 
+import contextlib
+import copy
+
 import pytest
 import torch
 
@@ -82,3 +85,76 @@ def test_every_method_runs_on_the_device_as_on_the_cpu_without_host_syncs(method
             got = method_step(maps, shapes, on_dev, layout, 3)
     for shape, g, e in zip(shapes, got, expect):
         assert _same(g.contiguous(), e.contiguous()), f"{method}: {shape} differs from the CPU's"
+
+
+class _Rank:
+    """Rank ``rank`` of ``size`` for a pipeline in a one-process simulation (no collectives:
+    the methods below issue none on an ordinary step)."""
+
+    def __init__(self, rank: int, size: int, device) -> None:
+        self.rank, self.size, self.device = rank, size, torch.device(device)
+
+    def charge(self, kind: str, nbytes: float) -> None:
+        pass
+
+
+def _pipeline_steps(method: str, device, steps: int = 3, strict_from: int = 1):
+    """``steps`` DDP-like steps of ``WORLD`` :class:`GradientPipeline` s (routes, error
+    feedback, sender factors and per-sender decoding) joined by the exact collective's
+    stages; rank 0's averaged gradients of the last step. On the stand-in device, steps
+    from ``strict_from`` on must not sync with the host."""
+    from geofp8.comm import decode_gathered, decode_sum, encode_reduced
+    from geofp8.ledger import StepLedger
+    from geofp8.pipeline import GradientPipeline
+
+    spec = METHODS[method]
+    config = spec.config(**spec.takes(k=8))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 48))
+    shapes = [tuple(q.shape) for q in model.parameters()]
+    names = [n for n, _ in model.named_parameters()]
+    dev = FakeDevice() if device == DEVICE else None
+    with dev or contextlib.nullcontext():
+        models = [copy.deepcopy(model).to(device) for _ in range(WORLD)]
+        pipes = [GradientPipeline(m, config, _Rank(r, WORLD, device), StepLedger(), "linear")
+                 for r, m in enumerate(models)]
+        for step in range(steps):
+            grads = []
+            for r, m in enumerate(models):
+                g = torch.Generator().manual_seed(10 * step + r)
+                m(torch.randn(32, 64, generator=g).to(device))  # the sources' statistics
+                grads.append([torch.randn(s, generator=g).to(device) for s in shapes])
+            strict = dev is not None and step >= strict_from
+            with dev.strict() if strict else contextlib.nullcontext():
+                for p in pipes:
+                    p.start_step(step)
+                seed = config.rounding_seed(step, 0)
+                encs = [p.encode(names, g, seed) for p, g in zip(pipes, grads)]
+                layout = encs[0].layout
+                ends = [0]
+                for j in range(WORLD):
+                    ends.append(ends[-1] + layout.send_bytes(j))
+                gathered = []
+                for j in range(WORLD):
+                    received = torch.cat([e.sent[ends[j] : ends[j + 1]] for e in encs])
+                    total = decode_sum(received, layout, j, pipes[j].unmap(encs[j]))
+                    gathered.append(encode_reduced(total, layout, j, seed))
+                out = pipes[0].decode(encs[0], decode_gathered(gathered, layout))
+                for p in pipes:
+                    p.settle(True)
+    return [to_host(t).contiguous() for t in out]
+
+
+# Methods whose ordinary step issues no collective outside the payload's (no refresh in 3
+# steps, no per-step factor): strict. ``geofp8-local`` factors each step (host reads by
+# design): compared, not strict.
+PIPELINE = {"fp8-ef": 1, "fp8-block": 1, "hadamard": 1, "nvfp4-ef": 1, "nvfp4-sr-ef": 1,
+            "nvfp4-rht-ef": 1, "mxfp4-rht-ef": 1, "mxfp8-ef": 1, "geofp8-local": 99}
+
+
+@pytest.mark.parametrize("method", sorted(PIPELINE))
+def test_pipelines_with_error_feedback_on_the_device_match_the_cpu(method):
+    expect = _pipeline_steps(method, "cpu")
+    got = _pipeline_steps(method, DEVICE, strict_from=PIPELINE[method])
+    for g, e in zip(got, expect):
+        assert _same(g, e), f"{method}: {tuple(e.shape)} differs from the CPU's"
