@@ -158,3 +158,11 @@ def test_pipelines_with_error_feedback_on_the_device_match_the_cpu(method):
     got = _pipeline_steps(method, DEVICE, strict_from=PIPELINE[method])
     for g, e in zip(got, expect):
         assert _same(g, e), f"{method}: {tuple(e.shape)} differs from the CPU's"
+
+
+def test_gpu_check_fails_without_a_cuda_device(monkeypatch, capsys):
+    from geofp8.tools import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main() == 2
+    assert "no CUDA device is visible" in capsys.readouterr().err
