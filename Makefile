@@ -39,6 +39,7 @@ bench: install
 
 # On a machine with one NVIDIA GPU (a CUDA build of torch installed first): correctness on
 # the device, a 1-rank NCCL run of every method, codec/transform throughput vs a D2D copy.
+# Without network: PYTHONPATH=src python3 -m geofp8.tools.gpu_check (README "Check it on a GPU").
 gpu-check: install
 	$(PY) -m geofp8.tools.gpu_check
 

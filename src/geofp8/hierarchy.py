@@ -32,6 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .codecs.base import exact_div
 from .comm.collective import Communicator
 from .comm.layout import ShardLayout
 from .comm.stages import decode, encode
@@ -142,7 +143,7 @@ class HierarchicalAllReduce:
             y = total[pos : pos + rows * width].view(shape)
             y.copy_(pipeline.map_back(route, y))
         engine.ledger.add("transform_s", time.perf_counter() - t1)
-        return total.div_(engine.group.size)
+        return exact_div(total, engine.group.size)  # exact on CUDA too
 
     def _layout(self, shapes: list[tuple[int, ...]]) -> ShardLayout:
         key = tuple(shapes)

@@ -178,7 +178,7 @@ class GradientPipeline:
 
     def decode(self, encoded: Encoded, total: torch.Tensor) -> list[torch.Tensor]:
         """The mean ``(Σ / N) T⁻¹`` of every tensor from the collective's FP32 sum."""
-        total.div_(self.world_size)
+        total.div_(total.new_full((), self.world_size))  # exact on CUDA too (codecs.exact_div)
         out, pos = [], 0
         for shape, route, mapped in zip(encoded.shapes, encoded.routes, encoded.per_sender):
             n = torch.Size(shape).numel()
@@ -207,18 +207,18 @@ class GradientPipeline:
     def _sender_factors(self, shapes, per_sender, routes, layout: ShardLayout
                         ) -> list[torch.Tensor]:
         """Per shard: this sender's inverse map of every per-sender-decoded tensor in it."""
-        blobs = {}
+        blobs, device = {}, self.group.device
         for i, (shape, mapped, t) in enumerate(zip(shapes, per_sender, routes)):
             if not mapped:
                 continue
             d, k = shape[1], self.source.rank_of(shape[1])
             if isinstance(t, LowRankInput):
-                parts = [t.U.reshape(-1), t.d_inv, torch.tensor([t.c_inv])]
+                parts = [t.U.reshape(-1), t.d_inv, t.U.new_full((1,), t.c_inv)]
             else:  # no factor on this rank this step: the identity map
-                parts = [torch.zeros(d * k + k), torch.ones(1)]
-            blobs[i] = torch.cat([p.float().cpu() for p in parts]).view(torch.uint8)
+                parts = [torch.zeros(d * k + k, device=device), torch.ones(1, device=device)]
+            blobs[i] = torch.cat([p.to(device, torch.float32) for p in parts]).view(torch.uint8)
         return [torch.cat([blobs[i] for i in layout.owners[j] if i in blobs] or
-                          [torch.zeros(0, dtype=torch.uint8)]).to(self.group.device)
+                          [torch.zeros(0, dtype=torch.uint8, device=device)])
                 for j in range(layout.world_size)]
 
     def unmap(self, encoded: Encoded):

@@ -17,12 +17,13 @@ Policies every codec follows:
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Codec", "Segments", "mix_seed"]
+__all__ = ["Codec", "Segments", "device_lengths", "exact_div", "mix_seed"]
 
 Segments = Sequence[Sequence[int]]  # per segment of a shard: its scale-group lengths
 _MASK64 = (1 << 64) - 1
@@ -37,6 +38,21 @@ def mix_seed(*values: int) -> int:
         h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
         h ^= h >> 29
     return h >> 1
+
+
+@functools.lru_cache(maxsize=1024)
+def device_lengths(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``lengths`` as an int64 tensor on ``device`` (``segment_reduce`` and
+    ``repeat_interleave`` want them beside the data), copied once per distinct tuple: a
+    host-to-device copy of pageable memory waits for the device, so not on every step."""
+    return torch.tensor(lengths, dtype=torch.long).to(device)
+
+
+def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` correctly rounded on every device. CUDA evaluates a division by a
+    Python (CPU) scalar as ``x · fl(1/divisor)``, up to one ulp off the CPU's quotient; a
+    divisor held on ``x``'s device is divided exactly there, as on the CPU."""
+    return x / x.new_full((), divisor)
 
 
 class Codec(ABC):

@@ -41,7 +41,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Codec, Segments, mix_seed
+from .base import Codec, Segments, device_lengths, exact_div, mix_seed
 from .fp8 import group_lengths, lookup_into
 
 __all__ = ["E2M1_VALUES", "NVFP4Codec", "ROUNDINGS", "e2m1_encode", "e2m1_values",
@@ -139,7 +139,7 @@ def e2m1_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """Exact FP32 values of E2M1 codes (integers 0–15; code 8 is -0)."""
-    values = torch.tensor(E2M1_VALUES, device=codes.device)
+    values = torch.tensor(E2M1_VALUES).to(codes.device)
     return torch.cat([values, -values])[codes.long()]
 
 
@@ -295,10 +295,10 @@ class NVFP4Codec(Codec):
 
     def _scales(self, amax: torch.Tensor, segments: Segments) -> tuple[torch.Tensor, ...]:
         """``(segment scales s, block scale codes, block scales β·s per block)``."""
-        counts = torch.tensor([len(seg) for seg in segments], dtype=torch.long)
+        counts = device_lengths(tuple(len(seg) for seg in segments), amax.device)
         finite = torch.where(torch.isinf(amax), torch.zeros_like(amax), amax)
         seg_amax = torch.segment_reduce(finite, "max", lengths=counts, unsafe=True)
-        s = (seg_amax / (E2M1_MAX * E4M3_MAX)).clamp_min_(2.0**-149)
+        s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
         s_block = torch.repeat_interleave(s, counts, output_size=amax.numel())
         r = (amax / (E2M1_MAX * s_block)).clamp_(max=E4M3_MAX)
         nearest = r.to(torch.float8_e4m3fn)
@@ -336,7 +336,7 @@ class NVFP4Codec(Codec):
             return torch.ones((), dtype=torch.bool, device=buf.device)
         s = buf[: 4 * n_seg].clone().view(torch.float32)
         code = buf[4 * n_seg : 4 * n_seg + n_groups]
-        counts = torch.tensor([len(seg) for seg in segments], dtype=torch.long)
+        counts = device_lengths(tuple(len(seg) for seg in segments), buf.device)
         scale = code.view(torch.float8_e4m3fn).float() * torch.repeat_interleave(
             s, counts, output_size=n_groups)
         unpack_into(out[:n], buf[4 * n_seg + n_groups :])

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from .base import Codec, Segments
+from .base import Codec, Segments, device_lengths, exact_div
 
 __all__ = ["FP8_FORMATS", "SCALINGS", "FP8Codec", "Packed", "e4m3_table", "group_lengths",
            "lookup_into"]
@@ -156,7 +156,7 @@ class FP8Codec(Codec):
     def scales_of(self, flat: torch.Tensor, lengths: list[int], info=None) -> torch.Tensor:
         """The float32 scale of every group of the flat fp32 tensor ``flat`` (policies above)."""
         amax = _group_amax(flat, lengths, info or _info(lengths))
-        scales = amax / self.fmax
+        scales = exact_div(amax, self.fmax)
         # When amax / fmax rounds down (far, once it is an fp32 subnormal), amax / s exceeds
         # fmax and E5M2 overflows to inf: step such scales up one ulp so codes stay in range.
         scales = torch.where(amax / scales > self.fmax,
@@ -260,7 +260,7 @@ MANY_GROUPS = 256  # more irregular groups than this: per-element scales instead
 
 
 def _per_element(scales: torch.Tensor, lengths, numel: int) -> torch.Tensor:
-    return torch.repeat_interleave(scales, torch.tensor(lengths, dtype=torch.long),
+    return torch.repeat_interleave(scales, device_lengths(tuple(lengths), scales.device),
                                    output_size=numel)
 
 
@@ -317,7 +317,7 @@ def _group_amax(flat: torch.Tensor, lengths, info: _Info) -> torch.Tensor:
             out[g] = _amax1(flat[lo : lo + n])
             lo += n
         return out
-    lens = torch.tensor(lengths, dtype=torch.long)
+    lens = device_lengths(tuple(lengths), flat.device)
     amax = torch.segment_reduce(flat.abs(), "max", lengths=lens, unsafe=True)
     # segment_reduce drops NaN in max on some builds: restore the policy explicitly.
     bad = torch.segment_reduce((~torch.isfinite(flat)).float(), "max", lengths=lens, unsafe=True)

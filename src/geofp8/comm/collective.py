@@ -70,7 +70,7 @@ class Communicator:
             if unmap is not None or not gather:
                 raise ValueError("per-sender decoding and reduce-scatter need collective='exact'")
             return self._allgather(sent, layout)
-        result: torch.futures.Future = torch.futures.Future()
+        result = _future(sent.device)
         n = layout.world_size
         recv = torch.empty(n * layout.send_bytes(self.rank), dtype=torch.uint8,
                            device=sent.device)
@@ -127,6 +127,12 @@ class Communicator:
 
         gathered, work = self.group.all_gather(sent, "payload", async_op=True)
         return work.get_future().then(decode_all)
+
+
+def _future(device: torch.device) -> torch.futures.Future:
+    """A future whose value lives on ``device``: on an accelerator it records the producing
+    stream, and whoever waits on it (DDP reading the bucket) is ordered after those writes."""
+    return torch.futures.Future(devices=None if device.type == "cpu" else [device])
 
 
 def exact_allreduce(flat: torch.Tensor, layout: ShardLayout,

@@ -48,19 +48,23 @@ def needs(kind: str) -> tuple[str, ...]:
 
 def make_transform(kind: str, damping: float, *, A: torch.Tensor | None = None,
                    S: torch.Tensor | None = None, factor: LowRankFactor | None = None,
-                   dim: int | None = None, block: int = 128, seed: int = 0) -> Transform:
+                   dim: int | None = None, block: int = 128, seed: int = 0,
+                   device: torch.device | str | None = None) -> Transform:
     """The map of one layer. ``dim``: ``d_in`` for ``hadamard`` and ``rht``; ``block``: the
     column block of ``block``, the codec's scale block for ``rht``; ``factor``: the top-k
-    of ``A`` for ``lowrank`` (``full`` takes ``A`` or a full-rank factor)."""
+    of ``A`` for ``lowrank`` (``full`` takes ``A`` or a full-rank factor); ``device``: where
+    a data-independent map (``hadamard``, ``rht``) lives (default: ``A``'s device, else the
+    CPU); the others live with their statistics."""
     kind = str(kind)  # a plain string in the map's name and state, also from an enum
     needs(kind)
     if kind == "euclidean":
         return Identity()
+    dtype = A.dtype if A is not None else torch.float32
+    device = device if device is not None else (A.device if A is not None else "cpu")
     if kind == "hadamard":
-        return Hadamard(dim, seed=seed, dtype=A.dtype if A is not None else torch.float32)
+        return Hadamard(dim, seed=seed, dtype=dtype, device=device)
     if kind == "rht":
-        return RandomHadamard(dim, block, seed=seed,
-                              dtype=A.dtype if A is not None else torch.float32)
+        return RandomHadamard(dim, block, seed=seed, dtype=dtype, device=device)
     if kind in ("lowrank", "full"):
         if factor is None:
             factor = LowRankFactor.from_matrix(A, A.shape[0])

@@ -134,9 +134,10 @@ class FixedFactors(FactorSource):
     """A fixed rotation of every candidate's columns: random signs (seed) and a block
     Hadamard (``hadamard``), or one at the codec's scale block ``block`` (``rht``)."""
 
-    def __init__(self, layers, ledger, kind: str, seed: int, block: int) -> None:
+    def __init__(self, layers, ledger, kind: str, seed: int, block: int, devices) -> None:
         super().__init__(layers, ledger)
-        self.transforms = {n: make_transform(kind, 0.0, dim=l.d_in, block=block, seed=seed)
+        self.transforms = {n: make_transform(kind, 0.0, dim=l.d_in, block=block, seed=seed,
+                                             device=devices[n])
                            for n, l in layers.items()}
 
 
@@ -311,7 +312,7 @@ class FreshFactors(_SketchedFactors):
         x = x.reshape(-1, self.layers[name].d_in).float()
         omega = self.omega(x.shape[1], x.device)
         buf = torch.cat([(x.T @ (x @ omega)).reshape(-1), x.pow(2).sum().reshape(1),
-                         torch.tensor([float(x.shape[0])], device=x.device)])
+                         x.new_full((1,), float(x.shape[0]))])
         buf, work = self.group.all_reduce(buf, "factor", async_op=True)
         self._works.setdefault(name, []).append((work, buf))
 
@@ -389,7 +390,8 @@ def make_source(config, layers: dict[str, Layer], ledger, group: DeviceGroup,
     if not layers:
         return None
     if config.transform in ("hadamard", "rht"):
-        return FixedFactors(layers, ledger, config.transform, config.seed, codec_block)
+        return FixedFactors(layers, ledger, config.transform, config.seed, codec_block,
+                            devices)
     if config.transform == "euclidean" or config.layers == "none":
         return None
     if config.factor_source == "fresh":

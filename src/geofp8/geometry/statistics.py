@@ -52,7 +52,7 @@ class LowRankFactor:
         A64 = 0.5 * (A64 + A64.T)
         w, V = torch.linalg.eigh(A64)
         k = min(k, A.shape[0])
-        top = torch.flip(torch.arange(A.shape[0] - k, A.shape[0]), dims=[0])
+        top = torch.arange(A.shape[0] - 1, A.shape[0] - k - 1, -1, device=A.device)
         return cls(V[:, top].to(A.dtype).contiguous(), w[top].clamp_min(0).to(A.dtype),
                    float(torch.trace(A64)), A.shape[0])
 

@@ -279,14 +279,16 @@ class Hadamard(Transform):
         self.dim, self.block = self.signs.numel(), self.H.shape[0]
 
     def __init__(self, dim: int, max_block: int = 256, seed: int = 0,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         b = 1
         while dim % (2 * b) == 0 and 2 * b <= max_block:
             b *= 2
         self.dim, self.block = dim, b
-        gen = torch.Generator().manual_seed(seed)
-        self.signs = (torch.randint(0, 2, (dim,), generator=gen) * 2 - 1).to(dtype)
-        self.H = _sylvester(b, dtype) / math.sqrt(b)
+        gen = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same signs anywhere
+        signs = torch.randint(0, 2, (dim,), generator=gen) * 2 - 1
+        self.signs = signs.to(device=device, dtype=dtype)
+        self.H = (_sylvester(b, dtype) / math.sqrt(b)).to(device)
 
     def _mix(self, G: torch.Tensor) -> torch.Tensor:
         blocks = G.reshape(G.shape[0], self.dim // self.block, self.block)
@@ -309,10 +311,11 @@ class RandomHadamard(Hadamard):
     name = "rht"
 
     def __init__(self, dim: int, block: int, seed: int = 0,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         if block < 1 or block & (block - 1):
             raise ValueError(f"the RHT block must be a power of two, got {block}")
-        super().__init__(dim, max_block=block, seed=seed, dtype=dtype)
+        super().__init__(dim, max_block=block, seed=seed, dtype=dtype, device=device)
 
 
 def rebase(residual: torch.Tensor, old: Transform, new: Transform) -> torch.Tensor:

@@ -1,15 +1,26 @@
 """``make gpu-check``: GeoFP8 on one NVIDIA GPU, in a few minutes, one table, fail on error.
 
-1. Correctness on CUDA: every codec's round trip equals the CPU one bitwise; every transform
-   kind maps back (``T⁻¹(T(G)) ≈ G``) on the device; the single-process simulation of the
-   exact collective matches the CPU's.
-2. A world-size-1 NCCL training run of every method of :data:`geofp8.methods.METHODS` on a
-   small Llama, with a refresh and an auto / profile decision inside it (``refresh_every=2``,
+Run it where a CUDA build of torch is installed (no network needed)::
+
+    PYTHONPATH=src python3 -m geofp8.tools.gpu_check
+
+1. Codecs: every format, scaling and rounding; the round trip and the single-process
+   simulation of the exact collective at ``N = 4`` (the same stage code the real collective
+   runs) on the device against the CPU, bitwise (stochastic rounding: CUDA draws other
+   numbers, so its error must match the CPU's instead).
+2. Transforms: every kind maps back (``T⁻¹(T(G)) ≈ G``) on the device.
+3. Methods: every geofp8 row of :data:`geofp8.methods.METHODS`, one ordinary step simulated
+   at ``N = 4`` (map, encode, all-to-all stages, FP32 sum, re-encode, decode, map back) on
+   the device against the CPU: bitwise for Euclidean rows, else within a tenth of the
+   step's own quantization error (GEMMs round differently on the GPU).
+4. A world-size-1 NCCL training run of every method of :data:`METHODS` on a small Llama,
+   with a refresh and an auto / profile decision inside it (``refresh_every=2``,
    ``profile_steps=2``), checking that the loss stays finite and GeoFP8's counters advance.
-3. Throughput on the GPU: quantize + dequantize of every codec, and the low-rank transform,
+5. Throughput on the GPU: quantize + dequantize of every codec, and the low-rank transform,
    against a device-to-device copy of the same bytes (ratios, timed with CUDA events).
 
-Without a GPU it prints why and exits 0 (nothing to check here).
+Every row reports its own failure and the next one runs. Exit status: 0 if every row
+passed, 1 if any failed, 2 if no CUDA device is visible.
 """
 
 from __future__ import annotations
@@ -22,6 +33,10 @@ import time
 import traceback
 
 import torch
+
+DEVICE = torch.device("cuda")  # where the checks run (a test may put a stand-in here)
+WORLD = 4  # ranks of the simulated collective
+SHAPES = [(257, 1031), (64, 33), (96,)]  # a bucket: shard cuts inside rows and blocks
 
 
 def _timed(fn, repeats: int = 20) -> float:
@@ -39,21 +54,72 @@ def _timed(fn, repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _row(rows: list, name: str, check) -> None:
+    """Run ``check() -> (detail, ok)``; an exception is this row's failure, not the table's."""
+    try:
+        detail, ok = check()
+        rows.append((name, detail, "ok" if ok else "FAIL"))
+    except Exception:  # noqa: BLE001 - report and go on, the table fails at the end
+        rows.append((name, traceback.format_exc().splitlines()[-1], "FAIL"))
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(t.double().cpu().norm())
+
+
+def bucket(rank: int, shapes) -> torch.Tensor:
+    """One rank's flat bucket: each tensor at its own magnitude (per-tensor scales differ)."""
+    g = torch.Generator().manual_seed(rank)
+    return torch.cat([torch.randn(s, generator=g).reshape(-1) * 10.0 ** (i - 1)
+                      for i, s in enumerate(shapes)])
+
+
+def _compare(got: torch.Tensor, cpu: torch.Tensor, exact: torch.Tensor,
+             bitwise: bool, stochastic: bool) -> tuple[str, bool]:
+    """``(detail, ok)`` of a device result against the CPU's and the exact FP32 value."""
+    got = got.to("cpu")
+    if bitwise:
+        same = torch.equal(got.view(torch.int32), cpu.view(torch.int32))
+        return ("CUDA == CPU bitwise" if same else
+                f"CUDA != CPU (‖Δ‖/‖CPU‖ = {_norm(got - cpu) / _norm(cpu):.1e})"), same
+    err_cpu, err_dev = _norm(cpu - exact), _norm(got - exact)
+    if stochastic:  # other random numbers: the error must match, not the bits
+        return (f"rel. error {err_dev / _norm(exact):.3e} on CUDA, "
+                f"{err_cpu / _norm(exact):.3e} on CPU",
+                bool(torch.isfinite(got).all()) and err_dev <= 1.1 * err_cpu)
+    diff = _norm(got - cpu) / err_cpu
+    return f"‖CUDA − CPU‖ = {diff:.2f}× the step's own error", diff <= 0.1
+
+
 def check_codecs(rows: list) -> None:
-    from ..codecs import FORMATS, make_codec
+    from ..codecs import FORMATS, SCALINGS, make_codec
     from ..comm import ShardLayout, simulate_exact_allreduce
 
-    x = torch.randn(257, 1031, generator=torch.Generator().manual_seed(0)) * 3
+    inputs = [bucket(r, SHAPES) for r in range(WORLD)]
+    exact = torch.stack(inputs).sum(0)
+    whole = inputs[0][: SHAPES[0][0] * SHAPES[0][1]].view(SHAPES[0])
     for fmt in FORMATS:
-        for scaling in ("tensor", "row", "block"):
-            codec = make_codec(fmt, scaling, 32)
-            same = torch.equal(codec.round_trip(x.cuda()).cpu(), codec.round_trip(x))
-            layout = ShardLayout.build([tuple(x.shape)], codec, 3)
-            inputs = [x * (r + 1) for r in range(3)]
-            sim = torch.equal(simulate_exact_allreduce([t.cuda() for t in inputs], layout).cpu(),
-                              simulate_exact_allreduce(inputs, layout))
-            rows.append((f"codec {fmt}/{scaling}", "CUDA == CPU bitwise",
-                         "ok" if same and sim else "FAIL"))
+        fp8 = fmt in ("e4m3", "e5m2")
+        for scaling in SCALINGS if fp8 else (None,):
+            for rounding in ("nearest",) if fp8 else ("nearest", "stochastic"):
+                codec = make_codec(fmt, scaling, 32, rounding)
+                layout = ShardLayout.build(SHAPES, codec, WORLD)
+                name = f"codec {fmt}/{scaling or 'block'}/{rounding}"
+                stochastic = rounding == "stochastic"
+
+                def trip(codec=codec):
+                    return _compare(codec.round_trip(whole.to(DEVICE)), codec.round_trip(whole),
+                                    whole, True, False)
+
+                def sim(codec=codec, layout=layout, stochastic=stochastic):
+                    got = simulate_exact_allreduce([x.to(DEVICE) for x in inputs], layout,
+                                                   seed=7)
+                    cpu = simulate_exact_allreduce(inputs, layout, seed=7)
+                    return _compare(got, cpu, exact, not stochastic, stochastic)
+
+                if not stochastic:
+                    _row(rows, f"{name} round trip", trip)
+                _row(rows, f"{name} N={WORLD} stages", sim)
 
 
 def check_transforms(rows: list) -> None:
@@ -62,16 +128,117 @@ def check_transforms(rows: list) -> None:
 
     g = torch.Generator().manual_seed(1)
     X = torch.randn(2048, 256, generator=g) @ torch.randn(256, 256, generator=g)
-    A = (X.T @ X / X.shape[0]).cuda()
-    S = torch.eye(128, device="cuda") + 0.1
-    G = torch.randn(128, 256, generator=g).cuda()
+    A = (X.T @ X / X.shape[0]).to(DEVICE)
+    S = torch.eye(128, device=DEVICE) + 0.1
+    G = torch.randn(128, 256, generator=g).to(DEVICE)
     for kind in TRANSFORMS:
-        t = make_transform(kind, 0.1, A=A, S=S, dim=256, block=64,
-                           factor=LowRankFactor.from_matrix(A, 32) if kind == "lowrank" else None)
-        if kind == "hadamard":
-            t.signs, t.H = t.signs.cuda(), t.H.cuda()
-        err = float((t.inverse(t.forward(G)) - G).norm() / G.norm())
-        rows.append((f"transform {kind}", f"round trip {err:.1e}", "ok" if err < 1e-3 else "FAIL"))
+        def trip(kind=kind):
+            t = make_transform(kind, 0.1, A=A, S=S, dim=256, block=64,
+                               factor=LowRankFactor.from_matrix(A, 32)
+                               if kind == "lowrank" else None)
+            err = _norm(t.inverse(t.forward(G)) - G) / _norm(G)
+            return f"round trip {err:.1e}", err < 1e-3
+        _row(rows, f"transform {kind}", trip)
+
+
+def method_maps(config, layers: dict, device, codec_block: int) -> dict:
+    """Every layer's map under ``config``, built as its factor source builds it, on
+    ``device``: the fixed rotations by the source itself, the others from statistics of
+    seeded inputs (``A = E[x xᵀ]``, exact or sketched as the source keeps it; ``S``)."""
+    from ..geometry.factory import make_transform, needs
+    from ..geometry.sources import make_source
+    from ..geometry.statistics import SecondMoment
+    from ..geometry.transforms import IDENTITY
+
+    kind = str(config.transform)
+    if kind in ("hadamard", "rht"):
+        source = make_source(config, layers, None, None, dict.fromkeys(layers, device),
+                             codec_block)
+        return {n: source.transform(n) for n in layers}
+    if kind == "euclidean" or str(config.layers) == "none":
+        return dict.fromkeys(layers, IDENTITY)
+    mode = "exact" if str(config.factor_source) == "refresh" else "sketch"
+    maps = {}
+    for i, (name, layer) in enumerate(layers.items()):
+        g = torch.Generator().manual_seed(100 + i)
+        X = torch.randn(512, layer.d_in, generator=g) @ torch.randn(layer.d_in, layer.d_in,
+                                                                     generator=g)
+        A = SecondMoment(layer.d_in, mode, sketch_size=config.k + config.oversample,
+                         device=device)
+        A.update(X.to(device))
+        S = SecondMoment(layer.d_out, "exact", device=device)
+        S.update(torch.randn(512, layer.d_out, generator=g).to(device))
+        maps[name] = make_transform(
+            kind, config.damping, block=config.transform_block or 128,
+            factor=A.factor(min(config.k, layer.d_in)) if kind == "lowrank" else None,
+            A=A.mean() if "A" in needs(kind) else None,
+            S=S.mean() if "S" in needs(kind) else None)
+    return maps
+
+
+def method_step(maps: dict, shapes, grads, layout, seed: int | None) -> list[torch.Tensor]:
+    """One ordinary step of the exact collective, simulated in one process (rank ``r``
+    holds ``grads[r]``; the first ``len(maps)`` tensors are the mapped layers, in order):
+    ``Ĝ_p = (Σ_r deq(Q(G_{p,r} T_p)) / N) T_p⁻¹``, with the stages the real one runs."""
+    from ..comm import simulate_exact_allreduce
+
+    names = list(maps) + [None] * (len(shapes) - len(maps))
+    inputs = [torch.cat([(g if n is None else maps[n].forward(g)).reshape(-1)
+                         for n, g in zip(names, rank_grads)]) for rank_grads in grads]
+    total = simulate_exact_allreduce(inputs, layout, seed)
+    total = total.div_(total.new_full((), len(grads)))
+    out, pos = [], 0
+    for name, shape in zip(names, shapes):
+        n = torch.Size(shape).numel()
+        y = total[pos : pos + n].view(shape)
+        out.append(y if name is None else maps[name].inverse(y))
+        pos += n
+    return out
+
+
+def _moved(t, device):
+    """The map ``t`` with its tensors on ``device`` (the identity is shared)."""
+    from ..geometry.transforms import IDENTITY, transform_from_state
+
+    if t is IDENTITY:
+        return t
+    return transform_from_state(t.name, {k: v.to(device) for k, v in t.state().items()})
+
+
+def check_methods(rows: list) -> None:
+    from ..codecs import make_codec
+    from ..comm import ShardLayout
+    from ..geometry.sources import Layer
+    from ..geometry.transforms import IDENTITY
+    from ..methods import METHODS
+
+    layers = {f"{m}.weight": Layer(m, f"{m}.weight", 256, d_out)
+              for m, d_out in (("a", 384), ("b", 192))}
+    shapes = [(384, 256), (192, 256), (33,)]
+    grads = [[torch.randn(s, generator=torch.Generator().manual_seed(10 * r + i))
+              for i, s in enumerate(shapes)] for r in range(WORLD)]
+    exact = torch.cat([sum(g[i] for g in grads).reshape(-1) / WORLD
+                       for i in range(len(shapes))])
+    for method, spec in METHODS.items():
+        if spec.kind != "geofp8":
+            continue
+
+        def step(spec=spec):
+            config = spec.config()
+            codec = make_codec(config.format, config.scaling, config.block_size,
+                               config.rounding)
+            layout = ShardLayout.build(shapes, codec, WORLD)
+            maps = method_maps(config, layers, "cpu", codec.block_size)
+            cpu = method_step(maps, shapes, grads, layout, 3)
+            on_dev = {n: _moved(t, DEVICE) for n, t in maps.items()}
+            got = method_step(on_dev, shapes, [[g.to(DEVICE) for g in r] for r in grads],
+                              layout, 3)
+            flat = [torch.cat([t.reshape(-1) for t in out]) for out in (got, cpu)]
+            identity = all(t is IDENTITY for t in maps.values())
+            stochastic = str(config.rounding) == "stochastic"
+            return _compare(flat[0], flat[1], exact, identity and not stochastic, stochastic)
+
+        _row(rows, f"step {method} N={WORLD}", step)
 
 
 def _train_worker(method: str, port: int) -> dict:
@@ -101,7 +268,7 @@ def _train_worker(method: str, port: int) -> dict:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         stats = state.stats() if hasattr(state, "stats") else {}
         return {"losses": losses, "step": stats.get("step"),
                 "geometry": len(stats.get("geometry_layers", []))}
@@ -113,18 +280,16 @@ def check_training(rows: list) -> None:
     from ..methods import METHODS
 
     for method in METHODS:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
+        def train(method=method):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
             out = _train_worker(method, port)
             finite = all(torch.isfinite(torch.tensor(out["losses"])))
             counted = out["step"] in (None, 6)
-            rows.append((f"train {method}", f"loss {out['losses'][0]:.3f} → "
-                         f"{out['losses'][-1]:.3f}, geometry layers {out['geometry']}",
-                         "ok" if finite and counted else "FAIL"))
-        except Exception:  # noqa: BLE001 - report and go on, the table fails at the end
-            rows.append((f"train {method}", traceback.format_exc().splitlines()[-1], "FAIL"))
+            return (f"loss {out['losses'][0]:.3f} → {out['losses'][-1]:.3f}, "
+                    f"geometry layers {out['geometry']}"), finite and counted
+        _row(rows, f"train {method}", train)
 
 
 def check_throughput(rows: list) -> None:
@@ -148,15 +313,17 @@ def check_throughput(rows: list) -> None:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("geofp8 gpu-check: skipped — no CUDA device is visible to PyTorch "
-              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}).")
-        return 0
+        print("geofp8 gpu-check: FAILED — no CUDA device is visible to PyTorch "
+              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); run it on a "
+              "machine with an NVIDIA GPU and a CUDA build of torch.", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     rows: list[tuple[str, str, str]] = []
-    for check in (check_codecs, check_transforms, check_training, check_throughput):
+    for check in (check_codecs, check_transforms, check_methods, check_training,
+                  check_throughput):
         try:
             check(rows)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a section's set-up failed: its rows so far stand
             rows.append((check.__name__, traceback.format_exc().splitlines()[-1], "FAIL"))
     width = max(len(r[0]) for r in rows)
     print(f"GeoFP8 gpu-check on {torch.cuda.get_device_name(0)} "
