@@ -161,6 +161,16 @@ def test_collective_formulas():
         scaling.all_reduce_time(1e9, 8, fab) / 2)
 
 
+def test_fp8_between_nodes_only_costs_fp32_inside_them():
+    fab = scaling.FABRICS["ib400x8"]  # 8 GPUs per node on NVLink
+    parts = {m: scaling.step_time(W, 64, fab, m)["comm"] for m in ("fp32", "fp8", "fp8-node")}
+    assert parts["fp8"] < parts["fp8-node"] < parts["fp32"]
+    fp8, fp32 = (scaling.gradient_bytes(W.model.params, f) for f in ("fp8", "fp32"))
+    inside = scaling.all_reduce_time(fp32, 8, fab)  # one node: the NVLink ring alone
+    assert parts["fp8-node"] == pytest.approx(parts["fp8"] - scaling.all_reduce_time(fp8, 8, fab)
+                                              + inside)
+
+
 def test_more_bandwidth_smaller_comm_share():
     slow, fast = scaling.FABRICS["ib200"], scaling.FABRICS["ib400"]
     s_slow = scaling.step_time(W, 64, slow, "fp32")

@@ -179,6 +179,8 @@ def test_link_time_counts_what_crosses_a_node_link():
     assert one == pytest.approx(8e6 / 1e9)  # a rank's own bytes over its own link
     # 2 nodes of 2: each rank sends 2/3 of its bytes to the other node, two ranks per link
     assert cluster.link_time(1e6, 4, 1e9, ranks_per_node=2) == pytest.approx(one * 4 / 3)
+    # hierarchical: each rank's measured hop between nodes, two ranks per link
+    assert cluster.link_time(1e6, 4, 1e9, 2, inter_node_bytes=3e5) == pytest.approx(one * 0.6)
 
 
 # -- training through the emulated link -----------------------------------------------------

@@ -175,8 +175,10 @@ def summarize(records: list[dict]) -> dict:
         eval_total += r.get("eval_s", 0.0)
         if "val_loss" in r:
             curve.append((r["elapsed_s"] - eval_total, r["val_loss"]))
+    inter = [r["bytes_inter_node"] for r in records if "bytes_inter_node" in r]
     return {"step_s": statistics.median(steady),
             "bytes_per_step": statistics.fmean(r["bytes_sent"] for r in records),
+            "inter_node_bytes_per_step": statistics.fmean(inter) if inter else None,
             "bytes_per_element": statistics.fmean(r["bytes_per_element"] for r in records),
             "final_val_loss": curve[-1][1] if curve else None,
             "train_s": records[-1]["elapsed_s"] - eval_total, "val_curve": curve,
@@ -197,14 +199,18 @@ def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | Non
     return None
 
 
-def link_time(bytes_per_step: float, n: int, rate: float, ranks_per_node: int = 1) -> float:
+def link_time(bytes_per_step: float, n: int, rate: float, ranks_per_node: int = 1,
+              inter_node_bytes: float | None = None) -> float:
     """Seconds the scaling model gives one step's bytes on a node link of ``rate`` bit/s.
 
     A flat collective spreads a rank's ``bytes_per_step`` evenly over its ``n − 1`` peers, so
-    a node of ``r`` ranks sends ``r·bytes·(n − r)/(n − 1)`` over its link; that is costed as a
-    ring all-reduce whose traffic per rank it is (``r = 1``: the rank's own bytes)."""
+    a node of ``r`` ranks sends ``r·bytes·(n − r)/(n − 1)`` over its link; the hierarchical
+    one sends ``r·inter_node_bytes`` (each rank's hop between nodes; the hops inside a node
+    stay on its loopback). That is costed as a ring all-reduce whose traffic per rank it
+    is (``r = 1``, flat: the rank's own bytes)."""
     r = ranks_per_node
-    crossing = r * bytes_per_step * (n - r) / (n - 1)
+    crossing = r * (inter_node_bytes if inter_node_bytes is not None else
+                    bytes_per_step * (n - r) / (n - 1))
     fabric = scaling.Fabric(f"{rate / 1e9:g} Gbit/s", alpha=0.0, inter_bw=rate / 8)
     return scaling.all_reduce_time(crossing * n / (2 * (n - 1)), n, fabric)
 
@@ -255,7 +261,8 @@ def write_report(out: Path, runs: list[dict], nproc: int, command: str | None,
                     t_ref, t = rows[ref].get("s_to_fp32_loss"), s["s_to_fp32_loss"]
                     s[f"ttl_speedup_vs_{ref}"] = t_ref / t if t_ref and t else None
             if rate is not None:
-                s["link_s"] = link_time(s["bytes_per_step"], nproc, rate, ranks_per_node)
+                s["link_s"] = link_time(s["bytes_per_step"], nproc, rate, ranks_per_node,
+                                        s.get("inter_node_bytes_per_step"))
                 if name in base:
                     s["predicted_step_s"] = base[name]["step_s"] + s["link_s"]
                     s["model_error"] = s["predicted_step_s"] / s["step_s"] - 1

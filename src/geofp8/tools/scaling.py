@@ -163,11 +163,16 @@ def all_gather_time(nbytes: float, n: int, fabric: Fabric) -> float:
 all_to_all_time = all_gather_time  # the same bytes per rank in N − 1 exchanges
 
 
-def all_reduce_time(nbytes: float, n: int, fabric: Fabric) -> float:
-    """Hierarchical ring all-reduce of ``nbytes`` per rank."""
+def all_reduce_time(nbytes: float, n: int, fabric: Fabric,
+                    intra_nbytes: float | None = None) -> float:
+    """Hierarchical ring all-reduce of ``nbytes`` per rank: reduce-scatter and all-gather
+    inside a node, the node's ``1/g`` share between nodes. ``intra_nbytes``: the vector's
+    size inside the node when that hop sends another format (GeoFP8's hierarchical
+    collective: FP32 inside, the codec's bytes between nodes)."""
     g = min(fabric.gpus_per_node, n)
     nodes = max(n // g, 1)
-    return (_ring(g, nbytes, fabric.intra_alpha, fabric.intra_bw, 2)
+    inside = nbytes if intra_nbytes is None else intra_nbytes
+    return (_ring(g, inside, fabric.intra_alpha, fabric.intra_bw, 2)
             + _ring(nodes, nbytes / g, fabric.alpha, fabric.inter_bw, 2))
 
 
@@ -181,17 +186,20 @@ def compute_time(w: Workload) -> float:
     return 6.0 * w.model.params * w.tokens_per_gpu / (w.device.peak_flops * w.mfu)
 
 
-def comm_time(w: Workload, n: int, fabric: Fabric, fmt: str) -> float:
-    return all_reduce_time(gradient_bytes(w.model.params, fmt, w.block), n, fabric)
+def comm_time(w: Workload, n: int, fabric: Fabric, fmt: str, node: bool = False) -> float:
+    """All-reduce time of the gradient in ``fmt``; ``node``: FP32 inside the node."""
+    inside = gradient_bytes(w.model.params, "fp32") if node else None
+    return all_reduce_time(gradient_bytes(w.model.params, fmt, w.block), n, fabric, inside)
 
 
 def step_time(w: Workload, n: int, fabric: Fabric, method: str,
               ovh: Overheads | None = None) -> dict[str, float]:
-    """Modelled step time and its parts for ``method`` in {fp32, bf16, fp8, geofp8}."""
+    """Modelled step time and its parts for ``method`` in {fp32, bf16, fp8, geofp8, fp8-node}
+    (``fp8-node``: FP8 between nodes only, FP32 inside them — :mod:`geofp8.hierarchy`)."""
     ovh = ovh or Overheads()
-    fmt = "fp8" if method in ("fp8", "geofp8") else method
+    fmt = "fp8" if method in ("fp8", "geofp8", "fp8-node") else method
     compute = compute_time(w)
-    comm = comm_time(w, n, fabric, fmt)
+    comm = comm_time(w, n, fabric, fmt, node=method == "fp8-node")
     memcpy = 2 * 4 * w.model.params / w.device.hbm_bw  # read + write fp32 gradient
     codec = ovh.codec_round_trips * memcpy / ovh.codec_vs_memcpy if fmt == "fp8" else 0.0
     geo = 0.0
