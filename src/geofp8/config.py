@@ -137,6 +137,7 @@ class GeoFP8Config:
     min_dim: int = 16  # Linear layers with min(d_in, d_out) < min_dim stay Euclidean
     # -- error feedback, warm-up, seeds
     error_feedback: bool = True  # keep R ← Ũ − deq(Q(Ũ)) in communication coordinates
+    owner_feedback: bool = False  # EF on the second rounding too (the reduced shard's owner)
     warmup_steps: int = 0  # steps communicated in FP32 first
     seed: int = 0  # the sketch's test matrix and the Hadamard signs (shared by all ranks)
     rank: int | None = None  # deprecated name of ``k``
@@ -181,6 +182,8 @@ class GeoFP8Config:
             (self.node_size is None or self.node_size >= 1, "node_size must be >= 1"),
             (self.hierarchy != "node" or self.collective == "exact",
              "hierarchy='node' needs collective='exact'"),
+            (not self.owner_feedback or self.collective == "exact",
+             "owner_feedback needs collective='exact' (allgather rounds once)"),
             (self.damping >= 0, "damping must be >= 0"),
             (self.refresh_every >= 1, "refresh_every must be >= 1"),
             ((self.block_size or 1) >= 1 and (self.transform_block or 1) >= 1,

@@ -35,6 +35,7 @@ from .comm.group import DeviceGroup
 from .comm.layout import fp32_allreduce_wire_bytes
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
+from .geometry.transforms import IDENTITY
 from .hierarchy import HierarchicalAllReduce, node_size
 
 __all__ = [
@@ -82,6 +83,8 @@ class GeoFP8State:
         self.engine = SyncEngine(model, config, DeviceGroup(process_group, device), "ddp",
                                  grad_scaler=grad_scaler)
         self.communicator = Communicator(config.collective, self.engine.group)
+        if config.owner_feedback:
+            self.communicator.owner = self.engine.add_feedback("owner", "fp32")
         size = node_size(config, self.engine.group.size)
         if process_group is not None and config.hierarchy == "auto":
             size = None  # a group of the caller's: its node layout is not ours to guess
@@ -175,8 +178,12 @@ class GeoFP8State:
             self.ledger.add("transform_s", time.perf_counter() - t1)
             return buffer
 
+        # the owners' residuals are in communication coordinates, which stay put only for
+        # buckets with no tensor routed through a map (refreshes change maps)
+        euclidean = all(route is IDENTITY for route in encoded.routes)
         future = self.communicator.launch(encoded.sent, encoded.layout, last,
-                                          pipeline.unmap(encoded), seed=seed)
+                                          pipeline.unmap(encoded), seed=seed,
+                                          owner_keys=encoded.names if euclidean else None)
         self.group.charge("payload", -encoded.side_bytes)  # sender factors are factor bytes
         self.group.charge("factor", encoded.side_bytes)
         return future.then(map_back)

@@ -231,7 +231,8 @@ class ReplicaAllReduce:
                 for name, (lo, hi), chunk in zip(unit.names, _spans(chunks), chunks):
                     feedback.stage(name + REPLICA, residual[lo:hi].view(chunk).clone(), IDENTITY)
             engine.ledger.add("codec_s", time.perf_counter() - t0)
-            x = self.state.communicator(rep).launch(sent, layout, gather=True, seed=seed).wait()
+            x = self.state.communicator(rep).launch(sent, layout, gather=True, seed=seed,
+                                                    owner_keys=unit.names).wait()
         shard.copy_(x.div_(divisor) if divisor != 1 else x)
         engine.observe(shard)
         self.state.probe.replica(unit, shard.float(), rep, divisor)
@@ -340,6 +341,8 @@ class GeoFP8FSDP:
         self.units = [u for u, _ in units]
         if mesh is not None:
             self.engine.add_feedback("replica", residual)
+            if cfg.owner_feedback:  # the replica hop's second rounding
+                self.engine.add_feedback("owner", residual)
             replicate = self.engine.device_group(mesh["replicate"].get_group(), device)
         for unit, module in units:
             if reduce_scatter:
@@ -395,6 +398,7 @@ class GeoFP8FSDP:
         key = id(group)
         if key not in self._communicators:
             self._communicators[key] = Communicator("exact", group)
+            self._communicators[key].owner = self.engine.feedbacks.get("owner")
         return self._communicators[key]
 
     def layout(self, unit: _Unit, kind: str, world: int) -> ShardLayout:

@@ -144,6 +144,8 @@ METHODS: dict[str, Method] = {
     "nvfp4": _block("nvfp4", "NVFP4 (E2M1, E4M3 scale per 16, FP32 per tensor chunk)",
                     error_feedback=False),
     "nvfp4-ef": _block("nvfp4", "NVFP4 + EF"),
+    "nvfp4-ef2": _block("nvfp4", "NVFP4 + EF on both roundings (each sender's and each "
+                        "reduced shard's owner's)", owner_feedback=True),
     "nvfp4-sr-ef": _block("nvfp4", "NVFP4 + EF, stochastic rounding (seeded per step, "
                           "bucket and sender)", rounding="stochastic"),
     "nvfp4-rht-ef": _block("nvfp4", "NVFP4 + EF after a random Hadamard over each 16-block",

@@ -8,11 +8,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..geometry.transforms import IDENTITY
 from .group import DeviceGroup
 from .layout import ShardLayout
 from .stages import (
     decode,
     decode_gathered,
+    decode_shard,
     decode_sum,
     encode,
     encode_reduced,
@@ -49,22 +51,34 @@ class Communicator:
     from a callback: DDP itself issues one right after the last bucket's hook when
     ``find_unused_parameters=True`` (the used-parameter map), and a callback's all-gather
     raced it into a different order on different ranks (a deadlock).
+
+    ``owner``: an :class:`~geofp8.feedback.ErrorFeedback` for the second rounding (``exact``):
+    a launch with ``owner_keys`` (one per tensor of the layout) adds each tensor's residual
+    to its piece of the reduced shard before re-encoding it and stages
+    ``R ← S + R − deq(Q(S + R))`` per tensor, committed with the step. A tensor's piece
+    depends on the tensor alone (:meth:`ShardLayout.build` cuts each tensor by itself), not
+    on which bucket carries it: DDP's rebuilt buckets and a resumed run find their residuals.
     """
+
+    owner = None  # ErrorFeedback of the owners' re-quantization, when enabled
 
     def __init__(self, collective: str, group: DeviceGroup):
         if collective not in COLLECTIVES:
             raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
         self.collective, self.group = collective, group
         self.rank = group.rank
-        self._previous = None  # (work, recv, layout, result, unmap, gather, seed): unfinished
+        self._previous = None  # (work, recv, layout, result, unmap, gather, seed, key)
 
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
-               unmap=None, gather: bool = True, seed: int | None = None) -> torch.futures.Future:
+               unmap=None, gather: bool = True, seed: int | None = None,
+               owner_keys: list[str] | None = None) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
         (each mapped back by ``unmap(values, side)`` first, see :func:`decode_sum`).
         ``gather=False`` stops after the FP32 sum (a reduce-scatter): the value is this
         rank's reduced shard, ``layout.shard_numel(rank)`` elements. ``seed``: the one
-        ``sent`` was encoded with (stochastic rounding re-encodes the reduced shard with it)."""
+        ``sent`` was encoded with (stochastic rounding re-encodes the reduced shard with it).
+        ``owner_keys``: the tensors' names for the second rounding's residuals (see
+        :attr:`owner`)."""
         self.flush()
         if self.collective == "allgather":
             if unmap is not None or not gather:
@@ -76,7 +90,8 @@ class Communicator:
                            device=sent.device)
         work = self.group.all_to_all(recv, sent, [layout.send_bytes(self.rank)] * n,
                                      [layout.send_bytes(j) for j in range(n)], "payload")
-        self._previous = (work, recv, layout, result, unmap, gather, seed)
+        self._previous = (work, recv, layout, result, unmap, gather, seed,
+                          owner_keys if self.owner is not None else None)
         if last:
             self.flush()  # issue the all-gather now, from this thread (see the class notes)
         return result
@@ -88,20 +103,30 @@ class Communicator:
     def flush(self) -> None:
         """Finish the previous launch's all-to-all and issue its all-gather, if any."""
         if self._previous is not None:
-            work, recv, layout, result, unmap, gather, seed = self._previous
+            work, recv, layout, result, unmap, gather, seed, keys = self._previous
             self._previous = None
             work.wait()
-            self._gather(work.get_future(), recv, layout, result, unmap, gather, seed)
+            self._gather(work.get_future(), recv, layout, result, unmap, gather, seed, keys)
 
     def _gather(self, fut, recv: torch.Tensor, layout: ShardLayout,
-                result: torch.futures.Future, unmap, gather: bool, seed: int | None) -> None:
+                result: torch.futures.Future, unmap, gather: bool, seed: int | None,
+                keys: list[str] | None) -> None:
         try:
             fut.value()
             reduced = decode_sum(recv, layout, self.rank, unmap)
             if not gather:
                 result.set_result(reduced)
                 return
+            pieces = self._pieces(layout, keys) if keys is not None else []
+            for key, lo, hi in pieces:
+                residual = self.owner.residual_in(key, IDENTITY)
+                if residual is not None:
+                    reduced[lo:hi] += residual
             shard = encode_reduced(reduced, layout, self.rank, seed)
+            if pieces:
+                error = reduced - decode_shard(shard, layout, self.rank)
+                for key, lo, hi in pieces:
+                    self.owner.stage(key, error[lo:hi], IDENTITY)
         except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
             result.set_exception(exc)
             return
@@ -115,6 +140,14 @@ class Communicator:
                 result.set_exception(exc)
 
         work.get_future().then(done)
+
+    def _pieces(self, layout: ShardLayout, keys: list[str]) -> list[tuple[str, int, int]]:
+        """``(tensor name, start, end)`` of each tensor's piece of this rank's shard."""
+        out, pos = [], 0
+        for (lo, hi), index in zip(layout.segments[self.rank], layout.owners[self.rank]):
+            out.append((keys[index], pos, pos + hi - lo))
+            pos += hi - lo
+        return out
 
     def _allgather(self, sent: torch.Tensor, layout: ShardLayout) -> torch.futures.Future:
 

@@ -80,6 +80,13 @@ def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
     return out
 
 
+def decode_shard(buf: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
+    """The values of one encoded shard (its owner's view of what it re-encoded)."""
+    values = torch.empty(layout.shard_numel(shard), dtype=torch.float32, device=buf.device)
+    layout.codec.decode_into(values, buf[: layout.shard_bytes(shard)], layout.groups[shard])
+    return values
+
+
 def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
     """Stage 5: the full reduced vector; all NaN if any shard carries a non-finite scale."""
     out = torch.empty(layout.numel, dtype=torch.float32, device=gathered[0].device)
