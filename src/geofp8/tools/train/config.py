@@ -67,8 +67,6 @@ class TrainConfig:
             (self.residual in ("fp32", "bf16", "fp8"), "residual must be fp32, bf16 or fp8"),
             (self.parallel == "ddp" or self.optimizer == "adamw",
              "--parallel fsdp/hsdp needs --optimizer adamw (Muon needs whole matrices)"),
-            (self.parallel == "ddp" or (self.checkpoint_every == 0 and not self.resume),
-             "--parallel fsdp/hsdp: checkpoints are DDP-only for now"),
             (self.steps >= 1 and self.seq_len >= 1 and self.batch_size >= 1,
              "steps, seq_len and batch_size must be >= 1"),
             (self.warmup >= 0, "warmup must be >= 0"),
