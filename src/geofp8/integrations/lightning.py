@@ -107,6 +107,7 @@ class GeoFP8DDPStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self.geofp8_state is not None:
             self.geofp8_state.remove_hooks()
+        self._resume = None  # a validate/test checkpoint is not restored by a later fit
         super().teardown()
 
     @classmethod
