@@ -223,7 +223,7 @@ def test_demo_runs_compare_and_prints_the_table(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| fp32 |" in printed and "| fp8 |" in printed
     assert str(out / "report.md") in printed
-    assert "minutes on 2 idle cores of an AVX2-only CPU" in printed
+    assert "Timed" not in printed  # runs no longer than the timing run: no timing run
     saved = json.loads((out / "results.json").read_text())
     assert [r["method"] for r in saved["runs"]] == ["fp32", "fp8"]
 
