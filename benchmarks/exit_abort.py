@@ -16,7 +16,8 @@ Measured (2 shared CPU cores, load average 1.5-5 from other work; no fix applied
 * ``--runs 60 --jobs 4 --layout ddp``: 120 ranks, 101 exited 0, 19 hung, none aborted;
 * ``--runs 12 --jobs 4 --layout ddp``: 24 ranks, 22 exited 0, 2 hung;
 * ``--runs 12 --jobs 4 --layout fsdp``: 24 ranks, all exited 0 (FSDP's reduce-scatter
-  completes in the calling thread: no Python callback on a gloo thread).
+  stops before the all-gather, in the calling thread: no Python callback on a gloo thread;
+  HSDP's replica all-reduce does run ``done`` on one, not stressed here).
 
 A hung rank's stacks (faulthandler, below) show the mechanism: the main thread has returned
 from the user's function and is freeing its locals (the DDP model holds the last reference to
