@@ -10,6 +10,13 @@ and ``log(accelerator, state, step, totals)`` sends GeoFP8's figures to Accelera
 DDP or FSDP2, whichever ``prepare`` built: with ``FullyShardedDataParallelPlugin(fsdp_version=2)``
 (``accelerator.is_fsdp2``) GeoFP8's exact FP8 reduce-scatter is installed on every
 ``fully_shard`` unit (:func:`geofp8.fsdp.enable`). FSDP1 and DeepSpeed are refused.
+
+``accelerator.save_state(dir)`` also writes every rank's GeoFP8 state (``dir/geofp8-rank<r>.pt``)
+and ``accelerator.load_state(dir)`` restores it, so a resumed run is bit-identical to one that
+never stopped (:mod:`geofp8.integrations.checkpoint`; a checkpoint without it resumes with a
+warning, one from another number of ranks is refused). Accelerate's
+``register_for_checkpointing`` is not used: it saves the main process's state only and loads
+with ``weights_only=False``; ``enable`` registers save/load pre-hooks instead.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from torch import nn
 
 from .. import GeoFP8Config, GeoFP8State, fsdp
 from . import install, metrics, unwrap_compiled
+from .checkpoint import load_files, save_files
 
 
 def enable(accelerator, model: nn.Module, config: GeoFP8Config | None = None,
@@ -25,7 +33,8 @@ def enable(accelerator, model: nn.Module, config: GeoFP8Config | None = None,
     """Register GeoFP8 on ``model`` (as returned by ``accelerator.prepare``); return its state.
 
     DDP: :func:`geofp8.integrations.install`. FSDP2: :func:`geofp8.fsdp.enable` on the
-    prepared model, with ``fsdp_kwargs`` (``residual=``, ``mesh=`` for HSDP).
+    prepared model, with ``fsdp_kwargs`` (``residual=``, ``mesh=`` for HSDP). Registers the
+    ``save_state`` / ``load_state`` pre-hooks that keep GeoFP8's state in the checkpoint.
 
     Raises ``RuntimeError`` for a single-process, FSDP1 or DeepSpeed accelerator, and what
     :func:`geofp8.integrations.install` or :func:`geofp8.fsdp.enable` raise (model not
@@ -44,14 +53,19 @@ def enable(accelerator, model: nn.Module, config: GeoFP8Config | None = None,
         if not accelerator.is_fsdp2:
             raise RuntimeError("GeoFP8: Accelerate built an FSDP1 model; GeoFP8 supports FSDP2 "
                                "(FullyShardedDataParallelPlugin(fsdp_version=2)) and DDP")
-        return fsdp.enable(unwrap_compiled(model), config, **fsdp_kwargs)
-    if fsdp_kwargs:
+        state = fsdp.enable(unwrap_compiled(model), config, **fsdp_kwargs)
+    elif fsdp_kwargs:
         raise TypeError(f"{sorted(fsdp_kwargs)} apply to FSDP2 only; Accelerate built {kind}")
-    if kind not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+    elif kind not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         raise RuntimeError(f"GeoFP8 supports Accelerate's DDP (MULTI_CPU, MULTI_GPU), "
                            f"not {kind}")
-    return install(model, config, grad_scaler=accelerator.scaler,
-                   wrapped_by="accelerator.prepare(model) (pass the model it returns)")
+    else:
+        state = install(model, config, grad_scaler=accelerator.scaler,
+                        wrapped_by="accelerator.prepare(model) (pass the model it returns)")
+    accelerator.register_save_state_pre_hook(
+        lambda models, weights, output_dir: save_files(state, output_dir))
+    accelerator.register_load_state_pre_hook(lambda models, input_dir: load_files(state, input_dir))
+    return state
 
 
 def log(accelerator, state: GeoFP8State | fsdp.GeoFP8FSDP, step: int | None = None,

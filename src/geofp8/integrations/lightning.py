@@ -11,7 +11,11 @@ CUDA; on any other device it trains with FP32 all-reduce without a word. This st
 registers GeoFP8 on every device (CPU/gloo included) and fails loudly when it cannot. Each
 optimizer step logs :func:`geofp8.integrations.metrics` (``geofp8/bytes_per_element``, ...)
 through ``LightningModule.log``, so every Lightning logger receives them; the live state is
-``strategy.geofp8_state``.
+``strategy.geofp8_state``. Lightning's checkpoints (``ModelCheckpoint``,
+``trainer.save_checkpoint``) carry every rank's GeoFP8 state under the key ``"geofp8"``, and
+``trainer.fit(..., ckpt_path=...)`` restores it: the resumed run is bit-identical to one that
+never stopped (:mod:`geofp8.integrations.checkpoint`; a checkpoint without it resumes with a
+warning, one from another number of ranks is refused).
 
 FSDP2 (``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)``): one call at
 the end of ``configure_model``, after the ``fully_shard`` calls::
@@ -35,8 +39,10 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from .. import FP8Config, GeoFP8Config, GeoFP8State
 from . import install, metrics
+from .checkpoint import gather, restore
 
 STRATEGY_NAME = "geofp8_ddp"
+CHECKPOINT_KEY = "geofp8"  # every rank's state, in Lightning's checkpoint dict
 
 
 class GeoFP8DDPStrategy(DDPStrategy):
@@ -61,6 +67,7 @@ class GeoFP8DDPStrategy(DDPStrategy):
         self.log_stats = log_stats
         self.geofp8_state: GeoFP8State | None = None
         self._totals: dict = {}
+        self._resume: tuple[str, dict | None] | None = None  # (checkpoint path, its state)
 
     def configure_ddp(self) -> None:
         # The parent wraps the model and registers no hook (none was given); GeoFP8 is
@@ -72,6 +79,23 @@ class GeoFP8DDPStrategy(DDPStrategy):
         self._totals = {}
         self.geofp8_state = install(self.model, self.geofp8_config, grad_scaler=scaler,
                                     wrapped_by="DDPStrategy.configure_ddp")
+        if self._resume is not None:
+            (path, saved), self._resume = self._resume, None
+            restore(self.geofp8_state, saved, path)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
+        # called on every rank; rank 0 writes, with every rank's GeoFP8 state gathered to it
+        if self.geofp8_state is not None:
+            saved = gather(self.geofp8_state)
+            if saved is not None:
+                checkpoint = {**checkpoint, CHECKPOINT_KEY: saved}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        # before setup (DDP restores the modules first): kept until configure_ddp installs GeoFP8
+        loaded = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume = (str(checkpoint_path), loaded.get(CHECKPOINT_KEY))
+        return loaded
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -83,6 +107,7 @@ class GeoFP8DDPStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self.geofp8_state is not None:
             self.geofp8_state.remove_hooks()
+        self._resume = None  # a validate/test checkpoint is not restored by a later fit
         super().teardown()
 
     @classmethod

@@ -2,9 +2,11 @@
 
 ``geofp8 compare`` of fp32, fp8, fp8-ef, geofp8 and geofp8-auto on ``llama-tiny`` with 2
 ranks (gloo) on the corpus that ships with Python: same seed, same data order, shadow
-fidelity every 10 steps. Prints an estimate of its duration first (:data:`RUN_COST_S`), says
-why when a run takes longer, then prints the table and writes the report (report.md,
-loss.png, fidelity.png, results.json) under ``reports/demo/``.
+fidelity every 10 steps. It first times a short run of the last method (the list ends with
+the dearest) on this machine (:func:`probe`, :data:`PROBE_STEPS` steps) and prints the
+estimate that gives for every run, says why when a run takes longer, then prints the table
+and writes the report (report.md, loss.png, fidelity.png, results.json) under
+``reports/demo/``.
 
 The same experiment at the paper's scale on a GPU cluster is ``geofp8 compare`` with
 ``--model llama-300m`` and more ranks; see the README.
@@ -13,42 +15,79 @@ The same experiment at the paper's scale on a GPU cluster is ``geofp8 compare`` 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import shutil
+import statistics
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .train import TrainConfig
-from .train.compare import compare, split_list
-from .train.report import format_table
+from .train import TrainConfig, to_argv
+from .train.compare import check_methods, compare, split_list
+from .train.launch import launch
+from .train.report import format_table, read_log
 
-METHODS = ["fp32", "fp8", "fp8-ef", "geofp8", "geofp8-auto"]
+METHODS = ["fp32", "fp8", "fp8-ef", "geofp8", "geofp8-auto"]  # the dearest per step last
 # CPU-sized: ~1.3 M parameters, 2 × 4 × 128 tokens per step. Paper recipe otherwise,
 # except a higher peak lr for the short run and earlier geofp8 profiling (the paper
 # profiles 100 steps of a much longer run).
-SETTINGS = dict(model="llama-tiny", seq_len=128, batch_size=4, steps=500, warmup=50,
+SETTINGS = dict(model="llama-tiny", seq_len=128, batch_size=4, steps=250, warmup=25,
                 lr=1e-3, lr_min=1e-4, eval_every=25, shadow_every=10, profile_steps=50)
-# One run of SETTINGS on 2 ranks: (start-up s, s per step) per rank on an AVX2-only x86 CPU
-# (no AVX-512, no native BF16; emulated by capping oneDNN and ATen at AVX2, which takes the
-# same slow BF16 path). CPU seconds, which other work on a shared machine barely changes,
-# per rank: the launch's total CPU time over runs of 5 and 30 steps, halved; a step's share
-# of the evaluation every 25 steps and of the shadow step every 10 is included. A method not
-# listed costs as much as the dearest listed one.
-RUN_COST_S = {"fp32": (5.8, 0.117), "fp8": (6.5, 0.113), "fp8-ef": (5.9, 0.119),
-              "geofp8": (6.5, 0.115), "geofp8-auto": (5.9, 0.182)}
-WAIT = 1.25  # wall time per CPU second of a rank: waits for the other rank, the launcher
+PROBE_STEPS = 12  # a shadow step every 4, one evaluation at the end
 SLOWER = 1.25  # a run this much over its estimate is reported, with the reasons found
 
 
-def run_estimate_s(method: str, steps: int) -> float:
-    """Estimated wall seconds of one ``method`` run of ``steps`` steps on 2 idle cores:
-    ``WAIT · (start-up + steps · per step)`` (:data:`RUN_COST_S`)."""
-    start, per_step = RUN_COST_S.get(method, max(RUN_COST_S.values(), key=lambda c: c[1]))
-    return WAIT * (start + steps * per_step)
+@dataclass(frozen=True)
+class RunCost:
+    """Wall seconds of one run's parts, timed on this machine (:func:`probe`)."""
+
+    start_s: float  # launch, set-up, first step and teardown
+    step_s: float  # an ordinary step
+    shadow_s: float  # what a shadow-fidelity step adds
+    eval_s: float  # one validation
+
+    def run_s(self, steps: int, shadow_every: int, eval_every: int) -> float:
+        """Estimated wall seconds of a run of ``steps`` steps."""
+        shadows = math.ceil(steps / shadow_every) if shadow_every else 0
+        evals = steps // eval_every + (steps % eval_every > 0) if eval_every else 1
+        return (self.start_s + steps * self.step_s + shadows * self.shadow_s
+                + evals * self.eval_s)
+
+
+def cost_from_log(records: list[dict], wall_s: float) -> RunCost:
+    """:class:`RunCost` of a run that took ``wall_s`` and logged every step in ``records``
+    (step 0, with its one-time work, counts as start-up)."""
+    later = records[1:]
+    plain = statistics.median(r["step_time_s"] for r in later
+                              if "rel_l2" not in r and "val_loss" not in r)
+    shadow = [r["step_time_s"] - plain for r in later if "rel_l2" in r and "val_loss" not in r]
+    evals = [r["eval_s"] for r in records if "eval_s" in r]
+    return RunCost(start_s=wall_s - sum(r["step_time_s"] for r in later), step_s=plain,
+                   shadow_s=max(0.0, statistics.median(shadow)) if shadow else 0.0,
+                   eval_s=statistics.mean(evals) if evals else 0.0)
+
+
+def probe(base: TrainConfig, method: str, nproc: int) -> RunCost:
+    """Time :data:`PROBE_STEPS` steps of ``method`` with ``base``'s settings here (a launch of
+    its own, in ``<base.out>/probe``, removed afterwards)."""
+    folder = Path(base.out) / "probe"
+    cfg = replace(base, method=method, steps=PROBE_STEPS, warmup=1, shadow_every=4,
+                  eval_every=PROBE_STEPS, out=str(folder), quiet=True)
+    t0 = time.perf_counter()
+    rc = launch(nproc, to_argv(cfg))
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        raise RuntimeError(f"the timing run of {method} failed (exit status {rc})")
+    try:
+        return cost_from_log(read_log(folder / "log.jsonl"), wall)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def slowdowns(nproc: int, own_load: float = 0.0) -> list[str]:
-    """Why this machine is slower than the estimate's reference, as far as can be seen:
-    fewer cores than ranks, other work running (1-minute load average above ``own_load``,
+    """Why runs are slower than they could be here, as far as can be seen: fewer cores
+    than ranks, other work running (1-minute load average above ``own_load``,
     the load of our own ranks), Muon's Newton–Schulz forced into emulated BF16."""
     import torch
 
@@ -75,24 +114,23 @@ def slowdowns(nproc: int, own_load: float = 0.0) -> list[str]:
 
 
 class _Clock:
-    """Compares every finished run with its estimate and says so when the demo runs late."""
+    """Compares every finished run with the estimate and says so when the demo runs late."""
 
-    def __init__(self, methods: list[str], steps: int, nproc: int) -> None:
+    def __init__(self, methods: list[str], run_s: float, nproc: int) -> None:
         self.left = list(methods)
-        self.steps, self.nproc = steps, nproc
+        self.run_s, self.nproc = run_s, nproc
         self.spent = self.expected = 0.0
 
     def __call__(self, method: str, seed: int, seconds: float) -> None:
         self.left.remove(method)
-        expected = run_estimate_s(method, self.steps)
         self.spent += seconds
-        self.expected += expected
-        if seconds <= SLOWER * expected:
+        self.expected += self.run_s
+        if seconds <= SLOWER * self.run_s:
             return
         why = slowdowns(self.nproc, own_load=self.nproc) or [
-            "this CPU is slower than the estimate's reference"]
-        rest = sum(run_estimate_s(m, self.steps) for m in self.left) * self.spent / self.expected
-        print(f"      {method} took {seconds:.0f} s against {expected:.0f} s estimated: "
+            "its later steps cost more than the timed ones"]
+        rest = len(self.left) * self.run_s * self.spent / self.expected
+        print(f"      {method} took {seconds:.0f} s against {self.run_s:.0f} s estimated: "
               + "; ".join(why) + "." + (f" The remaining {len(self.left)} run(s) will take "
                                         f"about {rest / 60:.0f} min." if self.left else ""))
 
@@ -110,21 +148,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     methods = split_list(args.methods)
+    check_methods(methods)  # before the timing run
     settings = {**SETTINGS, "steps": args.steps,
                 "warmup": min(SETTINGS["warmup"], max(1, args.steps // 10))}
     base = TrainConfig(**settings, out=args.out)
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
     command = (f"geofp8 compare --methods {' '.join(methods)} --nproc {args.nproc} "
                f"{flags} --out {args.out}")
-    estimate = sum(run_estimate_s(m, settings["steps"]) for m in methods)
     print(f"GeoFP8 demo: {len(methods)} methods on {settings['model']}, {args.nproc} ranks, "
-          f"{settings['steps']} steps each: about {estimate / 60:.0f} minutes on 2 idle cores "
-          f"of an AVX2-only CPU, the slowest kind measured\n{command}\n")
-    if why := slowdowns(args.nproc):
-        print("It will take longer here: " + "; ".join(why) + ".\n")
+          f"{settings['steps']} steps each\n{command}\n")
     t0 = time.perf_counter()
+    run_s = None
+    if settings["steps"] > PROBE_STEPS:
+        cost = probe(base, methods[-1], args.nproc)
+        run_s = cost.run_s(settings["steps"], settings["shadow_every"], settings["eval_every"])
+        print(f"Timed {PROBE_STEPS} steps of {methods[-1]} here: {cost.step_s:.2f} s per step, "
+              f"{cost.start_s:.0f} s start-up; at most about "
+              f"{len(methods) * run_s / 60:.1f} minutes in all.")
+        if why := slowdowns(args.nproc):
+            print("Timed while: " + "; ".join(why) + ".")
+        print()
     results = compare(base, methods, [0], args.nproc, args.out, reuse=args.reuse,
-                      command=command, on_run=_Clock(methods, settings["steps"], args.nproc))
+                      command=command,
+                      on_run=_Clock(methods, run_s, args.nproc) if run_s else None)
     print()
     print(format_table(results["methods"]))
     print(f"\n{time.perf_counter() - t0:.0f} s. Report: {Path(args.out) / 'report.md'} "

@@ -2,7 +2,10 @@
 
 Layout of ``<out>/checkpoint/``:
 
-* ``step-<step>/shared.pt`` (rank 0): model, optimizers, schedulers, step, the config;
+* ``step-<step>/shared.pt`` (rank 0): model, optimizers, schedulers, step, the config. Under
+  ``--parallel fsdp|hsdp`` the model's and optimizers' whole (unsharded) states, gathered to
+  rank 0 with ``torch.distributed.checkpoint.state_dict`` (:func:`full_states`) and sharded
+  again on load (:func:`load_optimizers`); the model is loaded before ``fully_shard``;
 * ``step-<step>/rank<r>.pt`` (every rank): the GeoFP8 state (error-feedback residuals
   differ per rank), the torch RNG state, the step;
 * ``meta.json`` (rank 0, after a barrier that every rank reaches only once its files are
@@ -12,7 +15,7 @@ Layout of ``<out>/checkpoint/``:
 Each file goes to a temporary name in the same directory and is renamed with
 :func:`os.replace`, so a crash mid-write never leaves a half file under the real name, and
 a crash anywhere while writing step ``s`` leaves the previous checkpoint whole and named
-by ``meta.json``.
+by ``meta.json``. Everything is tensors and plain containers, read with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["atomic_save", "checkpoint_dir", "latest_step", "load_rank", "load_shared",
-           "step_dir", "write_meta"]
+__all__ = ["atomic_save", "checkpoint_dir", "full_states", "latest_step", "load_optimizers",
+           "load_rank", "load_shared", "step_dir", "write_meta"]
 
 
 def checkpoint_dir(out: str | os.PathLike) -> Path:
@@ -74,7 +77,7 @@ def latest_step(out: str | os.PathLike) -> int | None:
 
 
 def _load(path: Path, step: int) -> dict:
-    obj = torch.load(path, map_location="cpu", weights_only=False)
+    obj = torch.load(path, map_location="cpu", weights_only=True)
     if obj["step"] != step:
         raise RuntimeError(f"{path.name} holds step {obj['step']}, meta.json says {step}: "
                            "the checkpoint is incomplete")
@@ -90,3 +93,34 @@ def load_rank(out: str | os.PathLike, rank: int, step: int) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: resume with the same number of ranks")
     return _load(path, step)
+
+
+def full_states(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                sharded: bool) -> tuple[dict, list | dict]:
+    """The model's and optimizers' whole states. ``sharded`` (``fully_shard``-ed model): a
+    collective, every rank calls it; the FQN-keyed states, on CPU, are rank 0's only."""
+    if not sharded:
+        return model.state_dict(), [o.state_dict() for o in optimizers]
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (get_model_state_dict(model, options=options),
+            get_optimizer_state_dict(model, optimizers, options=options))
+
+
+def load_optimizers(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                    saved: list | dict, sharded: bool) -> None:
+    """Restore :func:`full_states`' optimizer states (``sharded``: every rank holds ``saved``
+    whole and keeps its shards)."""
+    if not sharded:
+        for o, s in zip(optimizers, saved):
+            o.load_state_dict(s)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizers, saved,
+                             options=StateDictOptions(full_state_dict=True))

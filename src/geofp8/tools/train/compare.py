@@ -57,10 +57,7 @@ def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
             command: str | None = None, echo=print, on_run=None) -> dict:
     """Run every method for every seed, then write the report under ``out``;
     ``on_run(method, seed, seconds)`` is called after each run that was not reused."""
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:  # before any run starts
-        raise UsageError(f"unknown method(s) {', '.join(unknown)}; choose from "
-                         f"{', '.join(METHODS)}")
+    check_methods(methods)  # before any run starts
     runs = []
     total, done = len(methods) * len(seeds), 0
     for seed in seeds:
@@ -87,6 +84,14 @@ def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
             if on_run is not None:
                 on_run(method, seed, seconds)
     return build_report(out, runs, command=command)
+
+
+def check_methods(methods: list[str]) -> None:
+    """Raise :class:`UsageError` naming the methods that :data:`METHODS` does not have."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise UsageError(f"unknown method(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(METHODS)}")
 
 
 def split_list(values: list[str]) -> list[str]:

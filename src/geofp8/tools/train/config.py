@@ -72,8 +72,6 @@ class TrainConfig:
             (self.node_size >= 0, "node_size must be >= 0"),
             (self.parallel == "ddp" or self.optimizer == "adamw",
              "--parallel fsdp/hsdp needs --optimizer adamw (Muon needs whole matrices)"),
-            (self.parallel == "ddp" or (self.checkpoint_every == 0 and not self.resume),
-             "--parallel fsdp/hsdp: checkpoints are DDP-only for now"),
             (self.steps >= 1 and self.seq_len >= 1 and self.batch_size >= 1,
              "steps, seq_len and batch_size must be >= 1"),
             (self.warmup >= 0, "warmup must be >= 0"),

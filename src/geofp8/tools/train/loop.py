@@ -89,7 +89,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    # -- resume: weights before DDP wraps the model (DDP broadcasts rank 0's anyway) ----------
+    # -- resume: weights before DDP wraps (it broadcasts rank 0's) or fully_shard shards them --
     start, shared, mine = 0, None, None
     if cfg.resume and (step := ckpt.latest_step(out)) is not None:
         start = step
@@ -107,8 +107,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
                   for o in optimizers]
     elapsed = 0.0
     if shared is not None:
-        for o, s in zip(optimizers, shared["optimizers"]):
-            o.load_state_dict(s)
+        ckpt.load_optimizers(model, optimizers, shared["optimizers"], cfg.parallel != "ddp")
         for sch, s in zip(schedulers, shared["schedulers"]):
             sch.load_state_dict(s)
         if state is not None:
@@ -297,9 +296,9 @@ def evaluate(model: torch.nn.Module, blocks: torch.Tensor, cfg: TrainConfig, ran
 
 def save_checkpoint(out: Path, step: int, model, optimizers, schedulers, state, elapsed: float,
                     cfg: TrainConfig, rank: int, device: torch.device) -> None:
+    model_state, optimizer_states = ckpt.full_states(model, optimizers, cfg.parallel != "ddp")
     if rank == 0:
-        ckpt.atomic_save({"step": step, "model": model.state_dict(),
-                          "optimizers": [o.state_dict() for o in optimizers],
+        ckpt.atomic_save({"step": step, "model": model_state, "optimizers": optimizer_states,
                           "schedulers": [s.state_dict() for s in schedulers],
                           "elapsed_s": elapsed, "config": cfg.to_dict()},
                          ckpt.step_dir(out, step) / "shared.pt")

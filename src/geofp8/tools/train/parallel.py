@@ -100,3 +100,10 @@ class FP32Sharded:
             sent += fp32_allreduce_wire_bytes(int(per_shard), self.replicas)
         return {"bytes_sent": int(sent), "bytes_fp32_equivalent": int(sent),
                 "bytes_per_element": sent / self.unsharded, "geometry_layers": []}
+
+    def state_dict(self) -> dict:
+        """Nothing to keep in a checkpoint: FSDP's own reduction has no state."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

@@ -1,0 +1,248 @@
+"""GeoFP8's state in each framework's checkpoint: a run stopped after step ``K`` and resumed from
+the framework's checkpoint ends bitwise where the run that never stopped ends (the raw DDP loop
+of :mod:`integration_setup`, which the framework runs match in tests/test_integrations.py).
+
+Each test also resumes from the same checkpoint without its GeoFP8 state (a warning, and a run
+that is *not* bitwise equal: the check can fail) and, where it costs one process, on another
+number of ranks (refused, with both counts named)."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from integration_setup import CONFIG, LR, STEPS, flat_params, rank_batches, raw_ddp, tiny_llama
+
+pytestmark = pytest.mark.distributed
+
+K = STEPS // 2  # the step after which the first run stops
+
+
+def _check_resume(result):
+    """The resumed run (steps K+1..STEPS) against the one that never stopped."""
+    (losses, params, step), (no_state_params, no_state_step, warned), (ref_losses, ref_params,
+                                                                       _) = result
+    assert step == STEPS, "GeoFP8's step counter was not restored"
+    assert losses == ref_losses[K:]
+    assert torch.equal(params, ref_params)
+    # without GeoFP8's state: a warning, fresh residuals and factors, another trajectory
+    assert no_state_step == STEPS - K
+    assert any("holds no GeoFP8 state" in w for w in warned), warned
+    assert not torch.equal(no_state_params, ref_params)
+
+
+def _warnings_of(fn):
+    """``fn()``'s result and the messages of the warnings it raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(w.message) for w in caught]
+
+
+# -- PyTorch Lightning -----------------------------------------------------------------------
+
+def _lightning_fit(world_size, batches, max_steps, ckpt_path=None):
+    """A Lightning run of the tiny Llama with the GeoFP8 strategy: (trainer, module, losses).
+
+    Step ``s`` trains on ``batches[s]`` whatever the loader yields: Lightning restarts a plain
+    ``DataLoader`` from its first batch on a mid-epoch resume (its own data semantics, not what
+    these tests check)."""
+    import lightning as L
+
+    from geofp8.integrations.lightning import GeoFP8DDPStrategy
+
+    losses = []
+
+    class LitLM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_llama()
+
+        def training_step(self, _, batch_idx):
+            tokens = batches[self.global_step]
+            loss = self.model(input_ids=tokens, labels=tokens).loss
+            losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
+
+    lit = LitLM()
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, max_steps=max_steps,
+                        strategy=GeoFP8DDPStrategy(config=CONFIG, log_stats=False),
+                        logger=False, use_distributed_sampler=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(range(len(batches)), batch_size=None)
+    trainer.fit(lit, loader, ckpt_path=ckpt_path)
+    return trainer, lit, losses
+
+
+def _lightning_resume_worker(rank, world_size, directory):
+    os.environ["LOCAL_RANK"] = str(rank)
+    batches = rank_batches(rank, world_size)
+    path, bare = os.path.join(directory, "k.ckpt"), os.path.join(directory, "bare.ckpt")
+    trainer, _, _ = _lightning_fit(world_size, batches, K)
+    trainer.save_checkpoint(path)
+    if rank == 0:
+        saved = torch.load(path, weights_only=True)
+        assert len(saved["geofp8"]["ranks"]) == world_size
+        del saved["geofp8"]
+        torch.save(saved, bare)
+    torch.distributed.barrier()
+    trainer, lit, losses = _lightning_fit(world_size, batches, STEPS, path)
+    resumed = (losses, flat_params(lit.model), trainer.strategy.geofp8_state.step)
+    (trainer, lit, _), warned = _warnings_of(
+        lambda: _lightning_fit(world_size, batches, STEPS, bare))
+    no_state = (flat_params(lit.model), trainer.strategy.geofp8_state.step, warned)
+    return resumed, no_state, raw_ddp(rank, world_size)
+
+
+def _lightning_one_rank_worker(rank, world_size, path):
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        _lightning_fit(world_size, rank_batches(0, 1), STEPS, path)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_resume_lightning_checkpoint_is_bitwise(tmp_path):
+    results = run_ranks(_lightning_resume_worker, world_size=2, args=(str(tmp_path),),
+                        timeout=300)
+    for result in results:
+        _check_resume(result)
+    refused = run_ranks(_lightning_one_rank_worker, world_size=1,
+                        args=(str(tmp_path / "k.ckpt"),), timeout=120)[0]
+    assert refused is not None and "written on 2 ranks, this run has 1" in refused
+
+
+# -- Hugging Face Accelerate -----------------------------------------------------------------
+
+def _accelerate_run(batches, load_from=None, save_to=None):
+    """Prepare the tiny Llama, enable GeoFP8, optionally ``load_state``, train on
+    ``batches``, optionally ``save_state``: (losses, parameters, GeoFP8 step)."""
+    from accelerate import Accelerator
+
+    from geofp8.integrations import accelerate as geo
+
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = geo.enable(accelerator, model, CONFIG)
+    if load_from is not None:
+        accelerator.load_state(load_from)
+    losses = []
+    for tokens in batches:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    if save_to is not None:
+        accelerator.save_state(save_to)
+    return losses, flat_params(accelerator.unwrap_model(model)), state.step
+
+
+def _accelerate_resume_worker(rank, world_size, directory):
+    os.environ["LOCAL_RANK"] = str(rank)
+    import shutil
+
+    batches = rank_batches(rank, world_size)
+    path, bare = os.path.join(directory, "k"), os.path.join(directory, "bare")
+    _accelerate_run(batches[:K], save_to=path)
+    torch.distributed.barrier()
+    if rank == 0:
+        assert sorted(f for f in os.listdir(path) if f.startswith("geofp8")) == [
+            f"geofp8-rank{r}.pt" for r in range(world_size)]
+        shutil.copytree(path, bare, ignore=shutil.ignore_patterns("geofp8-*"))
+    torch.distributed.barrier()
+    resumed = _accelerate_run(batches[K:], load_from=path)
+    (_, params, step), warned = _warnings_of(lambda: _accelerate_run(batches[K:], bare))
+    return resumed, (params, step, warned), raw_ddp(rank, world_size)
+
+
+def _per_rank_files_one_rank_worker(rank, world_size, path):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from geofp8.integrations import install
+    from geofp8.integrations.checkpoint import load_files
+
+    try:
+        load_files(install(DDP(tiny_llama()), CONFIG), path)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_resume_accelerate_save_state_is_bitwise(tmp_path):
+    for result in run_ranks(_accelerate_resume_worker, world_size=2, args=(str(tmp_path),),
+                            timeout=300):
+        _check_resume(result)
+    # the per-rank files (Accelerate's and the Trainer's) on another number of ranks
+    refused = run_ranks(_per_rank_files_one_rank_worker, world_size=1,
+                        args=(str(tmp_path / "k"),), timeout=120)[0]
+    assert refused is not None and "written on 2 ranks, this run has 1" in refused
+
+
+# -- the transformers Trainer ----------------------------------------------------------------
+
+def _trainer_run(world_size, out_dir, max_steps, resume=None):
+    """A Trainer run with GeoFP8, saving every K steps: (losses, batches fed, parameters,
+    GeoFP8 step)."""
+    from transformers import Trainer, TrainingArguments
+
+    from geofp8.integrations.transformers import enable
+
+    losses, fed = [], []
+
+    class Recording(Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            losses.append(loss.item())
+            fed.append(inputs["input_ids"])
+            return loss
+
+    def collate(examples):
+        tokens = torch.stack([e["input_ids"] for e in examples])
+        return {"input_ids": tokens, "labels": tokens}
+
+    dataset = [{"input_ids": t} for b in rank_batches(0, 1, STEPS * world_size) for t in b]
+    args = TrainingArguments(
+        output_dir=out_dir, use_cpu=True, per_device_train_batch_size=4, max_steps=max_steps,
+        learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+        average_tokens_across_devices=False, save_strategy="steps", save_steps=K,
+        report_to=[], disable_tqdm=True, dataloader_num_workers=0, optim="adamw_torch")
+    trainer = Recording(model=tiny_llama(), args=args, train_dataset=dataset,
+                        data_collator=collate)
+    callback = enable(trainer, CONFIG, log_stats=False)
+    trainer.train(resume_from_checkpoint=resume)
+    return losses, fed, flat_params(trainer.model), callback.state.step
+
+
+def _trainer_resume_worker(rank, world_size, directory):
+    os.environ["LOCAL_RANK"] = str(rank)
+    import shutil
+
+    out = os.path.join(directory, "run")
+    _, fed, _, _ = _trainer_run(world_size, out, K)
+    checkpoint = os.path.join(out, f"checkpoint-{K}")
+    bare = os.path.join(directory, "bare")
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.copytree(checkpoint, bare, ignore=shutil.ignore_patterns("geofp8-*"))
+    torch.distributed.barrier()
+    losses, fed_after, params, step = _trainer_run(world_size, out, STEPS, resume=True)
+    (_, _, bare_params, bare_step), warned = _warnings_of(
+        lambda: _trainer_run(world_size, os.path.join(directory, "again"), STEPS, bare))
+    # the never-stopped reference: the raw DDP loop on the batches the Trainer fed
+    return ((losses, params, step), (bare_params, bare_step, warned),
+            raw_ddp(rank, world_size, fed + fed_after))
+
+
+def test_resume_transformers_trainer_checkpoint_is_bitwise(tmp_path):
+    for result in run_ranks(_trainer_resume_worker, world_size=2, args=(str(tmp_path),),
+                            timeout=300):
+        _check_resume(result)
