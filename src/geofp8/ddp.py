@@ -125,7 +125,7 @@ class GeoFP8State:
             if engine.fp8:
                 future = self._fp8_allreduce(bucket, buffer, bucket.is_last())
             else:
-                future = self._fp32_allreduce(buffer)
+                future = self._fp32_allreduce(buffer, bucket.is_last())
         except BaseException:
             self._rollback()
             raise
@@ -146,11 +146,15 @@ class GeoFP8State:
         self.communicator.reset()
         self.engine.rollback()
 
-    def _fp32_allreduce(self, buffer: torch.Tensor) -> torch.futures.Future:
-        """Full precision, exactly as DDP's default: divide by N, then SUM all-reduce."""
-        self.communicator.flush()
+    def _fp32_allreduce(self, buffer: torch.Tensor, last: bool) -> torch.futures.Future:
+        """Full precision, exactly as DDP's default: divide by N, then SUM all-reduce
+        (completed on this thread, as the low-precision launches are)."""
+        communicator = self.communicator
+        communicator.flush()
         _, work = self.group.all_reduce(buffer.div_(self.world_size), "payload", async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+        future = communicator.track(work, lambda: buffer, buffer.device)
+        communicator.complete(block=last)
+        return future
 
     def _fp8_allreduce(self, bucket: dist.GradBucket, buffer: torch.Tensor, last: bool):
         pipeline, names, grads = self.pipeline, [], []

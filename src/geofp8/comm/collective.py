@@ -52,6 +52,13 @@ class Communicator:
     ``find_unused_parameters=True`` (the used-parameter map), and a callback's all-gather
     raced it into a different order on different ranks (a deadlock).
 
+    Completion: no Python runs on the backend's threads. A launch's future is completed by
+    this (the caller's) thread — at a later launch once its all-gather is done, or at the end
+    of the launch marked ``last``, which waits for all of them — and the callbacks chained
+    on it run here too. A completion callback on a gloo thread still running while the main
+    thread tore the process group down (holding the GIL) hung ranks at exit
+    (``benchmarks/exit_abort.py``).
+
     ``owner``: an :class:`~geofp8.feedback.ErrorFeedback` for the second rounding (``exact``):
     a launch with ``owner_keys`` (one per tensor of the layout) adds each tensor's residual
     to its piece of the reduced shard before re-encoding it and stages
@@ -68,6 +75,7 @@ class Communicator:
         self.collective, self.group = collective, group
         self.rank = group.rank
         self._previous = None  # (work, recv, layout, result, unmap, gather, seed, key)
+        self._pending: list = []  # (work, finish, result): results this thread completes
 
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
                unmap=None, gather: bool = True, seed: int | None = None,
@@ -80,10 +88,14 @@ class Communicator:
         ``owner_keys``: the tensors' names for the second rounding's residuals (see
         :attr:`owner`)."""
         self.flush()
+        self.complete(block=False)
         if self.collective == "allgather":
             if unmap is not None or not gather:
                 raise ValueError("per-sender decoding and reduce-scatter need collective='exact'")
-            return self._allgather(sent, layout)
+            result = self._allgather(sent, layout)
+            if last:
+                self.complete(block=True)
+            return result
         result = _future(sent.device)
         n = layout.world_size
         recv = torch.empty(n * layout.send_bytes(self.rank), dtype=torch.uint8,
@@ -94,11 +106,31 @@ class Communicator:
                           owner_keys if self.owner is not None else None)
         if last:
             self.flush()  # issue the all-gather now, from this thread (see the class notes)
+            self.complete(block=True)
         return result
 
+    def track(self, work, finish, device: torch.device) -> torch.futures.Future:
+        """A future that this thread completes with ``finish()`` once ``work`` is done (see
+        the class notes)."""
+        result = _future(device)
+        self._pending.append((work, finish, result))
+        return result
+
+    def complete(self, block: bool) -> None:
+        """Complete the tracked results whose collectives are done, in launch order (all of
+        them, waiting, when ``block``)."""
+        while self._pending and (block or self._pending[0][0].is_completed()):
+            work, finish, result = self._pending.pop(0)
+            try:
+                work.wait()
+                result.set_result(finish())
+            except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
+                result.set_exception(exc)
+
     def reset(self) -> None:
-        """Drop an unfinished launch (after a failed step): its all-gather is never issued."""
-        self._previous = None
+        """Drop unfinished launches (after a failed step): their collectives' results are
+        never read."""
+        self._previous, self._pending = None, []
 
     def flush(self) -> None:
         """Finish the previous launch's all-to-all and issue its all-gather, if any."""
@@ -131,15 +163,7 @@ class Communicator:
             result.set_exception(exc)
             return
         gathered, work = self.group.all_gather(shard, "payload", async_op=True)
-
-        def done(fut: torch.futures.Future) -> None:
-            try:
-                fut.value()
-                result.set_result(decode_gathered(gathered, layout))
-            except Exception as exc:  # noqa: BLE001
-                result.set_exception(exc)
-
-        work.get_future().then(done)
+        self._pending.append((work, lambda: decode_gathered(gathered, layout), result))
 
     def _pieces(self, layout: ShardLayout, keys: list[str]) -> list[tuple[str, int, int]]:
         """``(tensor name, start, end)`` of each tensor's piece of this rank's shard."""
@@ -151,7 +175,7 @@ class Communicator:
 
     def _allgather(self, sent: torch.Tensor, layout: ShardLayout) -> torch.futures.Future:
 
-        def decode_all(_fut: torch.futures.Future) -> torch.Tensor:
+        def decode_all() -> torch.Tensor:
             total = torch.zeros(layout.numel, dtype=torch.float32, device=sent.device)
             for buf in gathered:
                 total += decode(buf, layout)
@@ -159,7 +183,7 @@ class Communicator:
             return poison_unless(total, torch.isfinite(total).all())
 
         gathered, work = self.group.all_gather(sent, "payload", async_op=True)
-        return work.get_future().then(decode_all)
+        return self.track(work, decode_all, sent.device)
 
 
 def _future(device: torch.device) -> torch.futures.Future:
