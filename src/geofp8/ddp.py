@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm.collective import Communicator
+from .comm.collective import Communicator, device_future
 from .comm.group import DeviceGroup
 from .comm.layout import fp32_allreduce_wire_bytes
 from .config import FP8Config, GeoFP8Config
@@ -167,7 +167,7 @@ class GeoFP8State:
         seed = self.engine.seed(bucket.index())
         offsets = [(g.data_ptr() - buffer.data_ptr()) // g.element_size() for g in grads]
         if self.hierarchy is not None:  # runs to completion (see geofp8.hierarchy)
-            done = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+            done = device_future(buffer.device)
             done.set_result(self.hierarchy(names, grads, buffer, offsets, seed))
             return done
         t0 = time.perf_counter()

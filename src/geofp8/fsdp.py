@@ -314,7 +314,7 @@ class GeoFP8FSDP:
         if cfg.transform in ("output", "kfac"):
             raise ValueError("GeoFP8 on FSDP: output-side transforms act on rows, which FSDP "
                              "shards; use an input-side transform (lowrank, full, diag, ...)")
-        if str(getattr(cfg.factor_source, "value", cfg.factor_source)) == "local":
+        if cfg.factor_source == "local":
             raise ValueError("GeoFP8 on FSDP: factor_source='local' is DDP-only; use "
                              "'refresh' or 'fresh'")
         if residual not in RESIDUALS:

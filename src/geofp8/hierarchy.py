@@ -102,10 +102,13 @@ class HierarchicalAllReduce:
         chunks = row_chunks(shapes, self.size)
         span = sum(rows * width for _, rows, width in chunks)
         rows2d = torch.zeros(self.size, span, dtype=torch.float32, device=buffer.device)
-        for g, (pos, rows, width) in zip(grads, chunks):
-            padded = rows2d.new_zeros(self.size * rows, width)
-            padded[: g.shape[0] if g.dim() else 1] = g.detach().reshape(-1, width)
-            rows2d[:, pos : pos + rows * width] = padded.view(self.size, rows * width)
+        for g, (pos, rows, width) in zip(grads, chunks):  # rows of chunk l at row l, padded
+            block = rows2d[:, pos : pos + rows * width].view(self.size, rows, width)
+            x = g.detach().reshape(-1, width)
+            whole, rest = divmod(x.shape[0], rows)
+            block[:whole].copy_(x[: whole * rows].view(whole, rows, width))
+            if rest:
+                block[whole, :rest].copy_(x[whole * rows :])
         mine = torch.empty(span, dtype=torch.float32, device=buffer.device)
         self.intra.reduce_scatter(mine, rows2d.view(-1), dist.ReduceOp.SUM, "payload")
         reduced = self._between_nodes(names, shapes, chunks, mine, seed)

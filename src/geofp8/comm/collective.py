@@ -21,7 +21,7 @@ from .stages import (
     poison_unless,
 )
 
-__all__ = ["COLLECTIVES", "Communicator", "exact_allreduce", "wire_bytes"]
+__all__ = ["COLLECTIVES", "Communicator", "device_future", "exact_allreduce", "wire_bytes"]
 
 
 COLLECTIVES = ("exact", "allgather")
@@ -96,7 +96,7 @@ class Communicator:
             if last:
                 self.complete(block=True)
             return result
-        result = _future(sent.device)
+        result = device_future(sent.device)
         n = layout.world_size
         recv = torch.empty(n * layout.send_bytes(self.rank), dtype=torch.uint8,
                            device=sent.device)
@@ -112,7 +112,7 @@ class Communicator:
     def track(self, work, finish, device: torch.device) -> torch.futures.Future:
         """A future that this thread completes with ``finish()`` once ``work`` is done (see
         the class notes)."""
-        result = _future(device)
+        result = device_future(device)
         self._pending.append((work, finish, result))
         return result
 
@@ -186,7 +186,7 @@ class Communicator:
         return self.track(work, decode_all, sent.device)
 
 
-def _future(device: torch.device) -> torch.futures.Future:
+def device_future(device: torch.device) -> torch.futures.Future:
     """A future whose value lives on ``device``: on an accelerator it records the producing
     stream, and whoever waits on it (DDP reading the bucket) is ordered after those writes."""
     return torch.futures.Future(devices=None if device.type == "cpu" else [device])
