@@ -246,3 +246,86 @@ def test_resume_transformers_trainer_checkpoint_is_bitwise(tmp_path):
     for result in run_ranks(_trainer_resume_worker, world_size=2, args=(str(tmp_path),),
                             timeout=300):
         _check_resume(result)
+
+
+# -- FSDP2 through torch.distributed.checkpoint (sharded, per rank) ---------------------------
+
+def _fsdp_dcp_run(batches, load_from=None, save_to=None):
+    """``fully_shard`` + GeoFP8, optionally resumed from the DCP checkpoint ``load_from``
+    (model, optimizer and GeoFP8 state, all sharded), trained on ``batches``, optionally saved
+    to ``save_to``: (losses, all parameters, GeoFP8 step)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from geofp8 import fsdp
+    from geofp8.integrations import dcp as geo_dcp
+    from integration_setup import full_params, shard_llama
+
+    model = shard_llama(tiny_llama())
+    state = fsdp.enable(model, CONFIG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+
+    def checkpoint():
+        return {"model": get_model_state_dict(model),
+                "optim": get_optimizer_state_dict(model, opt),
+                geo_dcp.KEY: geo_dcp.DCPState([state])}
+
+    if load_from is not None:
+        saved = checkpoint()
+        geo_dcp.load(saved, load_from)
+        set_model_state_dict(model, saved["model"])
+        set_optimizer_state_dict(model, opt, saved["optim"])
+    losses = []
+    for tokens in batches:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if save_to is not None:
+        dcp.save(checkpoint(), checkpoint_id=save_to)
+        bare = checkpoint()
+        del bare[geo_dcp.KEY]
+        dcp.save(bare, checkpoint_id=save_to + "-bare")
+    return losses, full_params(model), state.step
+
+
+def _fsdp_dcp_resume_worker(rank, world_size, directory):
+    from integration_setup import raw_fsdp
+
+    batches = rank_batches(rank, world_size)
+    path = os.path.join(directory, "k")
+    _fsdp_dcp_run(batches[:K], save_to=path)
+    resumed = _fsdp_dcp_run(batches[K:], load_from=path)
+    (_, params, step), warned = _warnings_of(
+        lambda: _fsdp_dcp_run(batches[K:], load_from=path + "-bare"))
+    return resumed, (params, step, warned), raw_fsdp(rank, world_size)
+
+
+def _dcp_one_rank_worker(rank, world_size, path):
+    from geofp8.integrations.dcp import DCPState
+
+    try:
+        DCPState([]).expect(path)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_resume_fsdp_dcp_sharded_is_bitwise(tmp_path):
+    for result in run_ranks(_fsdp_dcp_resume_worker, world_size=2, args=(str(tmp_path),),
+                            timeout=300):
+        _check_resume(result)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(tmp_path / "k")).read_metadata().state_dict_metadata
+    assert {k.split("/")[0] for k in keys if k.startswith("geofp8.")} == {
+        "geofp8.rank0", "geofp8.rank1"}, "each rank's GeoFP8 state under its own keys"
+    refused = run_ranks(_dcp_one_rank_worker, world_size=1, args=(str(tmp_path / "k"),),
+                        timeout=120)[0]
+    assert refused is not None and "written on 2 ranks, this run has 1" in refused
