@@ -188,6 +188,20 @@ def test_resume_fsdp_hsdp_continues_the_same_trajectory_bitwise(tmp_path, parall
     assert b[-1]["geometry_layers"] > 0
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resume_from_a_checkpoint_without_geofp8_state_warns(tmp_path, capfd):
+    # an fp32 run's checkpoint (no hook state) resumed by a GeoFP8 method: a warning, no crash
+    base = TrainConfig(**{**TINY, "steps": 2, "eval_every": 0, "shadow_every": 0,
+                          "checkpoint_every": 1, "out": str(tmp_path)}, method="fp32")
+    assert launch(2, to_argv(replace(base, stop_after=1)), timeout=RUN_TIMEOUT) == 0
+    capfd.readouterr()
+    assert launch(2, to_argv(replace(base, method="geofp8", resume=True)),
+                  timeout=RUN_TIMEOUT) == 0
+    assert "holds no GeoFP8 state" in capfd.readouterr().err
+    assert [r["step"] for r in read_log(tmp_path / "log.jsonl")] == [0, 1]
+
+
 # -- pieces ----------------------------------------------------------------------------------
 
 def test_argv_round_trip():

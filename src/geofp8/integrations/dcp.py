@@ -31,7 +31,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .checkpoint import _device, _other_world, _to, _warn_missing
+from .checkpoint import _device, _to, other_world, warn_missing
 
 __all__ = ["KEY", "DCPState", "SafeLoadPlanner", "decode", "encode", "load"]
 
@@ -117,7 +117,7 @@ class DCPState(Stateful):
                 if k.startswith(f"{self.key}.rank") and isinstance(md, TensorStorageMetadata)}
         written = {k.split("/", 1)[0] for k in ours}
         if written and len(written) != dist.get_world_size():
-            raise ValueError(_other_world(len(written)))
+            raise ValueError(other_world(len(written)))
         prefix = self._prefix(dist.get_rank())
         self._expected = {k: torch.empty(md.size, dtype=md.properties.dtype)
                           for k, md in ours.items() if k.startswith(prefix)}
@@ -126,7 +126,7 @@ class DCPState(Stateful):
         """Restore every part's state (a warning when the checkpoint holds none)."""
         self._expected = None
         if not state_dict:
-            _warn_missing(self._where or "loaded with torch.distributed.checkpoint")
+            warn_missing(self._where or "loaded with torch.distributed.checkpoint")
             return
         prefix = self._prefix(dist.get_rank())
         if len({k.split("/")[1] for k in state_dict}) != len(self.states):

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...comm import fp32_allreduce_wire_bytes
+from ...integrations.checkpoint import warn_missing
 from ..data import get_batch, load_token_data, read_text
 from ..models import PRESETS, build_preset, load_model
 from ..shadow import shadow_fidelity
@@ -114,7 +115,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
         else:
             for o, s in zip(optimizers, shared["optimizers"]):
                 o.load_state_dict(s)
-            if state is not None:
+            if state is not None and mine["geofp8"] is None:  # written by a stateless method
+                warn_missing(str(ckpt.step_dir(out, start)))
+            elif state is not None:
                 state.load_state_dict(mine["geofp8"])
         for sch, s in zip(schedulers, shared["schedulers"]):
             sch.load_state_dict(s)
