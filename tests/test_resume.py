@@ -43,15 +43,18 @@ def _warnings_of(fn):
 
 # -- PyTorch Lightning -----------------------------------------------------------------------
 
-def _lightning_fit(world_size, batches, max_steps, ckpt_path=None):
-    """A Lightning run of the tiny Llama with the GeoFP8 strategy: (trainer, module, losses).
+def _lightning_fit(world_size, batches, max_steps, ckpt_path=None, fsdp=False):
+    """A Lightning run of the tiny Llama with the GeoFP8 strategy (``fsdp``:
+    ``ModelParallelStrategy`` + ``enable_fsdp``): (trainer, module, losses).
 
     Step ``s`` trains on ``batches[s]`` whatever the loader yields: Lightning restarts a plain
     ``DataLoader`` from its first batch on a mid-epoch resume (its own data semantics, not what
     these tests check)."""
     import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from geofp8.integrations.lightning import GeoFP8DDPStrategy
+    from geofp8.integrations.lightning import GeoFP8DDPStrategy, enable_fsdp
+    from integration_setup import shard_llama
 
     losses = []
 
@@ -59,6 +62,11 @@ def _lightning_fit(world_size, batches, max_steps, ckpt_path=None):
         def __init__(self):
             super().__init__()
             self.model = tiny_llama()
+
+        def configure_model(self):
+            if fsdp:
+                shard_llama(self.model, self.device_mesh["data_parallel"])
+                enable_fsdp(self, CONFIG, log_stats=False)
 
         def training_step(self, _, batch_idx):
             tokens = batches[self.global_step]
@@ -70,8 +78,10 @@ def _lightning_fit(world_size, batches, max_steps, ckpt_path=None):
             return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
 
     lit = LitLM()
+    strategy = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1) \
+        if fsdp else GeoFP8DDPStrategy(config=CONFIG, log_stats=False)
     trainer = L.Trainer(accelerator="cpu", devices=world_size, max_steps=max_steps,
-                        strategy=GeoFP8DDPStrategy(config=CONFIG, log_stats=False),
+                        strategy=strategy,
                         logger=False, use_distributed_sampler=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     loader = torch.utils.data.DataLoader(range(len(batches)), batch_size=None)
@@ -106,6 +116,36 @@ def _lightning_one_rank_worker(rank, world_size, path):
     except ValueError as e:
         return str(e)
     return None
+
+
+def _lightning_fsdp_resume_worker(rank, world_size, directory):
+    os.environ["LOCAL_RANK"] = str(rank)
+    import shutil
+
+    from integration_setup import full_params, raw_fsdp
+
+    batches = rank_batches(rank, world_size)
+    path, bare = os.path.join(directory, "k.ckpt"), os.path.join(directory, "bare.ckpt")
+    trainer, _, _ = _lightning_fit(world_size, batches, K, fsdp=True)
+    trainer.save_checkpoint(path)  # a sharded (DCP) directory; meta.pt holds "geofp8"
+    if rank == 0:
+        shutil.copytree(path, bare)
+        meta = torch.load(os.path.join(bare, "meta.pt"), weights_only=True)
+        assert len(meta.pop("geofp8")["ranks"]) == world_size
+        torch.save(meta, os.path.join(bare, "meta.pt"))
+    torch.distributed.barrier()
+    _, lit, losses = _lightning_fit(world_size, batches, STEPS, path, fsdp=True)
+    resumed = (losses, full_params(lit.model), lit.geofp8_state.step)
+    (_, lit, _), warned = _warnings_of(
+        lambda: _lightning_fit(world_size, batches, STEPS, bare, fsdp=True))
+    no_state = (full_params(lit.model), lit.geofp8_state.step, warned)
+    return resumed, no_state, raw_fsdp(rank, world_size)
+
+
+def test_resume_lightning_model_parallel_checkpoint_is_bitwise(tmp_path):
+    for result in run_ranks(_lightning_fsdp_resume_worker, world_size=2,
+                            args=(str(tmp_path),), timeout=300):
+        _check_resume(result)
 
 
 def test_resume_lightning_checkpoint_is_bitwise(tmp_path):
