@@ -13,7 +13,16 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from integration_setup import CONFIG, LR, STEPS, flat_params, rank_batches, raw_ddp, tiny_llama
+from integration_setup import (
+    CONFIG,
+    LR,
+    STEPS,
+    flat_params,
+    full_params,
+    rank_batches,
+    raw_ddp,
+    tiny_llama,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -160,15 +169,17 @@ def test_resume_lightning_checkpoint_is_bitwise(tmp_path):
 
 # -- Hugging Face Accelerate -----------------------------------------------------------------
 
-def _accelerate_run(batches, load_from=None, save_to=None):
-    """Prepare the tiny Llama, enable GeoFP8, optionally ``load_state``, train on
-    ``batches``, optionally ``save_state``: (losses, parameters, GeoFP8 step)."""
+def _accelerate_run(batches, load_from=None, save_to=None, fsdp=False):
+    """Prepare the tiny Llama (``fsdp``: FSDP2, see :func:`accelerate_fsdp2`), enable GeoFP8,
+    optionally ``load_state``, train on ``batches``, optionally ``save_state``: (losses,
+    parameters, GeoFP8 step)."""
     from accelerate import Accelerator
 
     from geofp8.integrations import accelerate as geo
+    from integration_setup import WrappedLlama, accelerate_fsdp2
 
-    accelerator = Accelerator(cpu=True)
-    model = tiny_llama()
+    accelerator = accelerate_fsdp2()[0] if fsdp else Accelerator(cpu=True)
+    model = WrappedLlama() if fsdp else tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     state = geo.enable(accelerator, model, CONFIG)
@@ -183,25 +194,29 @@ def _accelerate_run(batches, load_from=None, save_to=None):
         losses.append(loss.item())
     if save_to is not None:
         accelerator.save_state(save_to)
-    return losses, flat_params(accelerator.unwrap_model(model)), state.step
+    params = full_params(model) if fsdp else flat_params(accelerator.unwrap_model(model))
+    return losses, params, state.step
 
 
-def _accelerate_resume_worker(rank, world_size, directory):
+def _accelerate_resume_worker(rank, world_size, directory, fsdp=False):
+    """DDP: against the raw DDP loop; FSDP2: against Accelerate's own run that never stops."""
     os.environ["LOCAL_RANK"] = str(rank)
     import shutil
 
     batches = rank_batches(rank, world_size)
     path, bare = os.path.join(directory, "k"), os.path.join(directory, "bare")
-    _accelerate_run(batches[:K], save_to=path)
+    _accelerate_run(batches[:K], save_to=path, fsdp=fsdp)
     torch.distributed.barrier()
     if rank == 0:
         assert sorted(f for f in os.listdir(path) if f.startswith("geofp8")) == [
             f"geofp8-rank{r}.pt" for r in range(world_size)]
         shutil.copytree(path, bare, ignore=shutil.ignore_patterns("geofp8-*"))
     torch.distributed.barrier()
-    resumed = _accelerate_run(batches[K:], load_from=path)
-    (_, params, step), warned = _warnings_of(lambda: _accelerate_run(batches[K:], bare))
-    return resumed, (params, step, warned), raw_ddp(rank, world_size)
+    resumed = _accelerate_run(batches[K:], load_from=path, fsdp=fsdp)
+    (_, params, step), warned = _warnings_of(
+        lambda: _accelerate_run(batches[K:], bare, fsdp=fsdp))
+    return resumed, (params, step, warned), \
+        _accelerate_run(batches, fsdp=True) if fsdp else raw_ddp(rank, world_size)
 
 
 def _per_rank_files_one_rank_worker(rank, world_size, path):
@@ -225,6 +240,12 @@ def test_resume_accelerate_save_state_is_bitwise(tmp_path):
     refused = run_ranks(_per_rank_files_one_rank_worker, world_size=1,
                         args=(str(tmp_path / "k"),), timeout=120)[0]
     assert refused is not None and "written on 2 ranks, this run has 1" in refused
+
+
+def test_resume_accelerate_fsdp2_save_state_is_bitwise(tmp_path):
+    for result in run_ranks(_accelerate_resume_worker, world_size=2,
+                            args=(str(tmp_path), True), timeout=300):
+        _check_resume(result)
 
 
 # -- the transformers Trainer ----------------------------------------------------------------
