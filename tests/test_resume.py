@@ -368,6 +368,21 @@ def _fsdp_dcp_resume_worker(rank, world_size, directory):
     return resumed, (params, step, warned), raw_fsdp(rank, world_size)
 
 
+def test_dcp_encoding_is_tensors_only_and_round_trips():
+    from geofp8.integrations.dcp import decode, encode
+
+    state = {"a": (1, 2.5, None, "x"), 3: [torch.arange(3), {"t": torch.ones(2, 2)}],
+             "inf": float("inf"), "flag": True, "empty": {}}
+    entries = encode(state)
+    assert all(isinstance(v, torch.Tensor) for v in entries.values()) and len(entries) == 3
+    back = decode(entries)
+    assert back["a"] == (1, 2.5, None, "x") and back["inf"] == float("inf")
+    assert back["flag"] is True and back["empty"] == {} and list(back) == list(state)
+    assert torch.equal(back[3][0], state[3][0]) and torch.equal(back[3][1]["t"], state[3][1]["t"])
+    with pytest.raises(TypeError, match="only tensors and plain containers"):
+        encode({"x": object()})
+
+
 def _dcp_one_rank_worker(rank, world_size, path):
     from geofp8.integrations.dcp import DCPState
 
