@@ -90,16 +90,13 @@ class DCPState(Stateful):
         self._expected: dict[str, torch.Tensor] | None = None  # set by expect()
         self._where = ""
 
-    def _prefix(self, rank: int) -> str:
-        return f"rank{rank}/"
-
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """For a save: this rank's states, encoded. After :meth:`expect`: the empty entries
-        ``dcp.load`` fills."""
+        """For a save: this rank's states, encoded. Once after :meth:`expect` (``dcp.load``
+        asks once): the empty entries that ``dcp.load`` fills."""
         if self._expected is not None:
-            return self._expected
-        prefix = self._prefix(dist.get_rank())
-        return {f"{prefix}part{i}/{name}": t for i, state in enumerate(self.states)
+            expected, self._expected = self._expected, None
+            return expected
+        return {f"{_prefix()}part{i}/{name}": t for i, state in enumerate(self.states)
                 for name, t in encode(state.state_dict()).items()}
 
     def expect(self, checkpoint: str | os.PathLike | Metadata, where: str = "") -> None:
@@ -118,26 +115,28 @@ class DCPState(Stateful):
         written = {k.split("/", 1)[0] for k in ours}
         if written and len(written) != dist.get_world_size():
             raise ValueError(other_world(len(written)))
-        prefix = self._prefix(dist.get_rank())
         self._expected = {k: torch.empty(md.size, dtype=md.properties.dtype)
-                          for k, md in ours.items() if k.startswith(prefix)}
+                          for k, md in ours.items() if k.startswith(_prefix())}
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Restore every part's state (a warning when the checkpoint holds none)."""
-        self._expected = None
         if not state_dict:
             warn_missing(self._where or "loaded with torch.distributed.checkpoint")
             return
-        prefix = self._prefix(dist.get_rank())
-        if len({k.split("/")[1] for k in state_dict}) != len(self.states):
-            raise ValueError(f"GeoFP8 checkpoint holds the state of "
-                             f"{len({k.split('/')[1] for k in state_dict})} model parts, "
+        parts = {k.split("/")[1] for k in state_dict}
+        if len(parts) != len(self.states):
+            raise ValueError(f"GeoFP8 checkpoint holds the state of {len(parts)} model parts, "
                              f"this run has {len(self.states)}")
         for i, state in enumerate(self.states):
-            part = f"{prefix}part{i}/"
+            part = f"{_prefix()}part{i}/"
             entries = {k.removeprefix(part): t for k, t in state_dict.items()
                        if k.startswith(part)}
             state.load_state_dict(_to(decode(entries), _device(state)))
+
+
+def _prefix() -> str:
+    """This rank's entries start with it."""
+    return f"rank{dist.get_rank()}/"
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
