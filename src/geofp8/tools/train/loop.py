@@ -90,7 +90,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    # -- resume: weights before DDP wraps (it broadcasts rank 0's) or fully_shard shards them --
+    # -- resume: DDP's weights before it wraps (it broadcasts rank 0's); fsdp|hsdp after 4. --
     start, shared, mine = 0, None, None
     sharded = cfg.parallel != "ddp"  # fsdp|hsdp: DCP's sharded checkpoint, loaded after 4.
     if cfg.resume and (step := ckpt.latest_step(out)) is not None:
