@@ -41,7 +41,8 @@ the same fix (load average 9-13 from two other sessions' tests):
   Python frame, so the hang is rarer but not gone; ``--native-stacks DIR`` (gdb) was added to
   see where such a thread waits;
 * ``--runs 40 --jobs 4 --layout ddp --native-stacks DIR``: 80 ranks, 80 exited 0, 573 s (no
-  hang, so no native stacks yet).
+  hang, so no native stacks yet);
+* ``--runs 40 --jobs 3 --layout fsdp --native-stacks DIR``: 80 ranks, 80 exited 0, 449 s.
 
 The stacks of a hang before the fix::
 
