@@ -32,8 +32,19 @@ exception``. The cause is any Python ``Future.then`` callback on a gloo thread w
 completes what the main thread waits for (GeoFP8's DDP path had several). The fix
 (:class:`geofp8.comm.collective.Communicator`, "Completion"): every result is completed on
 the caller's thread, so no Python runs on gloo's. After it, ``--runs 40 --jobs 4 --layout
-ddp`` (load average up to 12): 80 ranks, 80 exited 0, none hung, 475 s. The stacks of a hang
-before the fix::
+ddp`` (load average up to 12): 80 ranks, 80 exited 0, none hung, 475 s. Rerun later with
+the same fix (load average 9-13 from two other sessions' tests):
+
+* ``--runs 40 --jobs 3 --layout ddp``: 80 ranks, 78 exited 0, **2 hung**, none aborted, 346 s.
+  The hung rank's Python stacks: the main thread at the line that called ``user_script``
+  (it had returned and was freeing its locals, as before the fix), the other thread with no
+  Python frame, so the hang is rarer but not gone; ``--native-stacks DIR`` (gdb) was added to
+  see where such a thread waits;
+* ``--runs 40 --jobs 4 --layout ddp --native-stacks DIR``: 80 ranks, 80 exited 0, 573 s (no
+  hang, so no native stacks yet);
+* ``--runs 40 --jobs 3 --layout fsdp --native-stacks DIR``: 80 ranks, 80 exited 0, 449 s.
+
+The stacks of a hang before the fix::
 
     Thread 0x00007f09fde126c0 (most recent call first):
       File ".../torch/futures/__init__.py", line 251 in set_result
@@ -103,9 +114,21 @@ def _free_port() -> int:
                 return port
 
 
-def run_job(nproc: int, layout: str, steps: int) -> list[tuple[int | str, str]]:
+def native_stacks(pid: int, directory: str) -> None:
+    """Every thread's native stack of the hung process ``pid`` (gdb), into
+    ``directory/hung-<pid>.txt``: a thread with no Python frame shows where it waits."""
+    os.makedirs(directory, exist_ok=True)
+    out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt"],
+                         capture_output=True, text=True, timeout=120)
+    with open(os.path.join(directory, f"hung-{pid}.txt"), "w") as f:
+        f.write(out.stdout + out.stderr)
+
+
+def run_job(nproc: int, layout: str, steps: int,
+            stacks: str | None = None) -> list[tuple[int | str, str]]:
     """One job of ``nproc`` ranks: each rank's (exit status, or ``"hung"`` after
-    :data:`JOB_TIMEOUT_S`, and stderr tail)."""
+    :data:`JOB_TIMEOUT_S`, and stderr tail); ``stacks``: a folder for hung ranks' native
+    stacks."""
     port = str(_free_port())
     procs = []
     for rank in range(nproc):
@@ -121,6 +144,8 @@ def run_job(nproc: int, layout: str, steps: int) -> list[tuple[int | str, str]]:
             _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             results.append((p.returncode, err[-1500:]))
         except subprocess.TimeoutExpired:
+            if stacks is not None:
+                native_stacks(p.pid, stacks)
             p.kill()
             results.append(("hung", p.communicate()[1][-1500:]))
     return results
@@ -133,6 +158,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2, help="ranks per job")
     parser.add_argument("--layout", choices=("ddp", "fsdp"), default="ddp")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--native-stacks", metavar="DIR",
+                        help="write each hung rank's native stacks (gdb) into DIR")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:  # a hung rank prints every thread's Python stack before it is killed
@@ -141,8 +168,8 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda _: run_job(args.nproc, args.layout, args.steps),
-                                range(args.runs)))
+        results = list(pool.map(lambda _: run_job(args.nproc, args.layout, args.steps,
+                                                  args.native_stacks), range(args.runs)))
     ranks = [r for job in results for r in job]
     failures = [f"{code}: {tail}" for code, tail in ranks if code != 0]
     print(json.dumps({"layout": args.layout, "runs": args.runs, "jobs_at_once": args.jobs,

@@ -85,3 +85,34 @@ def raw_fsdp(rank: int, world_size: int):
         opt.zero_grad()
         losses.append(loss.item())
     return losses, full_params(model), state.stats()
+
+
+class WrappedLlama(torch.nn.Module):
+    """The tiny Llama under a plain module: Accelerate's FSDP2 then leaves embedding, final
+    norm and head in the root unit (as :func:`shard_llama`) instead of carving them out."""
+
+    def __init__(self):
+        super().__init__()
+        self.llama = tiny_llama()
+
+    def forward(self, **batch):
+        return self.llama(**batch)
+
+
+def accelerate_fsdp2():
+    """An ``Accelerator`` that prepares FSDP2 (each ``LlamaDecoderLayer`` a unit) on CPU/gloo,
+    and the distributed type Accelerate built before being forced to FSDP: Accelerate 1.16
+    picks FSDP only for accelerator device types (state.py)."""
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    built = accelerator.distributed_type
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    return accelerator, built

@@ -12,6 +12,8 @@ from integration_setup import (
     CONFIG,
     LR,
     STEPS,
+    WrappedLlama,
+    accelerate_fsdp2,
     flat_params,
     full_params,
     rank_batches,
@@ -265,34 +267,12 @@ def test_accelerate_enable_trains_with_geofp8_and_refuses_misuse():
 
 def _accelerate_fsdp_worker(rank, world_size):
     os.environ["LOCAL_RANK"] = str(rank)
-    from accelerate import Accelerator
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
     from geofp8.integrations import accelerate as geo
 
-    class Wrapped(torch.nn.Module):
-        """The Llama under a plain module: Accelerate then leaves embedding, final norm and
-        head in the root unit (as :func:`shard_llama`) instead of carving them out."""
-
-        def __init__(self):
-            super().__init__()
-            self.llama = tiny_llama()
-
-        def forward(self, **batch):
-            return self.llama(**batch)
-
-    plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
-    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
-    built = accelerator.distributed_type  # what Accelerate 1.16 builds on CPU: DDP
-    # Accelerate picks FSDP only for accelerator device types (state.py); force it, so that
-    # its own fsdp2_prepare_model runs here on CPU/gloo
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
-    model = Wrapped()
+    # Accelerate's own fsdp2_prepare_model runs here on CPU/gloo
+    accelerator, built = accelerate_fsdp2()
+    plugin = accelerator.state.fsdp_plugin
+    model = WrappedLlama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     plugin.fsdp_version = 1  # what an FSDP1 accelerator reports

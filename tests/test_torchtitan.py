@@ -18,6 +18,7 @@ import importlib
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import geofp8.integrations.torchtitan as tt_geofp8
@@ -93,17 +94,19 @@ def _load(model, weights) -> None:
             p.copy_(distribute_tensor(weights[name], p.device_mesh, p.placements))
 
 
-def _train(model, optimizers, rank, world_size):
+def _train(model, optimizers, batches, lr_schedulers=None):
     losses = []
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
-    for tokens in rank_batches(rank, world_size):
+    for tokens in batches:
         logits = model(tokens, positions=positions)
         loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(),
                                            tokens[:, 1:].reshape(-1))
         # torchtitan sets FSDP's divide factor to 1 and normalises the loss by the global
         # token count: here, every rank's tokens count the same
-        (loss / world_size).backward()
+        (loss / dist.get_world_size()).backward()
         optimizers.step()
+        if lr_schedulers is not None:
+            lr_schedulers.step()
         optimizers.zero_grad()
         losses.append(loss.item())
     return losses
@@ -111,6 +114,22 @@ def _train(model, optimizers, rank, world_size):
 
 def _full(model) -> torch.Tensor:
     return torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+
+
+def _titan_model(config, parallel_dims, weights):
+    """torchtitan's path (``Trainer.__init__``) up to the optimizers: meta build,
+    ``parallelize_fn``, init, ``weights``, optimizers: (model, optimizers)."""
+    spec = config.model_spec
+    with torch.device("meta"):
+        model = spec.model.build()
+    model = spec.parallelize_fn(model, parallel_dims=parallel_dims, training=config.training,
+                                parallelism=config.parallelism, compile_config=config.compile,
+                                ac_config=config.activation_checkpoint, dump_folder="unused")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)  # buffers (RoPE) too
+    _load(model, weights)  # the same parameters as the reference
+    return model, config.optimizer.build(model_parts=[model])
 
 
 def _torchtitan_vs_direct(rank, world_size):
@@ -124,18 +143,7 @@ def _torchtitan_vs_direct(rank, world_size):
     parallel_dims = _parallel_dims(config, world_size)
     weights = _initial_weights(config)
     spec.model.update_from_config(config=config)
-
-    # torchtitan's path (Trainer.__init__): meta build, parallelize_fn, init, optimizers, hook
-    with torch.device("meta"):
-        model = spec.model.build()
-    model = spec.parallelize_fn(model, parallel_dims=parallel_dims, training=config.training,
-                                parallelism=config.parallelism, compile_config=config.compile,
-                                ac_config=config.activation_checkpoint, dump_folder="unused")
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)  # buffers (RoPE) too
-    _load(model, weights)  # the same parameters as the reference
-    optimizers = config.optimizer.build(model_parts=[model])
+    model, optimizers = _titan_model(config, parallel_dims, weights)
     called = []
     fn = tt_geofp8.post_optimizer_build_fn(
         CONFIG, then=lambda *args: called.append(len(args)), log_every=4)
@@ -144,7 +152,7 @@ def _torchtitan_vs_direct(rank, world_size):
     assert spec.post_optimizer_build_fn.geofp8_config is CONFIG  # wrap_config's
     with pytest.raises(ValueError, match="already on"):
         tt_geofp8.with_geofp8(spec, CONFIG)
-    losses = _train(model, optimizers, rank, world_size)
+    losses = _train(model, optimizers, rank_batches(rank, world_size))
     stats = states[0].stats()
     logged = tt_geofp8.log([model], STEPS, {})
     titan = (losses, _full(model), stats, logged)
@@ -164,7 +172,7 @@ def _torchtitan_vs_direct(rank, world_size):
     _load(model, weights)
     state = fsdp.enable(model, CONFIG)
     optimizers = config.optimizer.build(model_parts=[model])
-    losses = _train(model, optimizers, rank, world_size)
+    losses = _train(model, optimizers, rank_batches(rank, world_size))
     direct = (losses, _full(model), state.stats())
     return titan, direct
 
@@ -183,6 +191,70 @@ def test_torchtitan_parallelize_and_post_optimizer_build_fn():
         assert torch.equal(params, direct[1])
         assert stats["bytes_sent"] == direct[2]["bytes_sent"]
     assert torch.equal(results[0][0][1], results[1][0][1])
+
+
+def _titan_run(config, parallel_dims, weights, batches, directory, load=None, save=()):
+    """torchtitan's path with GeoFP8 and its checkpointers (built from a checkpoint config
+    as ``Trainer.__init__`` builds one, in ``directory``): ``load()`` the latest checkpoint of
+    the config ``load`` (if any), train on ``batches`` (schedulers stepped), then save the
+    step with each config of ``save``: (losses, all parameters, GeoFP8 step)."""
+    model, optimizers = _titan_model(config, parallel_dims, weights)
+    (state,) = config.model_spec.post_optimizer_build_fn(optimizers, [model], parallel_dims)
+    lr_schedulers = config.lr_scheduler.build(optimizers=optimizers, training_steps=STEPS)
+
+    def checkpointer(checkpoint_config):
+        return checkpoint_config.build(dataloader=None, model_parts=[model],
+                                       optimizers=optimizers, lr_schedulers=lr_schedulers,
+                                       states={}, sd_adapter=None, base_folder=directory)
+
+    if load is not None:
+        manager = checkpointer(load)
+        assert manager.load()
+        manager.close()
+    losses = _train(model, optimizers, batches, lr_schedulers)
+    for checkpoint_config in save:
+        manager = checkpointer(checkpoint_config)
+        assert manager.save(state.step)
+        manager.close()
+    return losses, _full(model), state.step
+
+
+def _torchtitan_resume_worker(rank, world_size, directory):
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    config = _trainer_config()  # wrap_config: GeoFP8's CheckpointManager
+    assert type(config.checkpoint) is tt_geofp8.CheckpointManager.Config
+    k = STEPS // 2  # the step the first run stops after, and the checkpoint interval
+    config.checkpoint = dataclasses.replace(config.checkpoint, enable=True, folder="ckpt",
+                                            interval=k)
+    bare = CheckpointManager.Config(enable=True, folder="bare", interval=k)  # torchtitan's
+    parallel_dims = _parallel_dims(config, world_size)
+    weights = _initial_weights(config)
+    config.model_spec.model.update_from_config(config=config)
+    batches = rank_batches(rank, world_size)
+    never_stopped = _titan_run(config, parallel_dims, weights, batches, directory + "/ref")
+    _titan_run(config, parallel_dims, weights, batches[:k], directory,
+               save=(config.checkpoint, bare))
+    resumed = _titan_run(config, parallel_dims, weights, batches[k:], directory,
+                         load=config.checkpoint)
+    with pytest.warns(UserWarning, match="holds no GeoFP8 state"):  # torchtitan's checkpoint
+        no_state = _titan_run(config, parallel_dims, weights, batches[k:], directory,
+                              load=dataclasses.replace(config.checkpoint, folder="bare"))
+    return never_stopped, resumed, no_state, k
+
+
+def test_resume_torchtitan_checkpointer_is_bitwise(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for never_stopped, resumed, no_state, k in run_ranks(
+            _torchtitan_resume_worker, 2, args=(str(tmp_path),), timeout=300):
+        assert resumed[2] == never_stopped[2] == STEPS  # GeoFP8's step restored
+        assert resumed[0] == never_stopped[0][k:]
+        assert torch.equal(resumed[1], never_stopped[1])
+        assert no_state[2] == STEPS - k and not torch.equal(no_state[1], never_stopped[1])
+    keys = FileSystemReader(str(tmp_path / "ckpt" / f"step-{STEPS // 2}")).read_metadata()
+    assert {k.split("/")[0] for k in keys.state_dict_metadata if k.startswith("geofp8.")} == {
+        "geofp8.rank0", "geofp8.rank1"}
 
 
 class _Dims:

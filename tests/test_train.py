@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from geofp8.tools.train import METHODS, TrainConfig, add_arguments, config_from_args, to_argv
-from geofp8.tools.train.checkpoint import atomic_save, latest_step
+from geofp8.tools.train.checkpoint import atomic_save, latest_step, load_rank, step_dir
 from geofp8.tools.train.compare import compare, run_dir
 from geofp8.tools.train.launch import launch
 from geofp8.tools.train.loop import lr_factor
@@ -171,6 +171,12 @@ def test_resume_fsdp_hsdp_continues_the_same_trajectory_bitwise(tmp_path, parall
     part = replace(base, out=str(tmp_path / "part"), stop_after=2)
     assert launch(2, to_argv(part), timeout=RUN_TIMEOUT) == 0
     assert latest_step(part.out) == 2
+    # sharded through DCP: no rank holds the whole model; each rank's GeoFP8 state its own
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(step_dir(part.out, 2) / "sharded")).read_metadata()
+    assert {k.split("/")[0] for k in saved.state_dict_metadata if k.startswith("geofp8.")} \
+        == {"geofp8.rank0", "geofp8.rank1"}
     resumed = replace(base, out=str(tmp_path / "part"), resume=True)
     assert launch(2, to_argv(resumed), timeout=RUN_TIMEOUT) == 0
 
@@ -180,6 +186,20 @@ def test_resume_fsdp_hsdp_continues_the_same_trajectory_bitwise(tmp_path, parall
     keys = ("loss", "grad_norm", "lr", "bytes_sent", "geometry_layers")
     assert [{k: r.get(k) for k in keys} for r in a] == [{k: r.get(k) for k in keys} for r in b]
     assert b[-1]["geometry_layers"] > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resume_from_a_checkpoint_without_geofp8_state_warns(tmp_path, capfd):
+    # an fp32 run's checkpoint (no hook state) resumed by a GeoFP8 method: a warning, no crash
+    base = TrainConfig(**{**TINY, "steps": 2, "eval_every": 0, "shadow_every": 0,
+                          "checkpoint_every": 1, "out": str(tmp_path)}, method="fp32")
+    assert launch(2, to_argv(replace(base, stop_after=1)), timeout=RUN_TIMEOUT) == 0
+    capfd.readouterr()
+    assert launch(2, to_argv(replace(base, method="geofp8", resume=True)),
+                  timeout=RUN_TIMEOUT) == 0
+    assert "holds no GeoFP8 state" in capfd.readouterr().err
+    assert [r["step"] for r in read_log(tmp_path / "log.jsonl")] == [0, 1]
 
 
 # -- pieces ----------------------------------------------------------------------------------
@@ -204,6 +224,15 @@ def test_lr_schedule_warmup_then_cosine_to_lr_min():
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[10:], f[11:]))
     assert f[100] == pytest.approx(0.1)  # lr_min / lr
+
+
+def test_resume_on_another_number_of_ranks_is_refused(tmp_path):
+    for rank in range(2):
+        atomic_save({"step": 3}, step_dir(tmp_path, 3) / f"rank{rank}.pt")
+    assert load_rank(tmp_path, 1, 3, world=2) == {"step": 3}
+    for world in (1, 4):
+        with pytest.raises(ValueError, match=f"written on 2 ranks, this run has {world}"):
+            load_rank(tmp_path, 0, 3, world=world)
 
 
 def test_atomic_save_leaves_only_the_file(tmp_path):

@@ -13,7 +13,9 @@ imports another:
   ``with_geofp8(model_spec, config)`` (:mod:`geofp8.integrations.torchtitan`).
 
 All of them go through :func:`install`, which checks what the framework built and refuses
-loudly rather than letting a run silently communicate in FP32.
+loudly rather than letting a run silently communicate in FP32. GeoFP8's per-rank state goes
+into each framework's checkpoint (:mod:`geofp8.integrations.checkpoint`; through
+``torch.distributed.checkpoint``, sharded per rank: :mod:`geofp8.integrations.dcp`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["FILE", "gather", "load_files", "restore", "save_files"]
+__all__ = ["FILE", "gather", "load_files", "other_world", "restore", "save_files",
+           "warn_missing"]
 
 FILE = "geofp8-rank{rank}.pt"
 
@@ -54,8 +55,8 @@ def load_files(state, directory: str | os.PathLike) -> bool:
         return True
     written = len(list(Path(directory).glob(FILE.format(rank="*"))))
     if written:
-        raise ValueError(_other_world(written))
-    _warn_missing(str(directory))
+        raise ValueError(other_world(written))
+    warn_missing(str(directory))
     return False
 
 
@@ -91,10 +92,10 @@ def restore(state, saved: dict | None, where: str) -> bool:
         ValueError: ``saved`` was gathered on another number of ranks (or another config).
     """
     if saved is None:
-        _warn_missing(where)
+        warn_missing(where)
         return False
     if saved["world_size"] != dist.get_world_size():
-        raise ValueError(_other_world(saved["world_size"]))
+        raise ValueError(other_world(saved["world_size"]))
     state.load_state_dict(_to(saved["ranks"][dist.get_rank()], _device(state)))
     return True
 
@@ -114,13 +115,15 @@ def _to(obj, device: torch.device):
     return obj
 
 
-def _other_world(written: int) -> str:
+def other_world(written: int) -> str:
+    """The refusal's message: a checkpoint of ``written`` ranks, this run has another number."""
     return (f"GeoFP8 checkpoint was written on {written} ranks, this run has "
             f"{dist.get_world_size()}: the error-feedback residuals are per rank and cannot be "
             f"resharded; resume on {written} ranks")
 
 
-def _warn_missing(where: str) -> None:
+def warn_missing(where: str) -> None:
+    """Warn that the checkpoint ``where`` holds no GeoFP8 state (training goes on afresh)."""
     warnings.warn(f"GeoFP8: the checkpoint {where} holds no GeoFP8 state; training resumes "
                   "with zero error-feedback residuals and freshly computed factors (not "
                   "bit-identical to a run that never stopped)", UserWarning, stacklevel=3)

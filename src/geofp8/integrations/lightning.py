@@ -28,6 +28,9 @@ the end of ``configure_model``, after the ``fully_shard`` calls::
 
 It installs GeoFP8's exact FP8 reduce-scatter (:func:`geofp8.fsdp.enable`) and, unless
 ``log_stats=False``, logs :func:`geofp8.integrations.metrics` after every training batch.
+Its checkpoints (sharded or not) carry every rank's GeoFP8 state under ``"geofp8"`` too (the
+module's ``on_save_checkpoint`` gathers it; rank 0 writes it with the checkpoint's metadata),
+and a ``fit(ckpt_path=...)`` restores it (``on_load_checkpoint``).
 """
 
 from __future__ import annotations
@@ -129,7 +132,10 @@ def enable_fsdp(module: LightningModule, config: GeoFP8Config | FP8Config | None
     module (the one ``training_step`` calls; its forward marks GeoFP8's step boundaries),
     which must be unique. ``kwargs`` go to :func:`geofp8.fsdp.enable`
     (``mesh=`` for HSDP, ``residual=``). With ``log_stats``, GeoFP8's figures of each step are
-    logged through ``module.log_dict`` at the end of every training batch.
+    logged through ``module.log_dict`` at the end of every training batch. The module's
+    ``on_save_checkpoint`` / ``on_load_checkpoint`` (the user's run first) keep every rank's
+    state in the checkpoint (:func:`~geofp8.integrations.checkpoint.gather`, a collective:
+    Lightning saves on every rank) and restore it when fitting.
 
     Raises:
         TypeError: ``module`` is not a ``LightningModule``.
@@ -164,7 +170,29 @@ def enable_fsdp(module: LightningModule, config: GeoFP8Config | FP8Config | None
             module.log_dict(metrics(state, totals), on_step=True, on_epoch=False, batch_size=1)
 
         module.on_train_batch_end = on_train_batch_end  # this instance only, wraps the user's
+    _checkpoint_hooks(module, state)
     return state
+
+
+def _checkpoint_hooks(module: LightningModule, state) -> None:
+    """Wrap ``module``'s checkpoint hooks (this instance only) to save and restore ``state``."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    users_save, users_load = module.on_save_checkpoint, module.on_load_checkpoint
+
+    def on_save_checkpoint(checkpoint: dict[str, Any]) -> None:
+        users_save(checkpoint)
+        saved = gather(state)
+        if saved is not None:
+            checkpoint[CHECKPOINT_KEY] = saved
+
+    def on_load_checkpoint(checkpoint: dict[str, Any]) -> None:
+        users_load(checkpoint)
+        if module.trainer.state.fn == TrainerFn.FITTING:  # not a validate/test checkpoint
+            restore(state, checkpoint.get(CHECKPOINT_KEY), str(module.trainer.ckpt_path))
+
+    module.on_save_checkpoint = on_save_checkpoint
+    module.on_load_checkpoint = on_load_checkpoint
 
 
 __all__ = ["STRATEGY_NAME", "GeoFP8DDPStrategy", "enable_fsdp"]

@@ -21,6 +21,12 @@ context or expert parallelism, SPMD backend ``partial_dtensor`` (tested) or ``sp
 are ``part.geofp8`` on every model part; :func:`log` sends their figures to torchtitan's
 logger (``log_every=`` does it from an optimizer step hook).
 
+Checkpoints: :func:`wrap_config` (the ``--module`` path) also switches torchtitan's
+``CheckpointManager`` to :class:`CheckpointManager`, which keeps every rank's GeoFP8 state in
+torchtitan's DCP checkpoint as one more state (key ``"geofp8"``, sharded per rank:
+:mod:`geofp8.integrations.dcp`), so ``--checkpoint.enable`` resumes bit-identically. In
+Python: ``config.checkpoint = checkpoint_config(config.checkpoint)``.
+
 Installing: torchtitan 0.3.0's pins would downgrade ``datasets`` and ``huggingface_hub``;
 ``pip install --no-deps torchtitan==0.3.0`` plus the modules it imports (the Makefile's
 ``TORCHTITAN_PACKAGES``; ``triton`` included: torchtitan's model package imports it even on CPU).
@@ -40,6 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .. import FP8Config, GeoFP8Config, fsdp
 from . import metrics, unwrap_compiled
+from .dcp import KEY, DCPState
 
 SUPPORTED = "0.3."
 CONFIG = GeoFP8Config()  # what the config functions below switch on
@@ -54,6 +61,8 @@ def _check_version(version: str) -> None:
 
 
 _check_version(torchtitan.__version__)
+
+from torchtitan.components.checkpointer import dcp as titan_dcp  # noqa: E402 (after the check)
 
 
 def _check_parallelism(parallel_dims) -> None:
@@ -158,15 +167,52 @@ def log(model_parts: list[nn.Module], step: int | None = None,
     return values
 
 
+class CheckpointManager(titan_dcp.CheckpointManager):
+    """torchtitan's DCP ``CheckpointManager`` with the model parts' GeoFP8 states as one more
+    state, ``"geofp8"`` (:class:`~geofp8.integrations.dcp.DCPState`: every rank's under its
+    own keys, tensors only). Loading first allocates this rank's entries from the checkpoint's
+    metadata; a checkpoint without them resumes with a warning, one written on another number
+    of ranks is refused (``ValueError``). Model-only loads and saves (the initial load, the
+    last step's export) carry no GeoFP8 state, as torchtitan intends."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(titan_dcp.CheckpointManager.Config):
+        pass
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module], **kwargs) -> None:
+        super().__init__(config, model_parts=model_parts, **kwargs)
+        found = states(model_parts)
+        if self.enable and found:
+            self.states[KEY] = DCPState(found)
+
+    def dcp_load(self, state_dict, checkpoint_id: str, from_hf: bool,
+                 from_quantized: bool) -> None:
+        if isinstance(state_dict.get(KEY), DCPState):
+            state_dict[KEY].expect(checkpoint_id)
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+
+def checkpoint_config(config):
+    """torchtitan's ``CheckpointManager.Config`` ``config`` as :class:`CheckpointManager`'s
+    (the same fields); any other checkpointer's config is returned unchanged (GeoFP8's state
+    is then not in its checkpoints)."""
+    if type(config) is not titan_dcp.CheckpointManager.Config:
+        return config
+    return CheckpointManager.Config(**{f.name: getattr(config, f.name)
+                                       for f in dataclasses.fields(config)})
+
+
 def wrap_config(config_fn: Callable, config: GeoFP8Config | FP8Config | None = None,
                 **kwargs) -> Callable:
-    """A torchtitan config function (returning a ``Trainer.Config``) with GeoFP8 on."""
+    """A torchtitan config function (returning a ``Trainer.Config``) with GeoFP8 on, its
+    checkpoints included (:func:`checkpoint_config`)."""
 
     def wrapped():
         trainer_config = config_fn()
         trainer_config.model_spec = with_geofp8(trainer_config.model_spec,
                                                 config if config is not None else CONFIG,
                                                 **kwargs)
+        trainer_config.checkpoint = checkpoint_config(trainer_config.checkpoint)
         return trainer_config
 
     wrapped.__name__ = wrapped.__qualname__ = getattr(config_fn, "__name__", "config")
@@ -209,5 +255,5 @@ def __getattr__(name: str):
     return wrap_config(fn)
 
 
-__all__ = ["CONFIG", "llama3_debugmodel", "log", "post_optimizer_build_fn", "states",
-           "with_geofp8", "wrap_config"]
+__all__ = ["CONFIG", "CheckpointManager", "checkpoint_config", "llama3_debugmodel", "log",
+           "post_optimizer_build_fn", "states", "with_geofp8", "wrap_config"]

@@ -2,20 +2,24 @@
 
 Layout of ``<out>/checkpoint/``:
 
-* ``step-<step>/shared.pt`` (rank 0): model, optimizers, schedulers, step, the config. Under
-  ``--parallel fsdp|hsdp`` the model's and optimizers' whole (unsharded) states, gathered to
-  rank 0 with ``torch.distributed.checkpoint.state_dict`` (:func:`full_states`) and sharded
-  again on load (:func:`load_optimizers`); the model is loaded before ``fully_shard``;
-* ``step-<step>/rank<r>.pt`` (every rank): the GeoFP8 state (error-feedback residuals
-  differ per rank), the torch RNG state, the step;
+* ``step-<step>/shared.pt`` (rank 0): schedulers, step, elapsed time, the config; under
+  ``--parallel ddp`` also the model and optimizers (every rank holds them whole);
+* ``step-<step>/sharded/`` (``--parallel fsdp|hsdp``): a ``torch.distributed.checkpoint``
+  (DCP) checkpoint that every rank writes its part of: the model's and optimizers' shards
+  (DTensors, FQN-keyed: :func:`save_sharded`) and every rank's GeoFP8 state under its own keys
+  (:mod:`geofp8.integrations.dcp`). Nothing is gathered to one rank; :func:`load_sharded`
+  reads each rank's part back after ``fully_shard``;
+* ``step-<step>/rank<r>.pt`` (every rank): the torch RNG state, the step, and under
+  ``--parallel ddp`` the GeoFP8 state (error-feedback residuals differ per rank);
 * ``meta.json`` (rank 0, after a barrier that every rank reaches only once its files are
   written): the step of the newest complete checkpoint. Older ``step-*`` directories are
   removed only after ``meta.json`` has moved on.
 
-Each file goes to a temporary name in the same directory and is renamed with
+Each ``.pt`` file goes to a temporary name in the same directory and is renamed with
 :func:`os.replace`, so a crash mid-write never leaves a half file under the real name, and
 a crash anywhere while writing step ``s`` leaves the previous checkpoint whole and named
-by ``meta.json``. Everything is tensors and plain containers, read with ``weights_only=True``.
+by ``meta.json``. Everything is read with ``weights_only=True`` (DCP's pickled values too:
+:class:`~geofp8.integrations.dcp.SafeLoadPlanner`).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["atomic_save", "checkpoint_dir", "full_states", "latest_step", "load_optimizers",
-           "load_rank", "load_shared", "step_dir", "write_meta"]
+__all__ = ["atomic_save", "checkpoint_dir", "latest_step", "load_rank", "load_shared",
+           "load_sharded", "save_sharded", "step_dir", "write_meta"]
 
 
 def checkpoint_dir(out: str | os.PathLike) -> Path:
@@ -88,39 +92,63 @@ def load_shared(out: str | os.PathLike, step: int) -> dict:
     return _load(step_dir(out, step) / "shared.pt", step)
 
 
-def load_rank(out: str | os.PathLike, rank: int, step: int) -> dict:
-    path = step_dir(out, step) / f"rank{rank}.pt"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: resume with the same number of ranks")
-    return _load(path, step)
+def load_rank(out: str | os.PathLike, rank: int, step: int, world: int) -> dict:
+    """Rank ``rank``'s file of step ``step``.
+
+    Raises:
+        ValueError: the checkpoint was written on another number of ranks than ``world``
+            (the RNG and GeoFP8 states are per rank: they are not resharded).
+    """
+    written = len(list(step_dir(out, step).glob("rank*.pt")))
+    if written != world:
+        raise ValueError(f"the checkpoint {step_dir(out, step).name} was written on {written} "
+                         f"ranks, this run has {world}: the error-feedback residuals and RNG "
+                         f"states are per rank and cannot be resharded; resume on {written} "
+                         "ranks")
+    return _load(step_dir(out, step) / f"rank{rank}.pt", step)
 
 
-def full_states(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                sharded: bool) -> tuple[dict, list | dict]:
-    """The model's and optimizers' whole states. ``sharded`` (``fully_shard``-ed model): a
-    collective, every rank calls it; the FQN-keyed states, on CPU, are rank 0's only."""
-    if not sharded:
-        return model.state_dict(), [o.state_dict() for o in optimizers]
+def _sharded_states(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                    state) -> dict:
+    """What :func:`save_sharded` writes: DCP's model and optimizer state dicts (this rank's
+    shards) and, with GeoFP8's reduction, its per-rank state."""
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return (get_model_state_dict(model, options=options),
-            get_optimizer_state_dict(model, optimizers, options=options))
+    from ... import fsdp
+    from ...integrations.dcp import KEY, DCPState
+
+    states = {"model": get_model_state_dict(model),
+              "optimizers": get_optimizer_state_dict(model, optimizers)}
+    if isinstance(state, fsdp.GeoFP8FSDP):
+        states[KEY] = DCPState([state])
+    return states
 
 
-def load_optimizers(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                    saved: list | dict, sharded: bool) -> None:
-    """Restore :func:`full_states`' optimizer states (``sharded``: every rank holds ``saved``
-    whole and keeps its shards)."""
-    if not sharded:
-        for o, s in zip(optimizers, saved):
-            o.load_state_dict(s)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+def save_sharded(out: str | os.PathLike, step: int, model: torch.nn.Module,
+                 optimizers: list[torch.optim.Optimizer], state) -> None:
+    """Write ``step-<step>/sharded/`` (module notes): a collective, every rank calls it."""
+    import torch.distributed.checkpoint as dcp
 
-    set_optimizer_state_dict(model, optimizers, saved,
-                             options=StateDictOptions(full_state_dict=True))
+    dcp.save(_sharded_states(model, optimizers, state),
+             checkpoint_id=step_dir(out, step) / "sharded")
+
+
+def load_sharded(out: str | os.PathLike, step: int, model: torch.nn.Module,
+                 optimizers: list[torch.optim.Optimizer], state) -> None:
+    """Restore :func:`save_sharded`'s checkpoint into the ``fully_shard``-ed ``model``, its
+    ``optimizers`` and GeoFP8's ``state`` (a collective). The model and optimizers reshard
+    to this run's ranks; GeoFP8's state refuses another number of ranks (``ValueError``)."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from ...integrations import dcp
+
+    states = _sharded_states(model, optimizers, state)
+    dcp.load(states, step_dir(out, step) / "sharded")
+    set_model_state_dict(model, states["model"])
+    set_optimizer_state_dict(model, optimizers, states["optimizers"])

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...comm import fp32_allreduce_wire_bytes
+from ...integrations.checkpoint import warn_missing
 from ..data import get_batch, load_token_data, read_text
 from ..models import PRESETS, build_preset, load_model
 from ..shadow import shadow_fidelity
@@ -89,12 +90,14 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    # -- resume: weights before DDP wraps (it broadcasts rank 0's) or fully_shard shards them --
+    # -- resume: DDP's weights before it wraps (it broadcasts rank 0's); fsdp|hsdp after 4. --
     start, shared, mine = 0, None, None
+    sharded = cfg.parallel != "ddp"  # fsdp|hsdp: DCP's sharded checkpoint, loaded after 4.
     if cfg.resume and (step := ckpt.latest_step(out)) is not None:
         start = step
-        shared, mine = ckpt.load_shared(out, step), ckpt.load_rank(out, rank, step)
-        model.load_state_dict(shared["model"])
+        shared, mine = ckpt.load_shared(out, step), ckpt.load_rank(out, rank, step, world)
+        if not sharded:
+            model.load_state_dict(shared["model"])
 
     # -- 3. DDP with the method's hook, or FSDP/HSDP with GeoFP8's reduction ------------------
     wrapped = wrap(model, cfg, rank, world, device)
@@ -107,11 +110,17 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
                   for o in optimizers]
     elapsed = 0.0
     if shared is not None:
-        ckpt.load_optimizers(model, optimizers, shared["optimizers"], cfg.parallel != "ddp")
+        if sharded:
+            ckpt.load_sharded(out, start, model, optimizers, state)
+        else:
+            for o, s in zip(optimizers, shared["optimizers"]):
+                o.load_state_dict(s)
+            if state is not None and mine["geofp8"] is None:  # written by a stateless method
+                warn_missing(str(ckpt.step_dir(out, start)))
+            elif state is not None:
+                state.load_state_dict(mine["geofp8"])
         for sch, s in zip(schedulers, shared["schedulers"]):
             sch.load_state_dict(s)
-        if state is not None:
-            state.load_state_dict(mine["geofp8"])
         torch.set_rng_state(mine["rng"])
         if device.type == "cuda" and mine.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(mine["cuda_rng"], device)
@@ -296,14 +305,19 @@ def evaluate(model: torch.nn.Module, blocks: torch.Tensor, cfg: TrainConfig, ran
 
 def save_checkpoint(out: Path, step: int, model, optimizers, schedulers, state, elapsed: float,
                     cfg: TrainConfig, rank: int, device: torch.device) -> None:
-    model_state, optimizer_states = ckpt.full_states(model, optimizers, cfg.parallel != "ddp")
+    sharded = cfg.parallel != "ddp"
+    if sharded:
+        ckpt.save_sharded(out, step, model, optimizers, state)
     if rank == 0:
-        ckpt.atomic_save({"step": step, "model": model_state, "optimizers": optimizer_states,
+        whole = {} if sharded else {"model": model.state_dict(),
+                                    "optimizers": [o.state_dict() for o in optimizers]}
+        ckpt.atomic_save({"step": step, **whole,
                           "schedulers": [s.state_dict() for s in schedulers],
                           "elapsed_s": elapsed, "config": cfg.to_dict()},
                          ckpt.step_dir(out, step) / "shared.pt")
     ckpt.atomic_save({"step": step,
-                      "geofp8": state.state_dict() if state is not None else None,
+                      "geofp8": state.state_dict() if state is not None and not sharded
+                      else None,
                       "rng": torch.get_rng_state(),
                       "cuda_rng": torch.cuda.get_rng_state(device)
                       if device.type == "cuda" else None},
