@@ -4,7 +4,7 @@ residuals re-based on a change and a bitwise resume; and the layouts that carry 
 tensor (a one-codec layout is unchanged)."""
 
 import copy
-import warnings
+import io
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
 from geofp8.codecs import make_codec
 from geofp8.comm.layout import ShardLayout, tensor_wire_bytes
 from geofp8.comm.stages import decode, encode, simulate_exact_allreduce
-from geofp8.selection import PATHS, BudgetSelection
+from geofp8.selection import BudgetSelection
 from toymodels import loss_fn, make_model
 
 NVFP4, E4M3 = make_codec("nvfp4"), make_codec("e4m3", "tensor")
@@ -150,7 +150,6 @@ def _budget_worker(rank, world):
 
 
 def _roundtrip(obj):
-    import io
     buf = io.BytesIO()
     torch.save(obj, buf)
     buf.seek(0)
@@ -176,10 +175,37 @@ def test_budget_in_ddp_is_identical_on_every_rank_fits_and_resumes_bitwise():
         assert set(stats["formats"]) == set(stats["budget_errors"])
 
 
-def test_fsdp_and_node_hierarchy_refuse_a_budget():
-    with pytest.raises(ValueError, match="hierarchy"):
+def _refusal_worker(rank, world):
+    from geofp8.fsdp import GeoFP8FSDP
+
+    model = make_model(0)
+    refused = []
+    for make in (lambda: GeoFP8FSDP(model, GeoFP8Config(**BUDGET)),
+                 lambda: GeoFP8State(model, GeoFP8Config(**{**BUDGET, "hierarchy": "auto",
+                                                            "node_size": 2}))):
+        try:
+            make()
+        except ValueError as exc:
+            refused.append(str(exc))
+    return refused
+
+
+def test_fsdp_and_the_node_hierarchy_refuse_a_budget():
+    fsdp, hierarchy = run_ranks(_refusal_worker, 4)[0]  # two nodes of two ranks
+    assert "DDP-only" in fsdp
+    assert "needs the flat collective" in hierarchy
+    with pytest.raises(ValueError, match="budget needs hierarchy"):
         GeoFP8Config(**{**BUDGET, "hierarchy": "node"})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert GeoFP8Config(**BUDGET).budget == BUDGET["budget"]
-    assert PATHS[0] == ("nvfp4", False)  # the floor
+
+
+def test_the_budget_method_needs_its_budget():
+    from geofp8.methods import METHODS
+    from geofp8.tools.errors import UsageError
+    from geofp8.tools.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=r"needs \['budget'\]"):
+        METHODS["budget"].config()
+    assert METHODS["budget"].config(budget=0.7, k=8).budget == 0.7
+    assert METHODS["nvfp4-ef"].takes(budget=0.7) == {}
+    with pytest.raises(UsageError, match="--method budget needs --budget"):
+        TrainConfig(method="budget")
