@@ -216,6 +216,12 @@ class BudgetSelection(Selection):
     all-reduced and the order is total (ties by candidate order), so every rank chooses
     alike. A budget below the floor raises at construction; when the measured factor traffic
     pushes the floor over the budget, every candidate stays at the floor (a warning).
+
+    **Changes** happen only at the step after a measurement (a refresh). A layer whose route
+    changes has its residual re-based ``R T_old⁻¹ T_new`` when it is next read
+    (:meth:`~geofp8.feedback.ErrorFeedback.residual_in`); a residual is FP32 in its
+    coordinates, not in a format, so a format change carries it on as it is (it is the part
+    of the gradient not yet delivered).
     """
 
     def __init__(self, candidates: list[str], floor: Codec, shapes: dict[str, tuple],
