@@ -383,7 +383,7 @@ def _train_worker(rank, world_size, names, steps):
         model = make_model()
         ddp = DDP(model, bucket_cap_mb=0.01)
         state, hook, _ = METHODS[name].build(
-            model, **METHODS[name].takes(refresh_every=4, profile_steps=2, k=8))
+            model, **METHODS[name].takes(refresh_every=4, profile_steps=2, k=8, budget=0.9))
         ddp.register_comm_hook(state, hook)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for step in range(steps):

@@ -22,7 +22,8 @@ from geofp8.tools.train.optim import orthogonalization_dtype
 from geofp8.tools.train.report import aggregate, read_log, summarize_run
 
 TINY = dict(model="llama-tiny", seq_len=32, batch_size=2, steps=3, warmup=1, eval_every=2,
-            eval_batches=2, shadow_every=1, refresh_every=1, profile_steps=1, quiet=True)
+            eval_batches=2, shadow_every=1, refresh_every=1, profile_steps=1, budget=0.9,
+            quiet=True)
 RUN_TIMEOUT = 120
 
 

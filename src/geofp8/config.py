@@ -135,6 +135,7 @@ class GeoFP8Config:
     profile_steps: int = 100  # profile: steps scored after the warm-up
     profile_top: int | None = None  # profile: layers kept (default: a quarter)
     min_dim: int = 16  # Linear layers with min(d_in, d_out) < min_dim stay Euclidean
+    budget: float | None = None  # bytes per element per round trip: formats chosen per layer
     # -- error feedback, warm-up, seeds
     error_feedback: bool = True  # keep R ← Ũ − deq(Q(Ũ)) in communication coordinates
     owner_feedback: bool = False  # EF on the second rounding too (the reduced shard's owner)
@@ -197,6 +198,20 @@ class GeoFP8Config:
             (self.statistics != "sketch" or self.transform == "lowrank",
              "statistics='sketch' only supports transform='lowrank'"),
         ]
+        if self.budget is not None:  # see geofp8.selection.BudgetSelection
+            checks += [
+                (self.budget > 0, "budget must be > 0 bytes per element"),
+                (self.format == Format.NVFP4, "budget needs format='nvfp4' (the floor every "
+                 "tensor takes unless the budget buys it e4m3)"),
+                (self.transform == Transform.LOWRANK and self.factor_source == "refresh",
+                 "budget needs transform='lowrank' with factor_source='refresh'"),
+                (self.layers == LayerMode.AUTO, "budget chooses the layers itself: leave "
+                 "layers='auto'"),
+                (self.collective == "exact", "budget needs collective='exact'"),
+                (self.hierarchy != "node", "budget needs hierarchy='flat' or 'auto' (one "
+                 "exact collective over every rank)"),
+                (not self.owner_feedback, "budget does not offer owner_feedback yet"),
+            ]
         problems += [message for ok, message in checks if not ok]
         if problems:
             raise ValueError("GeoFP8Config: " + "; ".join(problems))

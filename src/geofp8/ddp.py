@@ -88,6 +88,11 @@ class GeoFP8State:
         size = node_size(config, self.engine.group.size)
         if process_group is not None and config.hierarchy == "auto":
             size = None  # a group of the caller's: its node layout is not ours to guess
+        if size and config.budget is not None:
+            self.engine.remove_hooks()
+            raise ValueError(f"GeoFP8: a byte budget needs the flat collective, but "
+                             f"hierarchy={config.hierarchy!r} resolves to nodes of {size} "
+                             "ranks here; set hierarchy='flat'")
         self.hierarchy = HierarchicalAllReduce(self.engine, size, device) if size else None
         self.engine.fingerprint_extra = {"node_size": size}
 

@@ -170,6 +170,7 @@ class SyncEngine:
             if group.link is not None:
                 self.ledger.add(f"bytes_{group.link}", sum(taken.get(kind, 0.0) for kind in
                                                            ("payload", "factor", "flag")))
+        self.pipeline.selection.charged(self.ledger.current["factor_bytes_sent"])
         self.ledger.settle(finite)
         self._finite = []
         if not finite:
@@ -227,6 +228,7 @@ class SyncEngine:
             "bytes_fp32_equivalent": int(last["bytes_fp32_equivalent"]),
             "bytes_per_element": sent / last["elements"] if last["elements"] else 0.0,
             "geometry_layers": self.pipeline.geometry_layers(),
+            **self.pipeline.budget_stats(),
             "codec_s": last["codec_s"],
             "transform_s": last["transform_s"],
             "statistics_s": last["statistics_s"],

@@ -317,6 +317,9 @@ class GeoFP8FSDP:
         if cfg.factor_source == "local":
             raise ValueError("GeoFP8 on FSDP: factor_source='local' is DDP-only; use "
                              "'refresh' or 'fresh'")
+        if cfg.budget is not None:
+            raise ValueError("GeoFP8 on FSDP: a byte budget (formats chosen per layer) is "
+                             "DDP-only for now; use one format (e.g. format='nvfp4')")
         if residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {residual!r}")
         if mesh is None and not reduce_scatter:

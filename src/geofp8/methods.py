@@ -31,6 +31,8 @@ GEOMETRY_OVERRIDES = ("format", "k", "refresh_every", "profile_steps", "seed",
 CONTROL_OVERRIDES = ("format", *LAYOUT_OVERRIDES)
 # The block-format methods name their format: a caller's ``format`` does not replace it.
 BLOCK_OVERRIDES = tuple(k for k in GEOMETRY_OVERRIDES if k != "format")
+# The byte budget chooses formats itself; its budget has no default (the caller's to state).
+BUDGET_OVERRIDES = ("budget", "k", "refresh_every", "seed", *LAYOUT_OVERRIDES)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Method:
     # several buckets in flight those reach the ranks in different orders (gloo, 4 ranks:
     # "collective mismatch"). Register them on a DDP with one bucket.
     one_bucket: bool = False
+    required: tuple[str, ...] = ()  # overrides the caller must give (no default)
 
     def config(self, **overrides) -> GeoFP8Config | None:
         """The :class:`GeoFP8Config` of a ``geofp8`` method (``None`` for PyTorch's hooks),
@@ -56,6 +59,9 @@ class Method:
         if refused:
             raise ValueError(f"method {self.description!r} does not take {refused}; it takes "
                              f"{list(self.overrides)}")
+        missing = [k for k in self.required if k not in chosen]
+        if missing:
+            raise ValueError(f"method {self.description!r} needs {missing}")
         if self.kind != "geofp8":
             return None
         return GeoFP8Config(**{**chosen, **self.settings})
@@ -156,6 +162,10 @@ METHODS: dict[str, Method] = {
                              "lowrank", factor_source="fresh"),
     "nvfp4-auto-ef": _block("nvfp4", "NVFP4 + EF, layers switched by measured round-trip "
                             "error (refreshed factor)", "lowrank", layers="auto"),
+    "budget": Method("geofp8", "NVFP4, NVFP4 + refreshed low-rank factor or E4M3 per layer, "
+                     "chosen at each refresh by measured error within a byte budget, EF",
+                     {"format": "nvfp4", "transform": "lowrank", "layers": "auto",
+                      "error_feedback": True}, BUDGET_OVERRIDES, required=("budget",)),
     "mxfp4-ef": _block("mxfp4", "MXFP4 (E2M1, an E8M0 scale per 32) + EF"),
     "mxfp4-rht-ef": _block("mxfp4", "MXFP4 + EF after a random Hadamard over each 32-block",
                            "rht"),

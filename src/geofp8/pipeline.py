@@ -33,7 +33,7 @@ from .feedback import ErrorFeedback
 from .geometry.sources import LocalFactors, SharedInputs, make_source
 from .geometry.transforms import IDENTITY, LowRankInput, Transform
 from .ledger import StepLedger
-from .selection import make_selection
+from .selection import BudgetSelection, make_selection
 
 __all__ = ["Encoded", "GradientPipeline"]
 
@@ -80,8 +80,9 @@ class GradientPipeline:
         devices = {n: p.device for n, p in model.named_parameters()}
         self.source = make_source(config, self.layers, ledger, group, devices,
                                   self.codec.block_size)
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
         self.selection = make_selection(config, self.codec, list(self.layers),
-                                        config.factor_source)
+                                        config.factor_source, shapes, self.world_size)
         self.feedback = ErrorFeedback(storage=residual_storage)
         self.shared = self.source.shared if self.source is not None else SharedInputs()
         modules = dict(model.named_modules())
@@ -161,7 +162,7 @@ class GradientPipeline:
         local = isinstance(self.source, LocalFactors)
         per_sender = tuple(local and n in self.selection.selected and n in self.layers
                            for n in names)
-        layout = self._layout(shapes, per_sender)
+        layout = self._layout(shapes, per_sender, tuple(self.codec_of(n) for n in names))
         side = self._sender_factors(shapes, per_sender, routes, layout) if any(per_sender) \
             else None
         sent = encode(flat, layout, side, seed, sender=self.group.rank)
@@ -187,14 +188,18 @@ class GradientPipeline:
             pos += n
         return out
 
-    def _layout(self, shapes: list[tuple[int, ...]], per_sender: tuple[bool, ...]
-                ) -> ShardLayout:
-        key = (tuple(shapes), per_sender)
+    def codec_of(self, name: str):
+        """The wire codec of ``name`` this step (the selection's under a budget)."""
+        return self.selection.codec_of(name) or self.codec
+
+    def _layout(self, shapes: list[tuple[int, ...]], per_sender: tuple[bool, ...],
+                codecs: tuple) -> ShardLayout:
+        key = (tuple(shapes), per_sender, codecs)
         if key not in self._layouts:
             side = [self._factor_bytes(shape[1]) if mapped else 0
                     for shape, mapped in zip(shapes, per_sender)]
             self._layouts[key] = ShardLayout.build(shapes, self.codec, self.world_size,
-                                                   list(per_sender), side)
+                                                   list(per_sender), side, list(codecs))
         return self._layouts[key]
 
     # -- per-sender (local) factors ----------------------------------------------------------
@@ -259,6 +264,16 @@ class GradientPipeline:
     def geometry_layers(self) -> list[str]:
         return sorted(n for n in self.selection.selected
                       if self.source is not None and self.source.transform(n) is not None)
+
+    def budget_stats(self) -> dict:
+        """Under a budget: every candidate's path (``formats``), the bytes per element per
+        round trip planned at the last decision, and the last measured relative errors."""
+        selection = self.selection
+        if not isinstance(selection, BudgetSelection):
+            return {}
+        return {"formats": selection.assignment(), "budget": selection.budget,
+                "budget_planned": selection.planned,
+                "budget_errors": {n: dict(e) for n, e in selection.last_measurement.items()}}
 
     @property
     def factor_nbytes(self) -> int:

@@ -11,6 +11,9 @@
   coordinates), and ``‖G‖²``; the sums are reduced across ranks at the next step, and a
   layer switches on when ``rel_geo < (1 − margin) · rel_euclid`` and off when
   ``rel_geo > rel_euclid`` (hysteresis).
+* :class:`BudgetSelection` — ``GeoFP8Config(budget=B)``: a *path* (format and route) per
+  candidate, the assignment of least total error whose bytes fit ``B`` bytes per element
+  per round trip (see the class).
 
 Selections observe gradients while buckets are encoded; what they observe in a step counts
 only if the step is settled as finite. Decisions need a collective and are taken at the
@@ -19,16 +22,18 @@ start of the next step (:meth:`Selection.start_step`), identically on every rank
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 
-from .codecs import Codec
+from .codecs import Codec, make_codec
 from .comm.group import DeviceGroup
+from .comm.layout import tensor_wire_bytes
 from .geometry.transforms import IDENTITY, Transform
 
-__all__ = ["AutoSelection", "FixedSelection", "ProfileSelection", "Selection",
-           "make_selection"]
+__all__ = ["PATHS", "AutoSelection", "BudgetSelection", "FixedSelection", "ProfileSelection",
+           "Selection", "make_selection"]
 
 ResidualIn = Callable[[Transform], "torch.Tensor | None"]
 
@@ -54,6 +59,13 @@ class Selection:
 
     def settle(self, finite: bool) -> None:
         """Keep (finite step) or drop what this step observed."""
+
+    def charged(self, factor_bytes: float) -> None:
+        """The factor and selection bytes this rank sent in a step just settled."""
+
+    def codec_of(self, name: str) -> Codec | None:
+        """The wire codec of ``name`` (``None``: the pipeline's one codec)."""
+        return None
 
     def state_dict(self) -> dict:
         return {"selected": sorted(self.selected)}
@@ -168,10 +180,189 @@ class AutoSelection(Selection):
         self._pending = None
 
 
-def make_selection(config, codec: Codec, candidates: list[str],
-                   factor_source: str) -> Selection:
-    """The selection policy of ``config.layers`` over ``candidates`` (parameter names).
-    Module names in ``config.layers`` that are not candidates raise."""
+# A budget's paths: (format, route through the refreshed low-rank factor). The first is the
+# floor: every tensor that is not a candidate takes it, and so does every candidate at first.
+PATHS: tuple[tuple[str, bool], ...] = (("nvfp4", False), ("nvfp4", True), ("e4m3", False))
+
+
+def path_name(path: tuple[str, bool]) -> str:
+    return f"{path[0]}-geo" if path[1] else path[0]
+
+
+class BudgetSelection(Selection):
+    """A path of :data:`PATHS` per candidate, chosen at every refresh within a byte budget.
+
+    **Error.** At a measurement step every rank computes, per candidate and path
+    ``p = (format, T)``, the rounding error of the path's round trip of ``G T + R_p`` (the
+    gradient with the residual of error feedback, in ``T``'s coordinates) mapped back to
+    parameter coordinates, ``e_p = ‖(deq(Q(G T + R_p)) − (G T + R_p)) T⁻¹‖²``: the error
+    the step leaves behind, which is what error feedback carries on. It is reduced across
+    ranks (one all-reduce, with ``‖G‖²``) at the next step; a layer's cost of path ``p`` is
+    ``numel · e_p / ‖G‖²``, its mean squared *relative* error per element summed over the
+    elements, the error an element-wise normalising optimizer (Adam) sees.
+
+    **Bytes.** A tensor's cost of a path is the bytes one rank sends for it in the exact
+    collective, averaged over the ranks (:func:`~geofp8.comm.layout.tensor_wire_bytes`:
+    codes, scales, the all-gather's copies). The budget is
+    ``B · (Σ elements) · 2(N−1)/N`` bytes per step and rank; from it go the non-candidates
+    (at the floor, fixed) and the factor and selection traffic per step, measured over the
+    last refresh period (statistics are reduced for every candidate whichever path it takes,
+    so this part does not depend on the choice) and averaged over the ranks.
+
+    **Choice** (a multiple-choice knapsack, solved greedily): every candidate starts at the
+    least-error path among the cheapest ones; then upgrades ``(layer, p)`` are taken in
+    decreasing order of error saved per extra byte while they fit. With two byte levels (4 and
+    8 bits) the greedy is optimal up to the one upgrade that does not fit. The inputs are
+    all-reduced and the order is total (ties by candidate order), so every rank chooses
+    alike. A budget below the floor raises at construction; when the measured factor traffic
+    pushes the floor over the budget, every candidate stays at the floor (a warning).
+
+    **Changes** happen only at the step after a measurement (a refresh). A layer whose route
+    changes has its residual re-based ``R T_old⁻¹ T_new`` when it is next read
+    (:meth:`~geofp8.feedback.ErrorFeedback.residual_in`); a residual is FP32 in its
+    coordinates, not in a format, so a format change carries it on as it is (it is the part
+    of the gradient not yet delivered).
+    """
+
+    def __init__(self, candidates: list[str], floor: Codec, shapes: dict[str, tuple],
+                 world_size: int, budget: float, every: int, first_step: int) -> None:
+        super().__init__(candidates)
+        self.budget, self.every, self.first_step = budget, every, first_step
+        self.world_size = world_size
+        self.codecs = {"nvfp4": floor, "e4m3": make_codec("e4m3", "tensor")}
+        self.numel = [torch.Size(shapes[n]).numel() for n in self.candidates]
+        self.costs = [[tensor_wire_bytes(shapes[n], self.codecs[fmt], world_size)
+                       for fmt, _ in PATHS] for n in self.candidates]
+        fixed = sum(tensor_wire_bytes(shape, floor, world_size)
+                    for n, shape in shapes.items() if n not in self.index)
+        ring = 2 * (world_size - 1) / world_size
+        elements = sum(torch.Size(shape).numel() for shape in shapes.values())
+        self.limit = budget * elements * ring  # bytes per step and rank
+        self.elements_ring = elements * ring
+        self.fixed = fixed
+        floor_bytes = fixed + sum(min(c) for c in self.costs)
+        if floor_bytes > self.limit:
+            raise ValueError(
+                f"GeoFP8Config(budget={budget}): the cheapest assignment (every tensor in "
+                f"nvfp4) needs {floor_bytes / self.elements_ring:.4f} bytes per element per "
+                "round trip; raise the budget")
+        self.path = [0] * len(self.candidates)
+        self.planned = floor_bytes / self.elements_ring if ring else 0.0
+        self._pending: torch.Tensor | None = None
+        self.measured: torch.Tensor | None = None
+        self.factor_window = [0.0, 0]  # factor bytes sent and steps since the last decision
+        self.last_measurement: dict[str, dict[str, float]] = {}
+
+    def wants(self, step: int) -> bool:
+        return step % self.every == 0 and step >= self.first_step
+
+    def observe(self, name, G, geo, residual_in) -> None:
+        if self._pending is None:
+            self._pending = torch.zeros(len(self.candidates), len(PATHS) + 1,
+                                        dtype=torch.float64)
+        row = self._pending[self.index[name]]
+        for col, (fmt, geometry) in enumerate(PATHS):
+            route = geo if geometry else IDENTITY
+            if route is None:  # no factor yet: the path cannot be taken
+                row[col] = float("nan")
+                continue
+            residual = residual_in(route)
+            U = route.forward(G) if residual is None else route.forward(G) + residual
+            error = self.codecs[fmt].round_trip(U) - U
+            row[col] += float(route.inverse(error).pow(2).sum())
+        row[-1] += float(G.pow(2).sum())
+
+    def settle(self, finite: bool) -> None:
+        if finite and self._pending is not None:
+            self.measured = self._pending
+        self._pending = None
+
+    def charged(self, factor_bytes: float) -> None:
+        self.factor_window[0] += factor_bytes
+        self.factor_window[1] += 1
+
+    def codec_of(self, name: str) -> Codec | None:
+        i = self.index.get(name)
+        return None if i is None else self.codecs[PATHS[self.path[i]][0]]
+
+    def assignment(self) -> dict[str, str]:
+        """Every candidate's path, by weight name (``nvfp4``, ``nvfp4-geo``, ``e4m3``)."""
+        return {n: path_name(PATHS[p]) for n, p in zip(self.candidates, self.path)}
+
+    def start_step(self, step: int, group: DeviceGroup) -> None:
+        if self.measured is None:
+            return
+        flat = torch.cat([self.measured.reshape(-1),
+                          torch.tensor([self.factor_window[0] / max(1, self.factor_window[1])],
+                                       dtype=torch.float64)])
+        m, _ = group.all_reduce(flat, "factor")
+        m = m.cpu()
+        self.measured, self.factor_window = None, [0.0, 0]
+        factor = float(m[-1]) / group.size  # per step and rank, averaged over the ranks
+        errors = m[:-1].view(len(self.candidates), len(PATHS) + 1)
+        self._decide(errors, factor)
+
+    def _decide(self, errors: torch.Tensor, factor: float) -> None:
+        """The assignment of least error within the budget (class notes) from the reduced
+        ``errors`` (per candidate: ``e_p`` per path, then ``‖G‖²``)."""
+        self.last_measurement = {}
+        cost: list[list[float]] = []  # per candidate and path: weighted error (inf: none)
+        for i, name in enumerate(self.candidates):
+            norm = float(errors[i, -1])
+            row = [float(e) * self.numel[i] / norm if norm > 0 and torch.isfinite(e)
+                   else float("inf") for e in errors[i, :-1]]
+            if norm > 0:
+                self.last_measurement[name] = {path_name(p): (e / self.numel[i]) ** 0.5
+                                               for p, e in zip(PATHS, row)}
+            cost.append(row)
+        path = []
+        for i, row in enumerate(cost):
+            cheapest = min(self.costs[i])
+            floors = [p for p, c in enumerate(self.costs[i]) if c == cheapest]
+            path.append(min(floors, key=lambda p: (row[p], p)))
+        spent = self.fixed + factor + sum(c[p] for c, p in zip(self.costs, path))
+        if spent > self.limit:
+            warnings.warn(f"GeoFP8 budget {self.budget}: the factor traffic puts the floor at "
+                          f"{spent / self.elements_ring:.4f} bytes per element; every "
+                          "candidate stays at the floor", stacklevel=2)
+        else:
+            upgrades = sorted(
+                ((cost[i][path[i]] - cost[i][p]) / (self.costs[i][p] - self.costs[i][path[i]]),
+                 i, p)
+                for i in range(len(self.candidates)) for p in range(len(PATHS))
+                if self.costs[i][p] > self.costs[i][path[i]] and cost[i][p] < cost[i][path[i]])
+            base = list(path)
+            for _, i, p in sorted(upgrades, key=lambda u: (-u[0], u[1], u[2])):
+                extra = self.costs[i][p] - self.costs[i][path[i]]
+                if path[i] == base[i] and spent + extra <= self.limit:
+                    path[i], spent = p, spent + extra
+        self.path = path
+        self.planned = spent / self.elements_ring if self.elements_ring else 0.0
+        self.selected = {n for n, p in zip(self.candidates, path) if PATHS[p][1]}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "path": list(self.path), "planned": self.planned,
+                "factor_window": list(self.factor_window),
+                "measured": None if self.measured is None else self.measured.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.path, self.planned = list(state["path"]), float(state["planned"])
+        self.factor_window = [float(state["factor_window"][0]),
+                              int(state["factor_window"][1])]
+        measured = state.get("measured")
+        self.measured = None if measured is None else measured.clone()
+        self._pending = None
+
+
+def make_selection(config, codec: Codec, candidates: list[str], factor_source: str,
+                   shapes: dict[str, tuple] | None = None, world_size: int = 1) -> Selection:
+    """The selection policy of ``config.layers`` over ``candidates`` (parameter names), or
+    of ``config.budget`` (``shapes``: every communicated parameter's, by name, over
+    ``world_size`` ranks). Module names in ``config.layers`` that are not candidates raise."""
+    if config.budget is not None:
+        return BudgetSelection(candidates, codec, shapes or {}, world_size, config.budget,
+                               config.refresh_every, config.refresh_every)
     layers = config.layers
     if isinstance(layers, (list, tuple)):
         refused = [n for n in layers if f"{n}.weight" not in candidates]

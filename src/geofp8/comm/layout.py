@@ -1,18 +1,21 @@
 """Where each rank's values go: shards, segments and scale groups of a flat vector.
 
 A layout is pure metadata, derived identically on every rank from the tensors' shapes and
-the codec; the stages (:mod:`geofp8.comm.stages`) and collectives read it.
+their codecs (one for all, or one per tensor); the stages (:mod:`geofp8.comm.stages`) and
+collectives read it and encode or decode a shard only through it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from ..codecs import Codec
+from ..codecs.base import mix_seed
 
-__all__ = ["ShardLayout", "fp32_allreduce_wire_bytes"]
+__all__ = ["ShardLayout", "fp32_allreduce_wire_bytes", "tensor_wire_bytes"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,11 @@ class ShardLayout:
     receiver can apply a right-multiplication to its chunk. ``side_bytes[i]`` bytes of sender
     metadata about tensor ``i`` (e.g. each sender's own factor) travel with every shard that
     holds a chunk of it, after the payload (``side[j]``: their total for shard ``j``).
+
+    ``codecs`` (one per tensor; empty: ``codec`` for all) gives each tensor its own format.
+    Shard ``j``'s payload is then its *runs* (consecutive segments sharing a codec), each
+    encoded by its codec, one after the other; a one-codec shard is a single run, encoded
+    exactly as without ``codecs``.
     """
 
     numel: int
@@ -38,18 +46,22 @@ class ShardLayout:
     groups: tuple[tuple[tuple[int, ...], ...], ...]  # per shard, per segment: group lengths
     owners: tuple[tuple[int, ...], ...] = ()  # per shard: the tensor index of each segment
     side: tuple[int, ...] = ()  # per shard: bytes of sender metadata after the payload
+    codecs: tuple[Codec, ...] = ()  # per tensor (empty: ``codec`` for every tensor)
 
     @classmethod
     def build(cls, shapes: list[tuple[int, ...]], codec: Codec, world_size: int,
               row_aligned: list[bool] | None = None,
-              side_bytes: list[int] | None = None) -> ShardLayout:
+              side_bytes: list[int] | None = None,
+              codecs: list[Codec] | None = None) -> ShardLayout:
+        if codecs and len(set(codecs)) == 1:  # one format after all: a one-codec layout
+            codec, codecs = codecs[0], None
         segments: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
         side = [0] * world_size
         owners: list[list[int]] = [[] for _ in range(world_size)]
         groups: list[list[tuple[int, ...]]] = [[] for _ in range(world_size)]
         offset = 0
         for index, shape in enumerate(shapes):
-            lengths = codec.groups(tuple(shape))
+            lengths = (codecs[index] if codecs else codec).groups(tuple(shape))
             numel = sum(lengths)
             chunk = -(-numel // world_size) if numel else 0
             if row_aligned and row_aligned[index] and numel:
@@ -75,7 +87,7 @@ class ShardLayout:
             offset += numel
         return cls(offset, world_size, codec, tuple(tuple(s) for s in segments),
                    tuple(tuple(g) for g in groups), tuple(tuple(o) for o in owners),
-                   tuple(side))
+                   tuple(side), tuple(codecs or ()))
 
     @classmethod
     def for_rows(cls, shapes: list[tuple[int, ...]], codec: Codec, world_size: int,
@@ -111,9 +123,51 @@ class ShardLayout:
     def shard_numel(self, j: int) -> int:
         return sum(hi - lo for lo, hi in self.segments[j])
 
+    @cached_property
+    def runs(self) -> tuple[tuple[tuple[Codec, int, int, int, int, tuple], ...], ...]:
+        """Per shard: ``(codec, first value, end value, first byte, end byte, segments)`` of
+        each run of consecutive segments sharing a codec (module notes)."""
+        out = []
+        for j in range(self.world_size):
+            if not self.codecs:
+                out.append(((self.codec, 0, self.shard_numel(j), 0,
+                             self.codec.payload_bytes(self.groups[j]), self.groups[j]),))
+                continue
+            runs, value, byte = [], 0, 0
+            for index, segment in zip(self.owners[j], self.groups[j]):
+                codec = self.codecs[index]
+                if not runs or runs[-1][0] != codec:
+                    runs.append([codec, []])
+                runs[-1][1].append(segment)
+            shard = []
+            for codec, segments in runs:
+                n, nbytes = sum(map(sum, segments)), codec.payload_bytes(segments)
+                shard.append((codec, value, value + n, byte, byte + nbytes, tuple(segments)))
+                value, byte = value + n, byte + nbytes
+            out.append(tuple(shard))
+        return tuple(out)
+
     def shard_bytes(self, j: int) -> int:
-        """Bytes of shard ``j``'s payload (codes and scales, see the codec)."""
-        return self.codec.payload_bytes(self.groups[j])
+        """Bytes of shard ``j``'s payload (codes and scales of every run, see the codecs)."""
+        return self.runs[j][-1][4] if self.runs[j] else 0
+
+    def encode_shard(self, out: torch.Tensor, values: torch.Tensor, j: int,
+                     seed: int | None = None) -> None:
+        """Encode shard ``j``'s FP32 ``values`` into ``out`` (:meth:`shard_bytes` bytes); run
+        ``i > 0`` rounds with ``mix_seed(seed, i)`` (independent streams per run)."""
+        for i, (codec, lo, hi, blo, bhi, segments) in enumerate(self.runs[j]):
+            run_seed = seed if seed is None or i == 0 else mix_seed(seed, i)
+            codec.encode_into(out[blo:bhi], values[lo:hi], segments, seed=run_seed)
+
+    def decode_shard(self, out: torch.Tensor, buf: torch.Tensor, j: int) -> torch.Tensor:
+        """Decode shard ``j``'s payload ``buf`` into the FP32 ``out``; returns the 0-dim bool
+        device flag, ``False`` if any scale is non-finite (see :meth:`Codec.decode_into`)."""
+        finite = None
+        for codec, lo, hi, blo, bhi, segments in self.runs[j]:
+            ok = codec.decode_into(out[lo:hi], buf[blo:bhi], segments)
+            finite = ok if finite is None else finite & ok
+        return finite if finite is not None else torch.ones((), dtype=torch.bool,
+                                                             device=buf.device)
 
     def send_bytes(self, j: int) -> int:
         """Bytes every sender hands over for shard ``j``: payload plus side metadata."""
@@ -162,3 +216,11 @@ class ShardLayout:
 def fp32_allreduce_wire_bytes(numel: int, world_size: int, bytes_per_element: int = 4) -> int:
     """Bytes one rank sends in a ring all-reduce: ``2(N−1)/N · n · bytes``."""
     return (2 * (world_size - 1) * numel * bytes_per_element) // max(world_size, 1)
+
+
+def tensor_wire_bytes(shape: tuple[int, ...], codec: Codec, world_size: int) -> float:
+    """Bytes one rank sends for a tensor of ``shape`` alone in the exact collective, averaged
+    over the ranks (:meth:`ShardLayout.wire_bytes`). In a bucket with other tensors a shard's
+    bytes add up over its tensors and the all-gather's padding is at most this sum."""
+    layout = ShardLayout.build([tuple(shape)], codec, world_size)
+    return sum(layout.wire_bytes(r) for r in range(world_size)) / world_size

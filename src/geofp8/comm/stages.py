@@ -45,8 +45,8 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
     offset = 0
     for j in range(layout.world_size):
         payload = layout.shard_bytes(j)
-        layout.codec.encode_into(out[offset : offset + payload], layout.gather(flat, j),
-                                 layout.groups[j], seed=_shard_seed(seed, sender, j))
+        layout.encode_shard(out[offset : offset + payload], layout.gather(flat, j), j,
+                            seed=_shard_seed(seed, sender, j))
         if layout.side[j]:
             out[offset + payload : offset + layout.send_bytes(j)] = side[j]
         offset += layout.send_bytes(j)
@@ -66,7 +66,7 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
     values = torch.empty_like(total)
     for r in range(layout.world_size):
         buf = received[r * nbytes : (r + 1) * nbytes]
-        layout.codec.decode_into(values, buf[:payload], layout.groups[shard])
+        layout.decode_shard(values, buf[:payload], shard)
         total += values if unmap is None else unmap(values, buf[payload:nbytes])
     return total
 
@@ -75,15 +75,15 @@ def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
                    seed: int | None = None) -> torch.Tensor:
     """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``."""
     out = torch.zeros(layout.max_shard_bytes, dtype=torch.uint8, device=shard_sum.device)
-    layout.codec.encode_into(out[: layout.shard_bytes(shard)], shard_sum, layout.groups[shard],
-                             seed=_shard_seed(seed, layout.world_size + shard))
+    layout.encode_shard(out[: layout.shard_bytes(shard)], shard_sum, shard,
+                        seed=_shard_seed(seed, layout.world_size + shard))
     return out
 
 
 def decode_shard(buf: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
     """The values of one encoded shard (its owner's view of what it re-encoded)."""
     values = torch.empty(layout.shard_numel(shard), dtype=torch.float32, device=buf.device)
-    layout.codec.decode_into(values, buf[: layout.shard_bytes(shard)], layout.groups[shard])
+    layout.decode_shard(values, buf[: layout.shard_bytes(shard)], shard)
     return values
 
 
@@ -93,8 +93,7 @@ def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout) -> torch.
     finite = torch.ones((), dtype=torch.bool, device=out.device)
     for j, buf in enumerate(gathered):
         values = torch.empty(layout.shard_numel(j), dtype=torch.float32, device=buf.device)
-        finite &= layout.codec.decode_into(values, buf[: layout.shard_bytes(j)],
-                                           layout.groups[j])
+        finite &= layout.decode_shard(values, buf[: layout.shard_bytes(j)], j)
         layout.scatter(out, values, j)
     return poison_unless(out, finite)
 
@@ -111,8 +110,7 @@ def decode(sent: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     offset = 0
     for j in range(layout.world_size):
         values = torch.empty(layout.shard_numel(j), dtype=torch.float32, device=sent.device)
-        layout.codec.decode_into(values, sent[offset : offset + layout.shard_bytes(j)],
-                                 layout.groups[j])
+        layout.decode_shard(values, sent[offset : offset + layout.shard_bytes(j)], j)
         layout.scatter(out, values, j)
         offset += layout.send_bytes(j)
     return out

@@ -41,6 +41,7 @@ class TrainConfig:
     refresh_every: int = 50
     profile_steps: int = 100
     k: int = 32  # GeoFP8 low-rank factor k
+    budget: float | None = None  # method budget: bytes per element per round trip
     parallel: str = "ddp"
     shard_size: int = 0  # hsdp: ranks per shard group (0: half the ranks)
     residual: str = "fp32"  # fsdp/hsdp error-feedback storage
@@ -65,6 +66,8 @@ class TrainConfig:
             (self.method not in METHODS or self.format == "e4m3"
              or "format" in METHODS[self.method].takes(format=self.format),
              f"--format {self.format}: method {self.method!r} fixes its own format"),
+            (self.method != "budget" or self.budget is not None,
+             "--method budget needs --budget B (bytes per element per round trip)"),
             (self.optimizer in ("muon", "adamw"), "optimizer must be 'muon' or 'adamw'"),
             (self.parallel in ("ddp", "fsdp", "hsdp"), "parallel must be ddp, fsdp or hsdp"),
             (self.residual in STORAGES, f"residual must be one of {STORAGES}"),
@@ -96,7 +99,7 @@ def make_comm_hook(method: str, model, cfg: TrainConfig):
     """``(state, hook, bytes_per_element)`` of ``method`` with this run's settings
     (see :meth:`geofp8.methods.Method.build`)."""
     spec = METHODS[method]
-    return spec.build(model, **spec.takes(format=cfg.format, k=cfg.k,
+    return spec.build(model, **spec.takes(format=cfg.format, k=cfg.k, budget=cfg.budget,
                                           refresh_every=cfg.refresh_every,
                                           profile_steps=cfg.profile_steps, seed=cfg.seed,
                                           hierarchy=cfg.hierarchy,

@@ -132,7 +132,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
     bar = _progress(cfg, rank, start)
     tokens_per_step = world * cfg.batch_size * data.seq_len
-    last = None
+    last, formats = None, None
 
     # -- 5. the step loop -------------------------------------------------------------------
     for step in range(start, end):
@@ -170,7 +170,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
         record.update(loss=float(mean_loss) / world, lr=lr, grad_norm=float(grad_norm),
                       **_bytes(state, width, counter, n_params, world))
         if hasattr(state, "stats"):
-            record["geometry_layers"] = len(state.stats()["geometry_layers"])
+            stats = state.stats()
+            record["geometry_layers"] = len(stats["geometry_layers"])
+            if stats.get("formats") and stats["formats"] != formats:  # a budget's new choice
+                formats = record["formats"] = stats["formats"]
+                record["budget_planned"] = stats["budget_planned"]
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             t_eval = time.perf_counter()
             record["val_loss"] = evaluate(model, data.val, cfg, rank, world, device)
@@ -179,7 +183,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
         elapsed += dt
         record.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt, elapsed_s=elapsed)
         if log is not None and (step % cfg.log_every == 0 or "val_loss" in record
-                                or step + 1 == end):
+                                or "formats" in record or step + 1 == end):
             log.write(record)
         if bar is not None:
             bar.update(1)

@@ -78,7 +78,7 @@ def _sharded(model, cfg: TrainConfig, world: int, device: torch.device) -> Wrapp
     fully_shard(model, **kw)
     if native:
         return Wrapped(model, FP32Sharded(model, world, shard), None, None, None)
-    config = method.config(**method.takes(format=cfg.format, k=cfg.k,
+    config = method.config(**method.takes(format=cfg.format, k=cfg.k, budget=cfg.budget,
                                           refresh_every=cfg.refresh_every,
                                           profile_steps=cfg.profile_steps, seed=cfg.seed))
     state = geofp8_fsdp.enable(model, config, mesh=mesh, residual=cfg.residual)

@@ -117,7 +117,8 @@ def build_report(out: str | Path, runs: list[dict], command: str | None = None,
     first = runs[0]["info"] if runs else {}
     setup = {k: first.get("config", {}).get(k) for k in
              ("model", "seq_len", "batch_size", "steps", "optimizer", "lr", "lr_min", "warmup",
-              "format", "refresh_every", "profile_steps", "shadow_every", "eval_every")}
+              "format", "refresh_every", "profile_steps", "shadow_every", "eval_every",
+              "budget")}
     setup.update(world_size=first.get("world_size"), parameters=first.get("parameters"),
                  seeds=sorted({r["seed"] for r in runs}))
     results = {
@@ -182,8 +183,9 @@ def _markdown(results: dict, methods: dict[str, dict], runs: list[dict], plots: 
     parts += [f"{s['model']} ({s['parameters']:,} parameters), {s['world_size']} ranks, "
               f"{s['batch_size']} × {s['seq_len']} tokens per rank and step, {s['steps']} "
               f"steps, {s['optimizer']} lr {s['lr']} → {s['lr_min']} (warm-up {s['warmup']}), "
-              f"FP8 format {s['format']}, seeds {s['seeds']}."
-              if s.get("parameters") else "", ""]
+              f"FP8 format {s['format']}, seeds {s['seeds']}"
+              + (f", budget {s['budget']} B/element per round trip" if s.get("budget") else "")
+              + "." if s.get("parameters") else "", ""]
     parts += [format_table(methods), ""]
     parts += ["Final val loss: mean ± sample std over seeds of the last logged validation "
               "loss. Gap: mean over seeds of (method − fp32, same seed). Bytes: what one rank "

@@ -1,0 +1,232 @@
+"""A byte budget: a format and route per layer (GeoFP8Config(budget=B)), chosen at every
+refresh from all-reduced errors, identical on every rank, within the budget, with the
+residuals re-based on a change and a bitwise resume; and the layouts that carry a codec per
+tensor (a one-codec layout is unchanged)."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_ranks
+from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
+from geofp8.codecs import make_codec
+from geofp8.comm.layout import ShardLayout, tensor_wire_bytes
+from geofp8.comm.stages import decode, encode, simulate_exact_allreduce
+from geofp8.geometry.transforms import IDENTITY
+from geofp8.selection import BudgetSelection
+from toymodels import loss_fn, make_model
+
+NVFP4, E4M3 = make_codec("nvfp4"), make_codec("e4m3", "tensor")
+SHAPES = [(40, 24), (7,), (33, 16), (5, 9)]
+
+
+def test_a_layout_of_mixed_codecs_encodes_each_tensor_with_its_own():
+    torch.manual_seed(0)
+    codecs = [NVFP4, E4M3, E4M3, NVFP4]
+    mixed = ShardLayout.build(SHAPES, NVFP4, 3, codecs=codecs)
+    xs = [torch.randn(s) for s in SHAPES]
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    got = decode(encode(flat, mixed), mixed)
+    pos = 0
+    for x, codec in zip(xs, codecs):  # each tensor alone in a layout of its codec
+        alone = ShardLayout.build([tuple(x.shape)], codec, 3)
+        want = decode(encode(x.reshape(-1), alone), alone)
+        assert torch.equal(got[pos : pos + x.numel()], want)
+        pos += x.numel()
+    for j in range(3):  # a shard's bytes: its runs' payloads, nothing else
+        runs = mixed.runs[j]
+        assert mixed.shard_bytes(j) == sum(c.payload_bytes(s) for c, *_, s in runs)
+        assert [r[0] for r in runs] == [NVFP4, E4M3, NVFP4]
+    inputs = [torch.randn(mixed.numel) for _ in range(3)]
+    total = simulate_exact_allreduce(inputs, mixed)
+    assert (total - sum(inputs)).norm() < 0.2 * sum(inputs).norm()
+    inputs[1][3] = float("inf")  # a non-finite value in any run poisons everything
+    assert torch.isnan(simulate_exact_allreduce(inputs, mixed)).all()
+
+
+def test_a_one_codec_layout_is_unchanged():
+    plain = ShardLayout.build(SHAPES, NVFP4, 4)
+    assert ShardLayout.build(SHAPES, E4M3, 4, codecs=[NVFP4] * len(SHAPES)) == plain
+    assert plain.codecs == ()
+    flat = torch.randn(plain.numel, generator=torch.Generator().manual_seed(1))
+    for j in range(4):
+        assert plain.shard_bytes(j) == NVFP4.payload_bytes(plain.groups[j])
+        out = torch.empty(plain.shard_bytes(j), dtype=torch.uint8)
+        plain.encode_shard(out, plain.gather(flat, j), j)
+        want = torch.empty_like(out)
+        NVFP4.encode_into(want, plain.gather(flat, j), plain.groups[j])
+        assert torch.equal(out, want)
+
+
+def _selection(budget, every=2):
+    shapes = {"a.weight": (64, 32), "b.weight": (32, 64), "c.weight": (64, 64),
+              "a.bias": (64,)}
+    return BudgetSelection(["a.weight", "b.weight", "c.weight"], NVFP4, shapes, 4, budget,
+                           every, every), shapes
+
+
+def _errors(per_layer):
+    """Reduced measurements: per candidate, e_p per path, then ‖G‖² = 1."""
+    return torch.tensor([[*e, 1.0] for e in per_layer], dtype=torch.float64)
+
+
+def test_the_budget_buys_the_most_error_per_byte_and_fits():
+    sel, shapes = _selection(0.7)
+    ring = 2 * 3 / 4
+    elements = sum(torch.Size(s).numel() for s in shapes.values())
+    # nvfp4, nvfp4-geo, e4m3: b gains most from 8 bits per byte, a prefers its factor
+    sel._decide(_errors([(4.0, 1.0, 0.1), (9.0, 8.0, 0.1), (5.0, 6.0, 0.1)]), factor=0.0)
+    chosen = sel.assignment()
+    assert chosen["b.weight"] == "e4m3" and chosen["a.weight"] == "nvfp4-geo"
+    assert chosen["c.weight"] == "nvfp4"  # c (twice b's bytes) does not fit any more
+    assert sel.selected == {"a.weight"}
+    spent = sum(tensor_wire_bytes(shapes[n], E4M3 if p == "e4m3" else NVFP4, 4)
+                for n, p in [*chosen.items(), ("a.bias", "nvfp4")])
+    assert sel.planned == pytest.approx(spent / (elements * ring))
+    assert sel.planned <= 0.7
+    roomy, _ = _selection(1.2)
+    roomy._decide(_errors([(4.0, 1.0, 0.1), (9.0, 8.0, 0.1), (5.0, 6.0, 0.1)]), factor=0.0)
+    assert set(roomy.assignment().values()) == {"e4m3"}
+
+
+def test_a_budget_below_the_floor_raises_and_factor_traffic_falls_back_to_it():
+    with pytest.raises(ValueError, match="cheapest assignment"):
+        _selection(0.5)
+    sel, _ = _selection(0.8)
+    with pytest.warns(UserWarning, match="stays at the floor"):
+        sel._decide(_errors([(4.0, 1.0, 0.1)] * 3), factor=1e6)
+    assert set(sel.assignment().values()) == {"nvfp4-geo"}  # the floor's least-error path
+    with pytest.raises(ValueError, match="budget needs format='nvfp4'"):
+        GeoFP8Config(budget=0.8)
+    with pytest.raises(ValueError, match="budget must be > 0"):
+        GeoFP8Config(format="nvfp4", budget=0)
+
+
+BUDGET = dict(format="nvfp4", budget=0.85, refresh_every=2, k=4, oversample=4,
+              statistics="sketch", hierarchy="flat")
+STEPS = 10
+RESUME_AT = 7  # after the measurement of step 6, before its decision
+
+
+def _setup():
+    model = make_model(0)
+    state = GeoFP8State(model, GeoFP8Config(**BUDGET))
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
+    ddp.register_comm_hook(state, geofp8_hook)
+    return model, ddp, state, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def _budget_worker(rank, world):
+    model, ddp, state, opt = _setup()
+    pipeline = state.pipeline
+    formats, sent, elements = [], 0.0, 0
+    delivered, given = {}, {}  # per tensor: Σ_t deq(sent_t) T_t⁻¹ and Σ_t G_t
+    encode = pipeline.encode
+
+    def recording_encode(names, grads, seed=None):
+        enc = encode(names, grads, seed)
+        flat, pos = decode(enc.sent, enc.layout), 0
+        for name, g, route in zip(names, grads, enc.routes):
+            d = route.inverse(flat[pos : pos + g.numel()].view(g.shape))
+            delivered[name] = delivered.get(name, 0) + d
+            given[name] = given.get(name, 0) + g.detach().clone()
+            pos += g.numel()
+        return enc
+
+    pipeline.encode = recording_encode
+
+    def step(i):
+        loss_fn(ddp, i, rank).backward()
+        opt.step()
+        opt.zero_grad()
+
+    saved = None
+    for i in range(STEPS):
+        if i == RESUME_AT:
+            saved = copy.deepcopy((model.state_dict(), opt.state_dict(), state.state_dict()))
+        step(i)
+        s = state.stats()
+        formats.append(s["formats"])
+        if i >= 3:  # after the first decision (step 3), whole refresh periods
+            sent += s["bytes_sent"]
+            elements += s["bytes_fp32_equivalent"] / 4
+    # error feedback delivers every gradient but the last residual, in Euclidean terms, only
+    # if a residual is re-based whenever its layer's route changes
+    kept = {n: float((given[n] - delivered[n] - pipeline.feedback.residual_in(n, IDENTITY))
+                     .norm() / given[n].norm()) for n in pipeline.layers}
+    straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    model, ddp, state, opt = _setup()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    state.load_state_dict(torch.load(_roundtrip(saved[2]), weights_only=True))
+    for i in range(RESUME_AT, STEPS):
+        step(i)
+    resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return formats, sent, elements, kept, torch.equal(straight, resumed), state.stats()
+
+
+def _roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_budget_in_ddp_is_identical_on_every_rank_fits_and_resumes_bitwise():
+    results = run_ranks(_budget_worker, 2, timeout=240)
+    formats = [r[0] for r in results]
+    assert formats[0] == formats[1]  # the same choice on every rank, at every step
+    changes = [i for i in range(1, STEPS) if formats[0][i] != formats[0][i - 1]]
+    assert changes and all(i % 2 == 1 for i in changes)  # decided just after a refresh
+    routes = [{n for n, p in f.items() if p.endswith("-geo")} for f in formats[0]]
+    assert any(a != b for a, b in zip(routes, routes[1:]))  # some route did change
+    chosen = set(formats[0][-1].values())
+    assert "e4m3" in chosen and chosen & {"nvfp4", "nvfp4-geo"}  # the budget mixes formats
+    ring = 2 * (2 - 1) / 2
+    per_element = sum(r[1] for r in results) / sum(r[2] for r in results) / ring
+    assert per_element <= BUDGET["budget"], per_element
+    assert per_element > 0.7  # the budget was spent, not left at the floor
+    for _, _, _, kept, same, stats in results:
+        assert max(kept.values()) < 1e-5, kept  # residuals re-based on every change
+        assert same  # resume bitwise (from a checkpoint holding a pending measurement)
+        assert stats["budget_planned"] <= BUDGET["budget"]
+        assert set(stats["formats"]) == set(stats["budget_errors"])
+
+
+def _refusal_worker(rank, world):
+    from geofp8.fsdp import GeoFP8FSDP
+
+    model = make_model(0)
+    refused = []
+    for make in (lambda: GeoFP8FSDP(model, GeoFP8Config(**BUDGET)),
+                 lambda: GeoFP8State(model, GeoFP8Config(**{**BUDGET, "hierarchy": "auto",
+                                                            "node_size": 2}))):
+        try:
+            make()
+        except ValueError as exc:
+            refused.append(str(exc))
+    return refused
+
+
+def test_fsdp_and_the_node_hierarchy_refuse_a_budget():
+    fsdp, hierarchy = run_ranks(_refusal_worker, 4)[0]  # two nodes of two ranks
+    assert "DDP-only" in fsdp
+    assert "needs the flat collective" in hierarchy
+    with pytest.raises(ValueError, match="budget needs hierarchy"):
+        GeoFP8Config(**{**BUDGET, "hierarchy": "node"})
+
+
+def test_the_budget_method_needs_its_budget():
+    from geofp8.methods import METHODS
+    from geofp8.tools.errors import UsageError
+    from geofp8.tools.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=r"needs \['budget'\]"):
+        METHODS["budget"].config()
+    assert METHODS["budget"].config(budget=0.7, k=8).budget == 0.7
+    assert METHODS["nvfp4-ef"].takes(budget=0.7) == {}
+    with pytest.raises(UsageError, match="--method budget needs --budget"):
+        TrainConfig(method="budget")
