@@ -6,6 +6,7 @@ the codec; the stages (:mod:`geofp8.comm.stages`) and collectives read it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +151,44 @@ class ShardLayout:
         if len(parts) == 1:
             return parts[0]
         return torch.cat(parts) if parts else flat.new_zeros(0)
+
+    @functools.cached_property
+    def _order(self) -> tuple[list[int], list[int], list[int], list[int]] | None:
+        """The segments of all shards partition the flat vector: ``(their lengths in flat
+        order, in shard-major order, the flat position of each shard-major one, the
+        shard-major position of each flat one)``; ``None`` when both orders agree."""
+        spans = [span for segs in self.segments for span in segs]
+        by_pos = sorted(range(len(spans)), key=lambda i: spans[i][0])
+        if by_pos == list(range(len(spans))):
+            return None
+        flat_of = [0] * len(spans)
+        for f, i in enumerate(by_pos):
+            flat_of[i] = f
+        return ([spans[i][1] - spans[i][0] for i in by_pos], [hi - lo for lo, hi in spans],
+                flat_of, by_pos)
+
+    def shard_major(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` reordered shard after shard (shard ``j``'s segments in order): one split
+        and one copy whatever the number of shards and segments (``flat`` itself when it is
+        in that order already)."""
+        if self._order is None:
+            return flat
+        sizes, _, flat_of, _ = self._order
+        pieces = flat.split(sizes)
+        return torch.cat([pieces[f] for f in flat_of])
+
+    def from_shard_major(self, values: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`shard_major` (``values`` itself when the orders agree)."""
+        if self._order is None:
+            return values
+        _, sizes, _, by_pos = self._order
+        pieces = values.split(sizes)
+        return torch.cat([pieces[i] for i in by_pos])
+
+    @functools.cached_property
+    def parts(self) -> tuple[tuple[int, ...], ...]:
+        """Per shard: the bytes of its payload's parts (:meth:`Codec.part_bytes`)."""
+        return tuple(self.codec.part_bytes(g) for g in self.groups)
 
     def scatter(self, out: torch.Tensor, shard: torch.Tensor, j: int) -> None:
         """Write shard ``j``'s values back to their places in ``out``."""
