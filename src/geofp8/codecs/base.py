@@ -23,8 +23,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Codec", "Segments", "Shards", "device_lengths", "exact_div", "interleave",
-           "mix_seed", "segment_amax", "shard_lengths"]
+__all__ = ["Codec", "Segments", "Shards", "device_lengths", "exact_div", "group_amax",
+           "group_div", "group_mul_", "interleave", "mix_seed", "rows_amax", "segment_amax",
+           "shard_lengths"]
 
 Segments = Sequence[Sequence[int]]  # per segment of a shard: its scale-group lengths
 Shards = Sequence[Segments]  # several shards, one after the other
@@ -71,6 +72,58 @@ def segment_amax(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     bad = torch.segment_reduce((~torch.isfinite(flat)).float(), "max", lengths=lengths,
                                unsafe=True)
     return torch.where(bad > 0, torch.full_like(amax, float("nan")), amax)
+
+
+def rows_amax(v: torch.Tensor) -> torch.Tensor:
+    """Max ``|v|`` of every row (NaN propagates): a halving tree of element-wise maxima for
+    power-of-two rows (torch's reductions over short rows are slow), else ``amax``."""
+    a = v.abs()
+    size = a.shape[1]
+    if size & (size - 1):
+        return a.amax(1)
+    while size > 1:
+        size //= 2
+        a = torch.maximum(a[:, :size], a[:, size:])
+    return a[:, 0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _common(lengths: tuple[int, ...]) -> int | None:
+    """The common length of ``lengths`` when they are all equal (C-speed check)."""
+    return lengths[0] if lengths and lengths.count(lengths[0]) == len(lengths) else None
+
+
+def group_amax(flat: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    """Max ``|x|`` of every contiguous group (exact); non-finite (NaN or +Inf) for a group
+    holding NaN or ±Inf. Equal groups: one ``[G, size]`` reduction; else segmented."""
+    size = _common(lengths)
+    if size is not None:
+        return rows_amax(flat.view(-1, size))
+    return segment_amax(flat, device_lengths(lengths, flat.device))
+
+
+def _per_element(values: torch.Tensor, lengths: tuple[int, ...], numel: int) -> torch.Tensor:
+    return torch.repeat_interleave(values, device_lengths(lengths, values.device),
+                                   output_size=numel)
+
+
+def group_div(x: torch.Tensor, divisor: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    """``x_i / divisor_g`` for every element ``i`` of group ``g`` (a new tensor): broadcast
+    over ``[G, size]`` when the groups are equal, else through a per-element divisor."""
+    size = _common(lengths)
+    if size is not None:
+        return (x.view(-1, size) / divisor[:, None]).view(-1)
+    d = _per_element(divisor, lengths, x.numel())
+    return torch.div(x, d, out=d)
+
+
+def group_mul_(out: torch.Tensor, scale: torch.Tensor, lengths: tuple[int, ...]) -> None:
+    """``out_i ·= scale_g`` for every element ``i`` of group ``g`` (as :func:`group_div`)."""
+    size = _common(lengths)
+    if size is not None:
+        out.view(-1, size).mul_(scale[:, None])
+    else:
+        out.mul_(_per_element(scale, lengths, out.numel()))
 
 
 def interleave(*kinds: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -47,9 +47,12 @@ from .base import (
     Shards,
     device_lengths,
     exact_div,
+    group_amax,
+    group_div,
+    group_mul_,
     interleave,
     mix_seed,
-    segment_amax,
+    rows_amax,
     shard_lengths,
 )
 from .fp8 import group_lengths, lookup_into
@@ -221,12 +224,11 @@ def shard_uniforms(shards: Shards, seeds, device: torch.device) -> torch.Tensor:
                       for s, seed in zip(shards, seeds)])
 
 
-def block_amax_of(flat: torch.Tensor, shards: Shards) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(max |x| of every group, the group lengths on the device)`` of ``shards`` laid one
-    after the other; ``+Inf`` for a group holding NaN or ±Inf (as :func:`block_amax`)."""
-    lens = device_lengths(shard_lengths(shards), flat.device)
-    amax = segment_amax(flat, lens)
-    return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf"))), lens
+def block_amax_of(flat: torch.Tensor, shards: Shards) -> torch.Tensor:
+    """Max ``|x|`` of every group of ``shards`` laid one after the other; ``+Inf`` for a
+    group holding NaN or ±Inf (as :func:`block_amax`)."""
+    amax = group_amax(flat, shard_lengths(shards))
+    return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
 
 
 def _check_rounding(rounding: str) -> None:
@@ -289,24 +291,11 @@ def pieces(segments: Segments):
             yield lo + a * size, lo + b * size, g0 + a, g0 + b, size
 
 
-def _rows_amax(v: torch.Tensor) -> torch.Tensor:
-    """Max ``|v|`` of every row (NaN propagates): a halving tree of element-wise maxima for
-    power-of-two rows (torch's reductions over short rows are slow), else ``amax``."""
-    a = v.abs()
-    size = a.shape[1]
-    if size & (size - 1):
-        return a.amax(1)
-    while size > 1:
-        size //= 2
-        a = torch.maximum(a[:, :size], a[:, size:])
-    return a[:, 0]
-
-
 def block_amax(flat: torch.Tensor, segments: Segments) -> torch.Tensor:
     """Max ``|x|`` of every group; ``+Inf`` for a group holding NaN or ±Inf."""
     amax = flat.new_empty(sum(len(seg) for seg in segments))
     for lo, hi, g0, g1, size in pieces(segments):
-        amax[g0:g1] = _rows_amax(flat[lo:hi].view(g1 - g0, size))
+        amax[g0:g1] = rows_amax(flat[lo:hi].view(g1 - g0, size))
     return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
 
 
@@ -400,12 +389,12 @@ class NVFP4Codec(Codec):
         segmented reductions, every code from one division by the per-element divisor."""
         if not shard_lengths(shards):
             return [x.new_empty(0, dtype=torch.uint8)] * (3 * len(shards))
-        amax, lens = block_amax_of(x, shards)
-        s, code, scale = self._scales(amax, [seg for segments in shards for seg in segments])
+        s, code, scale = self._scales(block_amax_of(x, shards),
+                                      [seg for segments in shards for seg in segments])
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
-        v = torch.div(x, torch.repeat_interleave(divisor, lens, output_size=x.numel()))
+        v = group_div(x, divisor, shard_lengths(shards))
         sizes = [self.part_bytes(segments) for segments in shards]
         return interleave(s.view(torch.uint8).split([a for a, _, _ in sizes]),
                           code.split([b for _, b, _ in sizes]),
@@ -421,8 +410,7 @@ class NVFP4Codec(Codec):
         scale = code.view(torch.float8_e4m3fn).float() * torch.repeat_interleave(
             s, counts, output_size=code.numel())
         unpack_shards(out, torch.cat(list(parts[2::3])), [sum(map(sum, g)) for g in shards])
-        lens = device_lengths(lengths, out.device)
-        out.mul_(torch.repeat_interleave(scale, lens, output_size=out.numel()))
+        group_mul_(out, scale, lengths)
         return torch.isfinite(scale).all()
 
     def clipped_fraction(self, x: torch.Tensor) -> float:

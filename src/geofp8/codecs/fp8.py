@@ -34,6 +34,9 @@ from .base import (
     Shards,
     device_lengths,
     exact_div,
+    group_amax,
+    group_div,
+    group_mul_,
     interleave,
     segment_amax,
     shard_lengths,
@@ -132,10 +135,8 @@ class FP8Codec(Codec):
         lengths = shard_lengths(shards)
         if not lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
-        lens = device_lengths(lengths, x.device)
-        scales = self.scales_from_amax(segment_amax(x, lens))
-        divisor = torch.repeat_interleave(scales, lens, output_size=x.numel())
-        codes = torch.div(x, divisor, out=divisor).to(self.dtype).view(torch.uint8)
+        scales = self.scales_from_amax(group_amax(x, lengths))
+        codes = group_div(x, scales, lengths).to(self.dtype).view(torch.uint8)
         sizes = [self.part_bytes(s) for s in shards]
         return interleave(scales.view(torch.uint8).split([a for a, _ in sizes]),
                           codes.split([b for _, b in sizes]))
@@ -147,8 +148,7 @@ class FP8Codec(Codec):
             lookup_into(out, e4m3_table(out.device), codes)
         else:
             out.copy_(codes.view(torch.float8_e5m2))
-        lens = device_lengths(shard_lengths(shards), out.device)
-        out.mul_(torch.repeat_interleave(scales, lens, output_size=out.numel()))
+        group_mul_(out, scales, shard_lengths(shards))
         return torch.isfinite(scales).all()
 
     def clipped_fraction(self, x: torch.Tensor) -> float:

@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Codec, Segments, Shards, device_lengths, interleave, shard_lengths
+from .base import Codec, Segments, Shards, group_div, group_mul_, interleave, shard_lengths
 from .fp4 import (
     _check_input,
     _check_rounding,
@@ -160,13 +160,12 @@ class MXCodec(Codec):
         the per-element scale."""
         if not shard_lengths(shards):
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
-        amax, lens = block_amax_of(x, shards)
-        byte = e8m0_scales(amax, self.element)
+        byte = e8m0_scales(block_amax_of(x, shards), self.element)
         scale = e8m0_values(byte)
         scale = torch.where(torch.isnan(scale), torch.ones_like(scale), scale)
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
-        v = torch.div(x, torch.repeat_interleave(scale, lens, output_size=x.numel()))
+        v = group_div(x, scale, shard_lengths(shards))
         codes = (e2m1_encode if self.packed else e4m3_encode)(v, u)
         numels = [sum(map(sum, g)) for g in shards]
         return interleave(byte.split([sum(map(len, g)) for g in shards]),
@@ -182,8 +181,7 @@ class MXCodec(Codec):
             unpack_shards(out, codes, [sum(map(sum, g)) for g in shards])
         else:
             lookup_into(out, e4m3_table(out.device), codes)
-        lens = device_lengths(lengths, out.device)
-        out.mul_(torch.repeat_interleave(e8m0_values(byte), lens, output_size=out.numel()))
+        group_mul_(out, e8m0_values(byte), lengths)
         return (byte != 0xFF).all()
 
     def clipped_fraction(self, x: torch.Tensor) -> float:
