@@ -219,3 +219,48 @@ def test_fuzz_simulated_allreduce_error_bound(case):
             assert err <= bound + 1e-44, (err, bound, A_g, M_g)
     # the model is deterministic
     assert torch.equal(simulate_exact_allreduce(inputs, layout).double(), out)
+
+
+BATCHED_CODECS = [("e4m3", "tensor", "nearest"), ("e4m3", "row", "nearest"),
+                  ("e5m2", "block", "nearest"), ("nvfp4", None, "nearest"),
+                  ("nvfp4", None, "stochastic"), ("mxfp4", None, "stochastic"),
+                  ("mxfp8", None, "nearest")]
+
+
+@pytest.mark.parametrize(("fmt", "scaling", "rounding"), BATCHED_CODECS)
+@pytest.mark.parametrize("shapes", [[(37, 11), (3,), (64, 16)], [(32, 32)] * 3])
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_encode_shards_is_encode_into_shard_by_shard(fmt, scaling, rounding, shapes,
+                                                     world_size):
+    """The batched codec path (all shards in one call: what the stages use) writes every
+    shard's payload byte for byte as the per-shard one, and decodes it to the same values
+    (odd shards, unequal and equal groups, a NaN and an Inf in some shards)."""
+    from geofp8.codecs import make_codec
+    from geofp8.comm.stages import _shard_seed
+
+    codec = make_codec(fmt, scaling, 8, rounding)
+    layout = ShardLayout.build(shapes, codec, world_size)
+    gen = torch.Generator().manual_seed(world_size)
+    flat = torch.randn(layout.numel, generator=gen) * torch.logspace(-30, 10, layout.numel)
+    flat[3], flat[-2] = float("nan"), float("inf")
+    shards = [layout.gather(flat, j) for j in range(world_size)]
+    seeds = [_shard_seed(5, 1, j) for j in range(world_size)]
+    parts = codec.encode_shards(torch.cat(shards), layout.groups, seeds)
+    k = len(parts) // world_size
+    values = torch.empty(layout.numel)
+    finite = codec.decode_shards(values, parts, layout.groups)
+    expect_finite, pos = True, 0
+    for j in range(world_size):
+        payload = torch.empty(layout.shard_bytes(j), dtype=torch.uint8)
+        codec.encode_into(payload, shards[j], layout.groups[j], seed=seeds[j])
+        assert torch.equal(torch.cat(parts[j * k : (j + 1) * k]), payload), j
+        expect = torch.empty(layout.shard_numel(j))
+        expect_finite &= bool(codec.decode_into(expect, payload, layout.groups[j]))
+        got = values[pos : pos + expect.numel()]
+        pos += expect.numel()
+        # bitwise where a number (a NaN's payload bits may come from either operand)
+        assert torch.equal(got.isnan(), expect.isnan()), j
+        assert torch.equal(got.nan_to_num().view(torch.int32),
+                           expect.nan_to_num().view(torch.int32)), j
+    assert not expect_finite  # the NaN and the Inf
+    assert bool(finite) == expect_finite

@@ -54,3 +54,44 @@ def test_an_ordinary_step_reads_nothing_back_on_the_autograd_thread(method):
         # step 0 checks the ranks' configurations, steps 2 and 4 refresh the factors;
         # step 3 is ordinary with the maps in use
         assert (syncs[1], syncs[3]) == (0, 0), syncs
+
+
+def _ops_worker(rank, world, methods):
+    """Per method: ``(aten ops per bucket, host syncs)`` of the ordinary steps 1 and 2."""
+    from geofp8.methods import METHODS
+
+    out = {}
+    for method in methods:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(8)])
+        spec = METHODS[method]
+        state, hook, _ = spec.build(model, **spec.takes(refresh_every=1000, k=8))
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
+        ddp.register_comm_hook(state, hook)
+        counts = []
+        for step in range(3):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step + 10 * rank))
+            loss = ddp(x).pow(2).mean()
+            counter = _Count()
+            with counter:
+                loss.backward()
+            counts.append(counter.ops)
+            ddp.zero_grad()
+        buckets = len(ddp.reducer._get_zeros_like_grad_buckets())
+        ordinary = counts[1] + counts[2]  # step 0 checks the ranks' configurations
+        out[method] = (sum(ordinary.values()) / (2 * buckets), ordinary[SYNC])
+    return out
+
+
+# One split and one cat more or less (a shard of odd length, an empty shard) may come with a
+# different N; anything that grows per rank adds ops per bucket with every rank.
+GROWTH_ALLOWED = 2  # aten ops per bucket from 2 to 4 ranks
+
+
+def test_ops_per_bucket_do_not_grow_with_the_ranks():
+    methods = ("fp8-ef", "nvfp4-ef")
+    two, four = (run_ranks(_ops_worker, n, args=(methods,))[0] for n in (2, 4))
+    for method in methods:
+        (ops2, syncs2), (ops4, syncs4) = two[method], four[method]
+        assert (syncs2, syncs4) == (0, 0), (method, syncs2, syncs4)
+        assert ops4 <= ops2 + GROWTH_ALLOWED, f"{method}: {ops2} ops/bucket at 2 ranks, {ops4} at 4"

@@ -547,9 +547,9 @@ def _ratios(e2: float, r2: float, dot: float, g2: float) -> tuple[float, float]:
 
 
 def _poison_unless_flag(values: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
-    """Per-sender decoding: a sender whose flag byte says "not finite" poisons the shard
-    (on the device)."""
-    return poison_unless(values, side[0] == 1)
+    """Per-sender decoding of ``[N, shard]`` copies: a sender whose flag byte (``side[r, 0]``)
+    says "not finite" poisons the shard (on the device)."""
+    return poison_unless(values, (side[:, 0] == 1).all())
 
 
 def enable(model: nn.Module, config: GeoFP8Config | FP8Config | None = None, mesh=None,

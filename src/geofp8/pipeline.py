@@ -227,25 +227,28 @@ class GradientPipeline:
                 for j in range(layout.world_size)]
 
     def unmap(self, encoded: Encoded):
-        """``unmap(values, side)`` for this receiver's shard: ``V T_r⁻¹`` per sender ``r``
-        (``None`` when nothing in ``encoded`` is decoded per sender)."""
+        """``unmap(rows, sides)`` for this receiver's shard (``[N, shard]`` decoded copies and
+        ``[N, side bytes]``): ``V T_r⁻¹`` per sender ``r`` (``None`` when nothing in
+        ``encoded`` is decoded per sender)."""
         if not any(encoded.per_sender):
             return None
         j, layout, shapes = self.rank, encoded.layout, encoded.shapes
 
-        def unmap(values: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
-            pos = spos = 0
-            for (lo, hi), i in zip(layout.segments[j], layout.owners[j]):
-                if encoded.per_sender[i]:
-                    d, k = shapes[i][1], self.source.rank_of(shapes[i][1])
-                    nb = self._factor_bytes(d)
-                    f = side[spos : spos + nb].clone().view(torch.float32)
-                    U, d_inv, c_inv = f[: d * k].view(d, k), f[d * k : d * k + k], f[-1]
-                    V = values[pos : pos + hi - lo].view(-1, d)
-                    values[pos : pos + hi - lo] = (V * c_inv + ((V @ U) * d_inv) @ U.T).view(-1)
-                    spos += nb
-                pos += hi - lo
-            return values
+        def unmap(rows: torch.Tensor, sides: torch.Tensor) -> torch.Tensor:
+            for values, side in zip(rows, sides):  # one sender's factors each
+                pos = spos = 0
+                for (lo, hi), i in zip(layout.segments[j], layout.owners[j]):
+                    if encoded.per_sender[i]:
+                        d, k = shapes[i][1], self.source.rank_of(shapes[i][1])
+                        nb = self._factor_bytes(d)
+                        f = side[spos : spos + nb].clone().view(torch.float32)
+                        U, d_inv, c_inv = f[: d * k].view(d, k), f[d * k : d * k + k], f[-1]
+                        V = values[pos : pos + hi - lo].view(-1, d)
+                        values[pos : pos + hi - lo] = (V * c_inv
+                                                       + ((V @ U) * d_inv) @ U.T).view(-1)
+                        spos += nb
+                    pos += hi - lo
+            return rows
         return unmap
 
     # -- reporting and checkpoints -----------------------------------------------------------

@@ -23,9 +23,12 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Codec", "Segments", "device_lengths", "exact_div", "mix_seed"]
+__all__ = ["Codec", "Segments", "Shards", "device_lengths", "exact_div", "group_amax",
+           "group_div", "group_mul_", "interleave", "mix_seed", "rows_amax", "segment_amax",
+           "shard_lengths"]
 
 Segments = Sequence[Sequence[int]]  # per segment of a shard: its scale-group lengths
+Shards = Sequence[Segments]  # several shards, one after the other
 _MASK64 = (1 << 64) - 1
 
 
@@ -48,6 +51,90 @@ def device_lengths(lengths: tuple[int, ...], device: torch.device) -> torch.Tens
     return torch.tensor(lengths, dtype=torch.long).to(device)
 
 
+def shard_lengths(shards: Shards) -> tuple[int, ...]:
+    """The scale-group lengths of ``shards`` laid one after the other, flattened (remembered
+    for tuples, as layouts hold them)."""
+    if isinstance(shards, tuple):
+        return _shard_lengths(shards)
+    return tuple(n for segments in shards for seg in segments for n in seg)
+
+
+@functools.lru_cache(maxsize=256)
+def _shard_lengths(shards: tuple) -> tuple[int, ...]:
+    return tuple(n for segments in shards for seg in segments for n in seg)
+
+
+def segment_amax(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Max ``|x|`` of every contiguous group of the given (device) ``lengths``; NaN for a
+    group holding NaN or ±Inf. Exact, so equal to any other way of taking it."""
+    amax = torch.segment_reduce(flat.abs(), "max", lengths=lengths, unsafe=True)
+    # segment_reduce drops NaN in max on some builds: restore the policy explicitly.
+    bad = torch.segment_reduce((~torch.isfinite(flat)).float(), "max", lengths=lengths,
+                               unsafe=True)
+    return torch.where(bad > 0, torch.full_like(amax, float("nan")), amax)
+
+
+def rows_amax(v: torch.Tensor) -> torch.Tensor:
+    """Max ``|v|`` of every row (NaN propagates): long rows ``|max(max v, −min v)|`` (no
+    ``|v|`` temporary); short ones a halving tree of element-wise maxima when
+    a power of two (torch's reductions over short rows are slow), else ``amax``."""
+    size = v.shape[1]
+    if size > 64:
+        # (two reductions beat aminmax over a dim on a CPU); abs: +0 for a row of -0
+        return torch.maximum(v.amax(1), v.amin(1).neg_()).abs_()
+    a = v.abs()
+    if size & (size - 1):
+        return a.amax(1)
+    while size > 1:
+        size //= 2
+        a = torch.maximum(a[:, :size], a[:, size:])
+    return a[:, 0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _common(lengths: tuple[int, ...]) -> int | None:
+    """The common length of ``lengths`` when they are all equal (C-speed check)."""
+    return lengths[0] if lengths and lengths.count(lengths[0]) == len(lengths) else None
+
+
+def group_amax(flat: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    """Max ``|x|`` of every contiguous group (exact); non-finite (NaN or +Inf) for a group
+    holding NaN or ±Inf. Equal groups: one ``[G, size]`` reduction; else segmented."""
+    size = _common(lengths)
+    if size is not None:
+        return rows_amax(flat.view(-1, size))
+    return segment_amax(flat, device_lengths(lengths, flat.device))
+
+
+def _per_element(values: torch.Tensor, lengths: tuple[int, ...], numel: int) -> torch.Tensor:
+    return torch.repeat_interleave(values, device_lengths(lengths, values.device),
+                                   output_size=numel)
+
+
+def group_div(x: torch.Tensor, divisor: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    """``x_i / divisor_g`` for every element ``i`` of group ``g`` (a new tensor): broadcast
+    over ``[G, size]`` when the groups are equal, else through a per-element divisor."""
+    size = _common(lengths)
+    if size is not None:
+        return (x.view(-1, size) / divisor[:, None]).view(-1)
+    d = _per_element(divisor, lengths, x.numel())
+    return torch.div(x, d, out=d)
+
+
+def group_mul_(out: torch.Tensor, scale: torch.Tensor, lengths: tuple[int, ...]) -> None:
+    """``out_i ·= scale_g`` for every element ``i`` of group ``g`` (as :func:`group_div`)."""
+    size = _common(lengths)
+    if size is not None:
+        out.view(-1, size).mul_(scale[:, None])
+    else:
+        out.mul_(_per_element(scale, lengths, out.numel()))
+
+
+def interleave(*kinds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-shard parts from per-kind lists: ``[a₀, b₀, a₁, b₁, …]`` from ``[a…], [b…]``."""
+    return [part for parts in zip(*kinds) for part in parts]
+
+
 def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
     """``x / divisor`` correctly rounded on every device. CUDA evaluates a division by a
     Python (CPU) scalar as ``x · fl(1/divisor)``, up to one ulp off the CPU's quotient; a
@@ -67,8 +154,12 @@ class Codec(ABC):
         """Scale-group lengths of a whole row-major tensor of ``shape`` (contiguous runs)."""
 
     @abstractmethod
+    def part_bytes(self, segments: Segments) -> tuple[int, ...]:
+        """Bytes of each part of one encoded shard (scales, codes, …) in wire order."""
+
     def payload_bytes(self, segments: Segments) -> int:
         """Exact bytes of one encoded shard (codes and scales)."""
+        return sum(self.part_bytes(segments))
 
     @abstractmethod
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
@@ -83,6 +174,23 @@ class Codec(ABC):
         """Decode ``buf`` into the flat FP32 ``out``; returns a 0-dim bool tensor on ``buf``'s
         device, ``False`` if any scale is non-finite (no host sync: the caller poisons on the
         device with it)."""
+
+    @abstractmethod
+    def encode_shards(self, x: torch.Tensor, shards: Shards,
+                      seeds: Sequence[int | None]) -> list[torch.Tensor]:
+        """Encode the flat FP32 ``x`` holding ``shards`` one after the other, each with its
+        own scales and ``seeds[i]``, in a number of kernels that does not grow with the
+        number of shards. Returns every shard's parts in order (shard 0's
+        :meth:`part_bytes`, then shard 1's, …); their concatenation is, shard by shard, the
+        payload :meth:`encode_into` writes."""
+
+    @abstractmethod
+    def decode_shards(self, out: torch.Tensor, parts: Sequence[torch.Tensor],
+                      shards: Shards) -> torch.Tensor:
+        """Decode ``parts`` (as :meth:`encode_shards` returns them) into the flat FP32
+        ``out`` (the shards' values one after the other), in a number of kernels that does
+        not grow with the number of shards; returns a 0-dim bool device tensor, ``False`` if
+        any scale is non-finite."""
 
     def clipped_fraction(self, x: torch.Tensor) -> float:
         """Share of the elements of ``x`` that the codec saturates at its largest code or

@@ -41,7 +41,20 @@ from typing import ClassVar
 
 import torch
 
-from .base import Codec, Segments, device_lengths, exact_div, mix_seed
+from .base import (
+    Codec,
+    Segments,
+    Shards,
+    device_lengths,
+    exact_div,
+    group_amax,
+    group_div,
+    group_mul_,
+    interleave,
+    mix_seed,
+    rows_amax,
+    shard_lengths,
+)
 from .fp8 import group_lengths, lookup_into
 
 __all__ = ["E2M1_VALUES", "NVFP4Codec", "ROUNDINGS", "e2m1_encode", "e2m1_values",
@@ -178,6 +191,46 @@ def unpack_into(out: torch.Tensor, buf: torch.Tensor) -> None:
         out[n - 1 :] = last.view(torch.float32)[:1]
 
 
+def pack_shards(codes: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
+    """Every shard's codes (``numels[i]`` of them, one after the other) packed by
+    :func:`pack_nibbles` on its own: ``⌈numels[i]/2⌉`` bytes each."""
+    odd = [n % 2 for n in numels]
+    if any(odd):  # a zero nibble after each odd shard, as pack_nibbles pads its last byte
+        pad = codes.new_zeros(1)
+        codes = torch.cat([p for c, o in zip(codes.split(numels), odd)
+                           for p in ((c, pad) if o else (c,))])
+    packed = codes.new_empty(codes.numel() // 2)
+    pack_nibbles(codes, packed)
+    return list(packed.split([(n + 1) // 2 for n in numels]))
+
+
+def unpack_shards(out: torch.Tensor, packed: torch.Tensor, numels: list[int]) -> None:
+    """The inverse of :func:`pack_shards`: the values of every shard into ``out``."""
+    odd = [n % 2 for n in numels]
+    if not any(odd):
+        unpack_into(out, packed)
+        return
+    values = out.new_empty(2 * packed.numel())
+    unpack_into(values, packed)
+    pieces = values.split([p for n, o in zip(numels, odd) for p in ((n, 1) if o else (n,))])
+    keep = [p for (n, o) in zip(numels, odd) for p in ((True, False) if o else (True,))]
+    torch.cat([p for p, k in zip(pieces, keep) if k], out=out)
+
+
+def shard_uniforms(shards: Shards, seeds, device: torch.device) -> torch.Tensor:
+    """:func:`segment_uniforms` of every shard with its own seed, one after the other (one
+    generator per segment: these kernels grow with the segments)."""
+    return torch.cat([segment_uniforms(s, sum(map(sum, s)), seed, device)
+                      for s, seed in zip(shards, seeds)])
+
+
+def block_amax_of(flat: torch.Tensor, shards: Shards) -> torch.Tensor:
+    """Max ``|x|`` of every group of ``shards`` laid one after the other; ``+Inf`` for a
+    group holding NaN or ±Inf (as :func:`block_amax`)."""
+    amax = group_amax(flat, shard_lengths(shards))
+    return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
+
+
 def _check_rounding(rounding: str) -> None:
     if rounding not in ROUNDINGS:
         raise ValueError(f"unknown rounding {rounding!r}; expected one of {ROUNDINGS}")
@@ -238,24 +291,11 @@ def pieces(segments: Segments):
             yield lo + a * size, lo + b * size, g0 + a, g0 + b, size
 
 
-def _rows_amax(v: torch.Tensor) -> torch.Tensor:
-    """Max ``|v|`` of every row (NaN propagates): a halving tree of element-wise maxima for
-    power-of-two rows (torch's reductions over short rows are slow), else ``amax``."""
-    a = v.abs()
-    size = a.shape[1]
-    if size & (size - 1):
-        return a.amax(1)
-    while size > 1:
-        size //= 2
-        a = torch.maximum(a[:, :size], a[:, size:])
-    return a[:, 0]
-
-
 def block_amax(flat: torch.Tensor, segments: Segments) -> torch.Tensor:
     """Max ``|x|`` of every group; ``+Inf`` for a group holding NaN or ±Inf."""
     amax = flat.new_empty(sum(len(seg) for seg in segments))
     for lo, hi, g0, g1, size in pieces(segments):
-        amax[g0:g1] = _rows_amax(flat[lo:hi].view(g1 - g0, size))
+        amax[g0:g1] = rows_amax(flat[lo:hi].view(g1 - g0, size))
     return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
 
 
@@ -289,9 +329,10 @@ class NVFP4Codec(Codec):
     def groups(self, shape: tuple[int, ...]) -> list[int]:
         return group_lengths(tuple(shape), "block", NVFP4_BLOCK)
 
-    def payload_bytes(self, segments: Segments) -> int:
+    def part_bytes(self, segments: Segments) -> tuple[int, int, int]:
+        """Segment scales, block scales, packed codes."""
         n = sum(sum(seg) for seg in segments)
-        return 4 * len(segments) + sum(len(seg) for seg in segments) + (n + 1) // 2
+        return 4 * len(segments), sum(len(seg) for seg in segments), (n + 1) // 2
 
     def _scales(self, amax: torch.Tensor, segments: Segments) -> tuple[torch.Tensor, ...]:
         """``(segment scales s, block scale codes, block scales β·s per block)``."""
@@ -341,6 +382,35 @@ class NVFP4Codec(Codec):
             s, counts, output_size=n_groups)
         unpack_into(out[:n], buf[4 * n_seg + n_groups :])
         scale_blocks(out, scale, segments)
+        return torch.isfinite(scale).all()
+
+    def encode_shards(self, x: torch.Tensor, shards: Shards, seeds) -> list[torch.Tensor]:
+        """As :meth:`encode_into` shard by shard, every segment's and block's scale from
+        segmented reductions, every code from one division by the per-element divisor."""
+        if not shard_lengths(shards):
+            return [x.new_empty(0, dtype=torch.uint8)] * (3 * len(shards))
+        s, code, scale = self._scales(block_amax_of(x, shards),
+                                      [seg for segments in shards for seg in segments])
+        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+        u = (shard_uniforms(shards, seeds, x.device)
+             if self.rounding == "stochastic" else None)
+        v = group_div(x, divisor, shard_lengths(shards))
+        sizes = [self.part_bytes(segments) for segments in shards]
+        return interleave(s.view(torch.uint8).split([a for a, _, _ in sizes]),
+                          code.split([b for _, b, _ in sizes]),
+                          pack_shards(e2m1_encode(v, u), [sum(map(sum, g)) for g in shards]))
+
+    def decode_shards(self, out: torch.Tensor, parts, shards: Shards) -> torch.Tensor:
+        lengths = shard_lengths(shards)
+        if not lengths:
+            return torch.ones((), dtype=torch.bool, device=out.device)
+        s = torch.cat(list(parts[0::3])).view(torch.float32)
+        code = torch.cat(list(parts[1::3]))
+        counts = device_lengths(tuple(len(seg) for g in shards for seg in g), out.device)
+        scale = code.view(torch.float8_e4m3fn).float() * torch.repeat_interleave(
+            s, counts, output_size=code.numel())
+        unpack_shards(out, torch.cat(list(parts[2::3])), [sum(map(sum, g)) for g in shards])
+        group_mul_(out, scale, lengths)
         return torch.isfinite(scale).all()
 
     def clipped_fraction(self, x: torch.Tensor) -> float:

@@ -28,7 +28,19 @@ from typing import NamedTuple
 
 import torch
 
-from .base import Codec, Segments, device_lengths, exact_div
+from .base import (
+    Codec,
+    Segments,
+    Shards,
+    device_lengths,
+    exact_div,
+    group_amax,
+    group_div,
+    group_mul_,
+    interleave,
+    segment_amax,
+    shard_lengths,
+)
 
 __all__ = ["FP8_FORMATS", "SCALINGS", "FP8Codec", "Packed", "e4m3_table", "group_lengths",
            "lookup_into"]
@@ -97,9 +109,9 @@ class FP8Codec(Codec):
     def groups(self, shape: tuple[int, ...]) -> list[int]:
         return group_lengths(tuple(shape), self.scaling, self.block_size)
 
-    def payload_bytes(self, segments: Segments) -> int:
-        """One code byte per element plus a float32 scale per group."""
-        return sum(sum(seg) + 4 * len(seg) for seg in segments)
+    def part_bytes(self, segments: Segments) -> tuple[int, int]:
+        """A float32 scale per group, then one code byte per element."""
+        return (4 * sum(len(seg) for seg in segments), sum(sum(seg) for seg in segments))
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
                     seed: int | None = None) -> None:
@@ -115,6 +127,29 @@ class FP8Codec(Codec):
         packed = Packed.from_bytes(buf, (sum(lengths),), self, lengths)
         packed.dequantize(out=out)
         return torch.isfinite(packed.scales).all()
+
+    def encode_shards(self, x: torch.Tensor, shards: Shards,
+                      seeds=None) -> list[torch.Tensor]:
+        """Every group's scale from one segmented amax, every code from one division by the
+        per-element scale: the same values as :meth:`encode_into`, shard by shard."""
+        lengths = shard_lengths(shards)
+        if not lengths:
+            return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
+        scales = self.scales_from_amax(group_amax(x, lengths))
+        codes = group_div(x, scales, lengths).to(self.dtype).view(torch.uint8)
+        sizes = [self.part_bytes(s) for s in shards]
+        return interleave(scales.view(torch.uint8).split([a for a, _ in sizes]),
+                          codes.split([b for _, b in sizes]))
+
+    def decode_shards(self, out: torch.Tensor, parts, shards: Shards) -> torch.Tensor:
+        scales = torch.cat(list(parts[0::2])).view(torch.float32)
+        codes = torch.cat(list(parts[1::2]))
+        if self.format == "e4m3":
+            lookup_into(out, e4m3_table(out.device), codes)
+        else:
+            out.copy_(codes.view(torch.float8_e5m2))
+        group_mul_(out, scales, shard_lengths(shards))
+        return torch.isfinite(scales).all()
 
     def clipped_fraction(self, x: torch.Tensor) -> float:
         """Share of codes saturated at ``±fmax`` or flushed to zero from a non-zero value."""
@@ -155,7 +190,10 @@ class FP8Codec(Codec):
 
     def scales_of(self, flat: torch.Tensor, lengths: list[int], info=None) -> torch.Tensor:
         """The float32 scale of every group of the flat fp32 tensor ``flat`` (policies above)."""
-        amax = _group_amax(flat, lengths, info or _info(lengths))
+        return self.scales_from_amax(_group_amax(flat, lengths, info or _info(lengths)))
+
+    def scales_from_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """The float32 scales of groups with the given amax (NaN for a non-finite group)."""
         scales = exact_div(amax, self.fmax)
         # When amax / fmax rounds down (far, once it is an fp32 subnormal), amax / s exceeds
         # fmax and E5M2 overflows to inf: step such scales up one ulp so codes stay in range.
@@ -317,11 +355,7 @@ def _group_amax(flat: torch.Tensor, lengths, info: _Info) -> torch.Tensor:
             out[g] = _amax1(flat[lo : lo + n])
             lo += n
         return out
-    lens = device_lengths(tuple(lengths), flat.device)
-    amax = torch.segment_reduce(flat.abs(), "max", lengths=lens, unsafe=True)
-    # segment_reduce drops NaN in max on some builds: restore the policy explicitly.
-    bad = torch.segment_reduce((~torch.isfinite(flat)).float(), "max", lengths=lens, unsafe=True)
-    return torch.where(bad > 0, torch.full_like(amax, float("nan")), amax)
+    return segment_amax(flat, device_lengths(tuple(lengths), flat.device))
 
 
 def _amax1(x: torch.Tensor) -> torch.Tensor:

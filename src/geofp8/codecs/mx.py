@@ -30,20 +30,24 @@ from typing import ClassVar
 
 import torch
 
-from .base import Codec, Segments
+from .base import Codec, Segments, Shards, group_div, group_mul_, interleave, shard_lengths
 from .fp4 import (
     _check_input,
     _check_rounding,
     _flat_lengths,
     block_amax,
+    block_amax_of,
     e2m1_encode,
     encode_blocks,
     flushed_fraction,
     grid_round,
     pack_nibbles,
+    pack_shards,
     scale_blocks,
     segment_uniforms,
+    shard_uniforms,
     unpack_into,
+    unpack_shards,
 )
 from .fp8 import e4m3_table, group_lengths, lookup_into
 
@@ -105,9 +109,10 @@ class MXCodec(Codec):
     def _code_bytes(self, n: int) -> int:
         return (n + 1) // 2 if self.packed else n
 
-    def payload_bytes(self, segments: Segments) -> int:
+    def part_bytes(self, segments: Segments) -> tuple[int, int]:
+        """E8M0 scales, codes."""
         lengths = _flat_lengths(segments)
-        return len(lengths) + self._code_bytes(sum(lengths))
+        return len(lengths), self._code_bytes(sum(lengths))
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
                     seed: int | None = None) -> None:
@@ -148,6 +153,35 @@ class MXCodec(Codec):
         else:
             lookup_into(out[:n], e4m3_table(out.device), buf[g : g + n])
         scale_blocks(out, e8m0_values(byte), segments)
+        return (byte != 0xFF).all()
+
+    def encode_shards(self, x: torch.Tensor, shards: Shards, seeds) -> list[torch.Tensor]:
+        """As :meth:`encode_into` shard by shard, from one segmented amax and one division by
+        the per-element scale."""
+        if not shard_lengths(shards):
+            return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
+        byte = e8m0_scales(block_amax_of(x, shards), self.element)
+        scale = e8m0_values(byte)
+        scale = torch.where(torch.isnan(scale), torch.ones_like(scale), scale)
+        u = (shard_uniforms(shards, seeds, x.device)
+             if self.rounding == "stochastic" else None)
+        v = group_div(x, scale, shard_lengths(shards))
+        codes = (e2m1_encode if self.packed else e4m3_encode)(v, u)
+        numels = [sum(map(sum, g)) for g in shards]
+        return interleave(byte.split([sum(map(len, g)) for g in shards]),
+                          pack_shards(codes, numels) if self.packed else codes.split(numels))
+
+    def decode_shards(self, out: torch.Tensor, parts, shards: Shards) -> torch.Tensor:
+        lengths = shard_lengths(shards)
+        if not lengths:
+            return torch.ones((), dtype=torch.bool, device=out.device)
+        byte = torch.cat(list(parts[0::2]))
+        codes = torch.cat(list(parts[1::2]))
+        if self.packed:
+            unpack_shards(out, codes, [sum(map(sum, g)) for g in shards])
+        else:
+            lookup_into(out, e4m3_table(out.device), codes)
+        group_mul_(out, e8m0_values(byte), lengths)
         return (byte != 0xFF).all()
 
     def clipped_fraction(self, x: torch.Tensor) -> float:

@@ -81,7 +81,7 @@ class Communicator:
                unmap=None, gather: bool = True, seed: int | None = None,
                owner_keys: list[str] | None = None) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
-        (each mapped back by ``unmap(values, side)`` first, see :func:`decode_sum`).
+        (mapped back per sender by ``unmap(rows, sides)`` first, see :func:`decode_sum`).
         ``gather=False`` stops after the FP32 sum (a reduce-scatter): the value is this
         rank's reduced shard, ``layout.shard_numel(rank)`` elements. ``seed``: the one
         ``sent`` was encoded with (stochastic rounding re-encodes the reduced shard with it).

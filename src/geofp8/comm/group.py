@@ -67,7 +67,7 @@ class DeviceGroup:
     def all_gather(self, t: torch.Tensor, kind: str, async_op: bool = False):
         """``(list of every rank's t, work)``."""
         t = self.on_device(t)
-        out = [torch.empty_like(t) for _ in range(self.size)]
+        out = list(t.new_empty((self.size, *t.shape)).unbind(0))  # one buffer, N views
         self.charge(kind, (self.size - 1) * t.numel() * t.element_size())
         work = dist.all_gather(out, t, group=self.group, async_op=async_op)
         return out, work

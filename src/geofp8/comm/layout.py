@@ -151,23 +151,40 @@ class ShardLayout:
         """Bytes of shard ``j``'s payload (codes and scales of every run, see the codecs)."""
         return self.runs[j][-1][4] if self.runs[j] else 0
 
-    def encode_shard(self, out: torch.Tensor, values: torch.Tensor, j: int,
-                     seed: int | None = None) -> None:
-        """Encode shard ``j``'s FP32 ``values`` into ``out`` (:meth:`shard_bytes` bytes); run
-        ``i > 0`` rounds with ``mix_seed(seed, i)`` (independent streams per run)."""
-        for i, (codec, lo, hi, blo, bhi, segments) in enumerate(self.runs[j]):
-            run_seed = seed if seed is None or i == 0 else mix_seed(seed, i)
-            codec.encode_into(out[blo:bhi], values[lo:hi], segments, seed=run_seed)
+    def encode_shards(self, values: torch.Tensor, shards: list[int],
+                      seeds: list[int | None]) -> list[torch.Tensor]:
+        """Encode the FP32 ``values`` of ``shards`` laid one after the other, shard ``shards[i]``
+        with ``seeds[i]``; returns every shard's payload parts in order (:attr:`parts`). A
+        one-codec layout is one codec call for all of them (no growth with ``N``); a layout of
+        several codecs encodes run by run, run ``r > 0`` of a shard with ``mix_seed(seed, r)``
+        (independent streams per run)."""
+        if not self.codecs:
+            return self.codec.encode_shards(values, tuple(self.groups[j] for j in shards), seeds)
+        out, pos = [], 0
+        for j, seed in zip(shards, seeds):
+            for r, (codec, lo, hi, _, _, segments) in enumerate(self.runs[j]):
+                run_seed = seed if seed is None or r == 0 else mix_seed(seed, r)
+                out += codec.encode_shards(values[pos + lo : pos + hi], (segments,), [run_seed])
+            pos += self.shard_numel(j)
+        return out
 
-    def decode_shard(self, out: torch.Tensor, buf: torch.Tensor, j: int) -> torch.Tensor:
-        """Decode shard ``j``'s payload ``buf`` into the FP32 ``out``; returns the 0-dim bool
-        device flag, ``False`` if any scale is non-finite (see :meth:`Codec.decode_into`)."""
-        finite = None
-        for codec, lo, hi, blo, bhi, segments in self.runs[j]:
-            ok = codec.decode_into(out[lo:hi], buf[blo:bhi], segments)
-            finite = ok if finite is None else finite & ok
-        return finite if finite is not None else torch.ones((), dtype=torch.bool,
-                                                             device=buf.device)
+    def decode_shards(self, out: torch.Tensor, parts: list[torch.Tensor],
+                      shards: list[int]) -> torch.Tensor:
+        """Decode the payload ``parts`` of ``shards`` (as :meth:`encode_shards` returns them)
+        into the FP32 ``out`` (their values one after the other); returns the 0-dim bool device
+        flag, ``False`` if any scale is non-finite (see :meth:`Codec.decode_shards`)."""
+        if not self.codecs:
+            return self.codec.decode_shards(out, parts, tuple(self.groups[j] for j in shards))
+        finite = torch.ones((), dtype=torch.bool, device=out.device)
+        pos = part = 0
+        for j in shards:
+            for codec, lo, hi, _, _, segments in self.runs[j]:
+                k = len(codec.part_bytes(segments))
+                finite &= codec.decode_shards(out[pos + lo : pos + hi], parts[part : part + k],
+                                              (segments,))
+                part += k
+            pos += self.shard_numel(j)
+        return finite
 
     def send_bytes(self, j: int) -> int:
         """Bytes every sender hands over for shard ``j``: payload plus side metadata."""
@@ -204,6 +221,45 @@ class ShardLayout:
         if len(parts) == 1:
             return parts[0]
         return torch.cat(parts) if parts else flat.new_zeros(0)
+
+    @cached_property
+    def _order(self) -> tuple[list[int], list[int], list[int], list[int]] | None:
+        """The segments of all shards partition the flat vector: ``(their lengths in flat
+        order, in shard-major order, the flat position of each shard-major one, the
+        shard-major position of each flat one)``; ``None`` when both orders agree."""
+        spans = [span for segs in self.segments for span in segs]
+        by_pos = sorted(range(len(spans)), key=lambda i: spans[i][0])
+        if by_pos == list(range(len(spans))):
+            return None
+        flat_of = [0] * len(spans)
+        for f, i in enumerate(by_pos):
+            flat_of[i] = f
+        return ([spans[i][1] - spans[i][0] for i in by_pos], [hi - lo for lo, hi in spans],
+                flat_of, by_pos)
+
+    def shard_major(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` reordered shard after shard (shard ``j``'s segments in order): one split
+        and one copy whatever the number of shards and segments (``flat`` itself when it is
+        in that order already)."""
+        if self._order is None:
+            return flat
+        sizes, _, flat_of, _ = self._order
+        pieces = flat.split(sizes)
+        return torch.cat([pieces[f] for f in flat_of])
+
+    def from_shard_major(self, values: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`shard_major` (``values`` itself when the orders agree)."""
+        if self._order is None:
+            return values
+        _, sizes, _, by_pos = self._order
+        pieces = values.split(sizes)
+        return torch.cat([pieces[i] for i in by_pos])
+
+    @cached_property
+    def parts(self) -> tuple[tuple[int, ...], ...]:
+        """Per shard: the bytes of its payload's parts (:meth:`Codec.part_bytes` of each run)."""
+        return tuple(tuple(b for codec, *_, segments in runs for b in codec.part_bytes(segments))
+                     for runs in self.runs)
 
     def scatter(self, out: torch.Tensor, shard: torch.Tensor, j: int) -> None:
         """Write shard ``j``'s values back to their places in ``out``."""

@@ -39,63 +39,76 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
            side: list[torch.Tensor] | None = None, seed: int | None = None,
            sender: int = 0) -> torch.Tensor:
     """Stage 1: every shard quantized with its own scales (then its ``side`` bytes, if any),
-    one after the other in one uint8 buffer; ``sender``: this rank (its rounding stream)."""
-    out = torch.empty(sum(layout.send_bytes(j) for j in range(layout.world_size)),
-                      dtype=torch.uint8, device=flat.device)
-    offset = 0
-    for j in range(layout.world_size):
-        payload = layout.shard_bytes(j)
-        layout.encode_shard(out[offset : offset + payload], layout.gather(flat, j), j,
-                            seed=_shard_seed(seed, sender, j))
+    one after the other in one uint8 buffer; ``sender``: this rank (its rounding stream).
+    One codec call over the shard-major bucket: the kernels do not grow with ``N``."""
+    n = layout.world_size
+    parts = layout.encode_shards(layout.shard_major(flat), list(range(n)),
+                                 [_shard_seed(seed, sender, j) for j in range(n)])
+    pieces, pos = [], 0
+    for j in range(n):
+        k = len(layout.parts[j])
+        pieces += parts[pos : pos + k]
+        pos += k
         if layout.side[j]:
-            out[offset + payload : offset + layout.send_bytes(j)] = side[j]
-        offset += layout.send_bytes(j)
-    return out
+            pieces.append(side[j])
+    return torch.cat(pieces)
+
+
+def _decode_records(buf: torch.Tensor, layout: ShardLayout, shards: list[int],
+                    record: int | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, finite)`` of the encoded ``shards`` laid one after the other in ``buf``,
+    each in a record of ``record`` bytes (its payload first): one split, one codec call.
+    ``values``: the shards' values one after the other."""
+    records = [record] * len(shards) if isinstance(record, int) else record
+    sizes = []
+    for j, nbytes in zip(shards, records):
+        parts = layout.parts[j]
+        sizes += [*parts, nbytes - sum(parts)]
+    pieces, payload, pos = buf[: sum(records)].split(sizes), [], 0
+    for j in shards:
+        k = len(layout.parts[j])
+        payload += pieces[pos : pos + k]
+        pos += k + 1  # the record's rest (side bytes, padding)
+    values = torch.empty(sum(layout.shard_numel(j) for j in shards), dtype=torch.float32,
+                         device=buf.device)
+    return values, layout.decode_shards(values, payload, shards)
 
 
 def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
                unmap=None) -> torch.Tensor:
-    """Stage 3: dequantize the ``N`` senders' copies of ``shard`` and sum them in FP32.
+    """Stage 3: dequantize the ``N`` senders' copies of ``shard`` (one batched decode: they
+    share its scale groups) and sum them in FP32 (one reduction over ``[N, shard]``).
 
-    ``unmap(values, side)``, when given, maps one sender's decoded shard back with that
-    sender's side metadata (per-sender decoding) before it enters the sum.
+    ``unmap(values, side)``, when given, maps the decoded copies ``[N, shard]`` back with
+    the senders' side metadata ``[N, side bytes]`` (per-sender decoding) before the sum.
     """
-    nbytes, numel = layout.send_bytes(shard), layout.shard_numel(shard)
-    payload = layout.shard_bytes(shard)
-    total = torch.zeros(numel, dtype=torch.float32, device=received.device)
-    values = torch.empty_like(total)
-    for r in range(layout.world_size):
-        buf = received[r * nbytes : (r + 1) * nbytes]
-        layout.decode_shard(values, buf[:payload], shard)
-        total += values if unmap is None else unmap(values, buf[payload:nbytes])
-    return total
+    n, nbytes = layout.world_size, layout.send_bytes(shard)
+    values, _ = _decode_records(received, layout, [shard] * n, nbytes)
+    rows = values.view(n, -1)
+    if unmap is not None:
+        rows = unmap(rows, received[: n * nbytes].view(n, nbytes)[:, layout.shard_bytes(shard):])
+    return rows.sum(0)
 
 
 def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
                    seed: int | None = None) -> torch.Tensor:
     """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``."""
-    out = torch.zeros(layout.max_shard_bytes, dtype=torch.uint8, device=shard_sum.device)
-    layout.encode_shard(out[: layout.shard_bytes(shard)], shard_sum, shard,
-                        seed=_shard_seed(seed, layout.world_size + shard))
-    return out
+    parts = layout.encode_shards(shard_sum, [shard],
+                                 [_shard_seed(seed, layout.world_size + shard)])
+    pad = layout.max_shard_bytes - layout.shard_bytes(shard)
+    return torch.cat([*parts, shard_sum.new_zeros(pad, dtype=torch.uint8)])
 
 
 def decode_shard(buf: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
     """The values of one encoded shard (its owner's view of what it re-encoded)."""
-    values = torch.empty(layout.shard_numel(shard), dtype=torch.float32, device=buf.device)
-    layout.decode_shard(values, buf[: layout.shard_bytes(shard)], shard)
-    return values
+    return _decode_records(buf, layout, [shard], layout.shard_bytes(shard))[0]
 
 
 def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
     """Stage 5: the full reduced vector; all NaN if any shard carries a non-finite scale."""
-    out = torch.empty(layout.numel, dtype=torch.float32, device=gathered[0].device)
-    finite = torch.ones((), dtype=torch.bool, device=out.device)
-    for j, buf in enumerate(gathered):
-        values = torch.empty(layout.shard_numel(j), dtype=torch.float32, device=buf.device)
-        finite &= layout.decode_shard(values, buf[: layout.shard_bytes(j)], j)
-        layout.scatter(out, values, j)
-    return poison_unless(out, finite)
+    values, finite = _decode_records(torch.cat(gathered), layout,
+                                     list(range(layout.world_size)), layout.max_shard_bytes)
+    return poison_unless(layout.from_shard_major(values), finite)
 
 
 def poison_unless(values: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
@@ -106,14 +119,10 @@ def poison_unless(values: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
 
 def decode(sent: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     """What ``encode(flat, layout)`` decodes to (the sender's own view, for error feedback)."""
-    out = torch.empty(layout.numel, dtype=torch.float32, device=sent.device)
-    offset = 0
-    for j in range(layout.world_size):
-        values = torch.empty(layout.shard_numel(j), dtype=torch.float32, device=sent.device)
-        layout.decode_shard(values, sent[offset : offset + layout.shard_bytes(j)], j)
-        layout.scatter(out, values, j)
-        offset += layout.send_bytes(j)
-    return out
+    n = layout.world_size
+    values, _ = _decode_records(sent, layout, list(range(n)),
+                                [layout.send_bytes(j) for j in range(n)])
+    return layout.from_shard_major(values)
 
 
 def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout,

@@ -1,0 +1,86 @@
+"""Aten ops and wall time of the exact collective's stages per bucket, in one process.
+
+One rank's share of a bucket: :func:`encode` and :func:`decode` (its payload and its error
+feedback view), :func:`decode_sum` of the ``N`` copies of its shard, :func:`encode_reduced`
+and :func:`decode_gathered`. Ops are counted with a dispatch mode (deterministic); times are
+the best of 3 on one thread, next to a memcpy of the bucket.
+
+    python benchmarks/stage_ops.py                          # this checkout
+    PYTHONPATH=<other checkout>/src python benchmarks/stage_ops.py   # another version
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from geofp8.codecs import make_codec
+from geofp8.comm import ShardLayout
+from geofp8.comm.stages import decode, decode_gathered, decode_sum, encode, encode_reduced
+
+BUCKETS = {"1MB": [(256, 256)] * 4, "25MB": [(512, 512)] * 25}  # tensors of a bucket
+
+
+class Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def best(fn, repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def rank_share(layout: ShardLayout, x: torch.Tensor):
+    """One rank's stages of one bucket, as a function of nothing (inputs made here)."""
+    n = layout.world_size
+    received = torch.cat([encode(x, layout)[: layout.send_bytes(0)]] * n)
+    gathered = [encode_reduced(torch.randn(layout.shard_numel(j)), layout, j) for j in range(n)]
+
+    def run() -> None:
+        decode(encode(x, layout), layout)
+        encode_reduced(decode_sum(received, layout, 0), layout, 0)
+        decode_gathered(gathered, layout)
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", nargs="+", default=["e4m3", "nvfp4"])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4, 8])
+    parser.add_argument("--buckets", nargs="+", default=list(BUCKETS))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print("| format | bucket | ranks | aten ops | ms | x memcpy of the bucket |")
+    print("|---|---|---|---|---|---|")
+    for fmt in args.formats:
+        codec = make_codec(fmt)
+        for name in args.buckets:
+            for n in args.ranks:
+                layout = ShardLayout.build(BUCKETS[name], codec, n)
+                x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+                run = rank_share(layout, x)
+                counter = Counter()
+                with counter:
+                    run()
+                y = torch.empty_like(x)
+                t, t_copy = best(run), best(lambda: y.copy_(x))  # noqa: B023
+                print(f"| {fmt} | {name} | {n} | {counter.ops} | {1e3 * t:.1f} | "
+                      f"{t / t_copy:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
