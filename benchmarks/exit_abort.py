@@ -118,10 +118,14 @@ def native_stacks(pid: int, directory: str) -> None:
     """Every thread's native stack of the hung process ``pid`` (gdb), into
     ``directory/hung-<pid>.txt``: a thread with no Python frame shows where it waits."""
     os.makedirs(directory, exist_ok=True)
-    out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt"],
-                         capture_output=True, text=True, timeout=120)
+    try:  # attaching and reading torch's symbols takes minutes on a loaded machine
+        out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt"],
+                             capture_output=True, text=True, timeout=600)
+        text = out.stdout + out.stderr
+    except subprocess.TimeoutExpired as exc:
+        text = f"gdb gave no stacks within {exc.timeout:.0f} s\n"
     with open(os.path.join(directory, f"hung-{pid}.txt"), "w") as f:
-        f.write(out.stdout + out.stderr)
+        f.write(text)
 
 
 def run_job(nproc: int, layout: str, steps: int,
