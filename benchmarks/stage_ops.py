@@ -5,6 +5,12 @@ feedback view), :func:`decode_sum` of the ``N`` copies of its shard, :func:`enco
 and :func:`decode_gathered`. Ops are counted with a dispatch mode (deterministic); times are
 the best of 3 on one thread, next to a memcpy of the bucket.
 
+A GPU projection from the counts: every op a kernel launch of :data:`LAUNCH_US` plus the
+bytes it reads and writes (tensor arguments and results of every op that is not a view) at
+:data:`HBM_BYTES_PER_S` (an H200), next to the time the bytes this rank sends for the bucket
+take on a 100 and a 400 Gbit/s link. A model, not a measurement: launches overlap on a
+stream, and small ops do not reach the HBM's bandwidth.
+
     python benchmarks/stage_ops.py                          # this checkout
     PYTHONPATH=<other checkout>/src python benchmarks/stage_ops.py   # another version
 """
@@ -15,6 +21,7 @@ import argparse
 import time
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from geofp8.codecs import make_codec
@@ -22,16 +29,22 @@ from geofp8.comm import ShardLayout
 from geofp8.comm.stages import decode, decode_gathered, decode_sum, encode, encode_reduced
 
 BUCKETS = {"1MB": [(256, 256)] * 4, "25MB": [(512, 512)] * 25}  # tensors of a bucket
+LAUNCH_US = 5.0  # one eager kernel launch on a GPU, microseconds
+HBM_BYTES_PER_S = 4.8e12
 
 
 class Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.ops = 0
+        self.ops = self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         self.ops += 1
-        return func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.bytes += sum(t.nbytes for t in pytree.tree_leaves((args, kwargs, out))
+                              if isinstance(t, torch.Tensor))
+        return out
 
 
 def best(fn, repeats: int = 3) -> float:
@@ -64,8 +77,9 @@ def main() -> None:
     parser.add_argument("--buckets", nargs="+", default=list(BUCKETS))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| format | bucket | ranks | aten ops | ms | x memcpy of the bucket |")
-    print("|---|---|---|---|---|---|")
+    print("| format | bucket | ranks | aten ops | MB read+written | CPU ms | x memcpy | "
+          "GPU ms (projected) | send ms at 100 / 400 Gbit/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for fmt in args.formats:
         codec = make_codec(fmt)
         for name in args.buckets:
@@ -78,8 +92,11 @@ def main() -> None:
                     run()
                 y = torch.empty_like(x)
                 t, t_copy = best(run), best(lambda: y.copy_(x))  # noqa: B023
-                print(f"| {fmt} | {name} | {n} | {counter.ops} | {1e3 * t:.1f} | "
-                      f"{t / t_copy:.0f} |", flush=True)
+                gpu = counter.ops * LAUNCH_US * 1e-6 + counter.bytes / HBM_BYTES_PER_S
+                send = [8 * layout.wire_bytes(0) / bits for bits in (100e9, 400e9)]
+                print(f"| {fmt} | {name} | {n} | {counter.ops} | {counter.bytes / 1e6:.0f} | "
+                      f"{1e3 * t:.1f} | {t / t_copy:.0f} | {1e3 * gpu:.2f} | "
+                      f"{1e3 * send[0]:.2f} / {1e3 * send[1]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
