@@ -158,6 +158,8 @@ class ShardLayout:
         one-codec layout is one codec call for all of them (no growth with ``N``); a layout of
         several codecs encodes run by run, run ``r > 0`` of a shard with ``mix_seed(seed, r)``
         (independent streams per run)."""
+        if not values.is_floating_point():
+            raise TypeError(f"GeoFP8 codecs take floating-point tensors, got {values.dtype}")
         if not self.codecs:
             return self.codec.encode_shards(values, tuple(self.groups[j] for j in shards), seeds)
         out, pos = [], 0
@@ -260,13 +262,6 @@ class ShardLayout:
         """Per shard: the bytes of its payload's parts (:meth:`Codec.part_bytes` of each run)."""
         return tuple(tuple(b for codec, *_, segments in runs for b in codec.part_bytes(segments))
                      for runs in self.runs)
-
-    def scatter(self, out: torch.Tensor, shard: torch.Tensor, j: int) -> None:
-        """Write shard ``j``'s values back to their places in ``out``."""
-        pos = 0
-        for lo, hi in self.segments[j]:
-            out[lo:hi] = shard[pos : pos + hi - lo]
-            pos += hi - lo
 
 
 def fp32_allreduce_wire_bytes(numel: int, world_size: int, bytes_per_element: int = 4) -> int:
