@@ -1,6 +1,7 @@
-"""A byte budget: a format and route per layer (GeoFP8Config(budget=B)), chosen at every
-refresh from all-reduced errors, identical on every rank, within the budget, with the
-residuals re-based on a change and a bitwise resume; and the layouts that carry a codec per
+"""A byte budget: a format and route per communicated tensor (GeoFP8Config(budget=B)),
+measured at the first low-precision step and every refresh, decided at the next step from
+all-reduced errors, identical on every rank, within the budget (the factor traffic repaid),
+with the residuals re-based on a change and a bitwise resume; and the layouts that carry a codec per
 tensor (a one-codec layout is unchanged)."""
 
 import copy
