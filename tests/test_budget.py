@@ -1,6 +1,7 @@
-"""A byte budget: a format and route per layer (GeoFP8Config(budget=B)), chosen at every
-refresh from all-reduced errors, identical on every rank, within the budget, with the
-residuals re-based on a change and a bitwise resume; and the layouts that carry a codec per
+"""A byte budget: a format and route per communicated tensor (GeoFP8Config(budget=B)),
+measured at the first low-precision step and every refresh, decided at the next step from
+all-reduced errors, identical on every rank, within the budget (the factor traffic repaid),
+with the residuals re-based on a change and a bitwise resume; and the layouts that carry a codec per
 tensor (a one-codec layout is unchanged)."""
 
 import copy
@@ -61,35 +62,53 @@ def test_a_one_codec_layout_is_unchanged():
         pos += plain.send_bytes(j)
 
 
-def _selection(budget, every=2):
+CANDIDATES = ["a.weight", "b.weight", "c.weight"]
+
+
+def _selection(budget, every=2, first=0):
     shapes = {"a.weight": (64, 32), "b.weight": (32, 64), "c.weight": (64, 64),
               "a.bias": (64,)}
-    return BudgetSelection(["a.weight", "b.weight", "c.weight"], NVFP4, shapes, 4, budget,
-                           every, every), shapes
+    return BudgetSelection(CANDIDATES, NVFP4, shapes, 4, budget, every, first), shapes
 
 
-def _errors(per_layer):
-    """Reduced measurements: per candidate, e_p per path, then ‖G‖² = 1."""
-    return torch.tensor([[*e, 1.0] for e in per_layer], dtype=torch.float64)
+def _errors(per_tensor):
+    """Reduced measurements: per tensor, e_p per path, then ‖G‖² = 1."""
+    return torch.tensor([[*e, 1.0] for e in per_tensor], dtype=torch.float64)
+
+
+# nvfp4, nvfp4-geo, e4m3 per tensor (a, b, c, then the bias a.bias): b gains most from 8
+# bits per byte, a prefers its factor; the bias's "geometry" error is the least of all, but
+# it has no factor
+MEASURED = [(4.0, 1.0, 0.1), (9.0, 8.0, 0.1), (5.0, 6.0, 0.1), (30.0, 0.0, 0.1)]
 
 
 def test_the_budget_buys_the_most_error_per_byte_and_fits():
     sel, shapes = _selection(0.7)
     ring = 2 * 3 / 4
     elements = sum(torch.Size(s).numel() for s in shapes.values())
-    # nvfp4, nvfp4-geo, e4m3: b gains most from 8 bits per byte, a prefers its factor
-    sel._decide(_errors([(4.0, 1.0, 0.1), (9.0, 8.0, 0.1), (5.0, 6.0, 0.1)]), factor=0.0)
+    sel._decide(_errors(MEASURED), reserve=0.0)
     chosen = sel.assignment()
+    assert set(chosen) == set(shapes)  # every communicated tensor has a path
     assert chosen["b.weight"] == "e4m3" and chosen["a.weight"] == "nvfp4-geo"
+    assert chosen["a.bias"] == "e4m3"  # not a candidate, but the most error per byte
     assert chosen["c.weight"] == "nvfp4"  # c (twice b's bytes) does not fit any more
     assert sel.selected == {"a.weight"}
+    assert set(sel.last_measurement["a.bias"]) == {"nvfp4", "e4m3"}  # no geometry path
     spent = sum(tensor_wire_bytes(shapes[n], E4M3 if p == "e4m3" else NVFP4, 4)
-                for n, p in [*chosen.items(), ("a.bias", "nvfp4")])
+                for n, p in chosen.items())
     assert sel.planned == pytest.approx(spent / (elements * ring))
     assert sel.planned <= 0.7
+    assert sel.codec_of("a.bias") == E4M3 and sel.codec_of("c.weight") == NVFP4
     roomy, _ = _selection(1.2)
-    roomy._decide(_errors([(4.0, 1.0, 0.1), (9.0, 8.0, 0.1), (5.0, 6.0, 0.1)]), factor=0.0)
+    roomy._decide(_errors(MEASURED), reserve=0.0)
     assert set(roomy.assignment().values()) == {"e4m3"}
+
+
+def test_a_tensor_stays_at_the_floor_when_e4m3_would_not_cut_its_error():
+    sel, _ = _selection(1.2)  # room for every upgrade
+    sel._decide(_errors([*MEASURED[:3], (1.0, 0.0, 1.5)]), reserve=0.0)  # one scale: worse
+    assert sel.assignment()["a.bias"] == "nvfp4"
+    assert sel.assignment()["b.weight"] == "e4m3"
 
 
 def test_a_budget_below_the_floor_raises_and_factor_traffic_falls_back_to_it():
@@ -97,18 +116,50 @@ def test_a_budget_below_the_floor_raises_and_factor_traffic_falls_back_to_it():
         _selection(0.5)
     sel, _ = _selection(0.8)
     with pytest.warns(UserWarning, match="stays at the floor"):
-        sel._decide(_errors([(4.0, 1.0, 0.1)] * 3), factor=1e6)
-    assert set(sel.assignment().values()) == {"nvfp4-geo"}  # the floor's least-error path
+        sel._decide(_errors([(4.0, 1.0, 0.1)] * 4), reserve=1e6)
+    # the floor's least-error path: the factor for candidates, plain nvfp4 for the bias
+    assert sel.assignment() == {**{n: "nvfp4-geo" for n in CANDIDATES}, "a.bias": "nvfp4"}
     with pytest.raises(ValueError, match="budget needs format='nvfp4'"):
         GeoFP8Config(budget=0.8)
     with pytest.raises(ValueError, match="budget must be > 0"):
         GeoFP8Config(format="nvfp4", budget=0)
 
 
+class _OneRank:
+    """A group of one rank: the all-reduce returns its input."""
+
+    size = 1
+
+    def all_reduce(self, t, kind):
+        return t, None
+
+
+def test_measured_at_the_first_low_precision_step_and_the_factor_traffic_is_repaid():
+    sel, shapes = _selection(0.8, every=4, first=2)
+    assert [s for s in range(13) if sel.wants(s)] == [2, 4, 8, 12]
+    ring = 2 * 3 / 4
+    elements_ring = sum(torch.Size(s).numel() for s in shapes.values()) * ring
+    per_step = 0.05 * elements_ring  # factor bytes per step, in every period alike
+    sel.measured, sel.factor_window = _errors(MEASURED), [0.0, 1]  # the first measurement
+    sel.start_step(3, _OneRank())
+    assert sel.reserve == 0.0  # no refresh seen yet: nothing reserved
+    first = sel.planned
+    assert 0.75 < first <= 0.8
+    sel.measured, sel.factor_window = _errors(MEASURED), [per_step * 2, 2]  # steps 3..4
+    sel.start_step(5, _OneRank())
+    # this period's mean, and the last period's 2 steps beyond its reserve over 4 steps
+    assert sel.reserve == pytest.approx(per_step * (1 + 2 / 4))
+    assert sel.planned <= 0.8 and sel.planned < first
+    sel.measured, sel.factor_window = _errors(MEASURED), [per_step * 4, 4]  # steps 5..8
+    sel.start_step(9, _OneRank())
+    assert sel.reserve == pytest.approx(per_step)  # planned with more than it took: no debt
+
+
 BUDGET = dict(format="nvfp4", budget=0.85, refresh_every=2, k=4, oversample=4,
               statistics="sketch", hierarchy="flat")
 STEPS = 10
 RESUME_AT = 7  # after the measurement of step 6, before its decision
+FROM = 1  # the first decision: after the measurement of step 0
 
 
 def _setup():
@@ -150,13 +201,13 @@ def _budget_worker(rank, world):
         step(i)
         s = state.stats()
         formats.append(s["formats"])
-        if i >= 3:  # after the first decision (step 3), whole refresh periods
+        if i >= FROM:
             sent += s["bytes_sent"]
             elements += s["bytes_fp32_equivalent"] / 4
     # error feedback delivers every gradient but the last residual, in Euclidean terms, only
     # if a residual is re-based whenever its layer's route changes
     kept = {n: float((given[n] - delivered[n] - pipeline.feedback.residual_in(n, IDENTITY))
-                     .norm() / given[n].norm()) for n in pipeline.layers}
+                     .norm() / given[n].norm()) for n in given}
     straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     model, ddp, state, opt = _setup()
     model.load_state_dict(saved[0])
@@ -180,11 +231,18 @@ def test_budget_in_ddp_is_identical_on_every_rank_fits_and_resumes_bitwise():
     formats = [r[0] for r in results]
     assert formats[0] == formats[1]  # the same choice on every rank, at every step
     changes = [i for i in range(1, STEPS) if formats[0][i] != formats[0][i - 1]]
-    assert changes and all(i % 2 == 1 for i in changes)  # decided just after a refresh
+    assert changes[0] == FROM and all(i % 2 == 1 for i in changes)  # after a measurement
+    assert set(formats[0][0].values()) == {"nvfp4"}  # the floor until the first decision
+    assert "e4m3" in formats[0][FROM].values()  # the first decision spends the budget ...
+    assert "nvfp4-geo" not in formats[0][FROM].values()  # ... with no factor yet
     routes = [{n for n, p in f.items() if p.endswith("-geo")} for f in formats[0]]
     assert any(a != b for a, b in zip(routes, routes[1:]))  # some route did change
     chosen = set(formats[0][-1].values())
     assert "e4m3" in chosen and chosen & {"nvfp4", "nvfp4-geo"}  # the budget mixes formats
+    others = {n for n in formats[0][-1] if not n.endswith(".weight") or "embed" in n
+              or "head" in n or "norm" in n}
+    assert others and all(formats[0][-1][n] != "nvfp4-geo" for n in others)
+    assert any(f[n] == "e4m3" for f in formats[0] for n in others)  # non-candidates choose
     ring = 2 * (2 - 1) / 2
     per_element = sum(r[1] for r in results) / sum(r[2] for r in results) / ring
     assert per_element <= BUDGET["budget"], per_element

@@ -135,7 +135,7 @@ class GeoFP8Config:
     profile_steps: int = 100  # profile: steps scored after the warm-up
     profile_top: int | None = None  # profile: layers kept (default: a quarter)
     min_dim: int = 16  # Linear layers with min(d_in, d_out) < min_dim stay Euclidean
-    budget: float | None = None  # bytes per element per round trip: formats chosen per layer
+    budget: float | None = None  # bytes per element per round trip: formats chosen per tensor
     # -- error feedback, warm-up, seeds
     error_feedback: bool = True  # keep R ← Ũ − deq(Q(Ũ)) in communication coordinates
     owner_feedback: bool = False  # EF on the second rounding too (the reduced shard's owner)

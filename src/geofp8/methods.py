@@ -162,8 +162,9 @@ METHODS: dict[str, Method] = {
                              "lowrank", factor_source="fresh"),
     "nvfp4-auto-ef": _block("nvfp4", "NVFP4 + EF, layers switched by measured round-trip "
                             "error (refreshed factor)", "lowrank", layers="auto"),
-    "budget": Method("geofp8", "NVFP4, NVFP4 + refreshed low-rank factor or E4M3 per layer, "
-                     "chosen at each refresh by measured error within a byte budget, EF",
+    "budget": Method("geofp8", "NVFP4, NVFP4 + refreshed low-rank factor or E4M3 per tensor, "
+                     "chosen at the first step and each refresh by measured error within a "
+                     "byte budget, EF",
                      {"format": "nvfp4", "transform": "lowrank", "layers": "auto",
                       "error_feedback": True}, BUDGET_OVERRIDES, required=("budget",)),
     "mxfp4-ef": _block("mxfp4", "MXFP4 (E2M1, an E8M0 scale per 32) + EF"),

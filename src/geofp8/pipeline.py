@@ -125,8 +125,8 @@ class GradientPipeline:
             self.source.prepare(name)
         route = self.route(name)
         G = G.detach().float()
-        if self._observing and candidate:
-            self.selection.observe(name, G, self.source.transform(name),
+        if self._observing and self.selection.observes(name):
+            self.selection.observe(name, G, self.source.transform(name) if candidate else None,
                                    lambda r: self._residual(name, r))
         x = G if route is IDENTITY else route.forward(G)
         residual = self._residual(name, route)
@@ -269,7 +269,7 @@ class GradientPipeline:
                       if self.source is not None and self.source.transform(n) is not None)
 
     def budget_stats(self) -> dict:
-        """Under a budget: every candidate's path (``formats``), the bytes per element per
+        """Under a budget: every tensor's path (``formats``), the bytes per element per
         round trip planned at the last decision, and the last measured relative errors."""
         selection = self.selection
         if not isinstance(selection, BudgetSelection):

@@ -12,7 +12,7 @@
   layer switches on when ``rel_geo < (1 − margin) · rel_euclid`` and off when
   ``rel_geo > rel_euclid`` (hysteresis).
 * :class:`BudgetSelection` — ``GeoFP8Config(budget=B)``: a *path* (format and route) per
-  candidate, the assignment of least total error whose bytes fit ``B`` bytes per element
+  communicated tensor, the assignment of least total error whose bytes fit ``B`` bytes per element
   per round trip (see the class).
 
 Selections observe gradients while buckets are encoded; what they observe in a step counts
@@ -47,12 +47,16 @@ class Selection:
         self.selected: set[str] = set(selected or ())
 
     def wants(self, step: int) -> bool:
-        """Whether :meth:`observe` should be called for the candidates of this step."""
+        """Whether :meth:`observe` should be called for the tensors of this step."""
         return False
+
+    def observes(self, name: str) -> bool:
+        """Whether ``name``'s gradient is observed (the candidates; a budget: every tensor)."""
+        return name in self.index
 
     def observe(self, name: str, G: torch.Tensor, geo: Transform | None,
                 residual_in: ResidualIn) -> None:
-        """See one candidate's FP32 gradient ``G`` (2-D) and its geometry map, if any."""
+        """See one tensor's FP32 gradient ``G`` and its geometry map, if any."""
 
     def start_step(self, step: int, group: DeviceGroup) -> None:
         """Decide, from what earlier settled steps observed (collective on ``group``)."""
@@ -181,7 +185,8 @@ class AutoSelection(Selection):
 
 
 # A budget's paths: (format, route through the refreshed low-rank factor). The first is the
-# floor: every tensor that is not a candidate takes it, and so does every candidate at first.
+# floor: every tensor takes it until the first decision. Tensors that are not candidates
+# have no factor: the geometry path is never admissible for them.
 PATHS: tuple[tuple[str, bool], ...] = (("nvfp4", False), ("nvfp4", True), ("e4m3", False))
 
 
@@ -190,35 +195,49 @@ def path_name(path: tuple[str, bool]) -> str:
 
 
 class BudgetSelection(Selection):
-    """A path of :data:`PATHS` per candidate, chosen at every refresh within a byte budget.
+    """A path of :data:`PATHS` per communicated tensor, chosen within a byte budget.
 
-    **Error.** At a measurement step every rank computes, per candidate and path
+    **Tensors.** Every tensor DDP communicates takes part (``shapes``, in the model's order,
+    identical on every rank): candidate Linear weights choose among all paths, the others
+    (embeddings, the output head, norms, biases) among ``nvfp4`` and ``e4m3``.
+
+    **Error.** At a measurement step every rank computes, per tensor and admissible path
     ``p = (format, T)``, the rounding error of the path's round trip of ``G T + R_p`` (the
     gradient with the residual of error feedback, in ``T``'s coordinates) mapped back to
     parameter coordinates, ``e_p = ‖(deq(Q(G T + R_p)) − (G T + R_p)) T⁻¹‖²``: the error
     the step leaves behind, which is what error feedback carries on. It is reduced across
-    ranks (one all-reduce, with ``‖G‖²``) at the next step; a layer's cost of path ``p`` is
-    ``numel · e_p / ‖G‖²``, its mean squared *relative* error per element summed over the
-    elements, the error an element-wise normalising optimizer (Adam) sees.
+    ranks (one all-reduce of ``len(PATHS) + 1`` float64 per tensor, with ``‖G‖²``) at the
+    next step; a tensor's cost of path ``p`` is ``numel · e_p / ‖G‖²``, its mean squared
+    *relative* error per element summed over the elements, the error an element-wise
+    normalising optimizer (Adam) sees. Measuring costs, once per measurement step, one
+    codec round trip per admissible path of every tensor (about three encodes of the whole
+    gradient, each geometry path adding its map and inverse), nothing on other steps.
+
+    **When.** Measurements are taken at the first low-precision step (``first_step``, the
+    end of the FP32 warm-up) and at every refresh (``step % every == 0``) after it; each is
+    decided at the start of the next step, so the budget holds from the second low-precision
+    step on. The geometry path is admissible once a factor exists (after the first refresh).
 
     **Bytes.** A tensor's cost of a path is the bytes one rank sends for it in the exact
     collective, averaged over the ranks (:func:`~geofp8.comm.layout.tensor_wire_bytes`:
-    codes, scales, the all-gather's copies). The budget is
-    ``B · (Σ elements) · 2(N−1)/N`` bytes per step and rank; from it go the non-candidates
-    (at the floor, fixed) and the factor and selection traffic per step, measured over the
-    last refresh period (statistics are reduced for every candidate whichever path it takes,
-    so this part does not depend on the choice) and averaged over the ranks.
+    codes, scales, the all-gather's copies). The budget is ``B · (Σ elements) · 2(N−1)/N``
+    bytes per step and rank; from it goes a *reserve* for the factor and selection traffic:
+    its mean per step over the period since the last decision (averaged over the ranks;
+    statistics are reduced for every candidate whichever path it takes, so it does not
+    depend on the choice), plus what that period spent beyond the reserve it was planned
+    with, spread over the next ``every`` steps (the first period, planned before any
+    refresh, reserves nothing), so that the mean over the run keeps to the budget.
 
-    **Choice** (a multiple-choice knapsack, solved greedily): every candidate starts at the
-    least-error path among the cheapest ones; then upgrades ``(layer, p)`` are taken in
+    **Choice** (a multiple-choice knapsack, solved greedily): every tensor starts at the
+    least-error path among the cheapest ones; then upgrades ``(tensor, p)`` are taken in
     decreasing order of error saved per extra byte while they fit. With two byte levels (4 and
     8 bits) the greedy is optimal up to the one upgrade that does not fit. The inputs are
-    all-reduced and the order is total (ties by candidate order), so every rank chooses
-    alike. A budget below the floor raises at construction; when the measured factor traffic
-    pushes the floor over the budget, every candidate stays at the floor (a warning).
+    all-reduced and the order is total (ties by tensor order), so every rank chooses alike.
+    A budget below the floor raises at construction; when the reserve pushes the floor over
+    the budget, every tensor stays at the floor (a warning).
 
-    **Changes** happen only at the step after a measurement (a refresh). A layer whose route
-    changes has its residual re-based ``R T_old⁻¹ T_new`` when it is next read
+    **Changes** happen only at the step after a measurement. A layer whose route changes has
+    its residual re-based ``R T_old⁻¹ T_new`` when it is next read
     (:meth:`~geofp8.feedback.ErrorFeedback.residual_in`); a residual is FP32 in its
     coordinates, not in a format, so a format change carries it on as it is (it is the part
     of the gradient not yet delivered).
@@ -229,41 +248,42 @@ class BudgetSelection(Selection):
         super().__init__(candidates)
         self.budget, self.every, self.first_step = budget, every, first_step
         self.world_size = world_size
+        self.tensors = list(shapes)  # every communicated tensor: the rows of a measurement
+        self.index = {n: i for i, n in enumerate(self.tensors)}
         self.codecs = {"nvfp4": floor, "e4m3": make_codec("e4m3", "tensor")}
-        self.numel = [torch.Size(shapes[n]).numel() for n in self.candidates]
+        self.numel = [torch.Size(shapes[n]).numel() for n in self.tensors]
+        candidate = set(candidates)
         self.costs = [[tensor_wire_bytes(shapes[n], self.codecs[fmt], world_size)
-                       for fmt, _ in PATHS] for n in self.candidates]
-        fixed = sum(tensor_wire_bytes(shape, floor, world_size)
-                    for n, shape in shapes.items() if n not in self.index)
+                       if n in candidate or not geometry else float("inf")
+                       for fmt, geometry in PATHS] for n in self.tensors]
         ring = 2 * (world_size - 1) / world_size
-        elements = sum(torch.Size(shape).numel() for shape in shapes.values())
-        self.limit = budget * elements * ring  # bytes per step and rank
-        self.elements_ring = elements * ring
-        self.fixed = fixed
-        floor_bytes = fixed + sum(min(c) for c in self.costs)
+        self.elements_ring = sum(self.numel) * ring
+        self.limit = budget * self.elements_ring  # bytes per step and rank
+        floor_bytes = sum(c[0] for c in self.costs)
         if floor_bytes > self.limit:
             raise ValueError(
                 f"GeoFP8Config(budget={budget}): the cheapest assignment (every tensor in "
                 f"nvfp4) needs {floor_bytes / self.elements_ring:.4f} bytes per element per "
                 "round trip; raise the budget")
-        self.path = [0] * len(self.candidates)
+        self.path = [0] * len(self.tensors)
         self.planned = floor_bytes / self.elements_ring if ring else 0.0
+        self.reserve = 0.0  # factor bytes per step and rank planned at the last decision
         self._pending: torch.Tensor | None = None
         self.measured: torch.Tensor | None = None
         self.factor_window = [0.0, 0]  # factor bytes sent and steps since the last decision
         self.last_measurement: dict[str, dict[str, float]] = {}
 
     def wants(self, step: int) -> bool:
-        return step % self.every == 0 and step >= self.first_step
+        return step == self.first_step or (step > self.first_step and step % self.every == 0)
 
     def observe(self, name, G, geo, residual_in) -> None:
         if self._pending is None:
-            self._pending = torch.zeros(len(self.candidates), len(PATHS) + 1,
+            self._pending = torch.zeros(len(self.tensors), len(PATHS) + 1,
                                         dtype=torch.float64)
         row = self._pending[self.index[name]]
         for col, (fmt, geometry) in enumerate(PATHS):
             route = geo if geometry else IDENTITY
-            if route is None:  # no factor yet: the path cannot be taken
+            if route is None:  # no factor (yet, or ever): the path cannot be taken
                 row[col] = float("nan")
                 continue
             residual = residual_in(route)
@@ -286,68 +306,73 @@ class BudgetSelection(Selection):
         return None if i is None else self.codecs[PATHS[self.path[i]][0]]
 
     def assignment(self) -> dict[str, str]:
-        """Every candidate's path, by weight name (``nvfp4``, ``nvfp4-geo``, ``e4m3``)."""
-        return {n: path_name(PATHS[p]) for n, p in zip(self.candidates, self.path)}
+        """Every tensor's path, by parameter name (``nvfp4``, ``nvfp4-geo``, ``e4m3``)."""
+        return {n: path_name(PATHS[p]) for n, p in zip(self.tensors, self.path)}
 
     def start_step(self, step: int, group: DeviceGroup) -> None:
         if self.measured is None:
             return
+        total, steps = self.factor_window
         flat = torch.cat([self.measured.reshape(-1),
-                          torch.tensor([self.factor_window[0] / max(1, self.factor_window[1])],
-                                       dtype=torch.float64)])
+                          torch.tensor([total / max(1, steps)], dtype=torch.float64)])
         m, _ = group.all_reduce(flat, "factor")
         m = m.cpu()
         self.measured, self.factor_window = None, [0.0, 0]
         factor = float(m[-1]) / group.size  # per step and rank, averaged over the ranks
-        errors = m[:-1].view(len(self.candidates), len(PATHS) + 1)
-        self._decide(errors, factor)
+        overspent = max(0.0, factor - self.reserve) * steps  # the last period's, in bytes
+        self._decide(m[:-1].view(len(self.tensors), len(PATHS) + 1),
+                     factor + overspent / self.every)
 
-    def _decide(self, errors: torch.Tensor, factor: float) -> None:
-        """The assignment of least error within the budget (class notes) from the reduced
-        ``errors`` (per candidate: ``e_p`` per path, then ``‖G‖²``)."""
+    def _decide(self, errors: torch.Tensor, reserve: float) -> None:
+        """The assignment of least error within the budget less ``reserve`` bytes per step
+        (class notes) from the reduced ``errors`` (per tensor: ``e_p`` per path, then
+        ``‖G‖²``)."""
         self.last_measurement = {}
-        cost: list[list[float]] = []  # per candidate and path: weighted error (inf: none)
-        for i, name in enumerate(self.candidates):
+        cost: list[list[float]] = []  # per tensor and path: weighted error (inf: none)
+        for i, name in enumerate(self.tensors):
             norm = float(errors[i, -1])
-            row = [float(e) * self.numel[i] / norm if norm > 0 and torch.isfinite(e)
-                   else float("inf") for e in errors[i, :-1]]
+            row = [float(e) * self.numel[i] / norm
+                   if norm > 0 and torch.isfinite(e) and self.costs[i][p] < float("inf")
+                   else float("inf") for p, e in enumerate(errors[i, :-1])]
             if norm > 0:
-                self.last_measurement[name] = {path_name(p): (e / self.numel[i]) ** 0.5
-                                               for p, e in zip(PATHS, row)}
+                self.last_measurement[name] = {
+                    path_name(p): (e / self.numel[i]) ** 0.5
+                    for p, e in zip(PATHS, row) if e < float("inf")}
             cost.append(row)
         path = []
         for i, row in enumerate(cost):
             cheapest = min(self.costs[i])
             floors = [p for p, c in enumerate(self.costs[i]) if c == cheapest]
             path.append(min(floors, key=lambda p: (row[p], p)))
-        spent = self.fixed + factor + sum(c[p] for c, p in zip(self.costs, path))
+        spent = reserve + sum(c[p] for c, p in zip(self.costs, path))
         if spent > self.limit:
             warnings.warn(f"GeoFP8 budget {self.budget}: the factor traffic puts the floor at "
                           f"{spent / self.elements_ring:.4f} bytes per element; every "
-                          "candidate stays at the floor", stacklevel=2)
+                          "tensor stays at the floor", stacklevel=2)
         else:
             upgrades = sorted(
                 ((cost[i][path[i]] - cost[i][p]) / (self.costs[i][p] - self.costs[i][path[i]]),
                  i, p)
-                for i in range(len(self.candidates)) for p in range(len(PATHS))
+                for i in range(len(self.tensors)) for p in range(len(PATHS))
                 if self.costs[i][p] > self.costs[i][path[i]] and cost[i][p] < cost[i][path[i]])
             base = list(path)
             for _, i, p in sorted(upgrades, key=lambda u: (-u[0], u[1], u[2])):
                 extra = self.costs[i][p] - self.costs[i][path[i]]
                 if path[i] == base[i] and spent + extra <= self.limit:
                     path[i], spent = p, spent + extra
-        self.path = path
+        self.path, self.reserve = path, reserve
         self.planned = spent / self.elements_ring if self.elements_ring else 0.0
-        self.selected = {n for n, p in zip(self.candidates, path) if PATHS[p][1]}
+        self.selected = {n for n, p in zip(self.tensors, path) if PATHS[p][1]}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "path": list(self.path), "planned": self.planned,
-                "factor_window": list(self.factor_window),
+                "reserve": self.reserve, "factor_window": list(self.factor_window),
                 "measured": None if self.measured is None else self.measured.clone()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.path, self.planned = list(state["path"]), float(state["planned"])
+        self.reserve = float(state["reserve"])
         self.factor_window = [float(state["factor_window"][0]),
                               int(state["factor_window"][1])]
         measured = state.get("measured")
@@ -362,7 +387,7 @@ def make_selection(config, codec: Codec, candidates: list[str], factor_source: s
     ``world_size`` ranks). Module names in ``config.layers`` that are not candidates raise."""
     if config.budget is not None:
         return BudgetSelection(candidates, codec, shapes or {}, world_size, config.budget,
-                               config.refresh_every, config.refresh_every)
+                               config.refresh_every, config.warmup_steps)
     layers = config.layers
     if isinstance(layers, (list, tuple)):
         refused = [n for n in layers if f"{n}.weight" not in candidates]

@@ -1,0 +1,155 @@
+"""The study's tables and plot from the compare folders' results (and, when present, the runs'
+logs): per-seed paired gap to fp32, bytes per element per round trip, the budget's choices.
+
+    python docs/results/budget-2026-12-04/study.py
+
+Bytes per element per round trip = the report's bytes/element (what one rank sends per step
+over the model's elements) / 2(N−1)/N (the exact collective's round trip).
+Writes ``gap_vs_bytes.png`` next to this file and prints Markdown.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).parent
+FOLDERS = {"0.67": HERE, "0.8": HERE / "budget-0.8"}  # the budget of each compare folder
+KINDS = [("attention q/k/v", r"self_attn\.[qkv]_proj"), ("attention o", r"self_attn\.o_proj"),
+         ("mlp gate/up", r"mlp\.(gate|up)_proj"), ("mlp down", r"mlp\.down_proj"),
+         ("embedding", r"embed_tokens"), ("lm_head", r"lm_head"), ("norms", r"norm")]
+
+
+def runs() -> dict[str, dict[int, dict]]:
+    """``{method label: {seed: run}}`` over every compare folder that has results."""
+    out: dict[str, dict[int, dict]] = {}
+    for budget, folder in FOLDERS.items():
+        path = folder / "results.json"
+        if not path.exists():
+            continue
+        results = json.loads(path.read_text())
+        ring = 2 * (results["setup"]["world_size"] - 1) / results["setup"]["world_size"]
+        for run in results["runs"]:
+            label = f"budget {budget}" if run["method"] == "budget" else run["method"]
+            run = {**run, "per_round_trip": run["bytes_per_element"] / ring,
+                   "log": folder / "runs" / run["dir"] / "log.jsonl"}
+            out.setdefault(label, {}).setdefault(run["seed"], run)
+    return out
+
+
+def table(by_method: dict[str, dict[int, dict]]) -> list[dict]:
+    base = by_method["fp32"]
+    rows = []
+    for method, seeds in by_method.items():
+        gaps = {s: r["final_val_loss"] - base[s]["final_val_loss"] for s, r in seeds.items()
+                if s in base}
+        values = list(gaps.values())
+        mean = sum(values) / len(values)
+        spread = statistics.stdev(values) if len(values) > 1 else 0.0
+        bpe = sum(r["per_round_trip"] for r in seeds.values()) / len(seeds)
+        rows.append({"method": method, "gaps": gaps, "mean": mean, "spread": spread,
+                     "bytes": bpe})
+    return rows
+
+
+def kind_of(name: str) -> str:
+    return next((k for k, pattern in KINDS if re.search(pattern, name)), "other")
+
+
+def short(name: str) -> str:
+    """``model.layers.3.mlp.down_proj.weight`` → ``3.down``."""
+    m = re.search(r"layers\.(\d+)\.\w+\.(\w+?)(_proj)?\.weight", name)
+    return f"{m[1]}.{m[2]}" if m else name.removeprefix("model.").removesuffix(".weight")
+
+
+def choices(log: Path) -> list[tuple[int, dict[str, str], float]]:
+    """``(step, formats, planned)`` of every decision logged in ``log``."""
+    out = []
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        if "formats" in record:
+            out.append((record["step"], record["formats"], record.get("budget_planned")))
+    return out
+
+
+def refresh_share(log: Path, ring: float = 1.5) -> float:
+    """B/element per round trip of the refreshes, averaged over the run: the excess of a
+    refresh step (``step % 25 == 0``) over the step before it (same formats)."""
+    per_step = {r["step"]: r["bytes_per_element"] for r in map(json.loads,
+                                                               log.read_text().splitlines())
+                if "bytes_per_element" in r}
+    excess = sum(per_step[s] - per_step[s - 1] for s in per_step if s and s % 25 == 0)
+    return excess / len(per_step) / ring
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for row in rows:
+        if row["method"] == "fp32":
+            continue
+        ax.errorbar(row["bytes"], row["mean"], yerr=row["spread"], fmt="o", capsize=4)
+        for gap in row["gaps"].values():
+            ax.plot(row["bytes"], gap, ".", color="grey")
+        ax.annotate(row["method"], (row["bytes"], row["mean"]), textcoords="offset points",
+                    xytext=(6, 4))
+    fp8 = next((r for r in rows if r["method"] == "fp8-ef"), None)
+    if fp8 is not None:
+        ax.axhline(max(fp8["gaps"].values()) + 0.003, ls="--", color="k", lw=0.8)
+        ax.axvline(0.67, ls=":", color="k", lw=0.8)
+        ax.text(0.68, max(fp8["gaps"].values()) + 0.004,
+                "goal: ≤ 0.67 B, fp8-ef (worst seed) + 0.003", fontsize=8)
+    ax.set_xlabel("bytes per element per round trip")
+    ax.set_ylabel("val. loss gap to fp32 (mean ± std; dots: seeds)")
+    ax.set_title("llama-small, 4 ranks, 200 steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    by_method = runs()
+    rows = table(by_method)
+    seeds = sorted({s for r in rows for s in r["gaps"]})
+    print("| method | gap to fp32 (mean ± sample std) | "
+          + " | ".join(f"gap seed {s}" for s in seeds) + " | B/element per round trip |")
+    print("|---|---|" + "---|" * len(seeds) + "---|")
+    for r in rows:
+        print(f"| {r['method']} | {r['mean']:+.4f} ± {r['spread']:.4f} | "
+              + " | ".join(f"{r['gaps'].get(s, float('nan')):+.4f}" for s in seeds)
+              + f" | {r['bytes']:.4f} |")
+    plot(rows, HERE / "gap_vs_bytes.png")
+    for method, seeds_runs in by_method.items():
+        if not method.startswith("budget"):
+            continue
+        for seed, run in sorted(seeds_runs.items()):
+            if not run["log"].exists():
+                continue
+            decisions = choices(run["log"])
+            print(f"\n{method}, seed {seed}: {run['per_round_trip']:.4f} B/element per round "
+                  f"trip, of which refreshes {refresh_share(run['log']):.4f}; "
+                  f"{len(decisions)} decisions at steps {[d[0] for d in decisions]}, planned "
+                  f"B/element {[round(d[2], 4) for d in decisions if d[2] is not None]}")
+            print("| tensors | " + " | ".join(f"step {d[0]}" for d in decisions) + " |")
+            print("|---|" + "---|" * len(decisions))
+            for kind, _ in [*KINDS, ("other", "")]:
+                cells = []
+                for _, formats, _ in decisions:
+                    count = Counter(p for n, p in formats.items() if kind_of(n) == kind)
+                    cells.append(", ".join(f"{c} {p}" for p, c in sorted(count.items())))
+                if any(cells):
+                    print(f"| {kind} | " + " | ".join(cells) + " |")
+            last = decisions[-1][1]
+            for path in ("e4m3", "nvfp4"):
+                names = [short(n) for n, p in last.items() if p == path and "norm" not in n]
+                print(f"\nstep {decisions[-1][0]}, {path} (norms aside): {', '.join(names)}")
+
+
+if __name__ == "__main__":
+    main()
