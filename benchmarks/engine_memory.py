@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
+
+from host_syncs import on_ranks  # this folder is on sys.path when run as a script
 
 STEPS = 3  # steps 0 (consistency check) and 1 warm up; step 2 is profiled
 
@@ -101,19 +101,7 @@ def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
 
 def measure(method: str, world: int) -> tuple[int, int, int, int]:
     """``(transient peak, held, residuals, largest bucket)`` in bytes, on rank 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, method, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict((r, rest) for r, *rest in (queue.get(timeout=600) for _ in procs))
-    for p in procs:
-        p.join(timeout=60)
-    return tuple(results[0])
+    return on_ranks(_worker, world, method)
 
 
 def main() -> None:

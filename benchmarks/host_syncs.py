@@ -74,14 +74,15 @@ def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
     dist.destroy_process_group()
 
 
-def measure(method: str, world: int) -> tuple[int, float, float]:
-    """``(buckets, aten ops per step, host syncs per step)`` on rank 0."""
+def on_ranks(worker, world: int, method: str) -> tuple:
+    """What rank 0 of ``world`` spawned gloo ranks puts on the queue, each running
+    ``worker(rank, world, port, method, queue)`` (it puts ``(rank, *figures)``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, method, queue))
+    procs = [ctx.Process(target=worker, args=(r, world, port, method, queue))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -89,6 +90,11 @@ def measure(method: str, world: int) -> tuple[int, float, float]:
     for p in procs:
         p.join(timeout=60)
     return tuple(results[0])
+
+
+def measure(method: str, world: int) -> tuple[int, float, float]:
+    """``(buckets, aten ops per step, host syncs per step)`` on rank 0."""
+    return on_ranks(_worker, world, method)
 
 
 def main() -> None:
