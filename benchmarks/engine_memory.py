@@ -19,15 +19,13 @@ Goal (issue 20): transient + held <= 2x the largest bucket.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from host_syncs import on_ranks  # this folder is on sys.path when run as a script
+from host_syncs import ddp_model, on_ranks  # this folder is on sys.path when run as a script
 
 STEPS = 3  # steps 0 (consistency check) and 1 warm up; step 2 is profiled
 
@@ -70,20 +68,7 @@ def _step(ddp) -> None:
 
 
 def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    from geofp8.methods import METHODS
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(32)])
-    spec = METHODS[method]
-    state, hook, _ = spec.build(model)
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
-    if hook is not None:
-        ddp.register_comm_hook(state, hook)
-    torch.manual_seed(1 + rank)
+    ddp, state = ddp_model(rank, world, port, method)
     for _ in range(STEPS - 1):
         _step(ddp)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -41,7 +41,9 @@ class Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
+def ddp_model(rank: int, world: int, port: int, method: str):
+    """``(ddp, state)`` on a new gloo group: the benchmark's model under ``method``'s hook
+    (``state`` is ``None`` for DDP's own all-reduce); no refresh after step 0."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -54,8 +56,14 @@ def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
     state, hook, _ = spec.build(model, **{k: v for k, v in {"refresh_every": 1000}.items()
                                           if k in spec.overrides and spec.kind == "geofp8"})
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
-    ddp.register_comm_hook(state, hook)
+    if hook is not None:
+        ddp.register_comm_hook(state, hook)
     torch.manual_seed(1 + rank)
+    return ddp, state
+
+
+def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
+    ddp, _ = ddp_model(rank, world, port, method)
     per_step = []
     for step in range(STEPS):
         loss = ddp(torch.randn(16, 256)).pow(2).mean()
