@@ -25,24 +25,32 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _worker(rank, world, method):
+def _counted_steps(rank, method, refresh_every, steps):
+    """``(ops per step, buckets)``: the aten ops of every step's ``backward()`` (a Counter
+    each) on this rank, DDP over 8 Linear(64, 64) in buckets of ~20 KB."""
     from geofp8.methods import METHODS
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(8)])
     spec = METHODS[method]
-    state, hook, _ = spec.build(model, **spec.takes(refresh_every=2, k=8))
+    state, hook, _ = spec.build(model, **spec.takes(refresh_every=refresh_every, k=8))
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
     ddp.register_comm_hook(state, hook)
-    syncs = []
-    for step in range(5):
-        loss = ddp(torch.randn(8, 64, generator=torch.Generator().manual_seed(step + 10 * rank)))
+    counts = []
+    for step in range(steps):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step + 10 * rank))
+        loss = ddp(x).pow(2).mean()
         counter = _Count()
         with counter:
-            loss.pow(2).mean().backward()
-        syncs.append(counter.ops[SYNC])
+            loss.backward()
+        counts.append(counter.ops)
         ddp.zero_grad()
-    return syncs, len(ddp.reducer._get_zeros_like_grad_buckets())
+    return counts, len(ddp.reducer._get_zeros_like_grad_buckets())
+
+
+def _worker(rank, world, method):
+    counts, buckets = _counted_steps(rank, method, refresh_every=2, steps=5)
+    return [c[SYNC] for c in counts], buckets
 
 
 # Not yet: factor_source="fresh" factors this step's sketch on the hot path, with 6 host
@@ -58,26 +66,9 @@ def test_an_ordinary_step_reads_nothing_back_on_the_autograd_thread(method):
 
 def _ops_worker(rank, world, methods):
     """Per method: ``(aten ops per bucket, host syncs)`` of the ordinary steps 1 and 2."""
-    from geofp8.methods import METHODS
-
     out = {}
     for method in methods:
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(8)])
-        spec = METHODS[method]
-        state, hook, _ = spec.build(model, **spec.takes(refresh_every=1000, k=8))
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
-        ddp.register_comm_hook(state, hook)
-        counts = []
-        for step in range(3):
-            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step + 10 * rank))
-            loss = ddp(x).pow(2).mean()
-            counter = _Count()
-            with counter:
-                loss.backward()
-            counts.append(counter.ops)
-            ddp.zero_grad()
-        buckets = len(ddp.reducer._get_zeros_like_grad_buckets())
+        counts, buckets = _counted_steps(rank, method, refresh_every=1000, steps=3)
         ordinary = counts[1] + counts[2]  # step 0 checks the ranks' configurations
         out[method] = (sum(ordinary.values()) / (2 * buckets), ordinary[SYNC])
     return out
