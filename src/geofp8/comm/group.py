@@ -5,16 +5,27 @@ only CUDA tensors) and charges the bytes this rank sends to a named counter.
 Bytes follow each collective's standard algorithm: all-reduce ``2(N−1)/N·size`` (ring),
 all-to-all the splits meant for the others, all-gather and broadcast ``(N−1)·size`` (the
 broadcast charged to its source).
+
+Every collective's ``Work`` is kept for the next :data:`KEEP` collectives. On gloo, the
+worker thread that ran a collective drops its own reference to the ``Work`` just after
+marking it done; when that is the last reference, the ``Work``'s tensors are freed there, and
+a tensor that Python has already let go of needs the GIL to free its Python object — while
+the main thread, holding the GIL, may be tearing the process group down and joining that
+very thread: a hang at exit (the native stacks in ``benchmarks/exit_abort.py``). Holding the
+``Work`` here makes the last reference Python's.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DeviceGroup"]
+__all__ = ["KEEP", "DeviceGroup"]
+
+KEEP = 4  # collectives whose Work a group keeps alive (module notes; their buffers too)
 
 
 class DeviceGroup:
@@ -33,6 +44,15 @@ class DeviceGroup:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.bytes: dict[str, float] = {}
+        self._works: collections.deque = collections.deque(maxlen=KEEP)
+
+    def _keep(self, work, async_op: bool = True):
+        """``work`` kept alive (module notes); waited for here unless ``async_op``."""
+        self._works.append(work)
+        if not async_op:
+            work.wait()
+            return None
+        return work
 
     def charge(self, kind: str, nbytes: float) -> None:
         """Count ``nbytes`` under ``kind`` (also for traffic computed, not issued, here)."""
@@ -53,15 +73,16 @@ class DeviceGroup:
         """SUM all-reduce of ``t`` (moved to the device); returns ``(tensor, work)``."""
         t = self.on_device(t)
         self.charge(kind, 2 * (self.size - 1) * t.numel() * t.element_size() // self.size)
-        work = dist.all_reduce(t, group=self.group, async_op=async_op)
-        return t, work
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        return t, self._keep(work, async_op)
 
     def broadcast(self, t: torch.Tensor, src: int, kind: str) -> torch.Tensor:
         """Broadcast from group rank ``src``; returns the (device) tensor."""
         t = self.on_device(t)
         if src == self.rank:
             self.charge(kind, (self.size - 1) * t.numel() * t.element_size())
-        dist.broadcast(t, src=self.global_rank(src), group=self.group)
+        self._keep(dist.broadcast(t, src=self.global_rank(src), group=self.group,
+                                  async_op=True), async_op=False)
         return t
 
     def all_gather(self, t: torch.Tensor, kind: str, async_op: bool = False):
@@ -69,14 +90,14 @@ class DeviceGroup:
         t = self.on_device(t)
         out = list(t.new_empty((self.size, *t.shape)).unbind(0))  # one buffer, N views
         self.charge(kind, (self.size - 1) * t.numel() * t.element_size())
-        work = dist.all_gather(out, t, group=self.group, async_op=async_op)
-        return out, work
+        work = dist.all_gather(out, t, group=self.group, async_op=True)
+        return out, self._keep(work, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, kind: str) -> None:
         """Blocking ``reduce_scatter_single`` (the ``N − 1`` shards for others are sent)."""
         self.charge(kind, (self.size - 1) * out.numel() * out.element_size())
-        dist.reduce_scatter_single(self.on_device(out), self.on_device(inp), op=op,
-                                   group=self.group)
+        self._keep(dist.reduce_scatter_single(self.on_device(out), self.on_device(inp), op=op,
+                                              group=self.group, async_op=True), async_op=False)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
                    in_splits: list[int], kind: str):
@@ -84,9 +105,9 @@ class DeviceGroup:
         if out.device != self.device or inp.device != self.device:
             raise ValueError(f"all_to_all buffers must live on {self.device}")
         self.charge(kind, sum(n for j, n in enumerate(in_splits) if j != self.rank))
-        return dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
-                                      input_split_sizes=in_splits, group=self.group,
-                                      async_op=True)
+        return self._keep(dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
+                                                 input_split_sizes=in_splits, group=self.group,
+                                                 async_op=True))
 
     # -- plain data: JSON text and named tensors as bytes (no Python objects) -----------------
 
