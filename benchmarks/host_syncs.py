@@ -8,6 +8,7 @@ are excluded: the figures are those of an ordinary step. Work done in the collec
 completion callbacks (gloo's threads) is not seen, so the op counts are a lower bound.
 
     python benchmarks/host_syncs.py               # 2 and 4 ranks, fp8-ef and geofp8-auto
+    python benchmarks/host_syncs.py --kernels batched chunked   # both ways of running stages
     PYTHONPATH=<other checkout>/src python benchmarks/host_syncs.py   # another version
 
 Counts are deterministic (the same on every run), so they compare versions exactly.
@@ -43,7 +44,9 @@ class Counter(TorchDispatchMode):
 
 def ddp_model(rank: int, world: int, port: int, method: str):
     """``(ddp, state)`` on a new gloo group: the benchmark's model under ``method``'s hook
-    (``state`` is ``None`` for DDP's own all-reduce); no refresh after step 0."""
+    (``state`` is ``None`` for DDP's own all-reduce); no refresh after step 0. ``method``
+    may name the stages' kernels after an ``@`` (``fp8-ef@batched``; default ``auto``)."""
+    method, _, kernels = method.partition("@")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -53,7 +56,8 @@ def ddp_model(rank: int, world: int, port: int, method: str):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(32)])
     spec = METHODS[method]
-    state, hook, _ = spec.build(model, **{k: v for k, v in {"refresh_every": 1000}.items()
+    settings = {"refresh_every": 1000, "kernels": kernels or "auto"}
+    state, hook, _ = spec.build(model, **{k: v for k, v in settings.items()
                                           if k in spec.overrides and spec.kind == "geofp8"})
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
     if hook is not None:
@@ -109,14 +113,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["fp8-ef", "geofp8-auto"])
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--kernels", nargs="+", default=["auto"],
+                        help="the stages' kernels: auto (chunked on CPU), batched, chunked")
     args = parser.parse_args()
-    print("| method | ranks | buckets | aten ops / bucket | host syncs / bucket |")
-    print("|---|---|---|---|---|")
+    print("| method | kernels | ranks | buckets | aten ops / bucket | host syncs / bucket |")
+    print("|---|---|---|---|---|---|")
     for method in args.methods:
-        for world in args.ranks:
-            buckets, ops, syncs = measure(method, world)
-            print(f"| {method} | {world} | {buckets} | {ops / buckets:.1f} | "
-                  f"{syncs / buckets:.2f} |", flush=True)
+        for kernels in args.kernels:
+            for world in args.ranks:
+                buckets, ops, syncs = measure(f"{method}@{kernels}", world)
+                print(f"| {method} | {kernels} | {world} | {buckets} | {ops / buckets:.1f} | "
+                      f"{syncs / buckets:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

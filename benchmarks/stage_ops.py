@@ -12,12 +12,14 @@ take on a 100 and a 400 Gbit/s link. A model, not a measurement: launches overla
 stream, and small ops do not reach the HBM's bandwidth.
 
     python benchmarks/stage_ops.py                          # this checkout
+    python benchmarks/stage_ops.py --kernels batched chunked   # the layout's two ways
     PYTHONPATH=<other checkout>/src python benchmarks/stage_ops.py   # another version
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -75,28 +77,29 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["e4m3", "nvfp4"])
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--buckets", nargs="+", default=list(BUCKETS))
+    parser.add_argument("--kernels", nargs="+", default=["batched", "chunked"],
+                        help="ShardLayout.kernels to run (the GPU projection is the batched "
+                             "row's: those are the kernels a GPU runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| format | bucket | ranks | aten ops | MB read+written | CPU ms | x memcpy | "
-          "GPU ms (projected) | send ms at 100 / 400 Gbit/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for fmt in args.formats:
-        codec = make_codec(fmt)
-        for name in args.buckets:
-            for n in args.ranks:
-                layout = ShardLayout.build(BUCKETS[name], codec, n)
-                x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
-                run = rank_share(layout, x)
-                counter = Counter()
-                with counter:
-                    run()
-                y = torch.empty_like(x)
-                t, t_copy = best(run), best(lambda: y.copy_(x))  # noqa: B023
-                gpu = counter.ops * LAUNCH_US * 1e-6 + counter.bytes / HBM_BYTES_PER_S
-                send = [8 * layout.wire_bytes(0) / bits for bits in (100e9, 400e9)]
-                print(f"| {fmt} | {name} | {n} | {counter.ops} | {counter.bytes / 1e6:.0f} | "
-                      f"{1e3 * t:.1f} | {t / t_copy:.0f} | {1e3 * gpu:.2f} | "
-                      f"{1e3 * send[0]:.2f} / {1e3 * send[1]:.2f} |", flush=True)
+    print("| format | kernels | bucket | ranks | aten ops | MB read+written | CPU ms | "
+          "x memcpy | GPU ms (projected) | send ms at 100 / 400 Gbit/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for fmt, kernels, name, n in itertools.product(args.formats, args.kernels, args.buckets,
+                                                   args.ranks):
+        layout = ShardLayout.build(BUCKETS[name], make_codec(fmt), n, kernels=kernels)
+        x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+        run = rank_share(layout, x)
+        counter = Counter()
+        with counter:
+            run()
+        y = torch.empty_like(x)
+        t, t_copy = best(run), best(lambda: y.copy_(x))  # noqa: B023
+        gpu = counter.ops * LAUNCH_US * 1e-6 + counter.bytes / HBM_BYTES_PER_S
+        send = [8 * layout.wire_bytes(0) / bits for bits in (100e9, 400e9)]
+        print(f"| {fmt} | {kernels} | {name} | {n} | {counter.ops} | "
+              f"{counter.bytes / 1e6:.0f} | {1e3 * t:.1f} | {t / t_copy:.0f} | {1e3 * gpu:.2f} | "
+              f"{1e3 * send[0]:.2f} / {1e3 * send[1]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from distributed import run_ranks
 from geofp8.codecs import FP8Codec
 from geofp8.comm import (
     ShardLayout,
+    encode,
     exact_allreduce,
     fp32_allreduce_wire_bytes,
     simulate_exact_allreduce,
@@ -264,3 +265,39 @@ def test_encode_shards_is_encode_into_shard_by_shard(fmt, scaling, rounding, sha
                            expect.nan_to_num().view(torch.int32)), j
     assert not expect_finite  # the NaN and the Inf
     assert bool(finite) == expect_finite
+
+
+@pytest.mark.parametrize(("fmt", "scaling", "rounding"), [*BATCHED_CODECS, ("mixed", None, None)])
+def test_chunked_and_batched_kernels_are_bit_identical(fmt, scaling, rounding):
+    """A layout's two ways of running the codecs (``kernels``): every stage's bytes and the
+    all-reduced values agree bit for bit, at N = 3 with odd shards and with one codec per
+    tensor (``"mixed"``: the budget's nvfp4 / e4m3 layouts)."""
+    from geofp8.codecs import make_codec
+
+    shapes = [(37, 11), (3,), (64, 16), (40, 8)]
+    if fmt == "mixed":
+        codecs = [make_codec("nvfp4", rounding="stochastic"), make_codec("e4m3"),
+                  make_codec("nvfp4", rounding="stochastic"), make_codec("e4m3")]
+        codec = codecs[0]
+    else:
+        codec, codecs = make_codec(fmt, scaling, 8, rounding), None
+    out = {}
+    for kernels in ("batched", "chunked"):
+        layout = ShardLayout.build(shapes, codec, 3, codecs=codecs, kernels=kernels)
+        inputs = [torch.randn(layout.numel, generator=torch.Generator().manual_seed(r))
+                  * torch.logspace(-20, 5, layout.numel) for r in range(3)]
+        out[kernels] = (encode(inputs[0], layout, seed=7, sender=1),
+                        simulate_exact_allreduce(inputs, layout, seed=7))
+    assert torch.equal(out["batched"][0], out["chunked"][0])
+    assert torch.equal(out["batched"][1].view(torch.int32), out["chunked"][1].view(torch.int32))
+
+
+def test_auto_kernels_are_chunked_on_a_cpu_and_batched_elsewhere():
+    layout = ShardLayout.build([(8, 8)], FP8Codec(), 2)
+    assert layout.kernels == "auto"
+    assert not layout.batched(torch.device("cpu"))
+    assert layout.batched(torch.device("meta"))
+    assert ShardLayout.build([(8, 8)], FP8Codec(), 2, kernels="batched").batched(
+        torch.device("cpu"))
+    with pytest.raises(ValueError, match="kernels"):
+        ShardLayout.build([(8, 8)], FP8Codec(), 2, kernels="fast")

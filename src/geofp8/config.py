@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass
 
 from .codecs import FORMATS, ROUNDINGS, SCALINGS
 from .codecs.base import mix_seed
-from .comm import COLLECTIVES
+from .comm import COLLECTIVES, KERNELS
 from .geometry.factory import TRANSFORMS
 
 __all__ = ["Candidates", "Collective", "FP8Config", "FactorSource", "Format", "GeoFP8Config",
-           "Hierarchy", "LayerMode", "Rounding", "Scaling", "Statistics", "Transform"]
+           "Hierarchy", "Kernels", "LayerMode", "Rounding", "Scaling", "Statistics", "Transform"]
 
 
 def _registry_enum(name: str, values) -> type[enum.StrEnum]:
@@ -33,6 +33,7 @@ Scaling = _registry_enum("Scaling", SCALINGS)  # FP8 scale groups: TENSOR, ROW, 
 Rounding = _registry_enum("Rounding", ROUNDINGS)  # NEAREST, STOCHASTIC
 Collective = _registry_enum("Collective", COLLECTIVES)  # EXACT, ALLGATHER
 Transform = _registry_enum("Transform", TRANSFORMS)  # EUCLIDEAN, LOWRANK, KFAC, ...
+Kernels = _registry_enum("Kernels", KERNELS)  # AUTO, BATCHED, CHUNKED (geofp8.comm.layout)
 FP8_FORMATS = (Format.E4M3, Format.E5M2)
 
 
@@ -118,6 +119,7 @@ class GeoFP8Config:
     collective: Collective = Collective.EXACT  # exact: all-to-all + FP32 sum + all-gather
     hierarchy: Hierarchy = Hierarchy.AUTO  # DDP: compress only between nodes (auto|flat|node)
     node_size: int | None = None  # ranks per node (None: torchrun's LOCAL_WORLD_SIZE)
+    kernels: Kernels = Kernels.AUTO  # auto: cache-sized pieces on CPU, whole-bucket kernels else
     # -- geometry
     transform: Transform = Transform.LOWRANK  # a kind of geofp8.geometry.factory.TRANSFORMS
     k: int = 32  # rank of the low-rank factor (the paper's k)
@@ -157,6 +159,7 @@ class GeoFP8Config:
         problems: list[str] = []
         for name, kind in (("format", Format), ("rounding", Rounding),
                            ("collective", Collective), ("hierarchy", Hierarchy),
+                           ("kernels", Kernels),
                            ("transform", Transform),
                            ("factor_source", FactorSource), ("statistics", Statistics)):
             set_(name, _choice(getattr(self, name), kind, name, problems))

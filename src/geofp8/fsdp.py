@@ -408,9 +408,10 @@ class GeoFP8FSDP:
         """The unit's row layout (``"rows"``) or its replica hop's (``"replica"``)."""
         key = (kind, world)
         if key not in unit.layouts:
-            codec = self.engine.pipeline.codec
-            unit.layouts[key] = ShardLayout.for_rows(unit.shapes, codec, world, 1) \
-                if kind == "rows" else ShardLayout.build(unit.chunk_shapes(), codec, world)
+            codec, kernels = self.engine.pipeline.codec, self.engine.config.kernels
+            unit.layouts[key] = ShardLayout.for_rows(unit.shapes, codec, world, 1, kernels) \
+                if kind == "rows" else ShardLayout.build(unit.chunk_shapes(), codec, world,
+                                                         kernels=kernels)
         return unit.layouts[key]
 
     # -- reporting and checkpoints -----------------------------------------------------------

@@ -152,5 +152,6 @@ class HierarchicalAllReduce:
         key = tuple(shapes)
         if key not in self._layouts:
             self._layouts[key] = ShardLayout.build(shapes, self.engine.pipeline.codec,
-                                                   self.inter.size)
+                                                   self.inter.size,
+                                                   kernels=self.engine.config.kernels)
         return self._layouts[key]

@@ -199,7 +199,8 @@ class GradientPipeline:
             side = [self._factor_bytes(shape[1]) if mapped else 0
                     for shape, mapped in zip(shapes, per_sender)]
             self._layouts[key] = ShardLayout.build(shapes, self.codec, self.world_size,
-                                                   list(per_sender), side, list(codecs))
+                                                   list(per_sender), side, list(codecs),
+                                                   kernels=self.config.kernels)
         return self._layouts[key]
 
     # -- per-sender (local) factors ----------------------------------------------------------

@@ -3,7 +3,7 @@ collectives over ``torch.distributed`` (:mod:`.collective`) and the one helper e
 collective goes through (:mod:`.group`)."""
 
 from .collective import COLLECTIVES, Communicator, exact_allreduce, wire_bytes
-from .layout import ShardLayout, fp32_allreduce_wire_bytes
+from .layout import KERNELS, ShardLayout, fp32_allreduce_wire_bytes
 from .stages import (
     decode,
     decode_gathered,
@@ -13,6 +13,6 @@ from .stages import (
     simulate_exact_allreduce,
 )
 
-__all__ = ["COLLECTIVES", "Communicator", "ShardLayout", "decode", "decode_gathered",
+__all__ = ["COLLECTIVES", "KERNELS", "Communicator", "ShardLayout", "decode", "decode_gathered",
            "decode_sum", "encode", "encode_reduced", "exact_allreduce",
            "fp32_allreduce_wire_bytes", "simulate_exact_allreduce", "wire_bytes"]

@@ -15,7 +15,10 @@ import torch
 from ..codecs import Codec
 from ..codecs.base import mix_seed
 
-__all__ = ["ShardLayout", "fp32_allreduce_wire_bytes", "tensor_wire_bytes"]
+__all__ = ["KERNELS", "ShardLayout", "fp32_allreduce_wire_bytes", "tensor_wire_bytes"]
+
+# How a layout runs the codecs over several shards (see ``ShardLayout.kernels``)
+KERNELS = ("auto", "batched", "chunked")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,14 @@ class ShardLayout:
     Shard ``j``'s payload is then its *runs* (consecutive segments sharing a codec), each
     encoded by its codec, one after the other; a one-codec shard is a single run, encoded
     exactly as without ``codecs``.
+
+    ``kernels`` chooses how :meth:`encode_shards` / :meth:`decode_shards` run the codecs, with
+    bit-identical results: ``"batched"`` makes one codec call over all the shards (a number
+    of kernels that does not grow with ``N``: what an accelerator needs, where every kernel
+    is a launch); ``"chunked"`` goes shard by shard through :meth:`Codec.encode_into` /
+    :meth:`Codec.decode_into`, which walk the data in cache-sized pieces (what a CPU needs,
+    where launches are cheap and whole-bucket temporaries cost memory bandwidth);
+    ``"auto"``: chunked on a CPU, batched on any other device.
     """
 
     numel: int
@@ -47,12 +58,17 @@ class ShardLayout:
     owners: tuple[tuple[int, ...], ...] = ()  # per shard: the tensor index of each segment
     side: tuple[int, ...] = ()  # per shard: bytes of sender metadata after the payload
     codecs: tuple[Codec, ...] = ()  # per tensor (empty: ``codec`` for every tensor)
+    kernels: str = "auto"  # batched | chunked | auto (above)
+
+    def __post_init__(self) -> None:
+        if self.kernels not in KERNELS:
+            raise ValueError(f"unknown kernels {self.kernels!r}; expected one of {KERNELS}")
 
     @classmethod
     def build(cls, shapes: list[tuple[int, ...]], codec: Codec, world_size: int,
               row_aligned: list[bool] | None = None,
               side_bytes: list[int] | None = None,
-              codecs: list[Codec] | None = None) -> ShardLayout:
+              codecs: list[Codec] | None = None, kernels: str = "auto") -> ShardLayout:
         if codecs and len(set(codecs)) == 1:  # one format after all: a one-codec layout
             codec, codecs = codecs[0], None
         segments: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
@@ -87,11 +103,11 @@ class ShardLayout:
             offset += numel
         return cls(offset, world_size, codec, tuple(tuple(s) for s in segments),
                    tuple(tuple(g) for g in groups), tuple(tuple(o) for o in owners),
-                   tuple(side), tuple(codecs or ()))
+                   tuple(side), tuple(codecs or ()), str(kernels))
 
     @classmethod
     def for_rows(cls, shapes: list[tuple[int, ...]], codec: Codec, world_size: int,
-                 side_bytes: int = 0) -> ShardLayout:
+                 side_bytes: int = 0, kernels: str = "auto") -> ShardLayout:
         """The layout of FSDP's reduce-scatter input: a flat ``[N, M]`` buffer whose row
         ``r`` is every tensor's dim-0 chunk ``r`` (``⌈d₀/N⌉`` rows, zero-padded) in order,
         ``M = Σ_p ⌈d₀,p/N⌉·numel_p/d₀,p``. Shard ``r`` is row ``r``: one segment per tensor
@@ -118,7 +134,7 @@ class ShardLayout:
             groups.append(tuple(grp))
             owners.append(tuple(own))
         return cls(world_size * width, world_size, codec, tuple(segments), tuple(groups),
-                   tuple(owners), (side_bytes,) * world_size)
+                   tuple(owners), (side_bytes,) * world_size, kernels=str(kernels))
 
     def shard_numel(self, j: int) -> int:
         return sum(hi - lo for lo, hi in self.segments[j])
@@ -151,23 +167,41 @@ class ShardLayout:
         """Bytes of shard ``j``'s payload (codes and scales of every run, see the codecs)."""
         return self.runs[j][-1][4] if self.runs[j] else 0
 
+    def batched(self, device: torch.device) -> bool:
+        """Whether :meth:`encode_shards` / :meth:`decode_shards` make whole-bucket codec calls
+        on ``device`` (:attr:`kernels`)."""
+        return self.kernels == "batched" or (self.kernels == "auto" and device.type != "cpu")
+
+    def _runs_of(self, shards: list[int]):
+        """``(i, r, codec, first value, end value, segments)`` of run ``r`` of every shard
+        ``shards[i]``, values counted from the first shard's."""
+        pos = 0
+        for i, j in enumerate(shards):
+            for r, (codec, lo, hi, _, _, segments) in enumerate(self.runs[j]):
+                yield i, r, codec, pos + lo, pos + hi, segments
+            pos += self.shard_numel(j)
+
     def encode_shards(self, values: torch.Tensor, shards: list[int],
                       seeds: list[int | None]) -> list[torch.Tensor]:
         """Encode the FP32 ``values`` of ``shards`` laid one after the other, shard ``shards[i]``
-        with ``seeds[i]``; returns every shard's payload parts in order (:attr:`parts`). A
-        one-codec layout is one codec call for all of them (no growth with ``N``); a layout of
-        several codecs encodes run by run, run ``r > 0`` of a shard with ``mix_seed(seed, r)``
-        (independent streams per run)."""
+        with ``seeds[i]``; returns every shard's payload parts in order (:attr:`parts`). Batched
+        (:attr:`kernels`), a one-codec layout is one codec call for all of them (no growth
+        with ``N``); otherwise, and for a layout of several codecs, run by run. Run ``r > 0``
+        of a shard is encoded with ``mix_seed(seed, r)`` (independent streams per run)."""
         if not values.is_floating_point():
             raise TypeError(f"GeoFP8 codecs take floating-point tensors, got {values.dtype}")
-        if not self.codecs:
+        batched = self.batched(values.device)
+        if batched and not self.codecs:
             return self.codec.encode_shards(values, tuple(self.groups[j] for j in shards), seeds)
-        out, pos = [], 0
-        for j, seed in zip(shards, seeds):
-            for r, (codec, lo, hi, _, _, segments) in enumerate(self.runs[j]):
-                run_seed = seed if seed is None or r == 0 else mix_seed(seed, r)
-                out += codec.encode_shards(values[pos + lo : pos + hi], (segments,), [run_seed])
-            pos += self.shard_numel(j)
+        out = []
+        for i, r, codec, lo, hi, segments in self._runs_of(shards):
+            seed = seeds[i] if seeds[i] is None or r == 0 else mix_seed(seeds[i], r)
+            if batched:
+                out += codec.encode_shards(values[lo:hi], (segments,), [seed])
+                continue
+            buf = values.new_empty(codec.payload_bytes(segments), dtype=torch.uint8)
+            codec.encode_into(buf, values[lo:hi], segments, seed)
+            out += buf.split(codec.part_bytes(segments))
         return out
 
     def decode_shards(self, out: torch.Tensor, parts: list[torch.Tensor],
@@ -175,18 +209,21 @@ class ShardLayout:
         """Decode the payload ``parts`` of ``shards`` (as :meth:`encode_shards` returns them)
         into the FP32 ``out`` (their values one after the other); returns the 0-dim bool device
         flag, ``False`` if any scale is non-finite (see :meth:`Codec.decode_shards`)."""
-        if not self.codecs:
+        batched = self.batched(out.device)
+        if batched and not self.codecs:
             return self.codec.decode_shards(out, parts, tuple(self.groups[j] for j in shards))
-        finite = torch.ones((), dtype=torch.bool, device=out.device)
-        pos = part = 0
-        for j in shards:
-            for codec, lo, hi, _, _, segments in self.runs[j]:
-                k = len(codec.part_bytes(segments))
-                finite &= codec.decode_shards(out[pos + lo : pos + hi], parts[part : part + k],
-                                              (segments,))
-                part += k
-            pos += self.shard_numel(j)
-        return finite
+        flags, part = [], 0
+        for _, _, codec, lo, hi, segments in self._runs_of(shards):
+            k = len(codec.part_bytes(segments))
+            mine = parts[part : part + k]
+            part += k
+            if batched:
+                flags.append(codec.decode_shards(out[lo:hi], mine, (segments,)))
+            else:
+                flags.append(codec.decode_into(out[lo:hi], torch.cat(mine), segments))
+        if not flags:
+            return torch.ones((), dtype=torch.bool, device=out.device)
+        return torch.stack(flags).all()
 
     def send_bytes(self, j: int) -> int:
         """Bytes every sender hands over for shard ``j``: payload plus side metadata."""

@@ -11,6 +11,7 @@ import argparse
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+from ...comm import KERNELS
 from ...feedback import STORAGES
 from .config import METHODS, TrainConfig, make_comm_hook
 
@@ -54,6 +55,9 @@ HELP = {
                  "a node, the exact low-precision collective between nodes)",
     "node_size": "ranks per node (0: torchrun's LOCAL_WORLD_SIZE); with --hierarchy node, "
                  "emulates nodes on one machine",
+    "kernels": "how the exact collective's stages run (bit-identical): batched (a fixed number "
+               "of whole-bucket kernels: accelerators), chunked (shard by shard in cache-sized "
+               "pieces: CPUs) or auto (chunked on CPU)",
     "eval_every": "validation loss every E steps and at the end (0: never)",
     "eval_batches": "validation batches per rank",
     "shadow_every": "every M steps also all-reduce the local gradients in FP32 and log the "
@@ -89,7 +93,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] =
             choices = {"method": list(METHODS), "optimizer": ["muon", "adamw"],
                        "format": ["e4m3", "e5m2"], "parallel": ["ddp", "fsdp", "hsdp"],
                        "residual": list(STORAGES),
-                       "hierarchy": ["auto", "flat", "node"]}.get(f.name)
+                       "hierarchy": ["auto", "flat", "node"],
+                       "kernels": list(KERNELS)}.get(f.name)
             parser.add_argument(flag, type=kind, default=default, choices=choices,
                                 help=f"{HELP[f.name]} (default: %(default)s)")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from ...comm import KERNELS
 from ...feedback import STORAGES
 from ...methods import METHODS
 from ..errors import UsageError
@@ -47,6 +48,7 @@ class TrainConfig:
     residual: str = "fp32"  # fsdp/hsdp error-feedback storage
     hierarchy: str = "auto"  # ddp: auto | flat | node (FP32 inside a node, FP8 between)
     node_size: int = 0  # ranks per node (0: torchrun's LOCAL_WORLD_SIZE)
+    kernels: str = "auto"  # auto | batched | chunked (the stages' kernels; same bits)
     # measurement and output
     eval_every: int = 50
     eval_batches: int = 16
@@ -73,6 +75,7 @@ class TrainConfig:
             (self.residual in STORAGES, f"residual must be one of {STORAGES}"),
             (self.hierarchy in ("auto", "flat", "node"), "hierarchy must be auto, flat or node"),
             (self.node_size >= 0, "node_size must be >= 0"),
+            (self.kernels in KERNELS, f"kernels must be one of {KERNELS}"),
             (self.parallel == "ddp" or self.optimizer == "adamw",
              "--parallel fsdp/hsdp needs --optimizer adamw (Muon needs whole matrices)"),
             (self.steps >= 1 and self.seq_len >= 1 and self.batch_size >= 1,
@@ -103,4 +106,5 @@ def make_comm_hook(method: str, model, cfg: TrainConfig):
                                           refresh_every=cfg.refresh_every,
                                           profile_steps=cfg.profile_steps, seed=cfg.seed,
                                           hierarchy=cfg.hierarchy,
-                                          node_size=cfg.node_size or None))
+                                          node_size=cfg.node_size or None,
+                                          kernels=cfg.kernels))
