@@ -413,3 +413,18 @@ def test_the_budget_method_needs_its_budget():
     assert METHODS["nvfp4-ef"].takes(budget=0.7) == {}
     with pytest.raises(UsageError, match="--method budget needs --budget"):
         TrainConfig(method="budget")
+    ef2 = METHODS["budget-ef2"].config(budget=0.67)
+    assert ef2.budget == 0.67 and ef2.owner_feedback and ef2.error_feedback
+    with pytest.raises(UsageError, match="--method budget-ef2 needs --budget"):
+        TrainConfig(method="budget-ef2")
+
+
+def test_compare_refuses_a_budget_method_without_its_budget_before_any_run(tmp_path):
+    from geofp8.tools.errors import UsageError
+    from geofp8.tools.train.compare import compare
+    from geofp8.tools.train.config import TrainConfig
+
+    with pytest.raises(UsageError, match="--method budget-ef2 needs --budget"):
+        compare(TrainConfig(), ["fp32", "budget-ef2"], [0], nproc=2, out=tmp_path,
+                echo=lambda *a: None)
+    assert not (tmp_path / "runs").exists()  # fp32 did not run first
