@@ -1,8 +1,9 @@
 """A byte budget: a format and route per communicated tensor (GeoFP8Config(budget=B)),
 measured at the first low-precision step and every refresh, decided at the next step from
 all-reduced errors, identical on every rank, within the budget (the factor traffic repaid),
-with the residuals re-based on a change and a bitwise resume; and the layouts that carry a codec per
-tensor (a one-codec layout is unchanged)."""
+with the residuals re-based on a change and a bitwise resume; with owner_feedback, the owner's
+residuals of the second rounding handed over on a change of route; and the layouts that carry a
+codec per tensor (a one-codec layout is unchanged)."""
 
 import copy
 import io

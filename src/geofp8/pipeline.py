@@ -132,7 +132,8 @@ class GradientPipeline:
         be re-based on the owner's piece (``T`` mixes whole rows): it is *handed over* to
         this rank's send instead, ``Ũ = G T + R + O T`` (``O`` zero outside the piece), and
         so reaches the sum whole, its rounding error going on in the sender's residual
-        ``R``, which is re-based with the route. The owner's residual is dropped with the
+        ``R`` (with ``error_feedback``), which is re-based with the route. Every rank does
+        so with the piece it owns. The owner's residual is dropped with the
         step's commit; a non-finite step keeps both residuals as they were, and the
         hand-over happens at the next finite step. A change of format alone (``nvfp4`` ↔
         ``e4m3``) keeps the owner's residual as it is, as the sender's."""
