@@ -1,8 +1,9 @@
 """A byte budget: a format and route per communicated tensor (GeoFP8Config(budget=B)),
 measured at the first low-precision step and every refresh, decided at the next step from
 all-reduced errors, identical on every rank, within the budget (the factor traffic repaid),
-with the residuals re-based on a change and a bitwise resume; and the layouts that carry a codec per
-tensor (a one-codec layout is unchanged)."""
+with the residuals re-based on a change and a bitwise resume; with owner_feedback, the owner's
+residuals of the second rounding handed over on a change of route; and the layouts that carry a
+codec per tensor (a one-codec layout is unchanged)."""
 
 import copy
 import io
@@ -162,9 +163,9 @@ RESUME_AT = 7  # after the measurement of step 6, before its decision
 FROM = 1  # the first decision: after the measurement of step 0
 
 
-def _setup():
+def _setup(**extra):
     model = make_model(0)
-    state = GeoFP8State(model, GeoFP8Config(**BUDGET))
+    state = GeoFP8State(model, GeoFP8Config(**BUDGET, **extra))
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
     ddp.register_comm_hook(state, geofp8_hook)
     return model, ddp, state, torch.optim.SGD(model.parameters(), lr=0.05)
@@ -254,6 +255,131 @@ def test_budget_in_ddp_is_identical_on_every_rank_fits_and_resumes_bitwise():
         assert set(stats["formats"]) == set(stats["budget_errors"])
 
 
+BAD = 3  # the step of the first geometry routes (factor refreshed at 2, measured, decided)
+
+
+def _whole(state, name, shape, world):
+    """This rank's owner residual of ``name`` as a whole tensor (zero outside its piece)."""
+    whole = torch.zeros(shape).reshape(-1)
+    owner = state.engine.feedbacks["owner"]
+    if name in owner.residuals:
+        piece = owner.residual_in(name, IDENTITY).reshape(-1)
+        lo = state.rank * -(-whole.numel() // world)
+        whole[lo : lo + piece.numel()] = piece
+    return whole.view(shape)
+
+
+def _budget_owner_worker(rank, world):
+    import torch.distributed as dist
+
+    model, ddp, state, opt = _setup(owner_feedback=True)
+    pipeline, shapes = state.pipeline, {n: p.shape for n, p in model.named_parameters()}
+    owner = state.engine.feedbacks["owner"]
+    # per tensor, over the finite steps: Σ G, Σ ĝ (the mean received), this rank's decoded
+    # sends Σ deq(sent) T⁻¹ and the owner residuals it handed over
+    given, received, sent, handed, this_step = {}, {}, {}, {}, {}
+    encode = pipeline.encode
+
+    def recording_encode(names, grads, seed=None):
+        enc = encode(names, grads, seed)
+        flat, pos = decode(enc.sent, enc.layout), 0
+        for name, g, route in zip(names, grads, enc.routes):
+            d = route.inverse(flat[pos : pos + g.numel()].view(g.shape))
+            this_step[name] = (g.detach().clone(), d)
+            pos += g.numel()
+        return enc
+
+    pipeline.encode = recording_encode
+
+    def step(i, bad=False):
+        owned = {n: _whole(state, n, shapes[n], world) for n in owner.residuals}
+        loss = loss_fn(ddp, i, rank)
+        (loss * float("inf") if bad else loss).backward()
+        finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
+        if finite:
+            for n, p in model.named_parameters():
+                g, d = this_step[n]
+                given[n] = given.get(n, 0) + g
+                sent[n] = sent.get(n, 0) + d
+                received[n] = received.get(n, 0) + p.grad.clone()
+                if n in owned and n not in owner.residuals:
+                    handed[n] = handed.get(n, 0) + owned[n]
+            opt.step()
+        opt.zero_grad()
+        return finite
+
+    def residuals():
+        feedback = state.state_dict()["feedback"]
+        return {k: {n: r.clone() for n, r in feedback[k]["residuals"].items()}
+                for k in ("sender", "owner")}
+
+    saved, record, routed = None, {"recoded": []}, set()
+    last = state.stats()["formats"]
+    for i in range(STEPS):
+        if i == RESUME_AT:
+            saved = copy.deepcopy((model.state_dict(), opt.state_dict(), state.state_dict()))
+        if i == BAD:
+            before = residuals()
+        finite = step(i, bad=i == BAD and rank == 1)
+        formats = state.stats()["formats"]
+        routed |= {n for n, p in formats.items() if p == "nvfp4-geo"}
+        record["recoded"] += [n for n in owner.residuals
+                              if {formats[n], last[n]} == {"nvfp4", "e4m3"}]
+        if i == BAD:  # the decision took geometry routes, whose hand-over the skip undid
+            record["finite"] = finite
+            record["due"] = sorted(n for n in before["owner"] if formats[n] == "nvfp4-geo")
+            after = residuals()
+            record["kept"] = all(
+                before[k].keys() == after[k].keys()
+                and all(torch.equal(before[k][n], after[k][n]) for n in before[k])
+                for k in before)
+        if i == BAD + 1:
+            record["geo_owned"] = sorted(n for n in owner.residuals
+                                         if formats[n] == "nvfp4-geo")
+        last = formats
+    record["handed"] = sorted(handed)
+    sender = {n: pipeline.feedback.residual_in(n, IDENTITY) for n in given}
+    # per rank, in Euclidean terms: Σ G + the owner residuals handed over = what it sent
+    # + its sender residual (the hand-over re-expressed, not reset, on a route change)
+    delivered = {n: float((given[n] + handed.get(n, 0) - sent[n] - sender[n]).norm()
+                          / given[n].norm()) for n in given}
+    # over the ranks, for the tensors never routed through a map (owner feedback on both
+    # roundings, formats changing): Σ_r Σ_t G = N Σ_t ĝ + Σ_r R_r + Σ_r O_r
+    kept = {}
+    for n in sorted(set(given) - routed):
+        total, pending = given[n].clone(), sender[n] + _whole(state, n, shapes[n], world)
+        for t in (total, pending):
+            dist.all_reduce(t)
+        kept[n] = float((total - world * received[n] - pending).norm() / total.norm())
+    straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    final = residuals()
+    model, ddp, state, opt = _setup(owner_feedback=True)
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    state.load_state_dict(torch.load(_roundtrip(saved[2]), weights_only=True))
+    for i in range(RESUME_AT, STEPS):
+        step(i)
+    resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    again = residuals()
+    same_state = all(final[k].keys() == again[k].keys() and all(
+        torch.equal(final[k][n], again[k][n]) for n in final[k]) for k in final)
+    return record, delivered, kept, straight, torch.equal(straight, resumed) and same_state
+
+
+def test_budget_with_owner_feedback_hands_the_owner_residual_over_on_a_route_change():
+    results = run_ranks(_budget_owner_worker, 2, timeout=240)
+    assert torch.equal(results[0][3], results[1][3])  # bit-identical on every rank
+    for record, delivered, kept, _, same in results:
+        assert record["finite"] is False  # step BAD was skipped on every rank ...
+        assert record["due"] and record["kept"]  # ... with a hand-over due: none happened
+        assert record["geo_owned"] == []  # it happened at the next step
+        assert set(record["due"]) <= set(record["handed"])
+        assert max(delivered.values()) < 1e-5, delivered  # handed over whole
+        assert record["recoded"]  # a change of format keeps the owner's residual ...
+        assert len(kept) > 5 and max(kept.values()) < 1e-5, kept  # ... and loses nothing
+        assert same  # resume bitwise, residuals of both roundings included
+
+
 def _refusal_worker(rank, world):
     from geofp8.fsdp import GeoFP8FSDP
 
@@ -288,3 +414,18 @@ def test_the_budget_method_needs_its_budget():
     assert METHODS["nvfp4-ef"].takes(budget=0.7) == {}
     with pytest.raises(UsageError, match="--method budget needs --budget"):
         TrainConfig(method="budget")
+    ef2 = METHODS["budget-ef2"].config(budget=0.67)
+    assert ef2.budget == 0.67 and ef2.owner_feedback and ef2.error_feedback
+    with pytest.raises(UsageError, match="--method budget-ef2 needs --budget"):
+        TrainConfig(method="budget-ef2")
+
+
+def test_compare_refuses_a_budget_method_without_its_budget_before_any_run(tmp_path):
+    from geofp8.tools.errors import UsageError
+    from geofp8.tools.train.compare import compare
+    from geofp8.tools.train.config import TrainConfig
+
+    with pytest.raises(UsageError, match="--method budget-ef2 needs --budget"):
+        compare(TrainConfig(), ["fp32", "budget-ef2"], [0], nproc=2, out=tmp_path,
+                echo=lambda *a: None)
+    assert not (tmp_path / "runs").exists()  # fp32 did not run first

@@ -409,5 +409,6 @@ def test_replicas_bit_identical_after_20_steps_with_every_block_method():
     for plain, other in [("nvfp4", "nvfp4-ef"), ("nvfp4-ef", "nvfp4-rht-ef"),
                          ("nvfp4-ef", "nvfp4-sr-ef"),
                          ("nvfp4-ef", "nvfp4-geo-ef"), ("nvfp4-ef", "nvfp4-fresh-ef"),
-                         ("mxfp4-ef", "mxfp4-rht-ef"), ("mxfp4-ef", "mxfp4-geo-ef")]:
+                         ("mxfp4-ef", "mxfp4-rht-ef"), ("mxfp4-ef", "mxfp4-geo-ef"),
+                         ("budget", "budget-ef2")]:
         assert digest[plain] != digest[other], f"{other} trains exactly like {plain}"

@@ -213,7 +213,6 @@ class GeoFP8Config:
                 (self.collective == "exact", "budget needs collective='exact'"),
                 (self.hierarchy != "node", "budget needs hierarchy='flat' or 'auto' (one "
                  "exact collective over every rank)"),
-                (not self.owner_feedback, "budget does not offer owner_feedback yet"),
             ]
         problems += [message for ok, message in checks if not ok]
         if problems:

@@ -35,7 +35,6 @@ from .comm.group import DeviceGroup
 from .comm.layout import fp32_allreduce_wire_bytes
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
-from .geometry.transforms import IDENTITY
 from .hierarchy import HierarchicalAllReduce, node_size
 
 __all__ = [
@@ -85,6 +84,7 @@ class GeoFP8State:
         self.communicator = Communicator(config.collective, self.engine.group)
         if config.owner_feedback:
             self.communicator.owner = self.engine.add_feedback("owner", "fp32")
+            self.engine.pipeline.owner = self.communicator.owner
         size = node_size(config, self.engine.group.size)
         if process_group is not None and config.hierarchy == "auto":
             size = None  # a group of the caller's: its node layout is not ours to guess
@@ -188,11 +188,10 @@ class GeoFP8State:
             return buffer
 
         # the owners' residuals are in communication coordinates, which stay put only for
-        # buckets with no tensor routed through a map (refreshes change maps)
-        euclidean = all(route is IDENTITY for route in encoded.routes)
+        # tensors sent without a map (refreshes change maps): see GradientPipeline.owner_keys
         future = self.communicator.launch(encoded.sent, encoded.layout, last,
                                           pipeline.unmap(encoded), seed=seed,
-                                          owner_keys=encoded.names if euclidean else None)
+                                          owner_keys=pipeline.owner_keys(encoded))
         self.group.charge("payload", -encoded.side_bytes)  # sender factors are factor bytes
         self.group.charge("factor", encoded.side_bytes)
         return future.then(map_back)

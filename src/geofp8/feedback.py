@@ -6,7 +6,9 @@ coordinates it lives in; when a refresh or a selection change moves them, it is 
 ``R ← R T_old⁻¹ T_new`` so its Euclidean meaning is kept (DESIGN rule 3).
 
 A step's residuals are *staged* while its buckets are encoded and *committed* only when the
-whole step came back finite; a non-finite step discards them (it leaves no trace).
+whole step came back finite; a non-finite step discards them (it leaves no trace). So is the
+removal of a residual (:meth:`ErrorFeedback.drop`: an owner's residual handed over to the
+sender's, see :meth:`geofp8.pipeline.GradientPipeline.prepare_into`).
 
 Storage (``storage``): ``"fp32"`` keeps ``R`` exactly (4 bytes per element); ``"bf16"``
 rounds it to BF16 (2 bytes; relative error ``2⁻⁹``); ``"fp8"`` to E4M3 with one FP32 scale
@@ -81,7 +83,7 @@ class ErrorFeedback:
         self.storage = storage
         self.residuals: dict = {}
         self.basis: dict[str, Transform] = {}
-        self._staged: dict[str, tuple[torch.Tensor, Transform]] = {}
+        self._staged: dict[str, tuple[torch.Tensor, Transform] | None] = {}
 
     def residual_in(self, name: str, route: Transform) -> torch.Tensor | None:
         """The committed residual of ``name`` in ``route``'s coordinates (``None``: none yet)."""
@@ -96,8 +98,17 @@ class ErrorFeedback:
         """This step's new residual of ``name`` (in ``route``'s coordinates)."""
         self._staged[name] = (residual, route)
 
+    def drop(self, name: str) -> None:
+        """Remove the residual of ``name`` when this step commits (kept if it is discarded)."""
+        self._staged[name] = None
+
     def commit(self) -> None:
-        for name, (residual, basis) in self._staged.items():
+        for name, staged in self._staged.items():
+            if staged is None:
+                self.residuals.pop(name, None)
+                self.basis.pop(name, None)
+                continue
+            residual, basis = staged
             self.residuals[name], self.basis[name] = pack(residual, self.storage), basis
         self._staged = {}
 

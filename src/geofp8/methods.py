@@ -168,6 +168,12 @@ METHODS: dict[str, Method] = {
                      "byte budget, EF",
                      {"format": "nvfp4", "transform": "lowrank", "layers": "auto",
                       "error_feedback": True}, BUDGET_OVERRIDES, required=("budget",)),
+    "budget-ef2": Method("geofp8", "budget + EF on both roundings (each reduced shard's "
+                         "owner's too, for tensors sent without a map; handed over to the "
+                         "send when a tensor takes the factor)",
+                         {"format": "nvfp4", "transform": "lowrank", "layers": "auto",
+                          "error_feedback": True, "owner_feedback": True}, BUDGET_OVERRIDES,
+                         required=("budget",)),
     "mxfp4-ef": _block("mxfp4", "MXFP4 (E2M1, an E8M0 scale per 32) + EF"),
     "mxfp4-rht-ef": _block("mxfp4", "MXFP4 + EF after a random Hadamard over each 32-block",
                            "rht"),

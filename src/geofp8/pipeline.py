@@ -89,6 +89,9 @@ class GradientPipeline:
         self.hooks = self.source.attach(modules) if self.source is not None else []
         self._layouts: dict[tuple, ShardLayout] = {}
         self._observing = False
+        # the residuals of the exact collective's second rounding (owner_feedback), set by
+        # the DDP adapter: see owner_keys and prepare_into
+        self.owner: ErrorFeedback | None = None
 
     # -- step boundaries ---------------------------------------------------------------------
 
@@ -119,7 +122,21 @@ class GradientPipeline:
         return IDENTITY if transform is None else transform
 
     def prepare_into(self, name: str, G: torch.Tensor, out: torch.Tensor) -> Transform:
-        """Write ``Ũ = G T + R`` (FP32, ``G``'s shape) into ``out``; returns ``T``."""
+        """Write ``Ũ = G T + R`` (FP32, ``G``'s shape) into ``out``; returns ``T``.
+
+        **Owner hand-over** (``owner_feedback``): the second rounding's residual ``O`` of a
+        tensor lives in Euclidean coordinates, on the rank that owns its piece of the reduced
+        shard, and is kept only while the tensor is sent without a map
+        (:meth:`owner_keys`). In the first step in which the tensor takes a map again (a
+        budget's or an ``auto`` selection's change of route), its owner's residual cannot
+        be re-based on the owner's piece (``T`` mixes whole rows): it is *handed over* to
+        this rank's send instead, ``Ũ = G T + R + O T`` (``O`` zero outside the piece), and
+        so reaches the sum whole, its rounding error going on in the sender's residual
+        ``R`` (with ``error_feedback``), which is re-based with the route. Every rank does
+        so with the piece it owns. The owner's residual is dropped with the
+        step's commit; a non-finite step keeps both residuals as they were, and the
+        hand-over happens at the next finite step. A change of format alone (``nvfp4`` ↔
+        ``e4m3``) keeps the owner's residual as it is, as the sender's."""
         candidate = name in self.layers and self.source is not None
         if candidate:
             self.source.prepare(name)
@@ -130,11 +147,51 @@ class GradientPipeline:
                                    lambda r: self._residual(name, r))
         x = G if route is IDENTITY else route.forward(G)
         residual = self._residual(name, route)
+        handed = self._hand_over(name, route, G.shape)
+        if handed is not None:
+            residual = handed if residual is None else residual + handed
         if residual is None:
             out.copy_(x)
         else:
             torch.add(x, residual, out=out)
         return route
+
+    def _per_sender(self, name: str) -> bool:
+        """Whether ``name`` is decoded with each sender's own map (local factors)."""
+        return (isinstance(self.source, LocalFactors) and name in self.selection.selected
+                and name in self.layers)
+
+    def _owner_keeps(self, name: str, route: Transform) -> bool:
+        """Whether the owner's residual of ``name`` is applied this step (no map)."""
+        return route is IDENTITY and not self._per_sender(name)
+
+    def _hand_over(self, name: str, route: Transform, shape) -> torch.Tensor | None:
+        """``O T``: this rank's owner residual of ``name`` as a whole tensor in ``route``'s
+        coordinates, its removal staged (:meth:`prepare_into`); ``None`` when it has none or
+        keeps it."""
+        owner = self.owner
+        if owner is None or name not in owner.residuals or self._owner_keeps(name, route):
+            return None
+        piece = owner.residual_in(name, IDENTITY).reshape(-1)
+        numel = torch.Size(shape).numel()
+        chunk = -(-numel // self.world_size)  # ShardLayout.build's cut (no row alignment)
+        lo = self.rank * chunk
+        if piece.numel() != min(lo + chunk, numel) - lo:
+            raise RuntimeError(f"GeoFP8: the owner residual of {name} has {piece.numel()} "
+                               f"elements, not its piece's {min(lo + chunk, numel) - lo}")
+        whole = torch.zeros(numel, dtype=torch.float32, device=piece.device)
+        whole[lo : lo + piece.numel()] = piece
+        owner.drop(name)
+        whole = whole.view(shape)
+        return whole if route is IDENTITY else route.forward(whole)
+
+    def owner_keys(self, encoded: Encoded) -> list[str | None]:
+        """Per tensor of ``encoded``: its name if the owner of its reduced piece keeps a
+        residual of the second rounding this step, else ``None`` (a tensor sent through a
+        map: its reduced piece is in that map's coordinates, which a refresh moves and the
+        owner cannot re-base; see :meth:`prepare_into` for what becomes of its residual)."""
+        return [n if self._owner_keeps(n, route) else None
+                for n, route in zip(encoded.names, encoded.routes)]
 
     def _residual(self, name: str, route: Transform) -> torch.Tensor | None:
         if not self.config.error_feedback:
@@ -159,9 +216,7 @@ class GradientPipeline:
             slot = flat[pos : pos + g.numel()].view(g.shape)
             routes.append(self.prepare_into(name, g, slot))
             pos += g.numel()
-        local = isinstance(self.source, LocalFactors)
-        per_sender = tuple(local and n in self.selection.selected and n in self.layers
-                           for n in names)
+        per_sender = tuple(self._per_sender(n) for n in names)
         layout = self._layout(shapes, per_sender, tuple(self.codec_of(n) for n in names))
         side = self._sender_factors(shapes, per_sender, routes, layout) if any(per_sender) \
             else None

@@ -240,7 +240,13 @@ class BudgetSelection(Selection):
     its residual re-based ``R T_old⁻¹ T_new`` when it is next read
     (:meth:`~geofp8.feedback.ErrorFeedback.residual_in`); a residual is FP32 in its
     coordinates, not in a format, so a format change carries it on as it is (it is the part
-    of the gradient not yet delivered).
+    of the gradient not yet delivered). With ``owner_feedback`` the owner of each reduced
+    piece keeps a residual of the second rounding, in Euclidean coordinates, for tensors sent
+    without a map: a format change carries it on as it is too; a change to the geometry path
+    hands it over to that rank's send at the first finite step on the new route (added to
+    ``Ũ`` in the new coordinates, its error going on in the sender's residual), so that
+    nothing undelivered is lost (:meth:`~geofp8.pipeline.GradientPipeline.prepare_into`);
+    a change back starts a new owner's residual.
     """
 
     def __init__(self, candidates: list[str], floor: Codec, shapes: dict[str, tuple],

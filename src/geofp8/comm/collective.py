@@ -65,6 +65,10 @@ class Communicator:
     ``R ← S + R − deq(Q(S + R))`` per tensor, committed with the step. A tensor's piece
     depends on the tensor alone (:meth:`ShardLayout.build` cuts each tensor by itself), not
     on which bucket carries it: DDP's rebuilt buckets and a resumed run find their residuals.
+    A ``None`` key leaves its tensor out (no residual added, none staged): DDP gives one to
+    tensors routed through a map, whose reduced shard is not in stable coordinates.
+    Nor does it depend on the tensor's codec (a chunk is cut by element count alone), so a
+    budget's change of format carries the residual on as it is.
     """
 
     owner = None  # ErrorFeedback of the owners' re-quantization, when enabled
@@ -79,14 +83,14 @@ class Communicator:
 
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
                unmap=None, gather: bool = True, seed: int | None = None,
-               owner_keys: list[str] | None = None) -> torch.futures.Future:
+               owner_keys: list[str | None] | None = None) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
         (mapped back per sender by ``unmap(rows, sides)`` first, see :func:`decode_sum`).
         ``gather=False`` stops after the FP32 sum (a reduce-scatter): the value is this
         rank's reduced shard, ``layout.shard_numel(rank)`` elements. ``seed``: the one
         ``sent`` was encoded with (stochastic rounding re-encodes the reduced shard with it).
-        ``owner_keys``: the tensors' names for the second rounding's residuals (see
-        :attr:`owner`)."""
+        ``owner_keys``: the tensors' names for the second rounding's residuals, ``None``
+        for a tensor left out (see :attr:`owner`)."""
         self.flush()
         self.complete(block=False)
         if self.collective == "allgather":
@@ -142,7 +146,7 @@ class Communicator:
 
     def _gather(self, fut, recv: torch.Tensor, layout: ShardLayout,
                 result: torch.futures.Future, unmap, gather: bool, seed: int | None,
-                keys: list[str] | None) -> None:
+                keys: list[str | None] | None) -> None:
         try:
             fut.value()
             reduced = decode_sum(recv, layout, self.rank, unmap)
@@ -165,11 +169,13 @@ class Communicator:
         gathered, work = self.group.all_gather(shard, "payload", async_op=True)
         self._pending.append((work, lambda: decode_gathered(gathered, layout), result))
 
-    def _pieces(self, layout: ShardLayout, keys: list[str]) -> list[tuple[str, int, int]]:
-        """``(tensor name, start, end)`` of each tensor's piece of this rank's shard."""
+    def _pieces(self, layout: ShardLayout, keys: list[str | None]
+                ) -> list[tuple[str, int, int]]:
+        """``(tensor name, start, end)`` of each keyed tensor's piece of this rank's shard."""
         out, pos = [], 0
         for (lo, hi), index in zip(layout.segments[self.rank], layout.owners[self.rank]):
-            out.append((keys[index], pos, pos + hi - lo))
+            if keys[index] is not None:
+                out.append((keys[index], pos, pos + hi - lo))
             pos += hi - lo
         return out
 

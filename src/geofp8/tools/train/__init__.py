@@ -44,8 +44,8 @@ HELP = {
     "refresh_every": "GeoFP8 factor refresh period K (paper: 50)",
     "profile_steps": "steps of the geofp8 profile before its layers are fixed (default 100)",
     "k": "GeoFP8 low-rank factor k (paper: 32)",
-    "budget": "method budget: bytes per element per round trip (e4m3 1.0, nvfp4 0.5625); "
-              "formats chosen per layer within it",
+    "budget": "methods budget and budget-ef2: bytes per element per round trip (e4m3 1.0, "
+              "nvfp4 0.5625); formats chosen per layer within it",
     "parallel": "ddp (DDP + comm hook), fsdp (fully_shard + FP8 reduce-scatter) or hsdp "
                 "(replicate x shard mesh: FP8 reduce-scatter + FP8 replica all-reduce)",
     "shard_size": "hsdp: ranks per shard group (0: half the ranks)",

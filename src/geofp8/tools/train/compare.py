@@ -58,6 +58,8 @@ def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
     """Run every method for every seed, then write the report under ``out``;
     ``on_run(method, seed, seconds)`` is called after each run that was not reused."""
     check_methods(methods)  # before any run starts
+    for method in methods:  # and each method's settings (e.g. a budget method's --budget)
+        replace(base, method=method)
     runs = []
     total, done = len(methods) * len(seeds), 0
     for seed in seeds:

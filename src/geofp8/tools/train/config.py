@@ -68,8 +68,9 @@ class TrainConfig:
             (self.method not in METHODS or self.format == "e4m3"
              or "format" in METHODS[self.method].takes(format=self.format),
              f"--format {self.format}: method {self.method!r} fixes its own format"),
-            (self.method != "budget" or self.budget is not None,
-             "--method budget needs --budget B (bytes per element per round trip)"),
+            (self.method not in METHODS or "budget" not in METHODS[self.method].required
+             or self.budget is not None,
+             f"--method {self.method} needs --budget B (bytes per element per round trip)"),
             (self.optimizer in ("muon", "adamw"), "optimizer must be 'muon' or 'adamw'"),
             (self.parallel in ("ddp", "fsdp", "hsdp"), "parallel must be ddp, fsdp or hsdp"),
             (self.residual in STORAGES, f"residual must be one of {STORAGES}"),
