@@ -171,24 +171,34 @@ def _setup(**extra):
     return model, ddp, state, torch.optim.SGD(model.parameters(), lr=0.05)
 
 
-def _budget_worker(rank, world):
-    model, ddp, state, opt = _setup()
-    pipeline = state.pipeline
-    formats, sent, elements = [], 0.0, 0
-    delivered, given = {}, {}  # per tensor: Σ_t deq(sent_t) T_t⁻¹ and Σ_t G_t
+def _record_sends(pipeline, record):
+    """Wrap ``pipeline.encode``: ``record(name, G, deq(sent) T⁻¹)`` for every tensor it
+    encodes (what this rank's send delivers, in Euclidean coordinates)."""
     encode = pipeline.encode
 
     def recording_encode(names, grads, seed=None):
         enc = encode(names, grads, seed)
         flat, pos = decode(enc.sent, enc.layout), 0
         for name, g, route in zip(names, grads, enc.routes):
-            d = route.inverse(flat[pos : pos + g.numel()].view(g.shape))
-            delivered[name] = delivered.get(name, 0) + d
-            given[name] = given.get(name, 0) + g.detach().clone()
+            record(name, g.detach().clone(),
+                   route.inverse(flat[pos : pos + g.numel()].view(g.shape)))
             pos += g.numel()
         return enc
 
     pipeline.encode = recording_encode
+
+
+def _budget_worker(rank, world):
+    model, ddp, state, opt = _setup()
+    pipeline = state.pipeline
+    formats, sent, elements = [], 0.0, 0
+    delivered, given = {}, {}  # per tensor: Σ_t deq(sent_t) T_t⁻¹ and Σ_t G_t
+
+    def add(name, g, d):
+        delivered[name] = delivered.get(name, 0) + d
+        given[name] = given.get(name, 0) + g
+
+    _record_sends(pipeline, add)
 
     def step(i):
         loss_fn(ddp, i, rank).backward()
@@ -278,18 +288,7 @@ def _budget_owner_worker(rank, world):
     # per tensor, over the finite steps: Σ G, Σ ĝ (the mean received), this rank's decoded
     # sends Σ deq(sent) T⁻¹ and the owner residuals it handed over
     given, received, sent, handed, this_step = {}, {}, {}, {}, {}
-    encode = pipeline.encode
-
-    def recording_encode(names, grads, seed=None):
-        enc = encode(names, grads, seed)
-        flat, pos = decode(enc.sent, enc.layout), 0
-        for name, g, route in zip(names, grads, enc.routes):
-            d = route.inverse(flat[pos : pos + g.numel()].view(g.shape))
-            this_step[name] = (g.detach().clone(), d)
-            pos += g.numel()
-        return enc
-
-    pipeline.encode = recording_encode
+    _record_sends(pipeline, lambda name, g, d: this_step.__setitem__(name, (g, d)))
 
     def step(i, bad=False):
         owned = {n: _whole(state, n, shapes[n], world) for n in owner.residuals}
