@@ -2,14 +2,19 @@
 logs): per-seed paired gap to fp32, bytes per element per round trip, the budget's choices.
 
     python docs/results/budget-2026-12-04/study.py
+    python docs/results/budget-2026-12-04/study.py 0.67=reports/budget-ef2 --plot OUT.png
+
+Arguments: ``BUDGET=FOLDER`` compare folders (default: this study's two) and where the plot
+goes (default: ``gap_vs_bytes.png`` next to this file).
 
 Bytes per element per round trip = the report's bytes/element (what one rank sends per step
 over the model's elements) / 2(N−1)/N (the exact collective's round trip).
-Writes ``gap_vs_bytes.png`` next to this file and prints Markdown.
+Prints Markdown.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import statistics
@@ -23,17 +28,18 @@ KINDS = [("attention q/k/v", r"self_attn\.[qkv]_proj"), ("attention o", r"self_a
          ("embedding", r"embed_tokens"), ("lm_head", r"lm_head"), ("norms", r"norm")]
 
 
-def runs() -> dict[str, dict[int, dict]]:
+def runs(folders: dict[str, Path]) -> dict[str, dict[int, dict]]:
     """``{method label: {seed: run}}`` over every compare folder that has results."""
     out: dict[str, dict[int, dict]] = {}
-    for budget, folder in FOLDERS.items():
+    for budget, folder in folders.items():
         path = folder / "results.json"
         if not path.exists():
             continue
         results = json.loads(path.read_text())
         ring = 2 * (results["setup"]["world_size"] - 1) / results["setup"]["world_size"]
         for run in results["runs"]:
-            label = f"budget {budget}" if run["method"] == "budget" else run["method"]
+            method = run["method"]
+            label = f"{method} {budget}" if method.startswith("budget") else method
             run = {**run, "per_round_trip": run["bytes_per_element"] / ring,
                    "log": folder / "runs" / run["dir"] / "log.jsonl"}
             out.setdefault(label, {}).setdefault(run["seed"], run)
@@ -114,7 +120,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    by_method = runs()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="*", metavar="BUDGET=FOLDER")
+    parser.add_argument("--plot", type=Path, default=HERE / "gap_vs_bytes.png")
+    args = parser.parse_args()
+    folders = dict((b, Path(f)) for b, f in (a.split("=", 1) for a in args.folders)) \
+        if args.folders else FOLDERS
+    by_method = runs(folders)
     rows = table(by_method)
     seeds = sorted({s for r in rows for s in r["gaps"]})
     print("| method | gap to fp32 (mean ± sample std) | "
@@ -124,7 +136,7 @@ def main() -> None:
         print(f"| {r['method']} | {r['mean']:+.4f} ± {r['spread']:.4f} | "
               + " | ".join(f"{r['gaps'].get(s, float('nan')):+.4f}" for s in seeds)
               + f" | {r['bytes']:.4f} |")
-    plot(rows, HERE / "gap_vs_bytes.png")
+    plot(rows, args.plot)
     for method, seeds_runs in by_method.items():
         if not method.startswith("budget"):
             continue
