@@ -171,6 +171,16 @@ def _setup(**extra):
     return model, ddp, state, torch.optim.SGD(model.parameters(), lr=0.05)
 
 
+def _restored(saved, **extra):
+    """A new ``_setup(**extra)`` loaded from ``saved`` = (model, optimizer, GeoFP8 state
+    dicts), the GeoFP8 state through a ``weights_only`` round trip."""
+    model, ddp, state, opt = _setup(**extra)
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    state.load_state_dict(torch.load(_roundtrip(saved[2]), weights_only=True))
+    return model, ddp, state, opt
+
+
 def _record_sends(pipeline, record):
     """Wrap ``pipeline.encode``: ``record(name, G, deq(sent) T⁻¹)`` for every tensor it
     encodes (what this rank's send delivers, in Euclidean coordinates)."""
@@ -220,10 +230,7 @@ def _budget_worker(rank, world):
     kept = {n: float((given[n] - delivered[n] - pipeline.feedback.residual_in(n, IDENTITY))
                      .norm() / given[n].norm()) for n in given}
     straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    model, ddp, state, opt = _setup()
-    model.load_state_dict(saved[0])
-    opt.load_state_dict(saved[1])
-    state.load_state_dict(torch.load(_roundtrip(saved[2]), weights_only=True))
+    model, ddp, state, opt = _restored(saved)
     for i in range(RESUME_AT, STEPS):
         step(i)
     resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -352,10 +359,7 @@ def _budget_owner_worker(rank, world):
         kept[n] = float((total - world * received[n] - pending).norm() / total.norm())
     straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     final = residuals()
-    model, ddp, state, opt = _setup(owner_feedback=True)
-    model.load_state_dict(saved[0])
-    opt.load_state_dict(saved[1])
-    state.load_state_dict(torch.load(_roundtrip(saved[2]), weights_only=True))
+    model, ddp, state, opt = _restored(saved, owner_feedback=True)
     for i in range(RESUME_AT, STEPS):
         step(i)
     resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -173,14 +173,14 @@ class GradientPipeline:
         if owner is None or name not in owner.residuals or self._owner_keeps(name, route):
             return None
         piece = owner.residual_in(name, IDENTITY).reshape(-1)
-        numel = torch.Size(shape).numel()
-        chunk = -(-numel // self.world_size)  # ShardLayout.build's cut (no row alignment)
-        lo = self.rank * chunk
-        if piece.numel() != min(lo + chunk, numel) - lo:
+        # this rank's piece of the tensor as the exact collective cuts it (by itself)
+        alone = ShardLayout.build([tuple(shape)], self.codec, self.world_size)
+        [(lo, hi)] = alone.segments[self.rank] or [(0, 0)]
+        if piece.numel() != hi - lo:
             raise RuntimeError(f"GeoFP8: the owner residual of {name} has {piece.numel()} "
-                               f"elements, not its piece's {min(lo + chunk, numel) - lo}")
-        whole = torch.zeros(numel, dtype=torch.float32, device=piece.device)
-        whole[lo : lo + piece.numel()] = piece
+                               f"elements, not its piece's {hi - lo}")
+        whole = torch.zeros(alone.numel, dtype=torch.float32, device=piece.device)
+        whole[lo:hi] = piece
         owner.drop(name)
         whole = whole.view(shape)
         return whole if route is IDENTITY else route.forward(whole)

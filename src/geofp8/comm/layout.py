@@ -220,7 +220,7 @@ class ShardLayout:
             if batched:
                 flags.append(codec.decode_shards(out[lo:hi], mine, (segments,)))
             else:
-                flags.append(codec.decode_into(out[lo:hi], torch.cat(mine), segments))
+                flags.append(codec.decode_into(out[lo:hi], _joined(mine), segments))
         if not flags:
             return torch.ones((), dtype=torch.bool, device=out.device)
         return torch.stack(flags).all()
@@ -299,6 +299,17 @@ class ShardLayout:
         """Per shard: the bytes of its payload's parts (:meth:`Codec.part_bytes` of each run)."""
         return tuple(tuple(b for codec, *_, segments in runs for b in codec.part_bytes(segments))
                      for runs in self.runs)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The uint8 ``parts`` as one tensor: a view when they lie back to back in one buffer
+    (as a received record's parts do; pointers only, no device read), else a copy."""
+    first = parts[0]
+    storage = first.untyped_storage().data_ptr()
+    if all(p.is_contiguous() and p.untyped_storage().data_ptr() == storage for p in parts) \
+            and all(b.data_ptr() == a.data_ptr() + a.numel() for a, b in zip(parts, parts[1:])):
+        return first.as_strided((sum(p.numel() for p in parts),), (1,))
+    return torch.cat(parts)
 
 
 def fp32_allreduce_wire_bytes(numel: int, world_size: int, bytes_per_element: int = 4) -> int:
