@@ -10,7 +10,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run_ranks
 from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
-from geofp8.comm import fp32_allreduce_wire_bytes
+from geofp8.codecs import make_codec
+from geofp8.comm import ShardLayout, fp32_allreduce_wire_bytes
 from geofp8.geometry.statistics import LowRankFactor
 from geofp8.geometry.transforms import LowRankInput
 from toymodels import loss_fn, make_model
@@ -69,6 +70,55 @@ def test_fresh_factors_identical_across_ranks_and_awaited_under_a_slow_group():
     assert stats["bytes_sent"] == stats["payload_bytes_sent"] + expected
 
 
+def _rounded_sketch_worker(rank, world_size, sketch_format):
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    config = GeoFP8Config(layers="all", factor_source="fresh", k=8, sketch_format=sketch_format)
+    state = GeoFP8State(model, config)
+    ddp.register_comm_hook(state, geofp8_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        loss_fn(ddp, step, rank).backward()
+        opt.step()
+    maps = {n: [t.clone() for t in m.tensors()]
+            for n, m in sorted(state.pipeline.transforms().items())}
+    shared = state.pipeline.source.shared
+    sketches = [(layer.d_in, min(8 + 8, layer.d_in)) for name, layer in state.layers.items()
+                if shared.of(name) == name]
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return maps, state.stats(), sketches, params
+
+
+@pytest.mark.parametrize("sketch_format", ["e4m3", "nvfp4"])
+def test_a_rounded_sketch_gives_the_same_maps_on_every_rank_at_its_bytes(sketch_format):
+    """3 ranks (uneven shards): the exact collective's reduced sketch is the same everywhere,
+    so are the maps and the parameters; the factor traffic is the sketch's encoded round trip
+    plus two FP32 moments per layer and micro-batch."""
+    results = run_ranks(_rounded_sketch_worker, 3, (sketch_format,))
+    maps, _, sketches, params = results[0]
+    assert maps and sketches
+    for other in results[1:]:
+        assert other[0].keys() == maps.keys()
+        for name in maps:
+            assert all(torch.equal(a, b) for a, b in zip(other[0][name], maps[name]))
+        assert torch.equal(other[3], params)
+    codec = make_codec(sketch_format)
+    for rank, (_, stats, _, _) in enumerate(results):
+        per_step = sum(ShardLayout.build([(d * cols,)], codec, 3).wire_bytes(rank)
+                       + fp32_allreduce_wire_bytes(2, 3) for d, cols in sketches)
+        assert stats["factor_bytes_sent"] == per_step  # per step
+        fp32 = sum(fp32_allreduce_wire_bytes(d * cols + 2, 3) for d, cols in sketches)
+        assert stats["factor_bytes_sent"] < fp32 / (2.5 if sketch_format == "e4m3" else 4)
+
+
+def test_sketch_format_applies_to_fresh_factors_only():
+    with pytest.raises(ValueError, match="sketch_format applies to factor_source='fresh'"):
+        GeoFP8Config(sketch_format="e4m3")
+    with pytest.raises(ValueError, match="sketch_format must be one of"):
+        GeoFP8Config(factor_source="fresh", sketch_format="int3")
+
+
 def _single_rank_worker(rank, world_size):
     torch.manual_seed(0)
     layer = nn.Linear(48, 40, bias=False)
@@ -91,13 +141,13 @@ def test_single_rank_fresh_factor_equals_same_batch_factor():
     torch.testing.assert_close(f_inv, s_inv, rtol=1e-3, atol=1e-4 * s_inv.abs().max().item())
 
 
-def _grads_after_5_steps(rank, world_size, method):
+def _grads_after_5_steps(rank, world_size, method, sketch_format=None):
     from geofp8 import FP8Config, FP8State, fp8_hook
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=0.01)
     if method == "fresh":
         cfg = GeoFP8Config(layers="all", factor_source="fresh", k=8, format="e5m2",
-                           error_feedback=False)
+                           error_feedback=False, sketch_format=sketch_format)
         ddp.register_comm_hook(GeoFP8State(model, cfg), geofp8_hook)
     elif method == "fp8":
         ddp.register_comm_hook(FP8State(model, FP8Config(format="e5m2")), fp8_hook)
@@ -107,9 +157,11 @@ def _grads_after_5_steps(rank, world_size, method):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_fresh_factor_beats_plain_fp8_on_the_mlp_down_projection():
-    """The premise of this issue on a model from scratch: this step's factor helps."""
-    exact, fresh, fp8 = (run_ranks(_grads_after_5_steps, 2, (m,))[0]
+@pytest.mark.parametrize("sketch_format", [None, "e4m3", "nvfp4"])
+def test_fresh_factor_beats_plain_fp8_on_the_mlp_down_projection(sketch_format):
+    """The premise of this issue on a model from scratch: this step's factor helps, also
+    from a sketch rounded to E4M3 or NVFP4 on the wire."""
+    exact, fresh, fp8 = (run_ranks(_grads_after_5_steps, 2, (m, sketch_format))[0]
                          for m in ("fp32", "fresh", "fp8"))
     name = "blocks.0.down.weight"
     rel = {k: float((v[name] - exact[name]).norm() / exact[name].norm())

@@ -130,6 +130,7 @@ class GeoFP8Config:
     statistics: Statistics = Statistics.AUTO
     sketch_above: int = 256  # Statistics.AUTO sketches inputs wider than this
     oversample: int = 8  # p: the sketch has k + p columns
+    sketch_format: Format | None = None  # fresh: the sketch's format (None: FP32 all-reduce)
     # -- selection
     layers: LayerMode | tuple[str, ...] = LayerMode.AUTO  # or module names
     candidates: Candidates | tuple[str, ...] = Candidates.BLOCKS  # or module names
@@ -163,6 +164,9 @@ class GeoFP8Config:
                            ("transform", Transform),
                            ("factor_source", FactorSource), ("statistics", Statistics)):
             set_(name, _choice(getattr(self, name), kind, name, problems))
+        if self.sketch_format is not None:
+            set_("sketch_format", _choice(self.sketch_format, Format, "sketch_format",
+                                          problems))
         set_("layers", _choice_or_names(self.layers, LayerMode, "layers", problems))
         set_("candidates", _choice_or_names(self.candidates, Candidates, "candidates",
                                             problems))
@@ -200,6 +204,9 @@ class GeoFP8Config:
              "factor_source='local' needs collective='exact'"),
             (self.statistics != "sketch" or self.transform == "lowrank",
              "statistics='sketch' only supports transform='lowrank'"),
+            (self.sketch_format is None or self.factor_source == "fresh",
+             "sketch_format applies to factor_source='fresh' only (a refresh's statistics "
+             "travel once per refresh_every steps, in FP32)"),
         ]
         if self.budget is not None:  # see geofp8.selection.BudgetSelection
             checks += [

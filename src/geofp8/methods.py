@@ -161,6 +161,12 @@ METHODS: dict[str, Method] = {
                            "lowrank"),
     "nvfp4-fresh-ef": _block("nvfp4", "NVFP4 + EF, this step's factor on every layer",
                              "lowrank", factor_source="fresh"),
+    "nvfp4-fresh8-ef": _block("nvfp4", "NVFP4 + EF, this step's factor on every layer, its "
+                              "sketch sent in E4M3", "lowrank", factor_source="fresh",
+                              sketch_format="e4m3"),
+    "nvfp4-fresh4-ef": _block("nvfp4", "NVFP4 + EF, this step's factor on every layer, its "
+                              "sketch sent in NVFP4", "lowrank", factor_source="fresh",
+                              sketch_format="nvfp4"),
     "nvfp4-auto-ef": _block("nvfp4", "NVFP4 + EF, layers switched by measured round-trip "
                             "error (refreshed factor)", "lowrank", layers="auto"),
     "budget": Method("geofp8", "NVFP4, NVFP4 + refreshed low-rank factor or E4M3 per tensor, "

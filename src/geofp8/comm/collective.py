@@ -59,6 +59,9 @@ class Communicator:
     thread tore the process group down (holding the GIL) hung ranks at exit
     (``benchmarks/exit_abort.py``).
 
+    ``kind``: the :class:`DeviceGroup` byte counter its traffic is charged to (``payload``
+    for gradients, ``factor`` for fresh factors' sketches).
+
     ``owner``: an :class:`~geofp8.feedback.ErrorFeedback` for the second rounding (``exact``):
     a launch with ``owner_keys`` (one per tensor of the layout) adds each tensor's residual
     to its piece of the reduced shard before re-encoding it and stages
@@ -73,10 +76,10 @@ class Communicator:
 
     owner = None  # ErrorFeedback of the owners' re-quantization, when enabled
 
-    def __init__(self, collective: str, group: DeviceGroup):
+    def __init__(self, collective: str, group: DeviceGroup, kind: str = "payload"):
         if collective not in COLLECTIVES:
             raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
-        self.collective, self.group = collective, group
+        self.collective, self.group, self.kind = collective, group, kind
         self.rank = group.rank
         self._previous = None  # (work, recv, layout, result, unmap, gather, seed, key)
         self._pending: list = []  # (work, finish, result): results this thread completes
@@ -105,7 +108,7 @@ class Communicator:
         recv = torch.empty(n * layout.send_bytes(self.rank), dtype=torch.uint8,
                            device=sent.device)
         work = self.group.all_to_all(recv, sent, [layout.send_bytes(self.rank)] * n,
-                                     [layout.send_bytes(j) for j in range(n)], "payload")
+                                     [layout.send_bytes(j) for j in range(n)], self.kind)
         self._previous = (work, recv, layout, result, unmap, gather, seed,
                           owner_keys if self.owner is not None else None)
         if last:
@@ -166,7 +169,7 @@ class Communicator:
         except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
             result.set_exception(exc)
             return
-        gathered, work = self.group.all_gather(shard, "payload", async_op=True)
+        gathered, work = self.group.all_gather(shard, self.kind, async_op=True)
         self._pending.append((work, lambda: decode_gathered(gathered, layout), result))
 
     def _pieces(self, layout: ShardLayout, keys: list[str | None]
@@ -188,7 +191,7 @@ class Communicator:
             # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
             return poison_unless(total, torch.isfinite(total).all())
 
-        gathered, work = self.group.all_gather(sent, "payload", async_op=True)
+        gathered, work = self.group.all_gather(sent, self.kind, async_op=True)
         return self.track(work, decode_all, sent.device)
 
 

@@ -31,7 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..codecs import make_codec
+from ..comm.collective import Communicator
 from ..comm.group import DeviceGroup
+from ..comm.layout import ShardLayout
+from ..comm.stages import encode
 from .factory import make_transform, needs
 from .statistics import SecondMoment, nystrom_factor, sketch_matrix
 from .transforms import LowRankInput, Transform, transform_from_state
@@ -299,33 +303,61 @@ class _SketchedFactors(FactorSource):
 
 
 class FreshFactors(_SketchedFactors):
-    """This step's factor from an all-reduced sketch (module notes)."""
+    """This step's factor from an all-reduced sketch (module notes).
+
+    ``config.sketch_format``: ``None`` all-reduces ``Y = Σ x xᵀ Ω`` in FP32
+    (``4·d_in·(k+p)`` bytes, ``2(N−1)/N`` of them per rank). A format (``e4m3``, ``nvfp4``,
+    ...) sends ``Y`` through the exact collective instead (each sender's rounding, an FP32
+    sum, the owner's re-rounding: the same reduced sketch on every rank), at that format's
+    bytes per element; ``Σ‖x‖²`` and the token count still travel in FP32. The map is then
+    the Nyström factor of a rounded sketch: identical everywhere, decoded exactly by its
+    inverse, only a less exact whitening.
+    """
 
     def __init__(self, layers, ledger, config, group: DeviceGroup) -> None:
         super().__init__(layers, ledger, config)
         self.group = group
         self._works: dict[str, list] = {}
         self.warned: set[str] = set()
+        self._codec = None if config.sketch_format is None else make_codec(config.sketch_format)
+        self._sketches = Communicator("exact", group, kind="factor")
+        self._layouts: dict[int, ShardLayout] = {}
+
+    def _layout(self, numel: int) -> ShardLayout:
+        if numel not in self._layouts:
+            self._layouts[numel] = ShardLayout.build([(numel,)], self._codec, self.group.size,
+                                                     kernels=self.config.kernels)
+        return self._layouts[numel]
 
     def record(self, name: str, x: torch.Tensor) -> None:
-        """Launch the SUM all-reduce of ``[Σ x xᵀ Ω, Σ‖x‖², tokens]`` of this micro-batch."""
+        """Launch the SUM all-reduces of ``Σ x xᵀ Ω`` and ``[Σ‖x‖², tokens]`` of this
+        micro-batch (one FP32 buffer, or the sketch through the exact collective)."""
         x = x.reshape(-1, self.layers[name].d_in).float()
         omega = self.omega(x.shape[1], x.device)
-        buf = torch.cat([(x.T @ (x @ omega)).reshape(-1), x.pow(2).sum().reshape(1),
-                         x.new_full((1,), float(x.shape[0]))])
-        buf, work = self.group.all_reduce(buf, "factor", async_op=True)
-        self._works.setdefault(name, []).append((work, buf))
+        sketch = (x.T @ (x @ omega)).reshape(-1)
+        moments = torch.cat([x.pow(2).sum().reshape(1), x.new_full((1,), float(x.shape[0]))])
+        if self._codec is None:
+            buf, work = self.group.all_reduce(torch.cat([sketch, moments]), "factor",
+                                              async_op=True)
+            self._works.setdefault(name, []).append(_Reduced(work, buf))
+            return
+        layout = self._layout(sketch.numel())
+        reduced = self._sketches.launch(encode(sketch, layout, sender=self.group.rank),
+                                        layout, last=False)  # its all-gather: next launch
+        moments, work = self.group.all_reduce(moments, "factor", async_op=True)
+        self._works.setdefault(name, []).append(_Reduced(work, moments, reduced))
 
     def prepare(self, name: str) -> None:
         """Wait for the owner's reduced sketches (normally long done) and build its map."""
+        self._drain()  # the last sketch's all-gather: issued here, the same point on every rank
         key = self.shared.of(name)
         works = self._works.pop(key, None)
         if not works:
             return
         t0 = time.perf_counter()
         total = None
-        for work, buf in works:
-            work.wait()
+        for reduced in works:
+            buf = reduced.wait()
             total = buf if total is None else total + buf
         tokens = float(total[-1])
         if tokens > 0 and bool(torch.isfinite(total).all()):
@@ -342,9 +374,32 @@ class FreshFactors(_SketchedFactors):
                           stacklevel=2)
         self._timed("transform_s", t0)
 
+    def _drain(self) -> None:
+        """Issue the pending sketch all-gather and complete every reduced sketch."""
+        self._sketches.flush()
+        self._sketches.complete(block=True)
+
     def settle(self, finite: bool) -> None:
+        self._drain()  # every rank at the same point, whether or not a layer read its sketch
         self._works = {}
         super().settle(finite)
+
+
+@dataclass
+class _Reduced:
+    """One micro-batch's reduced ``[Σ_r Y_r, Σ‖x‖², tokens]``, once :meth:`wait` returns:
+    ``values`` after the FP32 all-reduce ``work``, behind the ``sketch`` the exact collective
+    reduced when there is one (``values``: the two moments alone)."""
+
+    work: object
+    values: torch.Tensor
+    sketch: torch.futures.Future | None = None
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        if self.sketch is None:
+            return self.values
+        return torch.cat([self.sketch.wait(), self.values])
 
 
 class LocalFactors(_SketchedFactors):
