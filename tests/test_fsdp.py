@@ -126,15 +126,17 @@ def _two_rank_worker(rank, world):
     out["nan_grads"] = _grads(net)
     after = state.state_dict()
     out["nan_state"] = (before, after, state.stats())
-    # geometry on both Linear weights: refreshed and fresh factors
-    for source in ("refresh", "fresh"):
+    # geometry on both Linear weights: refreshed and fresh factors (the sketch in FP32 or,
+    # through the exact collective, in NVFP4)
+    for label, source, sketch in (("refresh", "refresh", None), ("fresh", "fresh", None),
+                                  ("fresh-nvfp4", "fresh", "nvfp4")):
         net = _net()
         state = fsdp.enable(net, GeoFP8Config(layers="all", factor_source=source,
-                                              refresh_every=2, k=8))
+                                              sketch_format=sketch, refresh_every=2, k=8))
         for step in range(4):
             _backward(net, step, rank)
         transforms = state.pipeline.transforms()
-        out["geometry_" + source] = (
+        out["geometry_" + label] = (
             {n: {k: v.clone() for k, v in t.state().items()} for n, t in transforms.items()},
             state.stats()["geometry_layers"], _grads(net))
     # mixed precision: bf16 parameters, FP32 reduction
@@ -283,7 +285,7 @@ def test_nan_on_one_rank_is_seen_by_every_rank_and_leaves_no_trace(two_ranks):
         assert all(torch.equal(res0[n], res1[n]) for n in res0)
 
 
-@pytest.mark.parametrize("source", ["refresh", "fresh"])
+@pytest.mark.parametrize("source", ["refresh", "fresh", "fresh-nvfp4"])
 def test_geometry_factors_bit_identical_on_every_rank(two_ranks, source):
     (factors0, layers0, grads0), (factors1, layers1, _) = (r["geometry_" + source]
                                                            for r in two_ranks)
