@@ -54,9 +54,10 @@ def _worker(rank, world, method):
     return [c[SYNC] for c in counts], buckets
 
 
-# Not yet: factor_source="fresh" factors this step's sketch on the hot path, with 6 host
-# reads per layer (linalg's checks and the sketch's finiteness); the fast engine's to fix.
-@pytest.mark.parametrize("method", ["fp8-ef", "geofp8-all", "nvfp4-ef", "kfac"])
+# Fresh factors build this step's map on every step, on the device too (a non-finite sketch
+# is chosen away by torch.where, its warning read with the step's one read).
+@pytest.mark.parametrize("method", ["fp8-ef", "geofp8-all", "nvfp4-ef", "kfac",
+                                    "geofp8-fresh-all", "nvfp4-fresh4-ef"])
 def test_an_ordinary_step_reads_nothing_back_on_the_autograd_thread(method):
     for syncs, buckets in run_ranks(_worker, 2, args=(method,)):
         assert buckets > 1

@@ -156,8 +156,11 @@ class SyncEngine:
         if self.agree:  # per unit, count the ranks whose flag is down
             bad, _ = self.group.all_reduce((~ok).to(torch.float32), "flag")
             ok = bad == 0
-        units_ok = ok.tolist()  # the step's one host read
+        flags = self.pipeline.step_flags()  # read along: one read for the step
+        read = torch.cat([ok.reshape(-1), *(f.reshape(1).to(ok.device) for f in flags)]).tolist()
+        units_ok = read[: ok.numel()]  # the step's one host read
         finite = all(units_ok)
+        self.pipeline.flags_read(read[ok.numel():])
         self.pipeline.settle(finite)
         for name, feedback in self.feedbacks.items():
             if name != "sender":  # the pipeline settles its own

@@ -102,6 +102,14 @@ class GradientPipeline:
             self.source.start_step(step)
         self._observing = self.source is not None and self.selection.wants(step)
 
+    def step_flags(self) -> list[torch.Tensor]:
+        """Device flags for the step's one host read (see :meth:`FactorSource.step_flags`)."""
+        return self.source.step_flags() if self.source is not None else []
+
+    def flags_read(self, values: list[bool]) -> None:
+        if self.source is not None:
+            self.source.flags_read(values)
+
     def settle(self, finite: bool) -> None:
         """Commit (finite step) or discard what the step produced."""
         if self.source is not None:

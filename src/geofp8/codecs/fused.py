@@ -53,7 +53,11 @@ def ef_quantize(grad: torch.Tensor, residual: torch.Tensor, codec: FP8Codec,
         residual.add_(grad)
     elif isinstance(transform, LowRankInput):
         G = grad.to(transform.U.dtype)
-        residual.add_(G, alpha=transform.c_fwd)
+        c = transform.c_fwd
+        if isinstance(c, torch.Tensor):  # a map built on the device (fresh factors)
+            residual.add_(G * c.to(G.dtype))
+        else:
+            residual.add_(G, alpha=c)
         residual.addmm_((G @ transform.U).mul_(transform.d_fwd), transform.U.T)
     else:
         residual.add_(transform.forward(grad))

@@ -110,6 +110,14 @@ class FactorSource:
                 return found
         return None
 
+    def step_flags(self) -> list[torch.Tensor]:
+        """0-dim bool device flags of this step whose values the step's one host read brings
+        back to :meth:`flags_read` (default: none)."""
+        return []
+
+    def flags_read(self, values: list[bool]) -> None:
+        """The values of :meth:`step_flags`, read once the step's collectives are done."""
+
     def settle(self, finite: bool) -> None:
         if finite:
             self.transforms.update(self._step)
@@ -318,6 +326,7 @@ class FreshFactors(_SketchedFactors):
         super().__init__(layers, ledger, config)
         self.group = group
         self._works: dict[str, list] = {}
+        self._flags: list[tuple[str, torch.Tensor]] = []  # (layer, sketch not finite)
         self.warned: set[str] = set()
         self._codec = None if config.sketch_format is None else make_codec(config.sketch_format)
         self._sketches = Communicator("exact", group, kind="factor")
@@ -348,31 +357,43 @@ class FreshFactors(_SketchedFactors):
         self._works.setdefault(name, []).append(_Reduced(work, moments, reduced))
 
     def prepare(self, name: str) -> None:
-        """Wait for the owner's reduced sketches (normally long done) and build its map."""
+        """Wait for the owner's reduced sketches (normally long done) and build its map, on
+        the device: nothing is read back to the host (a non-finite or empty sketch keeps the
+        last map — the identity before the first — chosen by ``torch.where``; the warning
+        waits for the step's one host read, :meth:`flags_read`)."""
         self._drain()  # the last sketch's all-gather: issued here, the same point on every rank
         key = self.shared.of(name)
         works = self._works.pop(key, None)
         if not works:
             return
         t0 = time.perf_counter()
-        total = None
-        for reduced in works:
-            buf = reduced.wait()
-            total = buf if total is None else total + buf
-        tokens = float(total[-1])
-        if tokens > 0 and bool(torch.isfinite(total).all()):
-            d, cfg = self.layers[key].d_in, self.config
-            omega = self.omega(d, total.device)
-            Y = total[: d * omega.shape[1]].view(d, omega.shape[1]) / tokens
-            factor = nystrom_factor(Y, omega, min(cfg.k, d), float(total[-2]) / tokens)
-            self._step[key] = LowRankInput(factor, cfg.damping)
-        elif tokens > 0 and key not in self.warned:  # the same reduced sketch on every rank
-            self.warned.add(key)
-            warnings.warn(f"GeoFP8: this step's input sketch of {key!r} is not finite (its "
-                          "activations overflow x xᵀ Ω in FP32); the layer keeps its last "
-                          "map for this step (warned once per layer)", RuntimeWarning,
-                          stacklevel=2)
+        total = works[0].wait()
+        for reduced in works[1:]:
+            total = total + reduced.wait()
+        d, cfg = self.layers[key].d_in, self.config
+        omega = self.omega(d, total.device)
+        tokens = total[-1]
+        ok = torch.isfinite(total).all() & (tokens > 0)
+        Y = total[: d * omega.shape[1]].view(d, omega.shape[1]) / tokens.clamp_min(1)
+        Y = torch.where(ok, Y, omega)  # a stand-in (A = I) that factors safely, never used
+        trace = torch.where(ok, total[-2] / tokens.clamp_min(1), float(d)).double()
+        fresh = LowRankInput(nystrom_factor(Y, omega, min(cfg.k, d), trace), cfg.damping)
+        self._step[key] = _chosen(ok, fresh, self.transforms.get(key))
+        self._flags.append((key, ~ok & (tokens > 0)))
         self._timed("transform_s", t0)
+
+    def step_flags(self) -> list[torch.Tensor]:
+        return [bad for _, bad in self._flags]
+
+    def flags_read(self, values: list[bool]) -> None:
+        """Warn once per layer whose sketch was not finite this step."""
+        for (key, _), bad in zip(self._flags, values):
+            if bad and key not in self.warned:  # the same reduced sketch on every rank
+                self.warned.add(key)
+                warnings.warn(f"GeoFP8: this step's input sketch of {key!r} is not finite "
+                              "(its activations overflow x xᵀ Ω in FP32); the layer keeps its "
+                              "last map for this step, the identity before its first (warned "
+                              "once per layer)", RuntimeWarning, stacklevel=2)
 
     def _drain(self) -> None:
         """Issue the pending sketch all-gather and complete every reduced sketch."""
@@ -381,8 +402,20 @@ class FreshFactors(_SketchedFactors):
 
     def settle(self, finite: bool) -> None:
         self._drain()  # every rank at the same point, whether or not a layer read its sketch
-        self._works = {}
+        self._works, self._flags = {}, []
         super().settle(finite)
+
+
+def _chosen(ok: torch.Tensor, fresh: LowRankInput, last: Transform | None) -> LowRankInput:
+    """``fresh`` where the 0-dim ``ok`` holds, else ``last`` (the identity when ``None``),
+    field by field on the device."""
+    chosen = LowRankInput.__new__(LowRankInput)
+    for field in LowRankInput.fields:
+        new = getattr(fresh, field)
+        old = getattr(last, field) if last is not None else (
+            1.0 if field in LowRankInput.scalar_fields else torch.zeros_like(new))
+        setattr(chosen, field, torch.where(ok, new, old))
+    return chosen
 
 
 @dataclass

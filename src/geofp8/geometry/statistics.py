@@ -31,7 +31,7 @@ class LowRankFactor:
 
     U: torch.Tensor  # d × k, orthonormal columns
     eigvals: torch.Tensor  # k, descending, >= 0
-    trace: float
+    trace: float | torch.Tensor  # a 0-dim tensor keeps the factor on the device
     dim: int
 
     @property
@@ -39,8 +39,13 @@ class LowRankFactor:
         return self.U.shape[1]
 
     @property
-    def sigma2(self) -> float:
+    def sigma2(self) -> float | torch.Tensor:
+        """A float, or a 0-dim tensor when :attr:`trace` is one (no host read)."""
         rest = self.dim - self.rank
+        if isinstance(self.trace, torch.Tensor):
+            if rest <= 0:
+                return torch.zeros_like(self.trace)
+            return ((self.trace - self.eigvals.double().sum()) / rest).clamp_min(0)
         if rest <= 0:
             return 0.0
         return max((self.trace - float(self.eigvals.sum())) / rest, 0.0)
@@ -138,27 +143,26 @@ class SecondMoment:
         return nystrom_factor(self.total / self.weight.clamp_min(1), self.omega, k, self.trace())
 
 
-def nystrom_factor(Y: torch.Tensor, omega: torch.Tensor, k: int, trace: float) -> LowRankFactor:
+def nystrom_factor(Y: torch.Tensor, omega: torch.Tensor, k: int,
+                   trace: float | torch.Tensor) -> LowRankFactor:
     """Top-k eigenpairs from a sketch ``Y = A Ω`` (stabilised Nyström, in float64).
 
-    With shift ``ν = ε‖Y‖``: ``Y_ν = Y + νΩ``, ``C = chol(Ωᵀ Y_ν)``, ``B = Y_ν C⁻ᵀ``,
-    ``B = U Σ Vᵀ``, ``Λ = max(Σ² − ν, 0)``. Exact when rank(A) ≤ l.
+    With shift ``ν = ε‖Y‖``: ``Y_ν = Y + νΩ``, ``Ωᵀ Y_ν = V W Vᵀ``, ``B = Y_ν V W^{-1/2}``
+    over the eigenvalues ``w > ε_Y·l·max|w|`` (the rest stands in the round-off of ``Y``,
+    its own dtype: an FP32 sketch is noisy at ~1e-7; their columns of ``B`` are zero),
+    ``B = U Σ Vᵀ``, ``Λ = max(Σ² − ν, 0)``. Exact when rank(A) ≤ l. Shapes do not depend on
+    the values and nothing is read back to the host (``trace`` may be a 0-dim tensor):
+    fresh factors run it on every step.
     """
     Y64, O64 = Y.double(), omega.double()
-    nu = torch.finfo(torch.float64).eps * max(float(torch.linalg.matrix_norm(Y64)), 1e-300)
+    nu = torch.finfo(torch.float64).eps * torch.linalg.matrix_norm(Y64).clamp_min(1e-300)
     Y_nu = Y64 + nu * O64
     core = O64.T @ Y_nu
-    core = 0.5 * (core + core.T)
-    C, info = torch.linalg.cholesky_ex(core)
-    if int(info) != 0:  # indefinite from round-off: pseudo-inverse square root
-        # Keep only the eigenvalues that stand out of the round-off of Y (its own dtype:
-        # an fp32 sketch is noisy at ~1e-7). Clamping them to ν instead divided that noise
-        # by √ν and inflated the eigenvalues ~100× for fp32 sketches of rank(A) < l.
-        w, V = torch.linalg.eigh(core)
-        keep = w > torch.finfo(Y.dtype).eps * core.shape[0] * float(w.abs().max())
-        B = (Y_nu @ V[:, keep]) * w[keep].rsqrt()
-    else:
-        B = torch.linalg.solve_triangular(C, Y_nu.T, upper=False).T
+    w, V = torch.linalg.eigh(0.5 * (core + core.T))
+    # Dropping, not clamping: clamping the small ones to ν divided their noise by √ν and
+    # inflated the eigenvalues ~100× for fp32 sketches of rank(A) < l.
+    keep = w > torch.finfo(Y.dtype).eps * core.shape[0] * w.abs().max()
+    B = (Y_nu @ V) * torch.where(keep, w, 1.0).rsqrt().where(keep, 0.0)
     U, S, _ = torch.linalg.svd(B, full_matrices=False)
     k = min(k, U.shape[1])
     lam = (S[:k] ** 2 - nu).clamp_min(0)

@@ -49,9 +49,12 @@ __all__ = [
 ]
 
 
-def _damping_of(trace: float, dim: int, damping: float) -> float:
-    """Absolute ``λ = damping · tr / dim``, floored so that ``M + λI`` is never singular."""
+def _damping_of(trace: float | torch.Tensor, dim: int, damping: float) -> float | torch.Tensor:
+    """Absolute ``λ = damping · tr / dim``, floored so that ``M + λI`` is never singular
+    (a 0-dim tensor for a tensor ``trace``: no host read)."""
     lam = damping * trace / max(dim, 1)
+    if isinstance(trace, torch.Tensor):
+        return torch.maximum(lam, 1e-12 * trace.abs() / max(dim, 1)).clamp_min(1e-30)
     return max(lam, 1e-12 * abs(trace) / max(dim, 1), 1e-30)
 
 
@@ -157,10 +160,12 @@ class LowRankInput(Transform):
         self.d_inv = (eig.sqrt() - self.c_inv).to(dtype)
         self.U = factor.U
 
-    def _apply(self, G: torch.Tensor, c: float, d: torch.Tensor) -> torch.Tensor:
+    def _apply(self, G: torch.Tensor, c: float | torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         if G.dim() != 2:
             raise ValueError(f"{type(self).__name__} needs a 2-D gradient, got {tuple(G.shape)}")
         G = G.to(self.U.dtype)
+        if isinstance(c, torch.Tensor):  # a factor built on the device (fresh factors)
+            return torch.addmm(G * c.to(G.dtype), (G @ self.U) * d, self.U.T)
         return torch.addmm(G, (G @ self.U) * d, self.U.T, beta=c)
 
     def forward(self, G: torch.Tensor) -> torch.Tensor:
