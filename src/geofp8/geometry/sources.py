@@ -12,8 +12,9 @@ before a layer's gradient is encoded), :meth:`~FactorSource.transform`,
   is computed on one owner rank and broadcast as tensors, a sketched one's by every rank
   from the same reduced sketch with the same deterministic Nyström step (as fresh factors).
 * :class:`FreshFactors` — this step's low-rank factor: each forward sketches
-  ``Σ x xᵀ Ω`` (``d_in × (k+p)`` floats) and all-reduces it at once, overlapping the rest
-  of the forward and the backward; every rank runs the same deterministic Nyström step.
+  ``Σ x xᵀ Ω`` (``d_in × (k+p)`` floats) and all-reduces it at once (in FP32, or through the
+  exact collective in ``sketch_format``), overlapping the rest of the forward and the
+  backward; every rank runs the same deterministic Nyström step, on the device.
 * :class:`LocalFactors` — each rank's own factor of this step, never reduced: shipped with
   the sender's payload and applied by the receiver to that sender's rows (per-sender
   decoding, see :class:`geofp8.pipeline.GradientPipeline`).
