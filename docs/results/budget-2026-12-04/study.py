@@ -5,7 +5,9 @@ logs): per-seed paired gap to fp32, bytes per element per round trip, the budget
     python docs/results/budget-2026-12-04/study.py 0.67=reports/budget-ef2 --plot OUT.png
 
 Arguments: ``BUDGET=FOLDER`` compare folders (default: this study's two) and where the plot
-goes (default: ``gap_vs_bytes.png`` next to this file).
+goes (default: ``gap_vs_bytes.png`` next to this file). ``--fsdp STORAGE=FOLDER ...``: compare
+folders of ``--parallel fsdp`` runs (fp32 and nvfp4-ef) with that ``--residual`` storage;
+prints nvfp4-ef's paired gap to FSDP's own fp32 per storage.
 
 Bytes per element per round trip = the report's bytes/element (what one rank sends per step
 over the model's elements) / 2(N−1)/N (the exact collective's round trip).
@@ -119,24 +121,46 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+EF_BYTES = {"fp32": "4", "bf16": "2", "fp8": "1 + 4 per row", "nvfp4": "0.5625"}  # per param
+
+
+def fsdp_table(folders: dict[str, Path]) -> None:
+    """nvfp4-ef's gap to FSDP's fp32 per residual storage (issue 21, item 4)."""
+    print("\n| EF residual storage | B per model parameter per rank | "
+          "gap to fp32 per seed | mean | B/element on the wire |")
+    print("|---|---|---|---|---|")
+    for storage, folder in folders.items():
+        by_method = runs({storage: folder})
+        if "nvfp4-ef" not in by_method or "fp32" not in by_method:
+            continue
+        row = next(r for r in table(by_method) if r["method"] == "nvfp4-ef")
+        seeds = ", ".join(f"{s}: {g:+.4f}" for s, g in sorted(row["gaps"].items()))
+        wire = row["bytes"] * 1.5  # FSDP's reduce-scatter: one way, not a round trip
+        print(f"| {storage} | {EF_BYTES.get(storage, '?')} | {seeds} | {row['mean']:+.4f} | "
+              f"{wire:.4f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="*", metavar="BUDGET=FOLDER")
     parser.add_argument("--plot", type=Path, default=HERE / "gap_vs_bytes.png")
+    parser.add_argument("--fsdp", nargs="*", default=[], metavar="STORAGE=FOLDER")
     args = parser.parse_args()
     folders = dict((b, Path(f)) for b, f in (a.split("=", 1) for a in args.folders)) \
         if args.folders else FOLDERS
     by_method = runs(folders)
-    rows = table(by_method)
+    rows = sorted(table(by_method), key=lambda r: (r["bytes"], r["method"]))
     seeds = sorted({s for r in rows for s in r["gaps"]})
     print("| method | gap to fp32 (mean ± sample std) | "
           + " | ".join(f"gap seed {s}" for s in seeds) + " | B/element per round trip |")
     print("|---|---|" + "---|" * len(seeds) + "---|")
     for r in rows:
         print(f"| {r['method']} | {r['mean']:+.4f} ± {r['spread']:.4f} | "
-              + " | ".join(f"{r['gaps'].get(s, float('nan')):+.4f}" for s in seeds)
+              + " | ".join(f"{r['gaps'][s]:+.4f}" if s in r["gaps"] else "—" for s in seeds)
               + f" | {r['bytes']:.4f} |")
     plot(rows, args.plot)
+    if args.fsdp:
+        fsdp_table(dict((k, Path(f)) for k, f in (a.split("=", 1) for a in args.fsdp)))
     for method, seeds_runs in by_method.items():
         if not method.startswith("budget"):
             continue
