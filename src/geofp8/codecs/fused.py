@@ -53,11 +53,8 @@ def ef_quantize(grad: torch.Tensor, residual: torch.Tensor, codec: FP8Codec,
         residual.add_(grad)
     elif isinstance(transform, LowRankInput):
         G = grad.to(transform.U.dtype)
-        c = transform.c_fwd
-        if isinstance(c, torch.Tensor):  # a map built on the device (fresh factors)
-            residual.add_(G * c.to(G.dtype))
-        else:
-            residual.add_(G, alpha=c)
+        c = transform.c_fwd  # as LowRankInput applies it (a float or a 0-dim tensor)
+        residual.add_(G * (c.to(G.dtype) if isinstance(c, torch.Tensor) else c))
         residual.addmm_((G @ transform.U).mul_(transform.d_fwd), transform.U.T)
     else:
         residual.add_(transform.forward(grad))

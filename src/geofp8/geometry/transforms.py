@@ -164,9 +164,10 @@ class LowRankInput(Transform):
         if G.dim() != 2:
             raise ValueError(f"{type(self).__name__} needs a 2-D gradient, got {tuple(G.shape)}")
         G = G.to(self.U.dtype)
-        if isinstance(c, torch.Tensor):  # a factor built on the device (fresh factors)
-            return torch.addmm(G * c.to(G.dtype), (G @ self.U) * d, self.U.T)
-        return torch.addmm(G, (G @ self.U) * d, self.U.T, beta=c)
+        # one formula whether c is a float or a 0-dim tensor (a map built on the device, or
+        # restored): the same bits either way, so a resumed run matches an uninterrupted one
+        c = c.to(G.dtype) if isinstance(c, torch.Tensor) else c
+        return torch.addmm(G * c, (G @ self.U) * d, self.U.T)
 
     def forward(self, G: torch.Tensor) -> torch.Tensor:
         return self._apply(G, self.c_fwd, self.d_fwd)
