@@ -368,16 +368,18 @@ class FreshFactors(_SketchedFactors):
         if not works:
             return
         t0 = time.perf_counter()
-        total = works[0].wait()
+        sketch, moments = works[0].wait()
         for reduced in works[1:]:
-            total = total + reduced.wait()
+            more_sketch, more_moments = reduced.wait()
+            sketch, moments = sketch + more_sketch, moments + more_moments
         d, cfg = self.layers[key].d_in, self.config
-        omega = self.omega(d, total.device)
-        tokens = total[-1]
-        ok = torch.isfinite(total).all() & (tokens > 0)
-        Y = total[: d * omega.shape[1]].view(d, omega.shape[1]) / tokens.clamp_min(1)
-        Y = torch.where(ok, Y, omega)  # a stand-in (A = I) that factors safely, never used
-        trace = torch.where(ok, total[-2] / tokens.clamp_min(1), float(d)).double()
+        omega = self.omega(d, sketch.device)
+        tokens = moments[1]
+        ok = torch.isfinite(sketch).all() & torch.isfinite(moments).all() & (tokens > 0)
+        count = tokens.clamp_min(1)  # the tokens (1 when none: never used then)
+        # where the sketch is unusable, a stand-in (A = I) that factors safely, never used
+        Y = torch.where(ok, sketch.view(d, omega.shape[1]) / count, omega)
+        trace = torch.where(ok, moments[0] / count, float(d)).double()
         fresh = LowRankInput(nystrom_factor(Y, omega, min(cfg.k, d), trace), cfg.damping)
         self._step[key] = _chosen(ok, fresh, self.transforms.get(key))
         self._flags.append((key, ~ok & (tokens > 0)))
@@ -421,19 +423,19 @@ def _chosen(ok: torch.Tensor, fresh: LowRankInput, last: Transform | None) -> Lo
 
 @dataclass
 class _Reduced:
-    """One micro-batch's reduced ``[Σ_r Y_r, Σ‖x‖², tokens]``, once :meth:`wait` returns:
-    ``values`` after the FP32 all-reduce ``work``, behind the ``sketch`` the exact collective
-    reduced when there is one (``values``: the two moments alone)."""
+    """One micro-batch's reduced ``(Σ_r Y_r, [Σ‖x‖², tokens])``, once :meth:`wait` returns:
+    both views of ``values`` after the FP32 all-reduce ``work``, or the ``sketch`` the exact
+    collective reduced and ``values`` the two moments alone."""
 
     work: object
     values: torch.Tensor
     sketch: torch.futures.Future | None = None
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.work.wait()
         if self.sketch is None:
-            return self.values
-        return torch.cat([self.sketch.wait(), self.values])
+            return self.values[:-2], self.values[-2:]
+        return self.sketch.wait(), self.values
 
 
 class LocalFactors(_SketchedFactors):
