@@ -1,9 +1,11 @@
 """Aten ops and wall time of the exact collective's stages per bucket, in one process.
 
-One rank's share of a bucket: :func:`encode` and :func:`decode` (its payload and its error
-feedback view), :func:`decode_sum` of the ``N`` copies of its shard, :func:`encode_reduced`
-and :func:`decode_gathered`. Ops are counted with a dispatch mode (deterministic); times are
-the best of 3 on one thread, next to a memcpy of the bucket.
+One rank's share of a bucket: :func:`encode` and :func:`rounding_error` (its payload and its
+error feedback residual), :func:`decode_sum` of the ``N`` copies of its shard,
+:func:`encode_reduced` and :func:`decode_gathered`. Ops are counted with a dispatch mode and
+the peak of the bytes allocated and not yet freed (the profiler's allocation records; the
+inputs, made beforehand, not counted) is taken against the bucket's FP32 bytes: both
+deterministic. Times are the best of 3 on one thread, next to a memcpy of the bucket.
 
 A GPU projection from the counts: every op a kernel launch of :data:`LAUNCH_US` plus the
 bytes it reads and writes (tensor arguments and results of every op that is not a view) at
@@ -23,12 +25,20 @@ import itertools
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine_memory import peak_allocated  # this folder is on sys.path when run as a script
 from geofp8.codecs import make_codec
 from geofp8.comm import ShardLayout
-from geofp8.comm.stages import decode, decode_gathered, decode_sum, encode, encode_reduced
+from geofp8.comm.stages import (
+    decode_gathered,
+    decode_sum,
+    encode,
+    encode_reduced,
+    rounding_error,
+)
 
 BUCKETS = {"1MB": [(256, 256)] * 4, "25MB": [(512, 512)] * 25}  # tensors of a bucket
 LAUNCH_US = 5.0  # one eager kernel launch on a GPU, microseconds
@@ -66,7 +76,7 @@ def rank_share(layout: ShardLayout, x: torch.Tensor):
     gathered = [encode_reduced(torch.randn(layout.shard_numel(j)), layout, j) for j in range(n)]
 
     def run() -> None:
-        decode(encode(x, layout), layout)
+        rounding_error(encode(x, layout), x, layout)
         encode_reduced(decode_sum(received, layout, 0), layout, 0)
         decode_gathered(gathered, layout)
     return run
@@ -82,9 +92,9 @@ def main() -> None:
                              "row's: those are the kernels a GPU runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| format | kernels | bucket | ranks | aten ops | MB read+written | CPU ms | "
-          "x memcpy | GPU ms (projected) | send ms at 100 / 400 Gbit/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| format | kernels | bucket | ranks | aten ops | MB read+written | peak / bucket | "
+          "CPU ms | x memcpy | GPU ms (projected) | send ms at 100 / 400 Gbit/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for fmt, kernels, name, n in itertools.product(args.formats, args.kernels, args.buckets,
                                                    args.ranks):
         layout = ShardLayout.build(BUCKETS[name], make_codec(fmt), n, kernels=kernels)
@@ -93,12 +103,16 @@ def main() -> None:
         counter = Counter()
         with counter:
             run()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run()
+        peak = peak_allocated(prof) / x.nbytes
         y = torch.empty_like(x)
         t, t_copy = best(run), best(lambda: y.copy_(x))  # noqa: B023
         gpu = counter.ops * LAUNCH_US * 1e-6 + counter.bytes / HBM_BYTES_PER_S
         send = [8 * layout.wire_bytes(0) / bits for bits in (100e9, 400e9)]
         print(f"| {fmt} | {kernels} | {name} | {n} | {counter.ops} | "
-              f"{counter.bytes / 1e6:.0f} | {1e3 * t:.1f} | {t / t_copy:.0f} | {1e3 * gpu:.2f} | "
+              f"{counter.bytes / 1e6:.0f} | {peak:.2f} | {1e3 * t:.1f} | {t / t_copy:.0f} | "
+              f"{1e3 * gpu:.2f} | "
               f"{1e3 * send[0]:.2f} / {1e3 * send[1]:.2f} |", flush=True)
 
 

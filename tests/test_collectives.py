@@ -9,9 +9,11 @@ from distributed import run_ranks
 from geofp8.codecs import FP8Codec
 from geofp8.comm import (
     ShardLayout,
+    decode,
     encode,
     exact_allreduce,
     fp32_allreduce_wire_bytes,
+    rounding_error,
     simulate_exact_allreduce,
 )
 
@@ -269,9 +271,10 @@ def test_encode_shards_is_encode_into_shard_by_shard(fmt, scaling, rounding, sha
 
 @pytest.mark.parametrize(("fmt", "scaling", "rounding"), [*BATCHED_CODECS, ("mixed", None, None)])
 def test_chunked_and_batched_kernels_are_bit_identical(fmt, scaling, rounding):
-    """A layout's two ways of running the codecs (``kernels``): every stage's bytes and the
-    all-reduced values agree bit for bit, at N = 3 with odd shards and with one codec per
-    tensor (``"mixed"``: the budget's nvfp4 / e4m3 layouts)."""
+    """A layout's two ways of running the codecs (``kernels``): every stage's bytes, the
+    all-reduced values, the sender's decoded view and its rounding error (EF) agree bit for
+    bit, at N = 3 with odd shards and with one codec per tensor (``"mixed"``: the budget's
+    nvfp4 / e4m3 layouts)."""
     from geofp8.codecs import make_codec
 
     shapes = [(37, 11), (3,), (64, 16), (40, 8)]
@@ -286,10 +289,13 @@ def test_chunked_and_batched_kernels_are_bit_identical(fmt, scaling, rounding):
         layout = ShardLayout.build(shapes, codec, 3, codecs=codecs, kernels=kernels)
         inputs = [torch.randn(layout.numel, generator=torch.Generator().manual_seed(r))
                   * torch.logspace(-20, 5, layout.numel) for r in range(3)]
-        out[kernels] = (encode(inputs[0], layout, seed=7, sender=1),
-                        simulate_exact_allreduce(inputs, layout, seed=7))
+        sent = encode(inputs[0], layout, seed=7, sender=1)
+        out[kernels] = (sent, simulate_exact_allreduce(inputs, layout, seed=7),
+                        decode(sent, layout), rounding_error(sent, inputs[0], layout))
+        assert torch.equal(out[kernels][3], inputs[0] - out[kernels][2])
     assert torch.equal(out["batched"][0], out["chunked"][0])
-    assert torch.equal(out["batched"][1].view(torch.int32), out["chunked"][1].view(torch.int32))
+    for a, b in zip(out["batched"][1:], out["chunked"][1:]):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def test_auto_kernels_are_chunked_on_a_cpu_and_batched_elsewhere():

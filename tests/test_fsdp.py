@@ -512,7 +512,7 @@ def test_llama_resume_is_bitwise(llama):
 
 
 def test_compact_residuals_round_trip():
-    from geofp8.feedback import IDENTITY, ErrorFeedback, pack, unpack
+    from geofp8.feedback import IDENTITY, ErrorFeedback, _nbytes, pack, unpack
 
     R = torch.randn(64, 32) * torch.logspace(-3, 0, 64).view(-1, 1)
     # nvfp4: half an E2M1 step at the top of a 16-block (1/6 of its amax), the E4M3 block
@@ -523,7 +523,9 @@ def test_compact_residuals_round_trip():
         assert ((back - R).abs() <= rel * row_max + 1e-12).all(), storage
         ef = ErrorFeedback(storage)
         ef.stage("w", R.clone(), IDENTITY)
+        staged = _nbytes(ef._staged["w"][0])
         ef.commit()
+        assert staged == ef.nbytes  # a staged residual is as compact as a committed one
         per_param = ef.nbytes / R.numel()
         assert per_param == {"fp32": 4, "bf16": 2, "fp8": 1 + 4 / 32,
                              "nvfp4": 0.5 + 1 / 16 + 4 / R.numel()}[storage]

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm.group import DeviceGroup
+from .comm.stages import all_finite
 from .feedback import ErrorFeedback
 from .ledger import StepLedger
 from .pipeline import GradientPipeline
@@ -133,7 +134,7 @@ class SyncEngine:
         """Record whether ``values`` (a unit's result) is finite, as a device flag (no host
         sync); units are observed in the same order on every rank."""
         with self._lock:
-            self._finite.append(torch.isfinite(values).all())
+            self._finite.append(all_finite(values))
 
     def finish_unit(self) -> None:
         """A unit's result is ready; the last one of a launched step settles it."""

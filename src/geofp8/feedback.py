@@ -16,7 +16,7 @@ per row (``amax/448``; 1 byte per element plus 4 per row; relative error ``2â»â
 ``"nvfp4"`` to the NVFP4 wire format (E2M1 codes, an E4M3 scale per 16 elements, one FP32
 scale: 0.5625 bytes per element; relative error about 0.1, which the next step's feedback
 carries on). Arithmetic stays FP32: a compact residual is widened when read and rounded once
-when committed.
+when staged (so a step's staged residuals are as compact as the committed ones).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class ErrorFeedback:
         self.storage = storage
         self.residuals: dict = {}
         self.basis: dict[str, Transform] = {}
-        self._staged: dict[str, tuple[torch.Tensor, Transform] | None] = {}
+        self._staged: dict[str, tuple[object, Transform] | None] = {}  # packed, basis
 
     def residual_in(self, name: str, route: Transform) -> torch.Tensor | None:
         """The committed residual of ``name`` in ``route``'s coordinates (``None``: none yet)."""
@@ -95,8 +95,10 @@ class ErrorFeedback:
         return residual if basis is route else rebase(residual, basis, route)
 
     def stage(self, name: str, residual: torch.Tensor, route: Transform) -> None:
-        """This step's new residual of ``name`` (in ``route``'s coordinates)."""
-        self._staged[name] = (residual, route)
+        """This step's new residual of ``name`` (in ``route``'s coordinates), kept in
+        ``storage`` already: until the commit a step holds two sets of residuals, the
+        committed and the staged, and both are compact."""
+        self._staged[name] = (pack(residual, self.storage), route)
 
     def drop(self, name: str) -> None:
         """Remove the residual of ``name`` when this step commits (kept if it is discarded)."""
@@ -108,8 +110,7 @@ class ErrorFeedback:
                 self.residuals.pop(name, None)
                 self.basis.pop(name, None)
                 continue
-            residual, basis = staged
-            self.residuals[name], self.basis[name] = pack(residual, self.storage), basis
+            self.residuals[name], self.basis[name] = staged
         self._staged = {}
 
     def discard(self) -> None:

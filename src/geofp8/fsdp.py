@@ -48,9 +48,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from .comm import Communicator, ShardLayout, decode, encode, fp32_allreduce_wire_bytes
+from .comm import Communicator, ShardLayout, encode, fp32_allreduce_wire_bytes, rounding_error
 from .comm.group import DeviceGroup
-from .comm.stages import poison_unless
+from .comm.stages import all_finite, poison_unless
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
 from .feedback import STORAGES
@@ -132,15 +132,15 @@ class GeoFP8ReduceScatter(ReduceScatter):
         flat = inp.float() if inp.dtype != torch.float32 else inp
         self.state.probe.reference(unit, flat, dg, divisor)
         routes = self._prepare(flat.view(n, -1), n)
-        finite = torch.isfinite(flat).all().to(torch.uint8).reshape(1)
+        finite = all_finite(flat).to(torch.uint8).reshape(1)
         seed = engine.seed(unit.crc(), 0)
         sent = encode(flat, layout, side=[finite] * n, seed=seed, sender=dg.rank)
         if engine.config.error_feedback:
-            self._stage_residuals((flat - decode(sent, layout)).view(n, -1), n, routes)
+            self._stage_residuals(rounding_error(sent, flat, layout).view(n, -1), n, routes)
         engine.ledger.add("codec_s", time.perf_counter() - t0)
         total = self.state.communicator(dg).launch(sent, layout, unmap=_poison_unless_flag,
                                                    gather=False).wait()
-        poison_unless(total, torch.isfinite(total).all())
+        poison_unless(total, all_finite(total))
         self._map_back(total, n, routes)
         out.copy_(total.div_(divisor) if divisor != 1 else total)
         engine.observe(out)
@@ -227,7 +227,7 @@ class ReplicaAllReduce:
             seed = engine.seed(unit.crc(), 1)
             sent = encode(x, layout, seed=seed, sender=rep.rank)
             if engine.config.error_feedback:
-                residual = x - decode(sent, layout)
+                residual = rounding_error(sent, x, layout)
                 for name, (lo, hi), chunk in zip(unit.names, _spans(chunks), chunks):
                     feedback.stage(name + REPLICA, residual[lo:hi].view(chunk).clone(), IDENTITY)
             engine.ledger.add("codec_s", time.perf_counter() - t0)

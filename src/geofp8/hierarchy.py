@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .codecs.base import exact_div
 from .comm.collective import Communicator
 from .comm.layout import ShardLayout
-from .comm.stages import decode, encode
+from .comm.stages import encode, rounding_error
 
 __all__ = ["HierarchicalAllReduce", "node_size", "row_chunks"]
 
@@ -134,7 +134,7 @@ class HierarchicalAllReduce:
         layout = self._layout(chunk_shapes)
         sent = encode(flat, layout, seed=seed, sender=self.inter.rank)
         if engine.config.error_feedback:
-            residual = flat - decode(sent, layout)
+            residual = rounding_error(sent, flat, layout)
             for name, shape, (pos, rows, width), route in zip(names, chunk_shapes, chunks,
                                                                routes):
                 pipeline.feedback.stage(name, residual[pos : pos + rows * width].view(shape),

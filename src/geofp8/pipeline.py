@@ -28,7 +28,7 @@ from .candidates import find_candidates
 from .codecs import make_codec
 from .comm.group import DeviceGroup
 from .comm.layout import ShardLayout
-from .comm.stages import decode, encode
+from .comm.stages import encode, rounding_error
 from .feedback import ErrorFeedback
 from .geometry.sources import LocalFactors, SharedInputs, make_source
 from .geometry.transforms import IDENTITY, LowRankInput, Transform
@@ -229,9 +229,8 @@ class GradientPipeline:
         side = self._sender_factors(shapes, per_sender, routes, layout) if any(per_sender) \
             else None
         sent = encode(flat, layout, side, seed, sender=self.group.rank)
-        if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ)), in place of the decoded copy
-            residual = decode(sent, layout)
-            torch.sub(flat, residual, out=residual)
+        if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ))
+            residual = rounding_error(sent, flat, layout)
             pos = 0
             for name, shape, route in zip(names, shapes, routes):
                 n = torch.Size(shape).numel()

@@ -10,9 +10,11 @@ from .stages import (
     decode_sum,
     encode,
     encode_reduced,
+    rounding_error,
     simulate_exact_allreduce,
 )
 
 __all__ = ["COLLECTIVES", "KERNELS", "Communicator", "ShardLayout", "decode", "decode_gathered",
            "decode_sum", "encode", "encode_reduced", "exact_allreduce",
-           "fp32_allreduce_wire_bytes", "simulate_exact_allreduce", "wire_bytes"]
+           "fp32_allreduce_wire_bytes", "rounding_error", "simulate_exact_allreduce",
+           "wire_bytes"]

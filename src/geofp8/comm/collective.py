@@ -12,6 +12,7 @@ from ..geometry.transforms import IDENTITY
 from .group import DeviceGroup
 from .layout import ShardLayout
 from .stages import (
+    all_finite,
     decode,
     decode_gathered,
     decode_shard,
@@ -189,7 +190,7 @@ class Communicator:
             for buf in gathered:
                 total += decode(buf, layout)
             # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
-            return poison_unless(total, torch.isfinite(total).all())
+            return poison_unless(total, all_finite(total))
 
         gathered, work = self.group.all_gather(sent, self.kind, async_op=True)
         return self.track(work, decode_all, sent.device)

@@ -41,12 +41,15 @@ class ShardLayout:
     encoded by its codec, one after the other; a one-codec shard is a single run, encoded
     exactly as without ``codecs``.
 
-    ``kernels`` chooses how :meth:`encode_shards` / :meth:`decode_shards` run the codecs, with
-    bit-identical results: ``"batched"`` makes one codec call over all the shards (a number
-    of kernels that does not grow with ``N``: what an accelerator needs, where every kernel
-    is a launch); ``"chunked"`` goes shard by shard through :meth:`Codec.encode_into` /
-    :meth:`Codec.decode_into`, which walk the data in cache-sized pieces (what a CPU needs,
-    where launches are cheap and whole-bucket temporaries cost memory bandwidth);
+    ``kernels`` chooses how the stages (:mod:`geofp8.comm.stages`) run the codecs, with
+    bit-identical results: ``"batched"`` makes one codec call over all the shards
+    (:meth:`encode_shards` / :meth:`decode_shards` of the shard-major vector: a number of
+    kernels that does not grow with ``N``, what an accelerator needs, where every kernel is a
+    launch); ``"chunked"`` goes shard by shard (:meth:`encode_into` / :meth:`decode_into`,
+    through the codecs' own ``encode_into`` / ``decode_into``, which walk the data in
+    cache-sized pieces), reading and writing the shards in place in the flat vector and the
+    payloads (what a CPU needs, where launches are cheap and whole-bucket temporaries cost
+    memory bandwidth and memory);
     ``"auto"``: chunked on a CPU, batched on any other device.
     """
 
@@ -168,8 +171,9 @@ class ShardLayout:
         return self.runs[j][-1][4] if self.runs[j] else 0
 
     def batched(self, device: torch.device) -> bool:
-        """Whether :meth:`encode_shards` / :meth:`decode_shards` make whole-bucket codec calls
-        on ``device`` (:attr:`kernels`)."""
+        """Whether the stages make whole-bucket codec calls on ``device`` (:meth:`encode_shards`,
+        :meth:`decode_shards`) or go shard by shard (:meth:`encode_into`, :meth:`decode_into`):
+        see :attr:`kernels`."""
         return self.kernels == "batched" or (self.kernels == "auto" and device.type != "cpu")
 
     def _runs_of(self, shards: list[int]):
@@ -184,24 +188,16 @@ class ShardLayout:
     def encode_shards(self, values: torch.Tensor, shards: list[int],
                       seeds: list[int | None]) -> list[torch.Tensor]:
         """Encode the FP32 ``values`` of ``shards`` laid one after the other, shard ``shards[i]``
-        with ``seeds[i]``; returns every shard's payload parts in order (:attr:`parts`). Batched
-        (:attr:`kernels`), a one-codec layout is one codec call for all of them (no growth
-        with ``N``); otherwise, and for a layout of several codecs, run by run. Run ``r > 0``
-        of a shard is encoded with ``mix_seed(seed, r)`` (independent streams per run)."""
-        if not values.is_floating_point():
-            raise TypeError(f"GeoFP8 codecs take floating-point tensors, got {values.dtype}")
-        batched = self.batched(values.device)
-        if batched and not self.codecs:
+        with ``seeds[i]``; returns every shard's payload parts in order (:attr:`parts`). A
+        one-codec layout is one codec call for all of them (no growth with ``N``); a layout of
+        several codecs one call per run. Run ``r > 0`` of a shard is encoded with
+        ``mix_seed(seed, r)`` (independent streams per run)."""
+        _check_float(values)
+        if not self.codecs:
             return self.codec.encode_shards(values, tuple(self.groups[j] for j in shards), seeds)
         out = []
         for i, r, codec, lo, hi, segments in self._runs_of(shards):
-            seed = seeds[i] if seeds[i] is None or r == 0 else mix_seed(seeds[i], r)
-            if batched:
-                out += codec.encode_shards(values[lo:hi], (segments,), [seed])
-                continue
-            buf = values.new_empty(codec.payload_bytes(segments), dtype=torch.uint8)
-            codec.encode_into(buf, values[lo:hi], segments, seed)
-            out += buf.split(codec.part_bytes(segments))
+            out += codec.encode_shards(values[lo:hi], (segments,), [_run_seed(seeds[i], r)])
         return out
 
     def decode_shards(self, out: torch.Tensor, parts: list[torch.Tensor],
@@ -209,21 +205,52 @@ class ShardLayout:
         """Decode the payload ``parts`` of ``shards`` (as :meth:`encode_shards` returns them)
         into the FP32 ``out`` (their values one after the other); returns the 0-dim bool device
         flag, ``False`` if any scale is non-finite (see :meth:`Codec.decode_shards`)."""
-        batched = self.batched(out.device)
-        if batched and not self.codecs:
+        if not self.codecs:
             return self.codec.decode_shards(out, parts, tuple(self.groups[j] for j in shards))
         flags, part = [], 0
         for _, _, codec, lo, hi, segments in self._runs_of(shards):
             k = len(codec.part_bytes(segments))
-            mine = parts[part : part + k]
+            flags.append(codec.decode_shards(out[lo:hi], parts[part : part + k], (segments,)))
             part += k
-            if batched:
-                flags.append(codec.decode_shards(out[lo:hi], mine, (segments,)))
-            else:
-                flags.append(codec.decode_into(out[lo:hi], _joined(mine), segments))
-        if not flags:
-            return torch.ones((), dtype=torch.bool, device=out.device)
-        return torch.stack(flags).all()
+        return _all(flags, out.device)
+
+    def encode_into(self, out: torch.Tensor, values: torch.Tensor, shard: int,
+                    seed: int | None) -> None:
+        """Shard ``shard``'s payload from its FP32 ``values`` straight into the uint8 ``out``
+        (its first :meth:`shard_bytes` bytes), run by run through :meth:`Codec.encode_into`:
+        the same bytes as :meth:`encode_shards`."""
+        _check_float(values)
+        for r, (codec, lo, hi, first, end, segments) in enumerate(self.runs[shard]):
+            codec.encode_into(out[first:end], values[lo:hi], segments, _run_seed(seed, r))
+
+    def decode_into(self, out: torch.Tensor, payload: torch.Tensor,
+                    shard: int) -> torch.Tensor:
+        """Shard ``shard``'s values into the FP32 ``out`` from its payload (the first
+        :meth:`shard_bytes` bytes of ``payload``), run by run; the 0-dim finite flag."""
+        return _all([codec.decode_into(out[lo:hi], payload[first:end], segments)
+                     for codec, lo, hi, first, end, segments in self.runs[shard]], out.device)
+
+    def decode_scattered(self, out: torch.Tensor, payload: torch.Tensor, shard: int,
+                         minus: torch.Tensor | None = None) -> torch.Tensor:
+        """Shard ``shard``'s values decoded into their places in the flat FP32 ``out`` (or, with
+        ``minus``, ``minus − values`` there): no shard-major copy of the whole vector, at most
+        one shard's temporary. Returns the 0-dim finite flag (:meth:`decode_into`)."""
+        spans = self.segments[shard]
+        if len(spans) == 1:  # one segment: decode in place
+            lo, hi = spans[0]
+            values = out[lo:hi]
+        else:
+            values = out.new_empty(self.shard_numel(shard))
+        finite = self.decode_into(values, payload, shard)
+        pos = 0
+        for lo, hi in spans:
+            piece = values[pos : pos + hi - lo]
+            if minus is not None:
+                torch.sub(minus[lo:hi], piece, out=out[lo:hi])
+            elif len(spans) > 1:
+                out[lo:hi].copy_(piece)
+            pos += hi - lo
+        return finite
 
     def send_bytes(self, j: int) -> int:
         """Bytes every sender hands over for shard ``j``: payload plus side metadata."""
@@ -301,15 +328,21 @@ class ShardLayout:
                      for runs in self.runs)
 
 
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The uint8 ``parts`` as one tensor: a view when they lie back to back in one buffer
-    (as a received record's parts do; pointers only, no device read), else a copy."""
-    first = parts[0]
-    storage = first.untyped_storage().data_ptr()
-    if all(p.is_contiguous() and p.untyped_storage().data_ptr() == storage for p in parts) \
-            and all(b.data_ptr() == a.data_ptr() + a.numel() for a, b in zip(parts, parts[1:])):
-        return first.as_strided((sum(p.numel() for p in parts),), (1,))
-    return torch.cat(parts)
+def _run_seed(seed: int | None, run: int) -> int | None:
+    """The rounding stream of run ``run`` of a shard encoded with ``seed``."""
+    return seed if seed is None or run == 0 else mix_seed(seed, run)
+
+
+def _check_float(values: torch.Tensor) -> None:
+    if not values.is_floating_point():
+        raise TypeError(f"GeoFP8 codecs take floating-point tensors, got {values.dtype}")
+
+
+def _all(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The 0-dim bool AND of ``flags`` (``True`` for none), on the device."""
+    if not flags:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
 def fp32_allreduce_wire_bytes(numel: int, world_size: int, bytes_per_element: int = 4) -> int:

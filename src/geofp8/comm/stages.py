@@ -27,8 +27,8 @@ import torch
 from ..codecs.base import mix_seed
 from .layout import ShardLayout
 
-__all__ = ["decode", "decode_gathered", "decode_sum", "encode", "encode_reduced",
-           "poison_unless", "simulate_exact_allreduce"]
+__all__ = ["all_finite", "decode", "decode_gathered", "decode_sum", "encode", "encode_reduced",
+           "poison_unless", "rounding_error", "simulate_exact_allreduce"]
 
 
 def _shard_seed(seed: int | None, *index: int) -> int | None:
@@ -40,10 +40,18 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
            sender: int = 0) -> torch.Tensor:
     """Stage 1: every shard quantized with its own scales (then its ``side`` bytes, if any),
     one after the other in one uint8 buffer; ``sender``: this rank (its rounding stream).
-    One codec call over the shard-major bucket: the kernels do not grow with ``N``."""
+    Batched (:attr:`ShardLayout.kernels`): one codec call over the shard-major bucket (the
+    kernels do not grow with ``N``); chunked: shard by shard straight into the buffer."""
     n = layout.world_size
-    parts = layout.encode_shards(layout.shard_major(flat), list(range(n)),
-                                 [_shard_seed(seed, sender, j) for j in range(n)])
+    seeds = [_shard_seed(seed, sender, j) for j in range(n)]
+    if not layout.batched(flat.device):
+        sent = flat.new_empty(sum(_send_sizes(layout)), dtype=torch.uint8)
+        for j, record in enumerate(sent.split(_send_sizes(layout))):
+            layout.encode_into(record, layout.gather(flat, j), j, seeds[j])
+            if layout.side[j]:
+                record[layout.shard_bytes(j) :].copy_(side[j])
+        return sent
+    parts = layout.encode_shards(layout.shard_major(flat), list(range(n)), seeds)
     pieces, pos = [], 0
     for j in range(n):
         k = len(layout.parts[j])
@@ -54,12 +62,24 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
     return torch.cat(pieces)
 
 
+def _send_sizes(layout: ShardLayout) -> list[int]:
+    return [layout.send_bytes(j) for j in range(layout.world_size)]
+
+
 def _decode_records(buf: torch.Tensor, layout: ShardLayout, shards: list[int],
                     record: int | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, finite)`` of the encoded ``shards`` laid one after the other in ``buf``,
-    each in a record of ``record`` bytes (its payload first): one split, one codec call.
-    ``values``: the shards' values one after the other."""
+    each in a record of ``record`` bytes (its payload first): batched, one split and one
+    codec call; chunked, record by record. ``values``: the shards' values one after the
+    other."""
     records = [record] * len(shards) if isinstance(record, int) else record
+    values = torch.empty(sum(layout.shard_numel(j) for j in shards), dtype=torch.float32,
+                         device=buf.device)
+    if not layout.batched(buf.device):
+        out = values.split([layout.shard_numel(j) for j in shards])
+        flags = [layout.decode_into(v, payload, j)
+                 for v, payload, j in zip(out, buf[: sum(records)].split(records), shards)]
+        return values, torch.stack(flags).all()
     sizes = []
     for j, nbytes in zip(shards, records):
         parts = layout.parts[j]
@@ -69,9 +89,34 @@ def _decode_records(buf: torch.Tensor, layout: ShardLayout, shards: list[int],
         k = len(layout.parts[j])
         payload += pieces[pos : pos + k]
         pos += k + 1  # the record's rest (side bytes, padding)
-    values = torch.empty(sum(layout.shard_numel(j) for j in shards), dtype=torch.float32,
-                         device=buf.device)
     return values, layout.decode_shards(values, payload, shards)
+
+
+def _decode_flat(buf: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
+                 record: int | list[int], minus: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, finite)`` of the whole vector in flat order from every shard's record of
+    ``record`` bytes (its payload first), the records back to back in ``buf`` or a list of
+    them; with ``minus``, ``minus − values`` instead (no decoded copy). Batched: one codec
+    call and the shard-major reorder; chunked: shard by shard into place
+    (:meth:`ShardLayout.decode_scattered`)."""
+    n = layout.world_size
+    if layout.batched(_device_of(buf)):
+        values, finite = _decode_records(torch.cat(buf) if isinstance(buf, list) else buf,
+                                         layout, list(range(n)), record)
+        values = layout.from_shard_major(values)
+        if minus is not None:
+            torch.sub(minus, values, out=values)
+        return values, finite
+    sizes = [record] * n if isinstance(record, int) else record
+    records = buf if isinstance(buf, list) else buf[: sum(sizes)].split(sizes)
+    values = torch.empty(layout.numel, dtype=torch.float32, device=records[0].device)
+    flags = [layout.decode_scattered(values, r, j, minus) for j, r in enumerate(records)]
+    return values, torch.stack(flags).all()
+
+
+def _device_of(buf: torch.Tensor | list[torch.Tensor]) -> torch.device:
+    return (buf[0] if isinstance(buf, list) else buf).device
 
 
 def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
@@ -93,9 +138,15 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
 def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
                    seed: int | None = None) -> torch.Tensor:
     """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``."""
-    parts = layout.encode_shards(shard_sum, [shard],
-                                 [_shard_seed(seed, layout.world_size + shard)])
-    pad = layout.max_shard_bytes - layout.shard_bytes(shard)
+    seed = _shard_seed(seed, layout.world_size + shard)
+    nbytes = layout.shard_bytes(shard)
+    if not layout.batched(shard_sum.device):
+        out = shard_sum.new_empty(layout.max_shard_bytes, dtype=torch.uint8)
+        layout.encode_into(out, shard_sum, shard, seed)
+        out[nbytes:].zero_()
+        return out
+    parts = layout.encode_shards(shard_sum, [shard], [seed])
+    pad = layout.max_shard_bytes - nbytes
     return torch.cat([*parts, shard_sum.new_zeros(pad, dtype=torch.uint8)])
 
 
@@ -106,9 +157,17 @@ def decode_shard(buf: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Te
 
 def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
     """Stage 5: the full reduced vector; all NaN if any shard carries a non-finite scale."""
-    values, finite = _decode_records(torch.cat(gathered), layout,
-                                     list(range(layout.world_size)), layout.max_shard_bytes)
-    return poison_unless(layout.from_shard_major(values), finite)
+    return poison_unless(*_decode_flat(gathered, layout, layout.max_shard_bytes))
+
+
+def all_finite(values: torch.Tensor) -> torch.Tensor:
+    """The 0-dim bool device flag ``all(isfinite(values))`` (``True`` for none) from one
+    min/max pass: ``isfinite(values).all()`` builds element-sized temporaries on a CPU
+    (an FP32 ``abs`` and three bool masks, 1.75× the vector's bytes)."""
+    if values.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=values.device)
+    lo, hi = torch.aminmax(values)  # NaN propagates to both
+    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 def poison_unless(values: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
@@ -118,11 +177,14 @@ def poison_unless(values: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
 
 
 def decode(sent: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-    """What ``encode(flat, layout)`` decodes to (the sender's own view, for error feedback)."""
-    n = layout.world_size
-    values, _ = _decode_records(sent, layout, list(range(n)),
-                                [layout.send_bytes(j) for j in range(n)])
-    return layout.from_shard_major(values)
+    """What ``encode(flat, layout)`` decodes to (the sender's own view)."""
+    return _decode_flat(sent, layout, _send_sizes(layout))[0]
+
+
+def rounding_error(sent: torch.Tensor, flat: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """``flat − decode(sent)``: what ``sent = encode(flat, layout)`` lost (a sender's error
+    feedback residual), in flat order without a decoded copy of the whole vector."""
+    return _decode_flat(sent, layout, _send_sizes(layout), minus=flat)[0]
 
 
 def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout,
