@@ -9,6 +9,7 @@ from distributed import run_ranks
 from geofp8.codecs import FP8Codec
 from geofp8.comm import (
     ShardLayout,
+    all_finite,
     decode,
     encode,
     exact_allreduce,
@@ -307,3 +308,17 @@ def test_auto_kernels_are_chunked_on_a_cpu_and_batched_elsewhere():
         torch.device("cpu"))
     with pytest.raises(ValueError, match="kernels"):
         ShardLayout.build([(8, 8)], FP8Codec(), 2, kernels="fast")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_all_finite_agrees_with_isfinite(dtype):
+    """The engine's finite flag: huge finite values (whose sum or difference overflows) are
+    finite; any ±inf or NaN, anywhere, is not; an empty vector is."""
+    big, inf, nan = torch.finfo(dtype).max, float("inf"), float("nan")
+    cases = [[-big, big, 0.0, -0.0], [big, big], torch.randn(1000).tolist(), [],
+             [1.0, inf], [-inf, 2.0], [nan] + [1.0] * 7, [1.0] * 7 + [nan], [inf, -inf]]
+    for values in cases:
+        x = torch.tensor(values, dtype=dtype)
+        flag = all_finite(x)
+        assert flag.dtype == torch.bool and flag.dim() == 0
+        assert bool(flag) == bool(torch.isfinite(x).all()), x

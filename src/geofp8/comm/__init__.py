@@ -5,6 +5,7 @@ collective goes through (:mod:`.group`)."""
 from .collective import COLLECTIVES, Communicator, exact_allreduce, wire_bytes
 from .layout import KERNELS, ShardLayout, fp32_allreduce_wire_bytes
 from .stages import (
+    all_finite,
     decode,
     decode_gathered,
     decode_sum,
@@ -14,7 +15,7 @@ from .stages import (
     simulate_exact_allreduce,
 )
 
-__all__ = ["COLLECTIVES", "KERNELS", "Communicator", "ShardLayout", "decode", "decode_gathered",
-           "decode_sum", "encode", "encode_reduced", "exact_allreduce",
+__all__ = ["COLLECTIVES", "KERNELS", "Communicator", "ShardLayout", "all_finite", "decode",
+           "decode_gathered", "decode_sum", "encode", "encode_reduced", "exact_allreduce",
            "fp32_allreduce_wire_bytes", "rounding_error", "simulate_exact_allreduce",
            "wire_bytes"]

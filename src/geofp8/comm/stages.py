@@ -162,12 +162,14 @@ def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout) -> torch.
 
 def all_finite(values: torch.Tensor) -> torch.Tensor:
     """The 0-dim bool device flag ``all(isfinite(values))`` (``True`` for none) from one
-    min/max pass: ``isfinite(values).all()`` builds element-sized temporaries on a CPU
-    (an FP32 ``abs`` and three bool masks, 1.75× the vector's bytes)."""
+    min/max pass and four scalar ops: ``isfinite(values).all()`` makes four element-wise
+    passes and builds their temporaries (an FP32 ``abs`` and three bool masks, 1.75× the
+    vector's bytes). NaN propagates to both extremes; ``0·v`` is ``±0`` for a finite ``v``
+    and NaN for ``±inf`` or NaN, so the sum below is 0 exactly when both are finite."""
     if values.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=values.device)
-    lo, hi = torch.aminmax(values)  # NaN propagates to both
-    return torch.isfinite(lo) & torch.isfinite(hi)
+    lo, hi = torch.aminmax(values)
+    return (lo * 0 + hi * 0) == 0
 
 
 def poison_unless(values: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
