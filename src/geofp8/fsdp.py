@@ -229,7 +229,7 @@ class ReplicaAllReduce:
             if engine.config.error_feedback:
                 residual = rounding_error(sent, x, layout)
                 for name, (lo, hi), chunk in zip(unit.names, _spans(chunks), chunks):
-                    feedback.stage(name + REPLICA, residual[lo:hi].view(chunk).clone(), IDENTITY)
+                    feedback.stage(name + REPLICA, residual[lo:hi].view(chunk), IDENTITY)
             engine.ledger.add("codec_s", time.perf_counter() - t0)
             x = self.state.communicator(rep).launch(sent, layout, gather=True, seed=seed,
                                                     owner_keys=unit.names).wait()

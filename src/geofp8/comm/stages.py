@@ -45,8 +45,9 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
     n = layout.world_size
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
     if not layout.batched(flat.device):
-        sent = flat.new_empty(sum(_send_sizes(layout)), dtype=torch.uint8)
-        for j, record in enumerate(sent.split(_send_sizes(layout))):
+        sizes = _send_sizes(layout)
+        sent = flat.new_empty(sum(sizes), dtype=torch.uint8)
+        for j, record in enumerate(sent.split(sizes)):
             layout.encode_into(record, layout.gather(flat, j), j, seeds[j])
             if layout.side[j]:
                 record[layout.shard_bytes(j) :].copy_(side[j])
