@@ -2,6 +2,9 @@
 
 One `compare` of every method (3 steps of llama-tiny, 32-token sequences) is shared by the
 tests that check the per-method logs and the report; resume is checked bitwise on its own.
+Every method trains through the trainer on 2 real processes; all but ``LAUNCHED`` do so in one
+pair of processes (``train`` in a loop: most of a launch is importing torch and transformers),
+and ``compare`` launches ``LAUNCHED`` with torchrun and reuses the rest.
 """
 
 import argparse
@@ -13,11 +16,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from distributed import run_ranks
 from geofp8.tools.train import METHODS, TrainConfig, add_arguments, config_from_args, to_argv
 from geofp8.tools.train.checkpoint import atomic_save, latest_step, load_rank, step_dir
 from geofp8.tools.train.compare import compare, run_dir
 from geofp8.tools.train.launch import launch
-from geofp8.tools.train.loop import lr_factor
+from geofp8.tools.train.loop import lr_factor, train
 from geofp8.tools.train.optim import orthogonalization_dtype
 from geofp8.tools.train.report import aggregate, read_log, summarize_run
 
@@ -27,12 +31,26 @@ TINY = dict(model="llama-tiny", seq_len=32, batch_size=2, steps=3, warmup=1, eva
 RUN_TIMEOUT = 120
 
 
+LAUNCHED = ("fp32", "geofp8-auto")  # compare's own torchrun launches
+
+
+def _train_in_process(rank, world_size, methods, out):
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))  # as torchrun
+    for method in methods:
+        train(replace(TrainConfig(**TINY), method=method, seed=0,
+                      out=str(run_dir(out, method, 0))))
+
+
 @pytest.fixture(scope="module")
 def all_methods(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    base = TrainConfig(**TINY)
-    results = compare(base, list(METHODS), [0], nproc=2, out=out, run_timeout=RUN_TIMEOUT,
-                      command="test", echo=lambda *a: None)
+    rest = [m for m in METHODS if m not in LAUNCHED]
+    run_ranks(_train_in_process, 2, (rest, out), timeout=RUN_TIMEOUT * 3)
+    launched = []
+    results = compare(TrainConfig(**TINY), list(METHODS), [0], nproc=2, out=out, reuse=True,
+                      run_timeout=RUN_TIMEOUT, command="test", echo=lambda *a: None,
+                      on_run=lambda method, seed, seconds: launched.append(method))
+    assert tuple(launched) == LAUNCHED
     return out, results
 
 
