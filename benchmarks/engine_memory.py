@@ -1,38 +1,45 @@
 """Memory the comm hook needs beyond the EF residuals, against the largest DDP bucket.
 
-Two figures per method, on rank 0 of a real gloo group (32 Linear(256, 256) weights, DDP
+Figures per method, on rank 0 of a real gloo group (32 Linear(256, 256) weights, DDP
 buckets of ~1 MB, an ordinary step after a warm-up):
 
-* **transient**: the peak of the bytes allocated and not yet freed during ``backward()``
-  (the profiler's CPU allocation records, summed in time order), minus the same peak under
-  DDP's own FP32 all-reduce: what the hook allocates on top of what DDP and autograd do;
+* **hook peak**: the peak, during ``backward()``, of the bytes of the tensors that GeoFP8's
+  own code created and that are still alive (a dispatch mode sees every op; an output in a
+  new storage, from an op called under the ``geofp8`` package, is counted until its storage
+  is freed). Autograd's and DDP's own tensors are not counted;
+* **staged EF at peak**: the part of that peak held by the step's new EF residuals. They are
+  staged until the whole step is known finite and then replace the committed ones (a
+  skipped step leaves no trace), so during backward an EF method holds two sets;
 * **held**: bytes of every tensor the hook's state keeps between steps (layouts, cached
   lengths, factors, selection), found by walking the state object; the EF residuals are
   counted apart, since they are the method's memory by design.
 
-The transient peak holds the step's new EF residuals too: they are staged until the whole
-step is known finite and then replace the committed ones (a skipped step leaves no trace),
-so during backward an EF method holds two sets. The last ratio takes that staged set
-(the size of the committed one) out: what the stages themselves need.
+The last ratio, (hook peak − staged EF + held) / bucket, is what the stages need.
 
     python benchmarks/engine_memory.py                        # fp8, fp8-ef, nvfp4-ef, geofp8-auto
     python benchmarks/engine_memory.py --methods fp8-ef --ranks 4
 
-Goal (issue 20): transient + held, beyond the EF residuals, <= 2x the largest bucket.
+Goal (issue 20): hook peak + held, beyond the EF residuals, <= 2x the largest bucket.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import geofp8
 from host_syncs import ddp_model, on_ranks  # this folder is on sys.path when run as a script
 
-STEPS = 3  # steps 0 (consistency check) and 1 warm up; step 2 is profiled
+STEPS = 3  # steps 0 (consistency check) and 1 warm up; step 2 is measured
+PACKAGE = os.path.dirname(geofp8.__file__) + os.sep
 
 
 def peak_allocated(prof) -> int:
@@ -44,6 +51,59 @@ def peak_allocated(prof) -> int:
         live += delta
         peak = max(peak, live)
     return peak
+
+
+class HookAllocations(TorchDispatchMode):
+    """Live bytes of the storages that ops called from GeoFP8's code create: ``peak``, and
+    ``staged`` (the bytes at that peak that ``staged_storages()`` names)."""
+
+    def __init__(self, staged_storages) -> None:
+        super().__init__()
+        self.staged_storages = staged_storages
+        self.live: dict[int, int] = {}
+        self.current = self.peak = self.staged = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not _called_from_package():
+            return out
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in inputs or key in self.live or storage.nbytes() == 0:
+                continue
+            self.live[key] = storage.nbytes()
+            self.current += storage.nbytes()
+            weakref.finalize(storage, self._freed, key)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.staged = sum(self.live.get(k, 0) for k in self.staged_storages())
+        return out
+
+    def _freed(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+
+def _called_from_package() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(PACKAGE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _staged_storages(feedbacks):
+    def storages() -> set[int]:
+        return {t.untyped_storage().data_ptr() for f in feedbacks
+                for t in pytree.tree_leaves(list(f._staged.values()))
+                if isinstance(t, torch.Tensor)}
+    return storages
 
 
 def tensors_held(root, skip: set[int]) -> int:
@@ -67,30 +127,28 @@ def tensors_held(root, skip: set[int]) -> int:
     return sum(storages.values())
 
 
-def _step(ddp) -> None:
-    ddp(torch.randn(16, 256)).pow(2).mean().backward()
-    ddp.zero_grad()
-
-
 def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
     ddp, state = ddp_model(rank, world, port, method)
     for _ in range(STEPS - 1):
-        _step(ddp)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(ddp)
-    bucket = 4 * max(b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets())
+        ddp(torch.randn(16, 256)).pow(2).mean().backward()
+        ddp.zero_grad()
     engine = getattr(state, "engine", None)
     feedbacks = [] if engine is None else [engine.pipeline.feedback, state.communicator.owner]
-    skip = {id(f) for f in feedbacks if f is not None}
-    residuals = sum(tensors_held(f, set()) for f in feedbacks if f is not None)
-    held = tensors_held(state, skip) if engine is not None else 0
-    queue.put((rank, peak_allocated(prof), held, residuals, bucket))
+    feedbacks = [f for f in feedbacks if f is not None]
+    loss = ddp(torch.randn(16, 256)).pow(2).mean()
+    with HookAllocations(_staged_storages(feedbacks)) as mode:
+        loss.backward()
+    bucket = 4 * max(b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets())
+    residuals = sum(tensors_held(f, set()) for f in feedbacks)
+    held = tensors_held(state, {id(f) for f in feedbacks}) if engine is not None else 0
+    queue.put((rank, mode.peak, mode.staged, held, residuals, bucket))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure(method: str, world: int) -> tuple[int, int, int, int]:
-    """``(transient peak, held, residuals, largest bucket)`` in bytes, on rank 0."""
+def measure(method: str, world: int) -> tuple[int, int, int, int, int]:
+    """``(hook peak, staged EF at peak, held, residuals, largest bucket)`` in bytes, on
+    rank 0."""
     return on_ranks(_worker, world, method)
 
 
@@ -100,18 +158,16 @@ def main() -> None:
                         default=["fp8", "fp8-ef", "nvfp4-ef", "geofp8-auto"])
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     args = parser.parse_args()
-    print("| method | ranks | largest bucket MB | transient MB | held MB | (transient + held)"
-          " / bucket | EF residuals MB | (transient − staged EF + held) / bucket |")
+    print("| method | ranks | largest bucket MB | hook peak MB | staged EF at peak MB | held MB"
+          " | EF residuals MB | (hook peak − staged EF + held) / bucket |")
     print("|---|---|---|---|---|---|---|---|")
+    mb = 2**20
     for world in args.ranks:
-        base = measure("fp32", world)[0]
         for method in args.methods:
-            peak, held, residuals, bucket = measure(method, world)
-            extra = max(peak - base, 0)
-            print(f"| {method} | {world} | {bucket / 2**20:.2f} | {extra / 2**20:.2f} | "
-                  f"{held / 2**20:.2f} | {(extra + held) / bucket:.2f} | "
-                  f"{residuals / 2**20:.2f} | {(max(extra - residuals, 0) + held) / bucket:.2f} |",
-                  flush=True)
+            peak, staged, held, residuals, bucket = measure(method, world)
+            print(f"| {method} | {world} | {bucket / mb:.2f} | {peak / mb:.2f} | "
+                  f"{staged / mb:.2f} | {held / mb:.2f} | {residuals / mb:.2f} | "
+                  f"{(peak - staged + held) / bucket:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

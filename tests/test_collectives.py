@@ -299,6 +299,25 @@ def test_chunked_and_batched_kernels_are_bit_identical(fmt, scaling, rounding):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+@pytest.mark.parametrize("kernels", ["batched", "chunked"])
+@pytest.mark.parametrize("shapes", [[(37, 11), (3,), (64, 16)], [(64, 16)]])
+def test_the_sum_is_decoded_into_the_vector_given(kernels, shapes):
+    """Stage 5 into a given vector (a DDP bucket): the same bits as into a new one, whether
+    the shards lie in flat order (one tensor) or not, and poisoned all NaN the same way."""
+    layout = ShardLayout.build(shapes, FP8Codec(), 3, kernels=kernels)
+    assert layout.shard_major_is_flat == (len(shapes) == 1)
+    inputs = [torch.randn(layout.numel, generator=torch.Generator().manual_seed(r))
+              for r in range(3)]
+    for poisoned in (False, True):
+        if poisoned:
+            inputs[1][5] = float("inf")
+        expect = simulate_exact_allreduce(inputs, layout)
+        out = torch.full((layout.numel,), 7.0)
+        assert simulate_exact_allreduce(inputs, layout, out=out) is out
+        assert torch.equal(out.view(torch.int32), expect.view(torch.int32))
+        assert bool(out.isnan().all()) == poisoned
+
+
 def test_auto_kernels_are_chunked_on_a_cpu_and_batched_elsewhere():
     layout = ShardLayout.build([(8, 8)], FP8Codec(), 2)
     assert layout.kernels == "auto"

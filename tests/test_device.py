@@ -140,7 +140,9 @@ def _pipeline_steps(method: str, device, steps: int = 3, strict_from: int = 1):
                     received = torch.cat([e.sent[ends[j] : ends[j + 1]] for e in encs])
                     total = decode_sum(received, layout, j, pipes[j].unmap(encs[j]))
                     gathered.append(encode_reduced(total, layout, j, seed))
-                out = pipes[0].decode(encs[0], decode_gathered(gathered, layout))
+                mean = pipes[0].decode(encs[0], decode_gathered(gathered, layout))
+                out = [y.view(s) for y, s in zip(mean.split([q.numel() for q in grads[0]]),
+                                                 shapes)]
                 for p in pipes:
                     p.settle(True)
     return [to_host(t).contiguous() for t in out]

@@ -8,6 +8,7 @@ import collections
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run_ranks
@@ -25,9 +26,32 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _counted_steps(rank, method, refresh_every, steps, kernels="auto"):
+class _NewVectors(_Count):
+    """Counts (in ``ops["new"]``) the FP32 tensors of more than ``numel`` elements that ops
+    create (an output in none of their inputs' storages: not a view, not in place, not an
+    ``out=``)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel = numel
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr()
+                  for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self.ops["new"] += sum(
+            1 for t in pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+            and t.numel() > self.numel and t.untyped_storage().data_ptr() not in inputs)
+        return out
+
+
+def _counted_steps(rank, method, refresh_every, steps, kernels="auto", counter=_Count,
+                   bucket_cap_mb=0.02):
     """``(ops per step, buckets)``: the aten ops of every step's ``backward()`` (a Counter
-    each) on this rank, DDP over 8 Linear(64, 64) in buckets of ~20 KB."""
+    each, from a ``counter()`` dispatch mode) on this rank, DDP over 8 Linear(64, 64) in
+    buckets of ~``bucket_cap_mb``."""
     from geofp8.methods import METHODS
 
     torch.manual_seed(0)
@@ -35,16 +59,16 @@ def _counted_steps(rank, method, refresh_every, steps, kernels="auto"):
     spec = METHODS[method]
     state, hook, _ = spec.build(model, **spec.takes(refresh_every=refresh_every, k=8,
                                                      kernels=kernels))
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     ddp.register_comm_hook(state, hook)
     counts = []
     for step in range(steps):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step + 10 * rank))
         loss = ddp(x).pow(2).mean()
-        counter = _Count()
-        with counter:
+        mode = counter()
+        with mode:
             loss.backward()
-        counts.append(counter.ops)
+        counts.append(mode.ops)
         ddp.zero_grad()
     return counts, len(ddp.reducer._get_zeros_like_grad_buckets())
 
@@ -91,3 +115,25 @@ def test_ops_per_bucket_do_not_grow_with_the_ranks():
         (ops2, syncs2), (ops4, syncs4) = two[method], four[method]
         assert (syncs2, syncs4) == (0, 0), (method, syncs2, syncs4)
         assert ops4 <= ops2 + GROWTH_ALLOWED, f"{method}: {ops2} ops/bucket at 2 ranks, {ops4} at 4"
+
+
+def _new_vectors_worker(rank, world, method):
+    # 8 weights of 4096 elements, buckets of ~50 KB: 2 buckets of 4 weights
+    counts, buckets = _counted_steps(rank, method, refresh_every=1000, steps=3,
+                                     counter=lambda: _NewVectors(4 * 64 * 64 - 1),
+                                     bucket_cap_mb=0.05)
+    return counts[2]["new"], buckets
+
+
+# An FP32 DDP bucket is the hook's working memory: Ũ is written over the gradients and the
+# sum decoded into it. What is left bucket-sized per bucket is the owner's decoded copies of
+# its shard from the N senders (N × 1/N of the bucket, summed in one reduction, as the
+# batched kernels do: the order of that sum is the same on both paths) and, with EF, the new
+# residual (the step's staged set). The CPU's other stages work shard by shard.
+@pytest.mark.parametrize("method, per_bucket", [("fp8", 1), ("nvfp4", 1), ("fp8-ef", 2),
+                                                ("nvfp4-ef", 2)])
+def test_the_hook_allocates_no_bucket_sized_vector_but_the_sum_and_residual(method,
+                                                                             per_bucket):
+    for new, buckets in run_ranks(_new_vectors_worker, 2, args=(method,)):
+        assert buckets == 2
+        assert new == per_bucket * buckets, (method, new, buckets)

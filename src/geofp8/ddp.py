@@ -175,15 +175,23 @@ class GeoFP8State:
             done = device_future(buffer.device)
             done.set_result(self.hierarchy(names, grads, buffer, offsets, seed))
             return done
+        # An FP32 bucket that its gradients tile in order (DDP's) is the hook's own working
+        # memory: Ũ is written over the gradients and the sum decoded into it, so the hook
+        # allocates no bucket-sized FP32 vector of its own.
+        ends = [off + g.numel() for off, g in zip(offsets, grads)]
+        in_place = (buffer.dtype == torch.float32 and ends and ends[-1] == buffer.numel()
+                    and offsets == [0, *ends[:-1]])
         t0 = time.perf_counter()
-        encoded = pipeline.encode(names, grads, seed)
+        encoded = pipeline.encode(names, grads, seed, flat=buffer if in_place else None)
         self.ledger.add("codec_s", time.perf_counter() - t0)
 
         def map_back(fut: torch.futures.Future) -> torch.Tensor:
             total = fut.value()  # all NaN on every rank if any rank sent a non-finite value
             t1 = time.perf_counter()
-            for off, y in zip(offsets, pipeline.decode(encoded, total)):
-                buffer[off : off + y.numel()].copy_(y.reshape(-1))
+            mean = pipeline.decode(encoded, total)  # the buffer itself when in place
+            if not in_place:
+                for off, y in zip(offsets, mean.split([g.numel() for g in grads])):
+                    buffer[off : off + y.numel()].copy_(y)
             self.ledger.add("transform_s", time.perf_counter() - t1)
             return buffer
 
@@ -191,7 +199,8 @@ class GeoFP8State:
         # tensors sent without a map (refreshes change maps): see GradientPipeline.owner_keys
         future = self.communicator.launch(encoded.sent, encoded.layout, last,
                                           pipeline.unmap(encoded), seed=seed,
-                                          owner_keys=pipeline.owner_keys(encoded))
+                                          owner_keys=pipeline.owner_keys(encoded),
+                                          out=buffer if in_place else None)
         self.group.charge("payload", -encoded.side_bytes)  # sender factors are factor bytes
         self.group.charge("factor", encoded.side_bytes)
         return future.then(map_back)

@@ -129,8 +129,10 @@ class GradientPipeline:
         transform = self.source.transform(name)
         return IDENTITY if transform is None else transform
 
-    def prepare_into(self, name: str, G: torch.Tensor, out: torch.Tensor) -> Transform:
+    def prepare_into(self, name: str, G: torch.Tensor, out: torch.Tensor,
+                     in_place: bool = False) -> Transform:
         """Write ``Ũ = G T + R`` (FP32, ``G``'s shape) into ``out``; returns ``T``.
+        ``in_place``: ``out`` is ``G``'s own memory (read before it is written).
 
         **Owner hand-over** (``owner_feedback``): the second rounding's residual ``O`` of a
         tensor lives in Euclidean coordinates, on the rank that owns its piece of the reduced
@@ -159,7 +161,8 @@ class GradientPipeline:
         if handed is not None:
             residual = handed if residual is None else residual + handed
         if residual is None:
-            out.copy_(x)
+            if not (in_place and route is IDENTITY):  # else Ũ = G is in place already
+                out.copy_(x)
         else:
             torch.add(x, residual, out=out)
         return route
@@ -213,16 +216,20 @@ class GradientPipeline:
     # -- a set of gradients in one flat payload (a DDP bucket) --------------------------------
 
     def encode(self, names: list[str], grads: list[torch.Tensor],
-               seed: int | None = None) -> Encoded:
+               seed: int | None = None, flat: torch.Tensor | None = None) -> Encoded:
         """Route, add residuals, encode (``seed``: stochastic rounding's, the same on every
-        rank for this step and bucket); stage the new residuals."""
+        rank for this step and bucket); stage the new residuals. ``flat``: where ``Ũ`` is
+        written, FP32, one tensor after the other (the buffer that ``grads`` tile in order,
+        as a DDP bucket's do: each is read before its place is written); else a new one."""
         shapes = [tuple(g.shape) for g in grads]
-        flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32,
-                           device=grads[0].device if grads else self.group.device)
+        in_place = flat is not None
+        if flat is None:
+            flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32,
+                               device=grads[0].device if grads else self.group.device)
         routes, pos = [], 0
         for name, g in zip(names, grads):
             slot = flat[pos : pos + g.numel()].view(g.shape)
-            routes.append(self.prepare_into(name, g, slot))
+            routes.append(self.prepare_into(name, g, slot, in_place))
             pos += g.numel()
         per_sender = tuple(self._per_sender(n) for n in names)
         layout = self._layout(shapes, per_sender, tuple(self.codec_of(n) for n in names))
@@ -239,16 +246,18 @@ class GradientPipeline:
         side_bytes = sum(layout.side[j] for j in range(self.world_size) if j != self.rank)
         return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes)
 
-    def decode(self, encoded: Encoded, total: torch.Tensor) -> list[torch.Tensor]:
-        """The mean ``(Σ / N) T⁻¹`` of every tensor from the collective's FP32 sum."""
+    def decode(self, encoded: Encoded, total: torch.Tensor) -> torch.Tensor:
+        """The mean ``(Σ / N) T⁻¹`` of every tensor, written over the collective's FP32 sum
+        ``total`` (one tensor after the other, as :meth:`encode` laid them); returns it."""
         total.div_(total.new_full((), self.world_size))  # exact on CUDA too (codecs.exact_div)
-        out, pos = [], 0
+        pos = 0
         for shape, route, mapped in zip(encoded.shapes, encoded.routes, encoded.per_sender):
             n = torch.Size(shape).numel()
-            y = total[pos : pos + n].view(shape)
-            out.append(y if mapped else self.map_back(route, y))
+            if not mapped and route is not IDENTITY:
+                y = total[pos : pos + n].view(shape)
+                y.copy_(route.inverse(y))
             pos += n
-        return out
+        return total
 
     def codec_of(self, name: str):
         """The wire codec of ``name`` this step (the selection's under a budget)."""

@@ -82,19 +82,22 @@ class Communicator:
             raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
         self.collective, self.group, self.kind = collective, group, kind
         self.rank = group.rank
-        self._previous = None  # (work, recv, layout, result, unmap, gather, seed, key)
+        self._previous = None  # (work, recv, layout, result, unmap, gather, seed, keys, out)
         self._pending: list = []  # (work, finish, result): results this thread completes
 
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
                unmap=None, gather: bool = True, seed: int | None = None,
-               owner_keys: list[str | None] | None = None) -> torch.futures.Future:
+               owner_keys: list[str | None] | None = None,
+               out: torch.Tensor | None = None) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
         (mapped back per sender by ``unmap(rows, sides)`` first, see :func:`decode_sum`).
         ``gather=False`` stops after the FP32 sum (a reduce-scatter): the value is this
         rank's reduced shard, ``layout.shard_numel(rank)`` elements. ``seed``: the one
         ``sent`` was encoded with (stochastic rounding re-encodes the reduced shard with it).
         ``owner_keys``: the tensors' names for the second rounding's residuals, ``None``
-        for a tensor left out (see :attr:`owner`)."""
+        for a tensor left out (see :attr:`owner`). ``out``: an FP32 vector of
+        ``layout.numel`` elements the sum is decoded into (and the future's value), e.g. the
+        bucket that ``sent`` came from, which is not read again."""
         self.flush()
         self.complete(block=False)
         if self.collective == "allgather":
@@ -111,7 +114,7 @@ class Communicator:
         work = self.group.all_to_all(recv, sent, [layout.send_bytes(self.rank)] * n,
                                      [layout.send_bytes(j) for j in range(n)], self.kind)
         self._previous = (work, recv, layout, result, unmap, gather, seed,
-                          owner_keys if self.owner is not None else None)
+                          owner_keys if self.owner is not None else None, out)
         if last:
             self.flush()  # issue the all-gather now, from this thread (see the class notes)
             self.complete(block=True)
@@ -143,14 +146,15 @@ class Communicator:
     def flush(self) -> None:
         """Finish the previous launch's all-to-all and issue its all-gather, if any."""
         if self._previous is not None:
-            work, recv, layout, result, unmap, gather, seed, keys = self._previous
+            work, recv, layout, result, unmap, gather, seed, keys, out = self._previous
             self._previous = None
             work.wait()
-            self._gather(work.get_future(), recv, layout, result, unmap, gather, seed, keys)
+            self._gather(work.get_future(), recv, layout, result, unmap, gather, seed, keys,
+                         out)
 
     def _gather(self, fut, recv: torch.Tensor, layout: ShardLayout,
                 result: torch.futures.Future, unmap, gather: bool, seed: int | None,
-                keys: list[str | None] | None) -> None:
+                keys: list[str | None] | None, out: torch.Tensor | None) -> None:
         try:
             fut.value()
             reduced = decode_sum(recv, layout, self.rank, unmap)
@@ -171,7 +175,7 @@ class Communicator:
             result.set_exception(exc)
             return
         gathered, work = self.group.all_gather(shard, self.kind, async_op=True)
-        self._pending.append((work, lambda: decode_gathered(gathered, layout), result))
+        self._pending.append((work, lambda: decode_gathered(gathered, layout, out), result))
 
     def _pieces(self, layout: ShardLayout, keys: list[str | None]
                 ) -> list[tuple[str, int, int]]:

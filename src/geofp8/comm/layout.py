@@ -303,6 +303,11 @@ class ShardLayout:
         return ([spans[i][1] - spans[i][0] for i in by_pos], [hi - lo for lo, hi in spans],
                 flat_of, by_pos)
 
+    @property
+    def shard_major_is_flat(self) -> bool:
+        """Whether shard-major order is flat order (every shard one run of the vector)."""
+        return self._order is None
+
     def shard_major(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` reordered shard after shard (shard ``j``'s segments in order): one split
         and one copy whatever the number of shards and segments (``flat`` itself when it is
@@ -313,13 +318,15 @@ class ShardLayout:
         pieces = flat.split(sizes)
         return torch.cat([pieces[f] for f in flat_of])
 
-    def from_shard_major(self, values: torch.Tensor) -> torch.Tensor:
-        """The inverse of :meth:`shard_major` (``values`` itself when the orders agree)."""
+    def from_shard_major(self, values: torch.Tensor,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+        """The inverse of :meth:`shard_major`, written into ``out`` when given (else ``values``
+        itself when the orders agree)."""
         if self._order is None:
-            return values
+            return values if out is None else out.copy_(values)
         _, sizes, _, by_pos = self._order
         pieces = values.split(sizes)
-        return torch.cat([pieces[i] for i in by_pos])
+        return torch.cat([pieces[i] for i in by_pos], out=out)
 
     @cached_property
     def parts(self) -> tuple[tuple[int, ...], ...]:

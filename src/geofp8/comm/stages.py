@@ -68,14 +68,15 @@ def _send_sizes(layout: ShardLayout) -> list[int]:
 
 
 def _decode_records(buf: torch.Tensor, layout: ShardLayout, shards: list[int],
-                    record: int | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                    record: int | list[int], out: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, finite)`` of the encoded ``shards`` laid one after the other in ``buf``,
     each in a record of ``record`` bytes (its payload first): batched, one split and one
-    codec call; chunked, record by record. ``values``: the shards' values one after the
-    other."""
+    codec call; chunked, record by record. ``values`` (``out`` when given): the shards'
+    values one after the other."""
     records = [record] * len(shards) if isinstance(record, int) else record
-    values = torch.empty(sum(layout.shard_numel(j) for j in shards), dtype=torch.float32,
-                         device=buf.device)
+    values = out if out is not None else torch.empty(
+        sum(layout.shard_numel(j) for j in shards), dtype=torch.float32, device=buf.device)
     if not layout.batched(buf.device):
         out = values.split([layout.shard_numel(j) for j in shards])
         flags = [layout.decode_into(v, payload, j)
@@ -94,24 +95,27 @@ def _decode_records(buf: torch.Tensor, layout: ShardLayout, shards: list[int],
 
 
 def _decode_flat(buf: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
-                 record: int | list[int], minus: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 record: int | list[int], minus: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, finite)`` of the whole vector in flat order from every shard's record of
     ``record`` bytes (its payload first), the records back to back in ``buf`` or a list of
-    them; with ``minus``, ``minus − values`` instead (no decoded copy). Batched: one codec
-    call and the shard-major reorder; chunked: shard by shard into place
-    (:meth:`ShardLayout.decode_scattered`)."""
+    them; with ``minus``, ``minus − values`` instead (no decoded copy); written into ``out``
+    when given. Batched: one codec call and the shard-major reorder; chunked: shard by shard
+    into place (:meth:`ShardLayout.decode_scattered`)."""
     n = layout.world_size
     if layout.batched(_device_of(buf)):
+        direct = out if layout.shard_major_is_flat else None
         values, finite = _decode_records(torch.cat(buf) if isinstance(buf, list) else buf,
-                                         layout, list(range(n)), record)
-        values = layout.from_shard_major(values)
+                                         layout, list(range(n)), record, out=direct)
+        if direct is None:
+            values = layout.from_shard_major(values, out=out)
         if minus is not None:
             torch.sub(minus, values, out=values)
         return values, finite
     sizes = [record] * n if isinstance(record, int) else record
     records = buf if isinstance(buf, list) else buf[: sum(sizes)].split(sizes)
-    values = torch.empty(layout.numel, dtype=torch.float32, device=records[0].device)
+    values = out if out is not None else torch.empty(layout.numel, dtype=torch.float32,
+                                                     device=records[0].device)
     flags = [layout.decode_scattered(values, r, j, minus) for j, r in enumerate(records)]
     return values, torch.stack(flags).all()
 
@@ -156,9 +160,11 @@ def decode_shard(buf: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Te
     return _decode_records(buf, layout, [shard], layout.shard_bytes(shard))[0]
 
 
-def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout) -> torch.Tensor:
-    """Stage 5: the full reduced vector; all NaN if any shard carries a non-finite scale."""
-    return poison_unless(*_decode_flat(gathered, layout, layout.max_shard_bytes))
+def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stage 5: the full reduced vector (written into the FP32 ``out`` when given); all NaN if
+    any shard carries a non-finite scale."""
+    return poison_unless(*_decode_flat(gathered, layout, layout.max_shard_bytes, out=out))
 
 
 def all_finite(values: torch.Tensor) -> torch.Tensor:
@@ -191,8 +197,10 @@ def rounding_error(sent: torch.Tensor, flat: torch.Tensor, layout: ShardLayout) 
 
 
 def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout,
-                             seed: int | None = None) -> torch.Tensor:
-    """What :func:`exact_allreduce` returns when rank ``r`` holds ``inputs[r]`` (one process)."""
+                             seed: int | None = None,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    """What :func:`exact_allreduce` returns when rank ``r`` holds ``inputs[r]`` (one process);
+    written into ``out`` when given, as a DDP bucket receives it."""
     n = layout.world_size
     if len(inputs) != n:
         raise ValueError(f"layout is for {n} ranks but {len(inputs)} inputs were given")
@@ -205,4 +213,4 @@ def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout,
     for j in range(n):
         received = torch.cat([s[offsets[j] : offsets[j + 1]] for s in sent])
         gathered.append(encode_reduced(decode_sum(received, layout, j), layout, j, seed))
-    return decode_gathered(gathered, layout)
+    return decode_gathered(gathered, layout, out)
