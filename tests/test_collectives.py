@@ -46,6 +46,33 @@ def test_exact_allreduce_matches_model_on_every_rank(world_size, scaling):
     assert (expected - ref).norm() / ref.norm() < 2 * 2**-3
 
 
+def _into_worker(rank, world_size):
+    from geofp8.comm import Communicator
+    from geofp8.comm.group import DeviceGroup
+
+    layout = ShardLayout.build(SHAPES, FP8Codec(), world_size)
+    x = _inputs(world_size)[rank]
+    out = {}
+    for collective in ("exact", "allgather"):
+        group = DeviceGroup(None, torch.device("cpu"))
+        fresh = Communicator(collective, group).launch(encode(x, layout, sender=rank), layout)
+        buf = torch.full((NUMEL,), 7.0)
+        into = Communicator(collective, group).launch(encode(x, layout, sender=rank), layout,
+                                                      out=buf)
+        out[collective] = (fresh.wait(), into.wait() is buf, buf)
+    return out
+
+
+@pytest.mark.distributed
+def test_both_collectives_decode_the_sum_into_the_vector_given():
+    """``launch(out=bucket)``, as the DDP hook calls it: the future's value is that vector,
+    holding the sum a new one would, for both collectives."""
+    for ranks in run_ranks(_into_worker, 2):
+        for collective, (fresh, is_buf, buf) in ranks.items():
+            assert is_buf, collective
+            assert torch.equal(buf, fresh), collective
+
+
 def test_wire_bytes_close_to_a_quarter_of_fp32():
     layout = ShardLayout.build([(1024, 1024)], FP8Codec("e4m3", "tensor"), 4)
     ratio = layout.wire_bytes(0) / fp32_allreduce_wire_bytes(layout.numel, 4)

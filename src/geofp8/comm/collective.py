@@ -96,14 +96,14 @@ class Communicator:
         ``sent`` was encoded with (stochastic rounding re-encodes the reduced shard with it).
         ``owner_keys``: the tensors' names for the second rounding's residuals, ``None``
         for a tensor left out (see :attr:`owner`). ``out``: an FP32 vector of
-        ``layout.numel`` elements the sum is decoded into (and the future's value), e.g. the
-        bucket that ``sent`` came from, which is not read again."""
+        ``layout.numel`` elements that the sum is decoded into and that is the future's value
+        (with ``gather``), e.g. the bucket that ``sent`` came from, not read again."""
         self.flush()
         self.complete(block=False)
         if self.collective == "allgather":
             if unmap is not None or not gather:
                 raise ValueError("per-sender decoding and reduce-scatter need collective='exact'")
-            result = self._allgather(sent, layout)
+            result = self._allgather(sent, layout, out)
             if last:
                 self.complete(block=True)
             return result
@@ -187,10 +187,12 @@ class Communicator:
             pos += hi - lo
         return out
 
-    def _allgather(self, sent: torch.Tensor, layout: ShardLayout) -> torch.futures.Future:
+    def _allgather(self, sent: torch.Tensor, layout: ShardLayout,
+                   out: torch.Tensor | None) -> torch.futures.Future:
 
         def decode_all() -> torch.Tensor:
-            total = torch.zeros(layout.numel, dtype=torch.float32, device=sent.device)
+            total = out.zero_() if out is not None else torch.zeros(
+                layout.numel, dtype=torch.float32, device=sent.device)
             for buf in gathered:
                 total += decode(buf, layout)
             # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
