@@ -6,7 +6,8 @@ holding gradients ``G_p`` on rank ``r``, :func:`geofp8_hook` has the engine's pi
 route ``G̃_p = G_p T_p`` on selected Linear weights, add ``R_p`` and encode, launches the
 exact collective (:class:`~geofp8.comm.collective.Communicator`: per-rank scales honoured,
 the sum in FP32), then maps back ``Ĝ_p = (Σ_r Ũ_{p,r} decoded) / N · T_p⁻¹`` into the
-bucket.
+bucket. An FP32 bucket is the hook's working memory: ``Ũ`` is written over the gradients
+and the mean decoded into it (a hook that needs the local gradients must copy them first).
 
 Example::
 
