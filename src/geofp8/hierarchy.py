@@ -125,22 +125,20 @@ class HierarchicalAllReduce:
         t0 = time.perf_counter()
         chunk_shapes = [(rows, *shape[1:]) if shape else (1,)
                         for shape, (_, rows, _) in zip(shapes, chunks)]
-        flat = torch.empty_like(mine)
-        routes = []
+        routes = []  # Ũ written over the node sum (each chunk read before it is written)
         for name, shape, (pos, rows, width) in zip(names, chunk_shapes, chunks):
-            slot = flat[pos : pos + rows * width].view(shape)
-            routes.append(pipeline.prepare_into(name, mine[pos : pos + rows * width]
-                                                .view(shape), slot))
+            chunk = mine[pos : pos + rows * width].view(shape)
+            routes.append(pipeline.prepare_into(name, chunk, chunk, in_place=True))
         layout = self._layout(chunk_shapes)
-        sent = encode(flat, layout, seed=seed, sender=self.inter.rank)
+        sent = encode(mine, layout, seed=seed, sender=self.inter.rank)
         if engine.config.error_feedback:
-            residual = rounding_error(sent, flat, layout)
+            residual = rounding_error(sent, mine, layout)
             for name, shape, (pos, rows, width), route in zip(names, chunk_shapes, chunks,
                                                                routes):
                 pipeline.feedback.stage(name, residual[pos : pos + rows * width].view(shape),
                                         route)
         engine.ledger.add("codec_s", time.perf_counter() - t0)
-        total = self.communicator.launch(sent, layout, seed=seed).wait()
+        total = self.communicator.launch(sent, layout, seed=seed, out=mine).wait()
         t1 = time.perf_counter()
         for shape, (pos, rows, width), route in zip(chunk_shapes, chunks, routes):
             y = total[pos : pos + rows * width].view(shape)
