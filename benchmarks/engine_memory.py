@@ -42,17 +42,6 @@ STEPS = 3  # steps 0 (consistency check) and 1 warm up; step 2 is measured
 PACKAGE = os.path.dirname(geofp8.__file__) + os.sep
 
 
-def peak_allocated(prof) -> int:
-    """Peak of the running sum of the CPU allocations and frees the profiler recorded."""
-    records = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
-                     if e.self_cpu_memory_usage)
-    live = peak = 0
-    for _, delta in records:
-        live += delta
-        peak = max(peak, live)
-    return peak
-
-
 class HookAllocations(TorchDispatchMode):
     """Live bytes of the storages that ops called from GeoFP8's code create: ``peak``, and
     ``staged`` (the bytes at that peak that ``staged_storages()`` names)."""

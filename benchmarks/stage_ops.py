@@ -29,7 +29,6 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine_memory import peak_allocated  # this folder is on sys.path when run as a script
 from geofp8.codecs import make_codec
 from geofp8.comm import ShardLayout
 from geofp8.comm.stages import (
@@ -43,6 +42,17 @@ from geofp8.comm.stages import (
 BUCKETS = {"1MB": [(256, 256)] * 4, "25MB": [(512, 512)] * 25}  # tensors of a bucket
 LAUNCH_US = 5.0  # one eager kernel launch on a GPU, microseconds
 HBM_BYTES_PER_S = 4.8e12
+
+
+def peak_allocated(prof) -> int:
+    """Peak of the running sum of the CPU allocations and frees the profiler recorded."""
+    records = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
+                     if e.self_cpu_memory_usage)
+    live = peak = 0
+    for _, delta in records:
+        live += delta
+        peak = max(peak, live)
+    return peak
 
 
 class Counter(TorchDispatchMode):
