@@ -1,12 +1,12 @@
 """Memory the comm hook needs beyond the EF residuals, against the largest DDP bucket.
 
-Figures per method, on rank 0 of a real gloo group (32 Linear(256, 256) weights, DDP
-buckets of ~1 MB, an ordinary step after a warm-up):
+Figures per method, on rank 0 of a real gloo group (32 Linear(256, 256) weights, 8 MB of
+gradients, DDP buckets of ~1 MB or ``--bucket-mb``, an ordinary step after a warm-up):
 
 * **hook peak**: the peak, during ``backward()``, of the bytes of the tensors that GeoFP8's
   own code created and that are still alive (a dispatch mode sees every op; an output in a
   new storage, from an op called under the ``geofp8`` package, is counted until its storage
-  is freed). Autograd's and DDP's own tensors are not counted;
+  is freed or released to zero bytes). Autograd's and DDP's own tensors are not counted;
 * **staged EF at peak**: the part of that peak held by the step's new EF residuals. They are
   staged until the whole step is known finite and then replace the committed ones (a
   skipped step leaves no trace), so during backward an EF method holds two sets;
@@ -18,6 +18,7 @@ The last ratio, (hook peak − staged EF + held) / bucket, is what the stages ne
 
     python benchmarks/engine_memory.py                        # fp8, fp8-ef, nvfp4-ef, geofp8-auto
     python benchmarks/engine_memory.py --methods fp8-ef --ranks 4
+    python benchmarks/engine_memory.py --bucket-mb 4          # two buckets of 4 MB
 
 Goal (issue 20): hook peak + held, beyond the EF residuals, <= 2x the largest bucket.
 """
@@ -49,8 +50,8 @@ class HookAllocations(TorchDispatchMode):
     def __init__(self, staged_storages) -> None:
         super().__init__()
         self.staged_storages = staged_storages
-        self.live: dict[int, int] = {}
-        self.current = self.peak = self.staged = 0
+        self.live: dict[int, weakref.ref] = {}  # data pointer -> storage
+        self.peak = self.staged = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -66,16 +67,25 @@ class HookAllocations(TorchDispatchMode):
             key = storage.data_ptr()
             if key in inputs or key in self.live or storage.nbytes() == 0:
                 continue
-            self.live[key] = storage.nbytes()
-            self.current += storage.nbytes()
-            weakref.finalize(storage, self._freed, key)
-        if self.current > self.peak:
-            self.peak = self.current
-            self.staged = sum(self.live.get(k, 0) for k in self.staged_storages())
+            self.live[key] = weakref.ref(storage)
+        sizes = self._live_sizes()
+        current = sum(sizes.values())
+        if current > self.peak:
+            self.peak = current
+            self.staged = sum(sizes.get(k, 0) for k in self.staged_storages())
         return out
 
-    def _freed(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
+    def _live_sizes(self) -> dict[int, int]:
+        """Bytes of each tracked storage still alive and not released (forgetting the rest,
+        so that a new storage at a freed address is counted afresh)."""
+        sizes = {}
+        for key, ref in list(self.live.items()):
+            storage = ref()
+            if storage is None or storage.nbytes() == 0:
+                del self.live[key]
+            else:
+                sizes[key] = storage.nbytes()
+        return sizes
 
 
 def _called_from_package() -> bool:
@@ -116,8 +126,8 @@ def tensors_held(root, skip: set[int]) -> int:
     return sum(storages.values())
 
 
-def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
-    ddp, state = ddp_model(rank, world, port, method)
+def _worker(rank: int, world: int, port: int, method: str, queue, bucket_mb: float) -> None:
+    ddp, state = ddp_model(rank, world, port, method, bucket_mb)
     for _ in range(STEPS - 1):
         ddp(torch.randn(16, 256)).pow(2).mean().backward()
         ddp.zero_grad()
@@ -135,10 +145,10 @@ def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
     dist.destroy_process_group()
 
 
-def measure(method: str, world: int) -> tuple[int, int, int, int, int]:
+def measure(method: str, world: int, bucket_mb: float = 1.0) -> tuple[int, int, int, int, int]:
     """``(hook peak, staged EF at peak, held, residuals, largest bucket)`` in bytes, on
     rank 0."""
-    return on_ranks(_worker, world, method)
+    return on_ranks(_worker, world, method, bucket_mb)
 
 
 def main() -> None:
@@ -146,6 +156,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+",
                         default=["fp8", "fp8-ef", "nvfp4-ef", "geofp8-auto"])
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--bucket-mb", type=float, default=1.0, help="DDP's bucket_cap_mb")
     args = parser.parse_args()
     print("| method | ranks | largest bucket MB | hook peak MB | staged EF at peak MB | held MB"
           " | EF residuals MB | (hook peak − staged EF + held) / bucket |")
@@ -153,7 +164,7 @@ def main() -> None:
     mb = 2**20
     for world in args.ranks:
         for method in args.methods:
-            peak, staged, held, residuals, bucket = measure(method, world)
+            peak, staged, held, residuals, bucket = measure(method, world, args.bucket_mb)
             print(f"| {method} | {world} | {bucket / mb:.2f} | {peak / mb:.2f} | "
                   f"{staged / mb:.2f} | {held / mb:.2f} | {residuals / mb:.2f} | "
                   f"{(peak - staged + held) / bucket:.2f} |", flush=True)

@@ -42,10 +42,11 @@ class Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ddp_model(rank: int, world: int, port: int, method: str):
+def ddp_model(rank: int, world: int, port: int, method: str, bucket_mb: float = 1.0):
     """``(ddp, state)`` on a new gloo group: the benchmark's model under ``method``'s hook
-    (``state`` is ``None`` for DDP's own all-reduce); no refresh after step 0. ``method``
-    may name the stages' kernels after an ``@`` (``fp8-ef@batched``; default ``auto``)."""
+    (``state`` is ``None`` for DDP's own all-reduce), DDP buckets of ``bucket_mb``; no
+    refresh after step 0. ``method`` may name the stages' kernels after an ``@``
+    (``fp8-ef@batched``; default ``auto``)."""
     method, _, kernels = method.partition("@")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -59,7 +60,7 @@ def ddp_model(rank: int, world: int, port: int, method: str):
     settings = {"refresh_every": 1000, "kernels": kernels or "auto"}
     state, hook, _ = spec.build(model, **{k: v for k, v in settings.items()
                                           if k in spec.overrides and spec.kind == "geofp8"})
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
     if hook is not None:
         ddp.register_comm_hook(state, hook)
     torch.manual_seed(1 + rank)
@@ -86,15 +87,15 @@ def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
     dist.destroy_process_group()
 
 
-def on_ranks(worker, world: int, method: str) -> tuple:
+def on_ranks(worker, world: int, method: str, *extra) -> tuple:
     """What rank 0 of ``world`` spawned gloo ranks puts on the queue, each running
-    ``worker(rank, world, port, method, queue)`` (it puts ``(rank, *figures)``)."""
+    ``worker(rank, world, port, method, queue, *extra)`` (it puts ``(rank, *figures)``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, method, queue))
+    procs = [ctx.Process(target=worker, args=(r, world, port, method, queue, *extra))
              for r in range(world)]
     for p in procs:
         p.start()

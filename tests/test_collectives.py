@@ -73,6 +73,56 @@ def test_both_collectives_decode_the_sum_into_the_vector_given():
             assert torch.equal(buf, fresh), collective
 
 
+def _release_worker(rank, world_size):
+    from geofp8.comm import Communicator
+    from geofp8.comm.group import DeviceGroup
+
+    class Recording(DeviceGroup):
+        """Remembers every buffer handed to (or made by) the two collectives."""
+
+        buffers: list = []
+
+        def all_to_all(self, out, inp, *args):
+            self.buffers += [out, inp]
+            return super().all_to_all(out, inp, *args)
+
+        def all_gather(self, t, *args, **kwargs):
+            gathered, work = super().all_gather(t, *args, **kwargs)
+            self.buffers += [t, *gathered]
+            return gathered, work
+
+    layout = ShardLayout.build(SHAPES, FP8Codec(), world_size)
+    inputs = [x * (k + 1) for k, x in enumerate(_inputs(world_size))]
+    results = {}
+    for collective in ("exact", "allgather"):
+        group = Recording(None, torch.device("cpu"))
+        group.buffers = []
+        communicator = Communicator(collective, group)
+        # two launches: the first one's all-gather is issued by the second (`last`)
+        futures = [communicator.launch(encode(x, layout, sender=rank), layout, last=last)
+                   for x, last in ((inputs[rank], False), (2 * inputs[rank], True))]
+        results[collective] = ([f.wait() for f in futures],
+                               [b.untyped_storage().nbytes() for b in group.buffers])
+    return results
+
+
+@pytest.mark.distributed
+def test_the_collective_frees_its_buffers_once_read():
+    """Every encoded buffer (sent, received, gathered) is freed once its collective is done
+    and it is read, though the group keeps the collectives' Works alive; the sums are
+    unchanged (they match the single-process model)."""
+    world_size = 2
+    layout = ShardLayout.build(SHAPES, FP8Codec(), world_size)
+    inputs = [x * (k + 1) for k, x in enumerate(_inputs(world_size))]
+    expected = [simulate_exact_allreduce(inputs, layout),
+                simulate_exact_allreduce([2 * x for x in inputs], layout)]
+    for ranks in run_ranks(_release_worker, world_size):
+        for collective, (sums, sizes) in ranks.items():
+            assert len(sizes) >= 4 and sizes == [0] * len(sizes), (collective, sizes)
+            if collective == "exact":
+                assert all(torch.equal(s, e) for s, e in zip(sums, expected))
+
+
 def test_wire_bytes_close_to_a_quarter_of_fp32():
     layout = ShardLayout.build([(1024, 1024)], FP8Codec("e4m3", "tensor"), 4)
     ratio = layout.wire_bytes(0) / fp32_allreduce_wire_bytes(layout.numel, 4)

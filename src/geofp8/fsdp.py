@@ -149,16 +149,17 @@ class GeoFP8ReduceScatter(ReduceScatter):
 
     def _prepare(self, rows2d: torch.Tensor, n: int) -> list:
         """``Ũ = G T + R`` in place, parameter by parameter, through the pipeline (the rows
-        of a parameter are the same dim-0 chunks in every row of ``rows2d``)."""
+        of a parameter are the same dim-0 chunks in every row of ``rows2d``): one temporary
+        of the parameter's padded size, ``G`` gathered into it and ``Ũ`` written over it."""
         routes, pipeline = [], self.state.engine.pipeline
         for name, shape, (pos, rows, width) in zip(self.unit.names, self.unit.shapes,
                                                    self.unit.rows(n)):
             view = rows2d[:, pos : pos + rows * width]
-            G = view.reshape(n * rows, width)[: shape[0]].reshape(shape)
-            U = torch.empty(shape, dtype=torch.float32, device=rows2d.device)
-            routes.append(pipeline.prepare_into(name, G, U))
-            padded = rows2d.new_zeros(n * rows, width)
-            padded[: shape[0]] = U.reshape(shape[0], width)
+            padded = rows2d.new_empty(n * rows, width)  # the parameter's rows, then padding
+            padded.view(n, rows * width).copy_(view)
+            G = padded[: shape[0]].view(shape)
+            routes.append(pipeline.prepare_into(name, G, G, in_place=True))
+            padded[shape[0] :].zero_()
             view.copy_(padded.view(n, rows * width))
         return routes
 
@@ -209,7 +210,8 @@ class ReplicaAllReduce:
         # FSDP divided by the shard group only; divide by the replicas unless the user set
         # their own divide factor (then it is the whole division)
         divisor = n if unit.param_group.gradient_divide_factor is None else 1
-        x = shard.float() if shard.dtype != torch.float32 else shard.clone()
+        # an FP32 shard is the hop's working memory: Ũ is written over it, the sum decoded into it
+        x = shard.float() if shard.dtype != torch.float32 else shard
         if not self.after_ours:  # FSDP's FP32 reduce-scatter: this shard is exact
             self.state.probe.keep(unit, x)
         if not engine.fp8:
@@ -232,8 +234,11 @@ class ReplicaAllReduce:
                     feedback.stage(name + REPLICA, residual[lo:hi].view(chunk), IDENTITY)
             engine.ledger.add("codec_s", time.perf_counter() - t0)
             x = self.state.communicator(rep).launch(sent, layout, gather=True, seed=seed,
-                                                    owner_keys=unit.names).wait()
-        shard.copy_(x.div_(divisor) if divisor != 1 else x)
+                                                    owner_keys=unit.names, out=x).wait()
+        if divisor != 1:
+            x.div_(divisor)
+        if x is not shard:
+            shard.copy_(x)
         engine.observe(shard)
         self.state.probe.replica(unit, shard.float(), rep, divisor)
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..geometry.transforms import IDENTITY
-from .group import DeviceGroup
+from .group import DeviceGroup, release
 from .layout import ShardLayout
 from .stages import (
     all_finite,
@@ -73,6 +73,11 @@ class Communicator:
     tensors routed through a map, whose reduced shard is not in stable coordinates.
     Nor does it depend on the tensor's codec (a chunk is cut by element count alone), so a
     budget's change of format carries the residual on as it is.
+
+    Memory: each encoded buffer is freed (:func:`~geofp8.comm.group.release`) as soon as its
+    collective is done and it is read: ``sent`` once its all-to-all (or all-gather) is
+    done, the received shards once summed, the gathered shards once decoded. The
+    :class:`DeviceGroup` keeps the last collectives' ``Work`` objects alive, not their bytes.
     """
 
     owner = None  # ErrorFeedback of the owners' re-quantization, when enabled
@@ -82,7 +87,7 @@ class Communicator:
             raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
         self.collective, self.group, self.kind = collective, group, kind
         self.rank = group.rank
-        self._previous = None  # (work, recv, layout, result, unmap, gather, seed, keys, out)
+        self._previous = None  # (work, sent, recv, layout, result, unmap, gather, seed, keys, out)
         self._pending: list = []  # (work, finish, result): results this thread completes
 
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
@@ -97,7 +102,8 @@ class Communicator:
         ``owner_keys``: the tensors' names for the second rounding's residuals, ``None``
         for a tensor left out (see :attr:`owner`). ``out``: an FP32 vector of
         ``layout.numel`` elements that the sum is decoded into and that is the future's value
-        (with ``gather``), e.g. the bucket that ``sent`` came from, not read again."""
+        (with ``gather``), e.g. the bucket that ``sent`` came from, not read again.
+        ``sent`` is the communicator's from here: its memory is freed once it is sent."""
         self.flush()
         self.complete(block=False)
         if self.collective == "allgather":
@@ -113,7 +119,7 @@ class Communicator:
                            device=sent.device)
         work = self.group.all_to_all(recv, sent, [layout.send_bytes(self.rank)] * n,
                                      [layout.send_bytes(j) for j in range(n)], self.kind)
-        self._previous = (work, recv, layout, result, unmap, gather, seed,
+        self._previous = (work, sent, recv, layout, result, unmap, gather, seed,
                           owner_keys if self.owner is not None else None, out)
         if last:
             self.flush()  # issue the all-gather now, from this thread (see the class notes)
@@ -146,18 +152,20 @@ class Communicator:
     def flush(self) -> None:
         """Finish the previous launch's all-to-all and issue its all-gather, if any."""
         if self._previous is not None:
-            work, recv, layout, result, unmap, gather, seed, keys, out = self._previous
+            work, sent, recv, layout, result, unmap, gather, seed, keys, out = self._previous
             self._previous = None
             work.wait()
-            self._gather(work.get_future(), recv, layout, result, unmap, gather, seed, keys,
-                         out)
+            self._gather(work.get_future(), sent, recv, layout, result, unmap, gather, seed,
+                         keys, out)
 
-    def _gather(self, fut, recv: torch.Tensor, layout: ShardLayout,
+    def _gather(self, fut, sent: torch.Tensor, recv: torch.Tensor, layout: ShardLayout,
                 result: torch.futures.Future, unmap, gather: bool, seed: int | None,
                 keys: list[str | None] | None, out: torch.Tensor | None) -> None:
         try:
             fut.value()
+            release(sent)
             reduced = decode_sum(recv, layout, self.rank, unmap)
+            release(recv)
             if not gather:
                 result.set_result(reduced)
                 return
@@ -175,7 +183,13 @@ class Communicator:
             result.set_exception(exc)
             return
         gathered, work = self.group.all_gather(shard, self.kind, async_op=True)
-        self._pending.append((work, lambda: decode_gathered(gathered, layout, out), result))
+
+        def finish() -> torch.Tensor:
+            total = decode_gathered(gathered, layout, out)
+            release(shard, gathered[0])  # the N gathered shards are views of one buffer
+            return total
+
+        self._pending.append((work, finish, result))
 
     def _pieces(self, layout: ShardLayout, keys: list[str | None]
                 ) -> list[tuple[str, int, int]]:
@@ -195,6 +209,7 @@ class Communicator:
                 layout.numel, dtype=torch.float32, device=sent.device)
             for buf in gathered:
                 total += decode(buf, layout)
+            release(sent, gathered[0])  # the N gathered payloads are views of one buffer
             # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
             return poison_unless(total, all_finite(total))
 

@@ -13,6 +13,11 @@ a tensor that Python has already let go of needs the GIL to free its Python obje
 the main thread, holding the GIL, may be tearing the process group down and joining that
 very thread: a hang at exit (the native stacks in ``benchmarks/exit_abort.py``). Holding the
 ``Work`` here makes the last reference Python's.
+
+The buffers a kept ``Work`` holds need not stay: once a collective is done and its buffers
+are read, :func:`release` frees their memory (the storage shrinks to nothing; the tensors,
+and the ``Work``'s references to them, live on empty). The exact collective does so, so the
+``KEEP`` kept ``Work``s cost no buffer memory.
 """
 
 from __future__ import annotations
@@ -23,9 +28,18 @@ import json
 import torch
 import torch.distributed as dist
 
-__all__ = ["KEEP", "DeviceGroup"]
+__all__ = ["KEEP", "DeviceGroup", "release"]
 
-KEEP = 4  # collectives whose Work a group keeps alive (module notes; their buffers too)
+KEEP = 4  # collectives whose Work a group keeps alive (module notes)
+
+
+def release(*buffers: torch.Tensor) -> None:
+    """Free the memory of collective buffers that are done with: each one's whole storage
+    is resized to zero bytes (every view of it included). Call it only after the collective
+    was waited for (on an accelerator the current stream then waits for it, and a freed block
+    is reused in that order) and once nothing reads the buffers again."""
+    for t in buffers:
+        t.untyped_storage().resize_(0)
 
 
 class DeviceGroup:
