@@ -7,6 +7,10 @@ the peak of the bytes allocated and not yet freed (the profiler's allocation rec
 inputs, made beforehand, not counted) is taken against the bucket's FP32 bytes: both
 deterministic. Times are the best of 3 on one thread, next to a memcpy of the bucket.
 
+The batched kernels' ops are counted on the ``meta`` device (what they run on an
+accelerator, where the codecs take their device paths, e.g. E4M3 decoded by torch's own
+conversion rather than the CPU's table lookup), the chunked kernels' on the CPU.
+
 A GPU projection from the counts: every op a kernel launch of :data:`LAUNCH_US` plus the
 bytes it reads and writes (tensor arguments and results of every op that is not a view) at
 :data:`HBM_BYTES_PER_S` (an H200), next to the time the bytes this rank sends for the bucket
@@ -80,10 +84,12 @@ def best(fn, repeats: int = 3) -> float:
 
 
 def rank_share(layout: ShardLayout, x: torch.Tensor):
-    """One rank's stages of one bucket, as a function of nothing (inputs made here)."""
+    """One rank's stages of one bucket, as a function of nothing (inputs made here, on
+    ``x``'s device)."""
     n = layout.world_size
     received = torch.cat([encode(x, layout)[: layout.send_bytes(0)]] * n)
-    gathered = [encode_reduced(torch.randn(layout.shard_numel(j)), layout, j) for j in range(n)]
+    gathered = [encode_reduced(torch.randn(layout.shard_numel(j), device=x.device), layout, j)
+                for j in range(n)]
 
     def run() -> None:
         rounding_error(encode(x, layout), x, layout)
@@ -110,9 +116,10 @@ def main() -> None:
         layout = ShardLayout.build(BUCKETS[name], make_codec(fmt), n, kernels=kernels)
         x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
         run = rank_share(layout, x)
+        counted = rank_share(layout, x.to("meta")) if kernels == "batched" else run
         counter = Counter()
         with counter:
-            run()
+            counted()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             run()
         peak = peak_allocated(prof) / x.nbytes

@@ -12,10 +12,12 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fakedevice import DEVICE, FakeDevice, to_device, to_host
 from geofp8.codecs import make_codec
 from geofp8.comm import ShardLayout, simulate_exact_allreduce
+from geofp8.comm.stages import decode_gathered, decode_sum, encode, encode_reduced, rounding_error
 from geofp8.geometry.sources import Layer
 from geofp8.methods import METHODS
 from geofp8.tools.gpu_check import bucket, method_maps, method_step
@@ -60,6 +62,44 @@ def test_codec_and_stages_on_the_device_match_the_cpu_without_host_syncs(fmt, sc
             got = run()
     for name, g, e in zip(("round trip", "simulation", "poisoned simulation"), got, expect):
         assert _same(g, e), f"{fmt}/{scaling}/{rounding}: {name} differs from the CPU's"
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _stage_ops(shapes, fmt: str, scaling: str, world: int = 4) -> int:
+    """Aten ops of one rank's batched stages of one bucket on the ``meta`` device (what an
+    accelerator runs): encode and its residual, the sum of the received copies and its
+    re-encoding, the decode of the gathered shards."""
+    layout = ShardLayout.build(shapes, make_codec(fmt, scaling, 32), world, kernels="batched")
+    x = torch.empty(layout.numel, device="meta")
+    received = torch.cat([encode(x, layout)[: layout.send_bytes(0)]] * world)
+    gathered = [encode_reduced(torch.empty(layout.shard_numel(j), device="meta"), layout, j)
+                for j in range(world)]
+    ops = _Ops()
+    with ops:
+        rounding_error(encode(x, layout), x, layout)
+        encode_reduced(decode_sum(received, layout, 0), layout, 0)
+        decode_gathered(gathered, layout)
+    return ops.count
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("scaling", ["tensor", "block"])
+def test_fp8_stages_on_a_device_take_as_many_ops_for_a_bigger_bucket(fmt, scaling):
+    """Off the CPU the FP8 stages run whole-bucket kernels: the same number of ops for a bucket
+    of 0.25 M elements as for one of 4 M (the CPU's cache-sized pieces would be 16 times
+    as many there)."""
+    small = _stage_ops([(256, 256)] * 4, fmt, scaling)
+    big = _stage_ops([(1024, 1024)] * 4, fmt, scaling)
+    assert big == small, f"{fmt}/{scaling}: {small} ops for 0.25 M elements, {big} for 4 M"
 
 
 # one codec per layout here; the byte budget's per-layer codecs are tests/test_budget.py's

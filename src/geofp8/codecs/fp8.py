@@ -42,8 +42,8 @@ from .base import (
     shard_lengths,
 )
 
-__all__ = ["FP8_FORMATS", "SCALINGS", "FP8Codec", "Packed", "e4m3_table", "group_lengths",
-           "lookup_into"]
+__all__ = ["FP8_FORMATS", "SCALINGS", "FP8Codec", "Packed", "e4m3_into", "e4m3_table",
+           "group_lengths", "lookup_into"]
 
 FP8_FORMATS: dict[str, torch.dtype] = {
     "e4m3": torch.float8_e4m3fn,
@@ -145,7 +145,7 @@ class FP8Codec(Codec):
         scales = torch.cat(list(parts[0::2])).view(torch.float32)
         codes = torch.cat(list(parts[1::2]))
         if self.format == "e4m3":
-            lookup_into(out, e4m3_table(out.device), codes)
+            e4m3_into(out, codes)
         else:
             out.copy_(codes.view(torch.float8_e5m2))
         group_mul_(out, scales, shard_lengths(shards))
@@ -390,6 +390,16 @@ def e4m3_table(device: torch.device) -> torch.Tensor:
     return codes.view(torch.float8_e4m3fn).float().to(device)
 
 
+def e4m3_into(out: torch.Tensor, codes: torch.Tensor) -> None:
+    """``out[i]`` = the FP32 value of the E4M3 byte ``codes[i]`` (exact either way): on a CPU
+    a lookup in :func:`e4m3_table`; elsewhere torch's own conversion, one kernel and no
+    index tensor."""
+    if codes.device.type == "cpu":
+        lookup_into(out, e4m3_table(codes.device), codes.view(torch.uint8))
+    else:
+        out.copy_(codes.view(torch.float8_e4m3fn))
+
+
 def lookup_into(out: torch.Tensor, table: torch.Tensor, codes: torch.Tensor) -> None:
     """``out[i] = table[codes[i]]`` for uint8 ``codes``, through a cache-sized int32 index."""
     n = codes.numel()
@@ -405,24 +415,25 @@ def _decode_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                  lengths, info: _Info, fmt: str) -> None:
     """``out[i] = value(code_i) · s_g``.
 
-    E5M2 is the top byte of an IEEE half, and torch converts it fast. E4M3 is a lookup in
-    the 256-entry value table; a piece with one scale looks its codes up in the table times
-    that scale (the same FP32 product ``value · s``, in one pass).
+    E5M2 is the top byte of an IEEE half, and torch converts it fast; so does it E4M3 off a
+    CPU. On a CPU E4M3 is a lookup in the 256-entry value table; a piece with one scale
+    looks its codes up in the table times that scale (the same FP32 product ``value · s``,
+    in one pass).
     """
     u8 = codes.view(torch.uint8)
-    table = e4m3_table(codes.device) if fmt == "e4m3" else None
+    table = e4m3_table(codes.device) if fmt == "e4m3" and codes.device.type == "cpu" else None
+    native = codes.view(FP8_FORMATS[fmt])
     if info.irregular:
         if table is None:
-            out.copy_(codes.view(torch.float8_e5m2))
+            out.copy_(native)
         else:
             lookup_into(out, table, u8)
         out.mul_(_per_element(scales, lengths, out.numel()))
         return
     if table is None:
-        c5 = codes.view(torch.float8_e5m2)
         for lo, hi, rows, s in _pieces(lengths, info, scales):
             o = out[lo:hi]
-            o.copy_(c5[lo:hi])
+            o.copy_(native[lo:hi])
             (o.view(rows, -1) if rows else o).mul_(s)
         return
     for lo, hi, rows, s in _pieces(lengths, info, scales):

@@ -49,7 +49,7 @@ from .fp4 import (
     unpack_into,
     unpack_shards,
 )
-from .fp8 import e4m3_table, group_lengths, lookup_into
+from .fp8 import e4m3_into, group_lengths
 
 __all__ = ["MX_BLOCK", "MXCodec", "e8m0_scales"]
 
@@ -151,7 +151,7 @@ class MXCodec(Codec):
         if self.packed:
             unpack_into(out[:n], buf[g:])
         else:
-            lookup_into(out[:n], e4m3_table(out.device), buf[g : g + n])
+            e4m3_into(out[:n], buf[g : g + n])
         scale_blocks(out, e8m0_values(byte), segments)
         return (byte != 0xFF).all()
 
@@ -180,7 +180,7 @@ class MXCodec(Codec):
         if self.packed:
             unpack_shards(out, codes, [sum(map(sum, g)) for g in shards])
         else:
-            lookup_into(out, e4m3_table(out.device), codes)
+            e4m3_into(out, codes)
         group_mul_(out, e8m0_values(byte), lengths)
         return (byte != 0xFF).all()
 
