@@ -400,12 +400,18 @@ def e4m3_into(out: torch.Tensor, codes: torch.Tensor) -> None:
         out.copy_(codes.view(torch.float8_e4m3fn))
 
 
+DEVICE_PIECE = 1 << 22  # codes per lookup off the CPU: a 16 MB index, one gather per DDP bucket
+
+
 def lookup_into(out: torch.Tensor, table: torch.Tensor, codes: torch.Tensor) -> None:
-    """``out[i] = table[codes[i]]`` for uint8 ``codes``, through a cache-sized int32 index."""
+    """``out[i] = table[codes[i]]`` for uint8 ``codes``, through an int32 index of at most a
+    piece of the codes: cache-sized on a CPU (``CHUNK``), :data:`DEVICE_PIECE` elsewhere
+    (a fixed number of kernels for buckets up to that size, the index's memory bounded)."""
     n = codes.numel()
-    index = torch.empty(min(CHUNK, n) or 1, dtype=torch.int32, device=codes.device)
-    for lo in range(0, n, CHUNK):
-        hi = min(lo + CHUNK, n)
+    piece = CHUNK if codes.device.type == "cpu" else DEVICE_PIECE
+    index = torch.empty(min(piece, n) or 1, dtype=torch.int32, device=codes.device)
+    for lo in range(0, n, piece):
+        hi = min(lo + piece, n)
         i = index[: hi - lo]
         i.copy_(codes[lo:hi])
         torch.index_select(table, 0, i, out=out[lo:hi])
