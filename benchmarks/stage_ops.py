@@ -11,7 +11,8 @@ The batched kernels' ops are counted on the ``meta`` device (what they run on an
 accelerator, where the codecs take their device paths, e.g. E4M3 decoded by torch's own
 conversion rather than the CPU's table lookup), the chunked kernels' on the CPU.
 
-A GPU projection from the counts: every op a kernel launch of :data:`LAUNCH_US` plus the
+A GPU projection from the counts: every kernel (an op that is neither a view nor a bare
+allocation) a launch of :data:`LAUNCH_US` plus the
 bytes it reads and writes (tensor arguments and results of every op that is not a view) at
 :data:`HBM_BYTES_PER_S` (an H200), next to the time the bytes this rank sends for the bucket
 take on a 100 and a 400 Gbit/s link. A model, not a measurement: launches overlap on a
@@ -45,6 +46,8 @@ from geofp8.comm.stages import (
 
 BUCKETS = {"1MB": [(256, 256)] * 4, "25MB": [(512, 512)] * 25}  # tensors of a bucket
 LAUNCH_US = 5.0  # one eager kernel launch on a GPU, microseconds
+ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+               torch.ops.aten.new_empty.default}  # ops that launch no kernel
 HBM_BYTES_PER_S = 4.8e12
 
 
@@ -62,11 +65,12 @@ def peak_allocated(prof) -> int:
 class Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.ops = self.bytes = 0
+        self.ops = self.kernels = self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops += 1
+        self.kernels += not func.is_view and func not in ALLOCATIONS
         if not func.is_view:
             self.bytes += sum(t.nbytes for t in pytree.tree_leaves((args, kwargs, out))
                               if isinstance(t, torch.Tensor))
@@ -108,15 +112,16 @@ def main() -> None:
                              "row's: those are the kernels a GPU runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| format | kernels | bucket | ranks | aten ops | MB read+written | peak / bucket | "
-          "CPU ms | x memcpy | GPU ms (projected) | send ms at 100 / 400 Gbit/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| format | kernels | bucket | ranks | aten ops | of which kernels | MB read+written | "
+          "peak / bucket | CPU ms | x memcpy | GPU ms (projected) | send ms at 100 / 400 Gbit/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for fmt, kernels, name, n in itertools.product(args.formats, args.kernels, args.buckets,
                                                    args.ranks):
         layout = ShardLayout.build(BUCKETS[name], make_codec(fmt), n, kernels=kernels)
         x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
         run = rank_share(layout, x)
         counted = rank_share(layout, x.to("meta")) if kernels == "batched" else run
+        counted()  # first call: the codecs' tables
         counter = Counter()
         with counter:
             counted()
@@ -125,9 +130,9 @@ def main() -> None:
         peak = peak_allocated(prof) / x.nbytes
         y = torch.empty_like(x)
         t, t_copy = best(run), best(lambda: y.copy_(x))  # noqa: B023
-        gpu = counter.ops * LAUNCH_US * 1e-6 + counter.bytes / HBM_BYTES_PER_S
+        gpu = counter.kernels * LAUNCH_US * 1e-6 + counter.bytes / HBM_BYTES_PER_S
         send = [8 * layout.wire_bytes(0) / bits for bits in (100e9, 400e9)]
-        print(f"| {fmt} | {kernels} | {name} | {n} | {counter.ops} | "
+        print(f"| {fmt} | {kernels} | {name} | {n} | {counter.ops} | {counter.kernels} | "
               f"{counter.bytes / 1e6:.0f} | {peak:.2f} | {1e3 * t:.1f} | {t / t_copy:.0f} | "
               f"{1e3 * gpu:.2f} | "
               f"{1e3 * send[0]:.2f} / {1e3 * send[1]:.2f} |", flush=True)
