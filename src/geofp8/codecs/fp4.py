@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -55,7 +55,7 @@ from .base import (
     rows_amax,
     shard_lengths,
 )
-from .fp8 import group_lengths, lookup_into
+from .fp8 import e4m3_values, group_lengths, lookup_into
 
 __all__ = ["E2M1_VALUES", "NVFP4Codec", "ROUNDINGS", "e2m1_encode", "e2m1_values",
            "segment_uniforms"]
@@ -236,15 +236,11 @@ def _check_rounding(rounding: str) -> None:
         raise ValueError(f"unknown rounding {rounding!r}; expected one of {ROUNDINGS}")
 
 
-def _flat_lengths(segments: Segments) -> list[int]:
-    return [n for seg in segments for n in seg]
-
-
-def _check_input(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+def _check_input(x: torch.Tensor, numel: int) -> torch.Tensor:
     if not x.is_floating_point():
         raise TypeError(f"GeoFP8 codecs take floating-point tensors, got {x.dtype}")
-    if sum(lengths) != x.numel():
-        raise ValueError(f"group lengths sum to {sum(lengths)} but x has {x.numel()} elements")
+    if numel != x.numel():
+        raise ValueError(f"group lengths sum to {numel} but x has {x.numel()} elements")
     return x.reshape(-1).float()
 
 
@@ -269,11 +265,12 @@ def block_runs(segments: Segments) -> list[tuple[int, int, int, int]]:
         g += count
 
     for seg in segments:
-        seg = list(seg)
-        middle = seg[1:-1]
-        if middle and middle.count(middle[0]) == len(middle):  # C-speed check of the body
+        k = len(seg)
+        body = seg[1] if k > 2 else None
+        # the body is uniform: one C-speed count over the segment, no copy of it
+        if k > 2 and seg.count(body) - (seg[0] == body) - (seg[-1] == body) == k - 2:
             add(1, seg[0])
-            add(len(middle), middle[0])
+            add(k - 2, body)
             add(1, seg[-1])
         else:
             for n in seg:
@@ -281,37 +278,55 @@ def block_runs(segments: Segments) -> list[tuple[int, int, int, int]]:
     return runs
 
 
-def pieces(segments: Segments):
+class Blocks(NamedTuple):
+    """A shard's scale groups as runs of equal length (:func:`block_runs`) and their totals,
+    found once per codec call: an NVFP4 shard has a group per 16 elements, and a walk over
+    their lengths in Python costs milliseconds per bucket."""
+
+    runs: list[tuple[int, int, int, int]]
+    groups: int
+    numel: int
+
+
+def blocks_of(segments: Segments) -> Blocks:
+    runs = block_runs(segments)
+    if not runs:
+        return Blocks(runs, 0, 0)
+    lo, g0, count, size = runs[-1]
+    return Blocks(runs, g0 + count, lo + count * size)
+
+
+def pieces(blocks: Blocks):
     """Yield ``(lo, hi, g0, g1, size)``: elements ``[lo, hi)`` holding groups ``[g0, g1)`` of
     ``size`` elements each, at most about :data:`CHUNK` elements per piece."""
-    for lo, g0, count, size in block_runs(segments):
+    for lo, g0, count, size in blocks.runs:
         per = max(1, CHUNK // size)
         for a in range(0, count, per):
             b = min(a + per, count)
             yield lo + a * size, lo + b * size, g0 + a, g0 + b, size
 
 
-def block_amax(flat: torch.Tensor, segments: Segments) -> torch.Tensor:
+def block_amax(flat: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     """Max ``|x|`` of every group; ``+Inf`` for a group holding NaN or ±Inf."""
-    amax = flat.new_empty(sum(len(seg) for seg in segments))
-    for lo, hi, g0, g1, size in pieces(segments):
+    amax = flat.new_empty(blocks.groups)
+    for lo, hi, g0, g1, size in pieces(blocks):
         amax[g0:g1] = rows_amax(flat[lo:hi].view(g1 - g0, size))
     return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
 
 
-def encode_blocks(flat: torch.Tensor, divisor: torch.Tensor, segments: Segments,
+def encode_blocks(flat: torch.Tensor, divisor: torch.Tensor, blocks: Blocks,
                   u: torch.Tensor | None, kernel) -> torch.Tensor:
     """``kernel(x / divisor_g, u)`` piece by piece: the codes (uint8, one per element)."""
     codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
-    for lo, hi, g0, g1, size in pieces(segments):
+    for lo, hi, g0, g1, size in pieces(blocks):
         v = flat[lo:hi].view(g1 - g0, size) / divisor[g0:g1, None]
         codes[lo:hi] = kernel(v.view(-1), None if u is None else u[lo:hi])
     return codes
 
 
-def scale_blocks(out: torch.Tensor, scale: torch.Tensor, segments: Segments) -> None:
+def scale_blocks(out: torch.Tensor, scale: torch.Tensor, blocks: Blocks) -> None:
     """``out_g ·= scale_g`` for every group, piece by piece."""
-    for lo, hi, g0, g1, size in pieces(segments):
+    for lo, hi, g0, g1, size in pieces(blocks):
         out[lo:hi].view(g1 - g0, size).mul_(scale[g0:g1, None])
 
 
@@ -331,8 +346,11 @@ class NVFP4Codec(Codec):
 
     def part_bytes(self, segments: Segments) -> tuple[int, int, int]:
         """Segment scales, block scales, packed codes."""
-        n = sum(sum(seg) for seg in segments)
-        return 4 * len(segments), sum(len(seg) for seg in segments), (n + 1) // 2
+        return self._parts(len(segments), blocks_of(segments))
+
+    @staticmethod
+    def _parts(n_seg: int, blocks: Blocks) -> tuple[int, int, int]:
+        return 4 * n_seg, blocks.groups, (blocks.numel + 1) // 2
 
     def _scales(self, amax: torch.Tensor, segments: Segments) -> tuple[torch.Tensor, ...]:
         """``(segment scales s, block scale codes, block scales β·s per block)``."""
@@ -343,45 +361,44 @@ class NVFP4Codec(Codec):
         s_block = torch.repeat_interleave(s, counts, output_size=amax.numel())
         r = (amax / (E2M1_MAX * s_block)).clamp_(max=E4M3_MAX)
         nearest = r.to(torch.float8_e4m3fn)
-        code = nearest.view(torch.uint8) + (nearest.float() < r).to(torch.uint8)  # round up
+        code = nearest.view(torch.uint8) + (e4m3_values(nearest) < r).to(torch.uint8)  # round up
         code = torch.where(torch.isinf(amax), torch.full_like(code, 0x7F), code)
-        return s, code, code.view(torch.float8_e4m3fn).float() * s_block
+        return s, code, e4m3_values(code).mul_(s_block)
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
                     seed: int | None = None) -> None:
-        lengths = _flat_lengths(segments)
-        flat = _check_input(x, lengths)
-        n_seg, n_groups = len(segments), len(lengths)
-        if out.numel() != self.payload_bytes(segments):
-            raise ValueError(f"out has {out.numel()} bytes, the payload "
-                             f"{self.payload_bytes(segments)}")
-        if not lengths:
+        blocks = blocks_of(segments)
+        flat = _check_input(x, blocks.numel)
+        n_seg, n_groups = len(segments), blocks.groups
+        nbytes = sum(self._parts(n_seg, blocks))
+        if out.numel() != nbytes:
+            raise ValueError(f"out has {out.numel()} bytes, the payload {nbytes}")
+        if not n_groups:
             return
-        s, code, scale = self._scales(block_amax(flat, segments), segments)
+        s, code, scale = self._scales(block_amax(flat, blocks), segments)
         out[: 4 * n_seg].copy_(s.view(torch.uint8))
         out[4 * n_seg : 4 * n_seg + n_groups].copy_(code)
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
         u = (segment_uniforms(segments, flat.numel(), seed, flat.device)
              if self.rounding == "stochastic" else None)
-        codes = encode_blocks(flat, divisor, segments, u, e2m1_encode)
+        codes = encode_blocks(flat, divisor, blocks, u, e2m1_encode)
         pack_nibbles(codes, out[4 * n_seg + n_groups :])
 
     def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
                     segments: Segments) -> torch.Tensor:
-        lengths = _flat_lengths(segments)
-        n_seg, n_groups, n = len(segments), len(lengths), sum(lengths)
-        if buf.numel() < self.payload_bytes(segments):
-            raise ValueError(f"buffer of {buf.numel()} bytes is shorter than the payload "
-                             f"{self.payload_bytes(segments)}")
-        if not lengths:
+        blocks = blocks_of(segments)
+        n_seg, n_groups, n = len(segments), blocks.groups, blocks.numel
+        nbytes = sum(self._parts(n_seg, blocks))
+        if buf.numel() < nbytes:
+            raise ValueError(f"buffer of {buf.numel()} bytes is shorter than the payload {nbytes}")
+        if not n_groups:
             return torch.ones((), dtype=torch.bool, device=buf.device)
         s = buf[: 4 * n_seg].clone().view(torch.float32)
         code = buf[4 * n_seg : 4 * n_seg + n_groups]
         counts = device_lengths(tuple(len(seg) for seg in segments), buf.device)
-        scale = code.view(torch.float8_e4m3fn).float() * torch.repeat_interleave(
-            s, counts, output_size=n_groups)
+        scale = e4m3_values(code).mul_(torch.repeat_interleave(s, counts, output_size=n_groups))
         unpack_into(out[:n], buf[4 * n_seg + n_groups :])
-        scale_blocks(out, scale, segments)
+        scale_blocks(out, scale, blocks)
         return torch.isfinite(scale).all()
 
     def encode_shards(self, x: torch.Tensor, shards: Shards, seeds) -> list[torch.Tensor]:
@@ -407,8 +424,8 @@ class NVFP4Codec(Codec):
         s = torch.cat(list(parts[0::3])).view(torch.float32)
         code = torch.cat(list(parts[1::3]))
         counts = device_lengths(tuple(len(seg) for g in shards for seg in g), out.device)
-        scale = code.view(torch.float8_e4m3fn).float() * torch.repeat_interleave(
-            s, counts, output_size=code.numel())
+        scale = e4m3_values(code).mul_(torch.repeat_interleave(s, counts,
+                                                               output_size=code.numel()))
         unpack_shards(out, torch.cat(list(parts[2::3])), [sum(map(sum, g)) for g in shards])
         group_mul_(out, scale, lengths)
         return torch.isfinite(scale).all()

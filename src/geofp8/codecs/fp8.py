@@ -43,7 +43,7 @@ from .base import (
 )
 
 __all__ = ["FP8_FORMATS", "SCALINGS", "FP8Codec", "Packed", "e4m3_into", "e4m3_table",
-           "group_lengths", "lookup_into"]
+           "e4m3_values", "group_lengths", "lookup_into"]
 
 FP8_FORMATS: dict[str, torch.dtype] = {
     "e4m3": torch.float8_e4m3fn,
@@ -401,6 +401,14 @@ def e4m3_into(out: torch.Tensor, codes: torch.Tensor) -> None:
 
 
 DEVICE_PIECE = 1 << 22  # codes per lookup off the CPU: a 16 MB index, one gather per DDP bucket
+
+
+def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
+    """The FP32 values of the 1-D E4M3 ``codes`` (uint8 or ``float8_e4m3fn``) as a new
+    tensor, through :func:`e4m3_into` (on a CPU 6× faster than ``codes.float()``)."""
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    e4m3_into(out, codes)
+    return out
 
 
 def lookup_into(out: torch.Tensor, table: torch.Tensor, codes: torch.Tensor) -> None:

@@ -34,9 +34,9 @@ from .base import Codec, Segments, Shards, group_div, group_mul_, interleave, sh
 from .fp4 import (
     _check_input,
     _check_rounding,
-    _flat_lengths,
     block_amax,
     block_amax_of,
+    blocks_of,
     e2m1_encode,
     encode_blocks,
     flushed_fraction,
@@ -111,27 +111,27 @@ class MXCodec(Codec):
 
     def part_bytes(self, segments: Segments) -> tuple[int, int]:
         """E8M0 scales, codes."""
-        lengths = _flat_lengths(segments)
-        return len(lengths), self._code_bytes(sum(lengths))
+        blocks = blocks_of(segments)
+        return blocks.groups, self._code_bytes(blocks.numel)
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
                     seed: int | None = None) -> None:
-        lengths = _flat_lengths(segments)
-        flat = _check_input(x, lengths)
-        if out.numel() != self.payload_bytes(segments):
-            raise ValueError(f"out has {out.numel()} bytes, the payload "
-                             f"{self.payload_bytes(segments)}")
-        if not lengths:
+        blocks = blocks_of(segments)
+        flat = _check_input(x, blocks.numel)
+        g = blocks.groups
+        nbytes = g + self._code_bytes(blocks.numel)
+        if out.numel() != nbytes:
+            raise ValueError(f"out has {out.numel()} bytes, the payload {nbytes}")
+        if not g:
             return
-        g = len(lengths)
-        byte = e8m0_scales(block_amax(flat, segments), self.element)
+        byte = e8m0_scales(block_amax(flat, blocks), self.element)
         out[:g].copy_(byte)
         scale = e8m0_values(byte)
         scale = torch.where(torch.isnan(scale), torch.ones_like(scale), scale)
         u = (segment_uniforms(segments, flat.numel(), seed, flat.device)
              if self.rounding == "stochastic" else None)
         # x / X is exact (a power of two); the kernel rounds once
-        codes = encode_blocks(flat, scale, segments, u,
+        codes = encode_blocks(flat, scale, blocks, u,
                               e2m1_encode if self.packed else e4m3_encode)
         if self.packed:
             pack_nibbles(codes, out[g:])
@@ -140,19 +140,19 @@ class MXCodec(Codec):
 
     def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
                     segments: Segments) -> torch.Tensor:
-        lengths = _flat_lengths(segments)
-        if buf.numel() < self.payload_bytes(segments):
-            raise ValueError(f"buffer of {buf.numel()} bytes is shorter than the payload "
-                             f"{self.payload_bytes(segments)}")
-        if not lengths:
+        blocks = blocks_of(segments)
+        g, n = blocks.groups, blocks.numel
+        nbytes = g + self._code_bytes(n)
+        if buf.numel() < nbytes:
+            raise ValueError(f"buffer of {buf.numel()} bytes is shorter than the payload {nbytes}")
+        if not g:
             return torch.ones((), dtype=torch.bool, device=buf.device)
-        g, n = len(lengths), sum(lengths)
         byte = buf[:g]
         if self.packed:
             unpack_into(out[:n], buf[g:])
         else:
             e4m3_into(out[:n], buf[g : g + n])
-        scale_blocks(out, e8m0_values(byte), segments)
+        scale_blocks(out, e8m0_values(byte), blocks)
         return (byte != 0xFF).all()
 
     def encode_shards(self, x: torch.Tensor, shards: Shards, seeds) -> list[torch.Tensor]:
