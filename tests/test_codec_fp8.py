@@ -356,3 +356,20 @@ def test_fuzz_explicit_lengths(data, fmt):
     x = torch.cat([x] * (n // x.numel() + 1))[:n]
     codec = FP8Codec(fmt)
     check_codec_contract(x, codec, codec.round_trip(x, lengths), lengths)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_clipped_fraction_counts_flushed_and_saturated_codes(fmt, scaling):
+    """The share read off the code bytes equals the one counted on the decoded values: codes
+    at ±fmax, and zeros from non-zero inputs (exact zeros are not clipped)."""
+    codec = FP8Codec(fmt, scaling)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 200, generator=g) * torch.logspace(-40, 2, 200)  # far below amax: flushed
+    x[:, :3] = 0.0
+    x[0, 7] = -x[0].abs().max() * 2  # a row's ±amax saturates
+    values = codec.quantize(x).codes.view(codec.dtype).float()
+    flushed = ((values == 0) & (x.reshape(-1) != 0)).sum().item()
+    saturated = (values.abs() == codec.fmax).sum().item()
+    assert flushed > 0 and saturated > 0
+    assert codec.clipped_fraction(x) == (flushed + saturated) / x.numel()

@@ -152,10 +152,11 @@ class FP8Codec(Codec):
         return torch.isfinite(scales).all()
 
     def clipped_fraction(self, x: torch.Tensor) -> float:
-        """Share of codes saturated at ``±fmax`` or flushed to zero from a non-zero value."""
-        values = self.quantize(x).codes.view(self.dtype).float()
-        flushed = ((values == 0) & (x.reshape(-1) != 0)).sum()
-        saturated = (values.abs() == self.fmax).sum()
+        """Share of codes saturated at ``±fmax`` or flushed to zero from a non-zero value,
+        read off the code bytes (``|code|`` is 0 or the largest finite code)."""
+        magnitude = self.quantize(x).codes.bitwise_and(0x7F)
+        flushed = ((magnitude == 0) & (x.reshape(-1) != 0)).sum()
+        saturated = (magnitude == _MAX_CODE[self.format]).sum()
         return float(flushed + saturated) / max(x.numel(), 1)
 
     def quantize(self, x: torch.Tensor, lengths: list[int] | None = None, *,
@@ -265,6 +266,7 @@ class Packed:
 # so the codes are bit-identical to ``(x / s).to(fp8)``.
 
 CHUNK = 1 << 18  # elements per piece; 1 MiB of fp32
+_MAX_CODE = {"e4m3": 0x7E, "e5m2": 0x7B}  # the byte of +fmax (448, 57344) without its sign
 
 
 def _uniform(lengths) -> int | None:
