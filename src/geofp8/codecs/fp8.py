@@ -392,6 +392,10 @@ def e4m3_table(device: torch.device) -> torch.Tensor:
     return codes.view(torch.float8_e4m3fn).float().to(device)
 
 
+LOOKUP_PIECE = 1 << 16  # codes per lookup on a CPU: a 256 KB index (as fast as 1 MB's)
+DEVICE_PIECE = 1 << 22  # codes per lookup off the CPU: a 16 MB index, one gather per DDP bucket
+
+
 def e4m3_into(out: torch.Tensor, codes: torch.Tensor) -> None:
     """``out[i]`` = the FP32 value of the E4M3 byte ``codes[i]`` (exact either way): on a CPU
     a lookup in :func:`e4m3_table`; elsewhere torch's own conversion, one kernel and no
@@ -400,10 +404,6 @@ def e4m3_into(out: torch.Tensor, codes: torch.Tensor) -> None:
         lookup_into(out, e4m3_table(codes.device), codes.view(torch.uint8))
     else:
         out.copy_(codes.view(torch.float8_e4m3fn))
-
-
-LOOKUP_PIECE = 1 << 16  # codes per lookup on a CPU: a 256 KB index (as fast as 1 MB's)
-DEVICE_PIECE = 1 << 22  # codes per lookup off the CPU: a 16 MB index, one gather per DDP bucket
 
 
 def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
@@ -433,10 +433,10 @@ def _decode_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                  lengths, info: _Info, fmt: str) -> None:
     """``out[i] = value(code_i) · s_g``.
 
-    E5M2 is the top byte of an IEEE half, and torch converts it fast; so does it E4M3 off a
-    CPU. On a CPU E4M3 is a lookup in the 256-entry value table; a piece with one scale
-    looks its codes up in the table times that scale (the same FP32 product ``value · s``,
-    in one pass).
+    E5M2 is the top byte of an IEEE half, and torch converts it fast; off a CPU torch
+    converts E4M3 fast too. On a CPU E4M3 is a lookup in the 256-entry value table; a piece
+    with one scale looks its codes up in the table times that scale (the same FP32 product
+    ``value · s``, in one pass).
     """
     u8 = codes.view(torch.uint8)
     table = e4m3_table(codes.device) if fmt == "e4m3" and codes.device.type == "cpu" else None

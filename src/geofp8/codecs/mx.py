@@ -32,6 +32,7 @@ import torch
 
 from .base import Codec, Segments, Shards, group_div, group_mul_, interleave, shard_lengths
 from .fp4 import (
+    Blocks,
     _check_input,
     _check_rounding,
     block_amax,
@@ -111,7 +112,9 @@ class MXCodec(Codec):
 
     def part_bytes(self, segments: Segments) -> tuple[int, int]:
         """E8M0 scales, codes."""
-        blocks = blocks_of(segments)
+        return self._parts(blocks_of(segments))
+
+    def _parts(self, blocks: Blocks) -> tuple[int, int]:
         return blocks.groups, self._code_bytes(blocks.numel)
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
@@ -119,7 +122,7 @@ class MXCodec(Codec):
         blocks = blocks_of(segments)
         flat = _check_input(x, blocks.numel)
         g = blocks.groups
-        nbytes = g + self._code_bytes(blocks.numel)
+        nbytes = sum(self._parts(blocks))
         if out.numel() != nbytes:
             raise ValueError(f"out has {out.numel()} bytes, the payload {nbytes}")
         if not g:
@@ -142,7 +145,7 @@ class MXCodec(Codec):
                     segments: Segments) -> torch.Tensor:
         blocks = blocks_of(segments)
         g, n = blocks.groups, blocks.numel
-        nbytes = g + self._code_bytes(n)
+        nbytes = sum(self._parts(blocks))
         if buf.numel() < nbytes:
             raise ValueError(f"buffer of {buf.numel()} bytes is shorter than the payload {nbytes}")
         if not g:
