@@ -98,7 +98,11 @@ class ProfileSelection(Selection):
         return self.start <= step < self.start + self.steps
 
     def observe(self, name, G, geo, residual_in) -> None:
-        self._pending[self.index[name]] += self.codec.clipped_fraction(G)
+        score = self.codec.clipped_fraction(G)  # on G's device: no host read per layer
+        if self.totals.device != score.device:  # the first score: the sums follow it there
+            self.totals, self._pending = self.totals.to(score.device), self._pending.to(
+                score.device)
+        self._pending[self.index[name]] += score
 
     def start_step(self, step: int, group: DeviceGroup) -> None:
         if step != self.start + self.steps or not self.candidates:

@@ -192,9 +192,10 @@ class Codec(ABC):
         not grow with the number of shards; returns a 0-dim bool device tensor, ``False`` if
         any scale is non-finite."""
 
-    def clipped_fraction(self, x: torch.Tensor) -> float:
+    def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         """Share of the elements of ``x`` that the codec saturates at its largest code or
-        flushes to zero (the paper's per-layer vulnerability score)."""
+        flushes to zero (the paper's per-layer vulnerability score): a 0-dim float64 tensor
+        on ``x``'s device (nothing is read back to the host)."""
         raise NotImplementedError(f"{type(self).__name__} has no clipped-fraction score")
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:

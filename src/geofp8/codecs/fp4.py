@@ -430,13 +430,13 @@ class NVFP4Codec(Codec):
         group_mul_(out, scale, lengths)
         return torch.isfinite(scale).all()
 
-    def clipped_fraction(self, x: torch.Tensor) -> float:
+    def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         return flushed_fraction(self, x)
 
 
-def flushed_fraction(codec: Codec, x: torch.Tensor) -> float:
+def flushed_fraction(codec: Codec, x: torch.Tensor) -> torch.Tensor:
     """Share of the non-zero elements of ``x`` that decode to zero: the clipped-fraction score
     of a block-scaled codec whose blocks never saturate."""
     flat = x.reshape(-1).float()
     flushed = (codec.round_trip(flat) == 0) & (flat != 0)
-    return float(flushed.sum()) / max(flat.numel(), 1)
+    return flushed.sum().double() / max(flat.numel(), 1)

@@ -151,13 +151,13 @@ class FP8Codec(Codec):
         group_mul_(out, scales, shard_lengths(shards))
         return torch.isfinite(scales).all()
 
-    def clipped_fraction(self, x: torch.Tensor) -> float:
+    def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         """Share of codes saturated at ``±fmax`` or flushed to zero from a non-zero value,
         read off the code bytes (``|code|`` is 0 or the largest finite code)."""
         magnitude = self.quantize(x).codes.bitwise_and(0x7F)
         flushed = ((magnitude == 0) & (x.reshape(-1) != 0)).sum()
         saturated = (magnitude == _MAX_CODE[self.format]).sum()
-        return float(flushed + saturated) / max(x.numel(), 1)
+        return (flushed + saturated).double() / max(x.numel(), 1)
 
     def quantize(self, x: torch.Tensor, lengths: list[int] | None = None, *,
                  out: torch.Tensor | None = None) -> Packed:

@@ -187,5 +187,5 @@ class MXCodec(Codec):
         group_mul_(out, e8m0_values(byte), lengths)
         return (byte != 0xFF).all()
 
-    def clipped_fraction(self, x: torch.Tensor) -> float:
+    def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         return flushed_fraction(self, x)
