@@ -5,6 +5,8 @@ re-encode, all-gather (see :mod:`geofp8.comm.stages`). Per rank and element that
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -26,6 +28,21 @@ __all__ = ["COLLECTIVES", "Communicator", "device_future", "exact_allreduce", "w
 
 
 COLLECTIVES = ("exact", "allgather")
+
+
+class _AllToAll(NamedTuple):
+    """A launch whose all-to-all is in flight: what its all-gather stage needs."""
+
+    work: object  # the all-to-all's Work
+    sent: torch.Tensor
+    recv: torch.Tensor
+    layout: ShardLayout
+    result: torch.futures.Future
+    unmap: object  # per-sender decoding (see decode_sum), or None
+    gather: bool
+    seed: int | None
+    keys: list[str | None] | None  # owner residual keys, None without owner feedback
+    out: torch.Tensor | None
 
 
 def wire_bytes(layout: ShardLayout, rank: int, collective: str) -> int:
@@ -87,7 +104,7 @@ class Communicator:
             raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
         self.collective, self.group, self.kind = collective, group, kind
         self.rank = group.rank
-        self._previous = None  # (work, sent, recv, layout, result, unmap, gather, seed, keys, out)
+        self._previous: _AllToAll | None = None
         self._pending: list = []  # (work, finish, result): results this thread completes
 
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
@@ -119,8 +136,8 @@ class Communicator:
                            device=sent.device)
         work = self.group.all_to_all(recv, sent, [layout.send_bytes(self.rank)] * n,
                                      [layout.send_bytes(j) for j in range(n)], self.kind)
-        self._previous = (work, sent, recv, layout, result, unmap, gather, seed,
-                          owner_keys if self.owner is not None else None, out)
+        self._previous = _AllToAll(work, sent, recv, layout, result, unmap, gather, seed,
+                                   owner_keys if self.owner is not None else None, out)
         if last:
             self.flush()  # issue the all-gather now, from this thread (see the class notes)
             self.complete(block=True)
@@ -152,21 +169,18 @@ class Communicator:
     def flush(self) -> None:
         """Finish the previous launch's all-to-all and issue its all-gather, if any."""
         if self._previous is not None:
-            work, sent, recv, layout, result, unmap, gather, seed, keys, out = self._previous
-            self._previous = None
-            work.wait()
-            self._gather(work.get_future(), sent, recv, layout, result, unmap, gather, seed,
-                         keys, out)
+            launch, self._previous = self._previous, None
+            launch.work.wait()
+            self._gather(launch)
 
-    def _gather(self, fut, sent: torch.Tensor, recv: torch.Tensor, layout: ShardLayout,
-                result: torch.futures.Future, unmap, gather: bool, seed: int | None,
-                keys: list[str | None] | None, out: torch.Tensor | None) -> None:
+    def _gather(self, launch: _AllToAll) -> None:
+        layout, result, keys = launch.layout, launch.result, launch.keys
         try:
-            fut.value()
-            release(sent)
-            reduced = decode_sum(recv, layout, self.rank, unmap)
-            release(recv)
-            if not gather:
+            launch.work.get_future().value()
+            release(launch.sent)
+            reduced = decode_sum(launch.recv, layout, self.rank, launch.unmap)
+            release(launch.recv)
+            if not launch.gather:
                 result.set_result(reduced)
                 return
             pieces = self._pieces(layout, keys) if keys is not None else []
@@ -174,7 +188,7 @@ class Communicator:
                 residual = self.owner.residual_in(key, IDENTITY)
                 if residual is not None:
                     reduced[lo:hi] += residual
-            shard = encode_reduced(reduced, layout, self.rank, seed)
+            shard = encode_reduced(reduced, layout, self.rank, launch.seed)
             if pieces:
                 error = reduced - decode_shard(shard, layout, self.rank)
                 for key, lo, hi in pieces:
@@ -185,7 +199,7 @@ class Communicator:
         gathered, work = self.group.all_gather(shard, self.kind, async_op=True)
 
         def finish() -> torch.Tensor:
-            total = decode_gathered(gathered, layout, out)
+            total = decode_gathered(gathered, layout, launch.out)
             release(shard, gathered[0])  # the N gathered shards are views of one buffer
             return total
 
