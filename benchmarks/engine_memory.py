@@ -10,11 +10,14 @@ gradients, DDP buckets of ~1 MB or ``--bucket-mb``, an ordinary step after a war
 * **staged EF at peak**: the part of that peak held by the step's new EF residuals. They are
   staged until the whole step is known finite and then replace the committed ones (a
   skipped step leaves no trace), so during backward an EF method holds two sets;
+* **beyond EF**: the peak over the backward of the live bytes less the step's new EF
+  residuals alive at that moment, staged or still being computed (the hook peak less the
+  staged EF at it is one such moment; the stages' own peak may come at another);
 * **held**: bytes of every tensor the hook's state keeps between steps (layouts, cached
   lengths, factors, selection), found by walking the state object; the EF residuals are
   counted apart, since they are the method's memory by design.
 
-The last ratio, (hook peak − staged EF + held) / bucket, is what the stages need.
+The last ratio, (beyond EF + held) / bucket, is what the stages need.
 
     python benchmarks/engine_memory.py                        # fp8, fp8-ef, nvfp4-ef, geofp8-auto
     python benchmarks/engine_memory.py --methods fp8-ef --ranks 4
@@ -44,14 +47,14 @@ PACKAGE = os.path.dirname(geofp8.__file__) + os.sep
 
 
 class HookAllocations(TorchDispatchMode):
-    """Live bytes of the storages that ops called from GeoFP8's code create: ``peak``, and
-    ``staged`` (the bytes at that peak that ``staged_storages()`` names)."""
+    """Live bytes of the storages that ops called from GeoFP8's code create, after every
+    such op; :meth:`peaks` reads them against the storages staged at the end."""
 
-    def __init__(self, staged_storages) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.staged_storages = staged_storages
-        self.live: dict[int, weakref.ref] = {}  # data pointer -> storage
-        self.peak = self.staged = 0
+        self.live: dict[int, tuple[weakref.ref, int]] = {}  # data pointer -> storage, serial
+        self.serial = 0
+        self.samples: list[tuple[int, dict]] = []  # (live bytes, {(pointer, serial): bytes})
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -67,25 +70,36 @@ class HookAllocations(TorchDispatchMode):
             key = storage.data_ptr()
             if key in inputs or key in self.live or storage.nbytes() == 0:
                 continue
-            self.live[key] = weakref.ref(storage)
+            self.serial += 1
+            self.live[key] = (weakref.ref(storage), self.serial)
         sizes = self._live_sizes()
-        current = sum(sizes.values())
-        if current > self.peak:
-            self.peak = current
-            self.staged = sum(sizes.get(k, 0) for k in self.staged_storages())
+        self.samples.append((sum(sizes.values()), sizes))
         return out
 
-    def _live_sizes(self) -> dict[int, int]:
+    def _live_sizes(self) -> dict[tuple[int, int], int]:
         """Bytes of each tracked storage still alive and not released (forgetting the rest,
         so that a new storage at a freed address is counted afresh)."""
         sizes = {}
-        for key, ref in list(self.live.items()):
+        for key, (ref, serial) in list(self.live.items()):
             storage = ref()
             if storage is None or storage.nbytes() == 0:
                 del self.live[key]
             else:
-                sizes[key] = storage.nbytes()
+                sizes[key, serial] = storage.nbytes()
         return sizes
+
+    def peaks(self, staged_pointers: set[int]) -> tuple[int, int, int]:
+        """``(peak, staged at peak, beyond)``: the peak of the live bytes, the bytes at that
+        peak of the step's new residuals (``staged_pointers``: their data pointers; they
+        live from their creation to the end), and the peak of the live bytes less theirs."""
+        staged_ids = {(p, self.live[p][1]) for p in staged_pointers if p in self.live}
+        peak = staged = beyond = 0
+        for current, sizes in self.samples:
+            mine = sum(n for k, n in sizes.items() if k in staged_ids)
+            beyond = max(beyond, current - mine)
+            if current > peak:
+                peak, staged = current, mine
+        return peak, staged, beyond
 
 
 def _called_from_package() -> bool:
@@ -97,12 +111,12 @@ def _called_from_package() -> bool:
     return False
 
 
-def _staged_storages(feedbacks):
-    def storages() -> set[int]:
-        return {t.untyped_storage().data_ptr() for f in feedbacks
-                for t in pytree.tree_leaves(list(f._staged.values()))
-                if isinstance(t, torch.Tensor)}
-    return storages
+def _new_residuals(feedbacks) -> set[int]:
+    """Data pointers of the residuals held after the step (committed by its end, or still
+    staged): the ones created during the measured backward are the step's new set."""
+    held = [list(f.residuals.values()) + list(f._staged.values()) for f in feedbacks]
+    return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(held)
+            if isinstance(t, torch.Tensor)}
 
 
 def tensors_held(root, skip: set[int]) -> int:
@@ -135,19 +149,21 @@ def _worker(rank: int, world: int, port: int, method: str, queue, bucket_mb: flo
     feedbacks = [] if engine is None else [engine.pipeline.feedback, state.communicator.owner]
     feedbacks = [f for f in feedbacks if f is not None]
     loss = ddp(torch.randn(16, 256)).pow(2).mean()
-    with HookAllocations(_staged_storages(feedbacks)) as mode:
+    with HookAllocations() as mode:
         loss.backward()
+    peak, staged, beyond = mode.peaks(_new_residuals(feedbacks))
     bucket = 4 * max(b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets())
     residuals = sum(tensors_held(f, set()) for f in feedbacks)
     held = tensors_held(state, {id(f) for f in feedbacks}) if engine is not None else 0
-    queue.put((rank, mode.peak, mode.staged, held, residuals, bucket))
+    queue.put((rank, peak, staged, beyond, held, residuals, bucket))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure(method: str, world: int, bucket_mb: float = 1.0) -> tuple[int, int, int, int, int]:
-    """``(hook peak, staged EF at peak, held, residuals, largest bucket)`` in bytes, on
-    rank 0."""
+def measure(method: str, world: int,
+            bucket_mb: float = 1.0) -> tuple[int, int, int, int, int, int]:
+    """``(hook peak, staged EF at peak, beyond EF, held, residuals, largest bucket)`` in
+    bytes, on rank 0."""
     return on_ranks(_worker, world, method, bucket_mb)
 
 
@@ -158,16 +174,17 @@ def main() -> None:
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="DDP's bucket_cap_mb")
     args = parser.parse_args()
-    print("| method | ranks | largest bucket MB | hook peak MB | staged EF at peak MB | held MB"
-          " | EF residuals MB | (hook peak − staged EF + held) / bucket |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| method | ranks | largest bucket MB | hook peak MB | staged EF at peak MB |"
+          " beyond EF MB | held MB | EF residuals MB | (beyond EF + held) / bucket |")
+    print("|---|---|---|---|---|---|---|---|---|")
     mb = 2**20
     for world in args.ranks:
         for method in args.methods:
-            peak, staged, held, residuals, bucket = measure(method, world, args.bucket_mb)
+            peak, staged, beyond, held, residuals, bucket = measure(method, world,
+                                                                    args.bucket_mb)
             print(f"| {method} | {world} | {bucket / mb:.2f} | {peak / mb:.2f} | "
-                  f"{staged / mb:.2f} | {held / mb:.2f} | {residuals / mb:.2f} | "
-                  f"{(peak - staged + held) / bucket:.2f} |", flush=True)
+                  f"{staged / mb:.2f} | {beyond / mb:.2f} | {held / mb:.2f} | "
+                  f"{residuals / mb:.2f} | {(beyond + held) / bucket:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -373,3 +373,22 @@ def test_clipped_fraction_counts_flushed_and_saturated_codes(fmt, scaling):
     saturated = (values.abs() == codec.fmax).sum().item()
     assert flushed > 0 and saturated > 0
     assert codec.clipped_fraction(x) == (flushed + saturated) / x.numel()
+
+
+@pytest.mark.parametrize("lengths", [None, [300] * 7, [5, 900, 17, 1178],
+                                     [1, 2, 3] * 200 + [900]])  # the last: many irregular
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_quantizing_in_place_gives_the_same_codes(scaling, lengths):
+    """``overwrite=True`` divides ``x`` by its scales in place instead of in a scratch
+    vector: the same scales and codes bit for bit, and ``x`` is used up."""
+    codec = FP8Codec("e4m3", scaling, 64)
+    x = torch.randn(2100, generator=torch.Generator().manual_seed(3)) * torch.logspace(
+        -6, 6, 2100)
+    x = x.view(30, 70)
+    x[4, 5] = float("inf")
+    expect = codec.quantize(x, lengths)
+    work = x.clone()
+    got = codec.quantize(work, lengths, overwrite=True)
+    assert torch.equal(got.codes, expect.codes)
+    assert torch.equal(got.scales.view(torch.int32), expect.scales.view(torch.int32))
+    assert not torch.equal(work.nan_to_num(), x.nan_to_num())

@@ -395,6 +395,34 @@ def test_the_sum_is_decoded_into_the_vector_given(kernels, shapes):
         assert bool(out.isnan().all()) == poisoned
 
 
+@pytest.mark.parametrize("kernels", ["batched", "chunked"])
+def test_the_senders_copies_are_decoded_into_the_scratch_given(kernels):
+    """Stage 3 with a scratch vector (the bucket the sum goes to later): the same sum bit for
+    bit; the N decoded copies are in the scratch when it holds them, and a scratch one
+    element too small is left untouched."""
+    from geofp8.comm.stages import decode_sum
+
+    n = 3
+    layout = ShardLayout.build([(37, 11), (3,), (64, 16)], FP8Codec(), n, kernels=kernels)
+    inputs = [torch.randn(layout.numel, generator=torch.Generator().manual_seed(r))
+              for r in range(n)]
+    records = [encode(x, layout, sender=r).split([layout.send_bytes(j) for j in range(n)])
+               for r, x in enumerate(inputs)]
+    for j in range(n):
+        received = torch.cat([records[r][j] for r in range(n)])
+        expect = decode_sum(received, layout, j)
+        size = n * layout.shard_numel(j)
+        scratch = torch.full((size + 5,), 7.0)
+        got = decode_sum(received, layout, j, scratch=scratch)
+        assert torch.equal(got.view(torch.int32), expect.view(torch.int32))
+        assert torch.equal(scratch[:size].view(n, -1).sum(0).view(torch.int32),
+                           expect.view(torch.int32))
+        assert bool((scratch[size:] == 7).all())
+        small = torch.full((size - 1,), 7.0)
+        decode_sum(received, layout, j, scratch=small)
+        assert bool((small == 7).all())
+
+
 def test_auto_kernels_are_chunked_on_a_cpu_and_batched_elsewhere():
     layout = ShardLayout.build([(8, 8)], FP8Codec(), 2)
     assert layout.kernels == "auto"

@@ -126,15 +126,14 @@ def _new_vectors_worker(rank, world, method):
     return counts[2]["new"], buckets
 
 
-# An FP32 DDP bucket is the hook's working memory: Ũ is written over the gradients and the
-# sum decoded into it. What is left bucket-sized per bucket is the owner's decoded copies of
-# its shard from the N senders (N × 1/N of the bucket, summed in one reduction, as the
-# batched kernels do: the order of that sum is the same on both paths) and, with EF, the new
-# residual (the step's staged set). The CPU's other stages work shard by shard.
-@pytest.mark.parametrize("method, per_bucket", [("fp8", 1), ("nvfp4", 1), ("fp8-ef", 2),
-                                                ("nvfp4-ef", 2)])
-def test_the_hook_allocates_no_bucket_sized_vector_but_the_sum_and_residual(method,
-                                                                             per_bucket):
+# An FP32 DDP bucket is the hook's working memory: Ũ is written over the gradients, the
+# owner's decoded copies of its shard from the N senders (N × 1/N of the bucket, summed in
+# one reduction, as the batched kernels do) are decoded into it, and so is the sum. What is
+# left bucket-sized per bucket is, with EF, the new residual (the step's staged set). The
+# CPU's other stages work shard by shard.
+@pytest.mark.parametrize("method, per_bucket", [("fp8", 0), ("nvfp4", 0), ("fp8-ef", 1),
+                                                ("nvfp4-ef", 1)])
+def test_the_hook_allocates_no_bucket_sized_vector_but_the_residual(method, per_bucket):
     for new, buckets in run_ranks(_new_vectors_worker, 2, args=(method,)):
         assert buckets == 2
         assert new == per_bucket * buckets, (method, new, buckets)

@@ -139,7 +139,7 @@ class GeoFP8ReduceScatter(ReduceScatter):
             self._stage_residuals(rounding_error(sent, flat, layout).view(n, -1), n, routes)
         engine.ledger.add("codec_s", time.perf_counter() - t0)
         total = self.state.communicator(dg).launch(sent, layout, unmap=_poison_unless_flag,
-                                                   gather=False).wait()
+                                                   gather=False, out=flat).wait()
         poison_unless(total, all_finite(total))
         self._map_back(total, n, routes)
         out.copy_(total.div_(divisor) if divisor != 1 else total)

@@ -163,10 +163,12 @@ class Codec(ABC):
 
     @abstractmethod
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
-                    seed: int | None = None) -> None:
+                    seed: int | None = None, overwrite: bool = False) -> None:
         """Encode the flat FP32 ``x`` (``Σ`` group lengths elements) into the uint8 ``out``
         (``payload_bytes(segments)`` bytes). ``seed``: for stochastic rounding, identical on
-        every rank for a given step and tensor; ignored by round-to-nearest codecs."""
+        every rank for a given step and tensor; ignored by round-to-nearest codecs.
+        ``overwrite``: ``x`` is a temporary whose values may be lost, so a codec that needs
+        an FP32 scratch vector (FP8's scaled values) works in ``x`` instead of a new one."""
 
     @abstractmethod
     def decode_into(self, out: torch.Tensor, buf: torch.Tensor,

@@ -366,7 +366,7 @@ class NVFP4Codec(Codec):
         return s, code, e4m3_values(code).mul_(s_block)
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
-                    seed: int | None = None) -> None:
+                    seed: int | None = None, overwrite: bool = False) -> None:
         blocks = blocks_of(segments)
         flat = _check_input(x, blocks.numel)
         n_seg, n_groups = len(segments), blocks.groups

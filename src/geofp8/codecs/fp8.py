@@ -114,11 +114,12 @@ class FP8Codec(Codec):
         return (4 * sum(len(seg) for seg in segments), sum(sum(seg) for seg in segments))
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
-                    seed: int | None = None) -> None:
+                    seed: int | None = None, overwrite: bool = False) -> None:
         """``[scales][codes]`` of the flat ``x`` straight into ``out`` (no payload copy)."""
         lengths = [n for seg in segments for n in seg]
         n_groups = len(lengths)
-        packed = self.quantize(x, lengths, out=out[4 * n_groups : 4 * n_groups + x.numel()])
+        packed = self.quantize(x, lengths, out=out[4 * n_groups : 4 * n_groups + x.numel()],
+                               overwrite=overwrite)
         out[: 4 * n_groups].copy_(packed.scales.view(torch.uint8))
 
     def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
@@ -160,11 +161,13 @@ class FP8Codec(Codec):
         return (flushed + saturated).double() / max(x.numel(), 1)
 
     def quantize(self, x: torch.Tensor, lengths: list[int] | None = None, *,
-                 out: torch.Tensor | None = None) -> Packed:
+                 out: torch.Tensor | None = None, overwrite: bool = False) -> Packed:
         """Encode ``x`` (fp32/bf16/fp16, any shape); ``lengths`` overrides the groups.
 
         ``out`` (optional): a contiguous uint8 buffer of ``x.numel()`` bytes that receives
-        the codes (reuse it across steps to skip the allocation).
+        the codes (reuse it across steps to skip the allocation). ``overwrite``: an FP32
+        ``x`` may be divided by its scales in place (its values are lost) rather than
+        through a scratch vector; the same codes either way.
         """
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise TypeError(f"GeoFP8 codecs take floating-point tensors, got {x.dtype}")
@@ -177,7 +180,7 @@ class FP8Codec(Codec):
                                  "elements")
         flat = x.reshape(-1)
         if flat.dtype != torch.float32:
-            flat = flat.float()
+            flat, overwrite = flat.float(), True  # a copy of our own
         info = _info(lengths)
         scales = self.scales_of(flat, lengths, info)
         if out is None:
@@ -186,7 +189,7 @@ class FP8Codec(Codec):
             raise ValueError("out must be a contiguous uint8 tensor with one byte per element")
         else:
             codes = out.view(-1).view(self.dtype)
-        _encode_into(codes, flat, scales, lengths, info)
+        _encode_into(codes, flat, scales, lengths, info, in_place=overwrite)
         return Packed(codes.view(torch.uint8), scales, tuple(x.shape), self, tuple(lengths))
 
     def scales_of(self, flat: torch.Tensor, lengths: list[int], info=None) -> torch.Tensor:
@@ -368,15 +371,17 @@ def _amax1(x: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_into(codes: torch.Tensor, flat: torch.Tensor, scales: torch.Tensor,
-                 lengths, info: _Info) -> None:
-    """``codes[i] = fp8(flat[i] / s_g)`` piece by piece through a cache-sized buffer."""
+                 lengths, info: _Info, in_place: bool = False) -> None:
+    """``codes[i] = fp8(flat[i] / s_g)`` piece by piece through a cache-sized buffer, or
+    through ``flat`` itself when ``in_place`` (its values are lost)."""
     if info.irregular:
-        codes.copy_(flat / _per_element(scales, lengths, flat.numel()))
+        per_element = _per_element(scales, lengths, flat.numel())
+        codes.copy_(flat.div_(per_element) if in_place else flat / per_element)
         return
-    tmp = flat.new_empty(min(CHUNK + info.widest, flat.numel()) or 1)
+    tmp = None if in_place else flat.new_empty(min(CHUNK + info.widest, flat.numel()) or 1)
     for lo, hi, rows, s in _pieces(lengths, info, scales):
         src = flat[lo:hi]
-        buf = tmp[: hi - lo]
+        buf = src if tmp is None else tmp[: hi - lo]
         if rows:
             torch.div(src.view(rows, -1), s, out=buf.view(rows, -1))
         else:

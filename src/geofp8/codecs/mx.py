@@ -118,7 +118,7 @@ class MXCodec(Codec):
         return blocks.groups, self._code_bytes(blocks.numel)
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
-                    seed: int | None = None) -> None:
+                    seed: int | None = None, overwrite: bool = False) -> None:
         blocks = blocks_of(segments)
         flat = _check_input(x, blocks.numel)
         g = blocks.groups

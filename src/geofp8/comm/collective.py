@@ -93,7 +93,8 @@ class Communicator:
 
     Memory: each encoded buffer is freed (:func:`~geofp8.comm.group.release`) as soon as its
     collective is done and it is read: ``sent`` once its all-to-all (or all-gather) is
-    done, the received shards once summed, the gathered shards once decoded. The
+    done, the received shards once summed, the gathered shards once decoded; the senders'
+    decoded copies go into the launch's ``out`` when it has room (no bucket-sized vector). The
     :class:`DeviceGroup` keeps the last collectives' ``Work`` objects alive, not their bytes.
     """
 
@@ -118,8 +119,10 @@ class Communicator:
         ``sent`` was encoded with (stochastic rounding re-encodes the reduced shard with it).
         ``owner_keys``: the tensors' names for the second rounding's residuals, ``None``
         for a tensor left out (see :attr:`owner`). ``out``: an FP32 vector of
-        ``layout.numel`` elements that the sum is decoded into and that is the future's value
-        (with ``gather``), e.g. the bucket that ``sent`` came from, not read again.
+        ``layout.numel`` elements that is the communicator's from here, e.g. the bucket that
+        ``sent`` came from, not read again: the senders' decoded copies of this rank's shard
+        are summed there (see :func:`decode_sum`) and, with ``gather``, the sum is decoded
+        into it and it is the future's value.
         ``sent`` is the communicator's from here: its memory is freed once it is sent."""
         self.flush()
         self.complete(block=False)
@@ -178,7 +181,9 @@ class Communicator:
         try:
             launch.work.get_future().value()
             release(launch.sent)
-            reduced = decode_sum(launch.recv, layout, self.rank, launch.unmap)
+            # the bucket is not read again before the sum is decoded into it: scratch
+            reduced = decode_sum(launch.recv, layout, self.rank, launch.unmap,
+                                 scratch=launch.out)
             release(launch.recv)
             if not launch.gather:
                 result.set_result(reduced)

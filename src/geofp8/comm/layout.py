@@ -215,13 +215,15 @@ class ShardLayout:
         return _all(flags, out.device)
 
     def encode_into(self, out: torch.Tensor, values: torch.Tensor, shard: int,
-                    seed: int | None) -> None:
+                    seed: int | None, overwrite: bool = False) -> None:
         """Shard ``shard``'s payload from its FP32 ``values`` straight into the uint8 ``out``
         (its first :meth:`shard_bytes` bytes), run by run through :meth:`Codec.encode_into`:
-        the same bytes as :meth:`encode_shards`."""
+        the same bytes as :meth:`encode_shards`. ``overwrite``: ``values`` is a temporary
+        the codecs may work in (see :meth:`Codec.encode_into`)."""
         _check_float(values)
         for r, (codec, lo, hi, first, end, segments) in enumerate(self.runs[shard]):
-            codec.encode_into(out[first:end], values[lo:hi], segments, _run_seed(seed, r))
+            codec.encode_into(out[first:end], values[lo:hi], segments, _run_seed(seed, r),
+                              overwrite)
 
     def decode_into(self, out: torch.Tensor, payload: torch.Tensor,
                     shard: int) -> torch.Tensor:
@@ -282,7 +284,8 @@ class ShardLayout:
         return sum(self.send_bytes(j) for j in range(self.world_size) if j != rank)
 
     def gather(self, flat: torch.Tensor, j: int) -> torch.Tensor:
-        """Shard ``j`` of ``flat`` as one contiguous tensor."""
+        """Shard ``j`` of ``flat`` as one contiguous tensor: a view of ``flat`` when the
+        shard is one segment of it, else a new tensor."""
         parts = [flat[lo:hi] for lo, hi in self.segments[j]]
         if len(parts) == 1:
             return parts[0]

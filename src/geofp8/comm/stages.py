@@ -48,7 +48,8 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
         sizes = _send_sizes(layout)
         sent = flat.new_empty(sum(sizes), dtype=torch.uint8)
         for j, record in enumerate(sent.split(sizes)):
-            layout.encode_into(record, layout.gather(flat, j), j, seeds[j])
+            copied = len(layout.segments[j]) > 1  # gathered into a temporary of our own
+            layout.encode_into(record, layout.gather(flat, j), j, seeds[j], overwrite=copied)
             if layout.side[j]:
                 record[layout.shard_bytes(j) :].copy_(side[j])
         return sent
@@ -125,15 +126,21 @@ def _device_of(buf: torch.Tensor | list[torch.Tensor]) -> torch.device:
 
 
 def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
-               unmap=None) -> torch.Tensor:
+               unmap=None, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 3: dequantize the ``N`` senders' copies of ``shard`` (one batched decode: they
     share its scale groups) and sum them in FP32 (one reduction over ``[N, shard]``).
 
     ``unmap(values, side)``, when given, maps the decoded copies ``[N, shard]`` back with
     the senders' side metadata ``[N, side bytes]`` (per-sender decoding) before the sum.
+    ``scratch``: an FP32 vector free to overwrite (the bucket the sum is later decoded
+    into); the copies are decoded into it when it holds ``N × shard`` elements, instead of
+    into a new bucket-sized vector. Same bits either way.
     """
     n, nbytes = layout.world_size, layout.send_bytes(shard)
-    values, _ = _decode_records(received, layout, [shard] * n, nbytes)
+    size = n * layout.shard_numel(shard)
+    fits = scratch is not None and scratch.numel() >= size
+    values, _ = _decode_records(received, layout, [shard] * n, nbytes,
+                                out=scratch[:size] if fits else None)
     rows = values.view(n, -1)
     if unmap is not None:
         rows = unmap(rows, received[: n * nbytes].view(n, nbytes)[:, layout.shard_bytes(shard):])
