@@ -412,3 +412,23 @@ def test_replicas_bit_identical_after_20_steps_with_every_block_method():
                          ("mxfp4-ef", "mxfp4-rht-ef"), ("mxfp4-ef", "mxfp4-geo-ef"),
                          ("budget", "budget-ef2")]:
         assert digest[plain] != digest[other], f"{other} trains exactly like {plain}"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_encoding_in_place_gives_the_same_payload(fmt, rounding):
+    """``overwrite=True`` divides ``x`` by its block scales in place instead of into new
+    pieces: the same payload byte for byte (two segments, a short last block, an Inf, more
+    than one piece of the encoder), and ``x`` is used up."""
+    codec = make_codec(fmt, rounding=rounding)
+    numel = (1 << 17) + 37
+    segments = [codec.groups((1000,)), codec.groups((numel - 1000,))]
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(4)) * torch.logspace(
+        -8, 8, numel)
+    x[77] = float("inf")
+    expect = torch.empty(codec.payload_bytes(segments), dtype=torch.uint8)
+    codec.encode_into(expect, x, segments, seed=9)
+    got, work = torch.empty_like(expect), x.clone()
+    codec.encode_into(got, work, segments, seed=9, overwrite=True)
+    assert torch.equal(got, expect)
+    assert not torch.equal(work.nan_to_num(), x.nan_to_num())

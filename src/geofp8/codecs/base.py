@@ -167,8 +167,8 @@ class Codec(ABC):
         """Encode the flat FP32 ``x`` (``Σ`` group lengths elements) into the uint8 ``out``
         (``payload_bytes(segments)`` bytes). ``seed``: for stochastic rounding, identical on
         every rank for a given step and tensor; ignored by round-to-nearest codecs.
-        ``overwrite``: ``x`` is a temporary whose values may be lost, so a codec that needs
-        an FP32 scratch vector (FP8's scaled values) works in ``x`` instead of a new one."""
+        ``overwrite``: ``x`` is a temporary whose values may be lost: the codec divides it
+        by its scales in place instead of into new FP32 pieces or a scratch vector."""
 
     @abstractmethod
     def decode_into(self, out: torch.Tensor, buf: torch.Tensor,

@@ -315,11 +315,14 @@ def block_amax(flat: torch.Tensor, blocks: Blocks) -> torch.Tensor:
 
 
 def encode_blocks(flat: torch.Tensor, divisor: torch.Tensor, blocks: Blocks,
-                  u: torch.Tensor | None, kernel) -> torch.Tensor:
-    """``kernel(x / divisor_g, u)`` piece by piece: the codes (uint8, one per element)."""
+                  u: torch.Tensor | None, kernel, in_place: bool = False) -> torch.Tensor:
+    """``kernel(x / divisor_g, u)`` piece by piece: the codes (uint8, one per element).
+    ``in_place``: the quotients are written over ``flat`` (its values are lost) instead of
+    into a new piece."""
     codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
     for lo, hi, g0, g1, size in pieces(blocks):
-        v = flat[lo:hi].view(g1 - g0, size) / divisor[g0:g1, None]
+        x = flat[lo:hi].view(g1 - g0, size)
+        v = torch.div(x, divisor[g0:g1, None], out=x if in_place else None)
         codes[lo:hi] = kernel(v.view(-1), None if u is None else u[lo:hi])
     return codes
 
@@ -381,7 +384,8 @@ class NVFP4Codec(Codec):
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
         u = (segment_uniforms(segments, flat.numel(), seed, flat.device)
              if self.rounding == "stochastic" else None)
-        codes = encode_blocks(flat, divisor, blocks, u, e2m1_encode)
+        codes = encode_blocks(flat, divisor, blocks, u, e2m1_encode,
+                              in_place=overwrite)
         pack_nibbles(codes, out[4 * n_seg + n_groups :])
 
     def decode_into(self, out: torch.Tensor, buf: torch.Tensor,

@@ -135,7 +135,8 @@ class MXCodec(Codec):
              if self.rounding == "stochastic" else None)
         # x / X is exact (a power of two); the kernel rounds once
         codes = encode_blocks(flat, scale, blocks, u,
-                              e2m1_encode if self.packed else e4m3_encode)
+                              e2m1_encode if self.packed else e4m3_encode,
+                              in_place=overwrite)
         if self.packed:
             pack_nibbles(codes, out[g:])
         else:

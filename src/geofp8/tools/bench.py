@@ -161,35 +161,86 @@ def part_codec(sizes_mb: list[float], repeats: int = 3, block: int = 128) -> dic
     return {"rows": rows, "table": format_table(title, cols, table)}
 
 
+def _e4m3_from_bits(v: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes of the FP32 ``v`` in integer arithmetic, as c10 converts: below 2⁻⁶ a
+    magic-number add rounds to a subnormal code, above it the mantissa is rounded to nearest
+    even on the bit pattern; overflow saturates at ±448, NaN stays NaN (``0x7F``)."""
+    bits = v.view(torch.int32)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    subnormal = (mag.view(torch.float32) + 2.0**14).view(torch.int32) - (141 << 23)
+    normal = (mag + ((-120 << 23) + 0x7FFFF) + ((mag >> 20) & 1)) >> 20
+    code = torch.where(mag < (121 << 23), subnormal, normal).clamp_max(0x7E)
+    return (torch.where(mag > 0x7F800000, 0x7F, code) | sign).to(torch.uint8)
+
+
+def _e4m3_to_bits(codes: torch.Tensor) -> torch.Tensor:
+    """FP32 values of the E4M3 bytes in integer arithmetic: the code's magnitude bits under
+    an exponent rebiased by 120 (a subnormal code as a normal one less 2⁻⁶), NaN as torch
+    writes it (``0x7FF00000``), the sign bit last."""
+    c = codes.to(torch.int32)
+    subnormal = (c & 0x78) == 0
+    value = ((((c & 0x7F) << 20) + (120 << 23) + (subnormal.to(torch.int32) << 23))
+             .view(torch.float32) - torch.where(subnormal, 2.0**-6, 0.0)).view(torch.int32)
+    value = torch.where((c & 0x7F) == 0x7F, 0x7FF00000, value)
+    return (value | ((c & 0x80) << 24)).view(torch.float32)
+
+
 def part_compile(size_mb: float, repeats: int = 3) -> dict:
-    """Opt-in: the obvious quantize/dequantize under ``torch.compile`` (inductor) vs eager."""
+    """Opt-in: the E4M3 codec's kernels under ``torch.compile`` (inductor) against the eager
+    codec, outputs into given buffers: torch's own conversion compiled, and a bit-exact
+    integer formulation (what a fused kernel would run) compiled. Checks the bits."""
     n = int(size_mb * MiB) // 4
-    x, y = torch.randn(n), torch.empty(n)
-    s = x.abs().amax() / 448.0
+    x = torch.randn(n)
+    codec = FP8Codec("e4m3")
+    packed = codec.quantize(x)
+    s, codes = packed.scales[0], packed.codes
+    values, got_codes, got_values, copy = (torch.empty(n), torch.empty_like(codes),
+                                           torch.empty(n), torch.empty(n))
 
-    def enc(x, s):
-        return (x / s).to(torch.float8_e4m3fn)
+    def encode_torch(out, x, s):
+        out.copy_((x / s).to(torch.float8_e4m3fn).view(torch.uint8))
 
-    def dec(c, s):
-        return c.float() * s
+    def encode_bits(out, x, s):
+        out.copy_(_e4m3_from_bits(x / s))
+
+    def decode_torch(out, c, s):
+        out.copy_(c.view(torch.float8_e4m3fn).float() * s)
+
+    def decode_bits(out, c, s):
+        out.copy_(_e4m3_to_bits(c) * s)
 
     t0 = time.perf_counter()
-    cenc, cdec = torch.compile(enc, dynamic=False), torch.compile(dec, dynamic=False)
-    c = cenc(x, s)
-    cdec(c, s)
+    compiled = {f.__name__: torch.compile(f, dynamic=False)
+                for f in (encode_torch, encode_bits, decode_torch, decode_bits)}
+    for name, f in compiled.items():
+        f(*((got_codes, x) if name.startswith("encode") else (got_values, codes)), s)
     warm = time.perf_counter() - t0
-    t_copy = timeit(lambda: y.copy_(x), repeats)
-    codec = FP8Codec("e4m3")
-    p = codec.quantize(x)
-    rows = [{"variant": name, "q+d_vs_memcpy": t_copy / t} for name, t in [
-        ("eager naive (x/s).to(fp8), c.float()*s", timeit(lambda: dec(enc(x, s), s), repeats)),
-        ("torch.compile of the same", timeit(lambda: cdec(cenc(x, s), s), repeats)),
-        ("geofp8 Codec (chunked eager)",
-         timeit(lambda: codec.quantize(x), repeats) + timeit(lambda: p.dequantize(), repeats)),
-    ]]
-    table = format_table(f"torch.compile check ({size_mb} MB, e4m3 per tensor; compile warm-up "
-                         f"{warm:.1f} s)", ["variant", "q+d / memcpy"],
-                         [[r["variant"], r["q+d_vs_memcpy"]] for r in rows])
+    packed.dequantize(out=values)
+    t_copy = timeit(lambda: copy.copy_(x), repeats)
+    rows = []
+
+    def row(stage, variant, fn, out, expect):
+        seconds = timeit(fn, repeats)
+        exact = torch.equal(out.view(torch.uint8), expect.view(torch.uint8))
+        rows.append({"stage": stage, "variant": variant, "vs_memcpy": t_copy / seconds,
+                     "bit_exact": exact})
+
+    row("encode", "geofp8 codec, eager", lambda: codec.quantize(x, out=got_codes),
+        got_codes, codes)
+    for name in ("encode_torch", "encode_bits"):
+        row("encode", f"{name}, compiled", lambda f=compiled[name]: f(got_codes, x, s),
+            got_codes, codes)
+    row("decode", "geofp8 codec, eager", lambda: packed.dequantize(out=got_values),
+        got_values, values)
+    for name in ("decode_torch", "decode_bits"):
+        row("decode", f"{name}, compiled", lambda f=compiled[name]: f(got_values, codes, s),
+            got_values, values)
+    table = format_table(f"torch.compile check ({size_mb} MB, e4m3 per tensor, into given "
+                         f"buffers; compile warm-up {warm:.1f} s)",
+                         ["stage", "variant", "vs memcpy", "bit-exact"],
+                         [[r["stage"], r["variant"], r["vs_memcpy"],
+                           "yes" if r["bit_exact"] else "NO"] for r in rows])
     return {"rows": rows, "compile_warmup_s": warm, "table": table}
 
 
