@@ -181,7 +181,7 @@ class Communicator:
         try:
             launch.work.get_future().value()
             release(launch.sent)
-            # the bucket is not read again before the sum is decoded into it: scratch
+            # `out` is not read again (see launch): the senders' copies are decoded there
             reduced = decode_sum(launch.recv, layout, self.rank, launch.unmap,
                                  scratch=launch.out)
             release(launch.recv)
