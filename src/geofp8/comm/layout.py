@@ -225,6 +225,14 @@ class ShardLayout:
             codec.encode_into(out[first:end], values[lo:hi], segments, _run_seed(seed, r),
                               overwrite)
 
+    def encode_gathered(self, out: torch.Tensor, flat: torch.Tensor, shard: int,
+                        seed: int | None) -> None:
+        """Shard ``shard`` of the flat FP32 vector encoded into ``out`` (:meth:`encode_into`):
+        a shard of several segments is gathered into a temporary, which the codecs then work
+        in (``overwrite``); one segment is read in place, as a view of ``flat``."""
+        self.encode_into(out, self.gather(flat, shard), shard, seed,
+                         overwrite=len(self.segments[shard]) > 1)
+
     def decode_into(self, out: torch.Tensor, payload: torch.Tensor,
                     shard: int) -> torch.Tensor:
         """Shard ``shard``'s values into the FP32 ``out`` from its payload (the first

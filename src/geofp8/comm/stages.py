@@ -48,8 +48,7 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
         sizes = _send_sizes(layout)
         sent = flat.new_empty(sum(sizes), dtype=torch.uint8)
         for j, record in enumerate(sent.split(sizes)):
-            copied = len(layout.segments[j]) > 1  # gathered into a temporary of our own
-            layout.encode_into(record, layout.gather(flat, j), j, seeds[j], overwrite=copied)
+            layout.encode_gathered(record, flat, j, seeds[j])
             if layout.side[j]:
                 record[layout.shard_bytes(j) :].copy_(side[j])
         return sent
