@@ -92,8 +92,8 @@ def rank_share(layout: ShardLayout, x: torch.Tensor):
     ``x``'s device)."""
     n = layout.world_size
     received = torch.cat([encode(x, layout)[: layout.send_bytes(0)]] * n)
-    gathered = [encode_reduced(torch.randn(layout.shard_numel(j), device=x.device), layout, j)
-                for j in range(n)]
+    gathered = torch.stack([encode_reduced(torch.randn(layout.shard_numel(j), device=x.device),
+                                           layout, j) for j in range(n)])  # an all-gather's
 
     def run() -> None:
         rounding_error(encode(x, layout), x, layout)

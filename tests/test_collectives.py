@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run_ranks
 from geofp8.codecs import FP8Codec
@@ -11,7 +12,9 @@ from geofp8.comm import (
     ShardLayout,
     all_finite,
     decode,
+    decode_gathered,
     encode,
+    encode_reduced,
     exact_allreduce,
     fp32_allreduce_wire_bytes,
     rounding_error,
@@ -88,7 +91,7 @@ def _release_worker(rank, world_size):
 
         def all_gather(self, t, *args, **kwargs):
             gathered, work = super().all_gather(t, *args, **kwargs)
-            self.buffers += [t, *gathered]
+            self.buffers += [t, gathered]
             return gathered, work
 
     layout = ShardLayout.build(SHAPES, FP8Codec(), world_size)
@@ -446,3 +449,58 @@ def test_all_finite_agrees_with_isfinite(dtype):
         flag = all_finite(x)
         assert flag.dtype == torch.bool and flag.dim() == 0
         assert bool(flag) == bool(torch.isfinite(x).all()), x
+
+
+class _Fp32Cats(TorchDispatchMode):
+    """Counts the concatenations of FP32 values (how a bucket is reordered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.count += func in (torch.ops.aten.cat.default, torch.ops.aten.cat.out) and (
+            out.dtype == torch.float32)
+        return out
+
+
+@pytest.mark.parametrize(("fmt", "scaling", "rounding", "segmentwise"),
+                         [("e4m3", "tensor", "nearest", True), ("e5m2", "block", "nearest", True),
+                          ("mxfp8", None, "nearest", True), ("mxfp8", None, "stochastic", False),
+                          ("nvfp4", None, "nearest", False), ("mxfp4", None, "nearest", False)])
+def test_a_segmentwise_codec_is_batched_in_flat_order(fmt, scaling, rounding, segmentwise):
+    """FP8 and MXFP8 (nearest) payloads are per-segment concatenations: the batched stages
+    encode and decode the bucket in its flat order and reorder bytes, never FP32 values
+    (the others reorder the bucket into shard-major order), with the chunked kernels'
+    bytes and values."""
+    from geofp8.codecs import make_codec
+
+    shapes, n = [(37, 11), (3,), (64, 16)], 3
+    codec = make_codec(fmt, scaling, 8, rounding)
+    layouts = {k: ShardLayout.build(shapes, codec, n, kernels=k) for k in ("batched", "chunked")}
+    batched = layouts["batched"]
+    assert batched.segmentwise == segmentwise and not batched.shard_major_is_flat
+    flat = torch.randn(batched.numel, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for kernels, layout in layouts.items():
+        gathered = torch.stack([encode_reduced(flat[: layout.shard_numel(j)], layout, j)
+                                for j in range(n)])
+        with _Fp32Cats() as cats:
+            sent = encode(flat, layout, seed=9)
+            residual = rounding_error(sent, flat, layout)
+            total = decode_gathered(gathered, layout, out=torch.empty_like(flat))
+        results[kernels] = (sent, residual, total)
+        if kernels == "batched":
+            assert (cats.count == 0) == segmentwise, cats.count
+    for got, expect in zip(results["batched"], results["chunked"]):
+        assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8))
+
+
+def test_finite_flag_is_false_for_any_nan_or_inf():
+    from geofp8.codecs.base import finite_flag
+
+    assert bool(finite_flag(torch.tensor([])))
+    assert bool(finite_flag(torch.tensor([-0.0, 3e38, -3e38, 1e-45])))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        assert not bool(finite_flag(torch.tensor([1.0, bad, 2.0])))

@@ -112,8 +112,7 @@ class HierarchicalAllReduce:
         mine = torch.empty(span, dtype=torch.float32, device=buffer.device)
         self.intra.reduce_scatter(mine, rows2d.view(-1), dist.ReduceOp.SUM, "payload")
         reduced = self._between_nodes(names, shapes, chunks, mine, seed)
-        gathered, _ = self.intra.all_gather(reduced, "payload")
-        full = torch.stack(gathered)
+        full, _ = self.intra.all_gather(reduced, "payload")
         for off, g, (pos, rows, width) in zip(offsets, grads, chunks):
             block = full[:, pos : pos + rows * width].reshape(self.size * rows, width)
             buffer[off : off + g.numel()].copy_(block[: g.numel() // width].reshape(-1))

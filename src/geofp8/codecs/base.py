@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Codec", "Segments", "Shards", "device_lengths", "exact_div", "group_amax",
-           "group_div", "group_mul_", "interleave", "mix_seed", "rows_amax", "segment_amax",
-           "shard_lengths"]
+__all__ = ["Codec", "Segments", "Shards", "device_lengths", "exact_div", "finite_flag",
+           "group_amax", "group_div", "group_mul_", "interleave", "mix_seed", "rows_amax",
+           "segment_amax", "shard_lengths"]
 
 Segments = Sequence[Sequence[int]]  # per segment of a shard: its scale-group lengths
 Shards = Sequence[Segments]  # several shards, one after the other
@@ -75,9 +75,12 @@ def segment_amax(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 def rows_amax(v: torch.Tensor) -> torch.Tensor:
-    """Max ``|v|`` of every row (NaN propagates): long rows ``|max(max v, −min v)|`` (no
-    ``|v|`` temporary); short ones a halving tree of element-wise maxima when
-    a power of two (torch's reductions over short rows are slow), else ``amax``."""
+    """Max ``|v|`` of every row (NaN propagates). Off a CPU one reduction (the ∞-norm); on a
+    CPU long rows ``|max(max v, −min v)|`` (no ``|v|`` temporary), short ones a halving tree
+    of element-wise maxima when a power of two (torch's reductions over short rows are
+    slow), else ``amax``. Exact, so the same values either way."""
+    if v.device.type != "cpu":  # one kernel (on a CPU 2-8x slower than the passes below)
+        return torch.linalg.vector_norm(v, float("inf"), dim=1)
     size = v.shape[1]
     if size > 64:
         # (two reductions beat aminmax over a dim on a CPU); abs: +0 for a row of -0
@@ -111,14 +114,18 @@ def _per_element(values: torch.Tensor, lengths: tuple[int, ...], numel: int) -> 
                                    output_size=numel)
 
 
-def group_div(x: torch.Tensor, divisor: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
-    """``x_i / divisor_g`` for every element ``i`` of group ``g`` (a new tensor): broadcast
-    over ``[G, size]`` when the groups are equal, else through a per-element divisor."""
+def group_div(x: torch.Tensor, divisor: torch.Tensor, lengths: tuple[int, ...],
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x_i / divisor_g`` for every element ``i`` of group ``g`` (a new tensor, or ``out``:
+    an FP8 ``out`` receives the quotients cast as ``.to()`` casts them, in the same kernel):
+    broadcast over ``[G, size]`` when the groups are equal, else through a per-element
+    divisor."""
     size = _common(lengths)
     if size is not None:
-        return (x.view(-1, size) / divisor[:, None]).view(-1)
+        q = None if out is None else out.view(-1, size)
+        return torch.div(x.view(-1, size), divisor[:, None], out=q).view(-1)
     d = _per_element(divisor, lengths, x.numel())
-    return torch.div(x, d, out=d)
+    return torch.div(x, d, out=d if out is None else out)
 
 
 def group_mul_(out: torch.Tensor, scale: torch.Tensor, lengths: tuple[int, ...]) -> None:
@@ -135,6 +142,13 @@ def interleave(*kinds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [part for parts in zip(*kinds) for part in parts]
 
 
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """The 0-dim bool device flag "every element of the small ``t`` is finite" (``True`` for
+    none) in three kernels: ``t·0`` is ``±0`` for a finite element and NaN otherwise, so
+    their sum is 0 exactly when all are finite (``isfinite(t).all()`` takes five)."""
+    return t.mul(0).sum().eq(0)
+
+
 def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
     """``x / divisor`` correctly rounded on every device. CUDA evaluates a division by a
     Python (CPU) scalar as ``x · fl(1/divisor)``, up to one ulp off the CPU's quotient; a
@@ -148,6 +162,14 @@ class Codec(ABC):
 
     format: str
     block_size: int  # elements per scale block (FP8: of scaling="block"; the rht block)
+
+    @property
+    def segmentwise(self) -> bool:
+        """Whether a shard's payload is, part by part, the concatenation of what each of its
+        segments encodes to alone (no scale, packed byte or random stream shared by two
+        segments). Then a layout encodes and decodes a whole bucket in its flat order and
+        reorders bytes rather than FP32 values (:meth:`ShardLayout.encode_pieces`)."""
+        return False
 
     @abstractmethod
     def groups(self, shape: tuple[int, ...]) -> list[int]:
@@ -188,11 +210,11 @@ class Codec(ABC):
 
     @abstractmethod
     def decode_shards(self, out: torch.Tensor, parts: Sequence[torch.Tensor],
-                      shards: Shards) -> torch.Tensor:
+                      shards: Shards, check: bool = True) -> torch.Tensor | None:
         """Decode ``parts`` (as :meth:`encode_shards` returns them) into the flat FP32
         ``out`` (the shards' values one after the other), in a number of kernels that does
         not grow with the number of shards; returns a 0-dim bool device tensor, ``False`` if
-        any scale is non-finite."""
+        any scale is non-finite (``None`` without ``check``: its kernels are skipped)."""
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         """Share of the elements of ``x`` that the codec saturates at its largest code or

@@ -47,6 +47,7 @@ from .base import (
     Shards,
     device_lengths,
     exact_div,
+    finite_flag,
     group_amax,
     group_div,
     group_mul_,
@@ -227,8 +228,7 @@ def shard_uniforms(shards: Shards, seeds, device: torch.device) -> torch.Tensor:
 def block_amax_of(flat: torch.Tensor, shards: Shards) -> torch.Tensor:
     """Max ``|x|`` of every group of ``shards`` laid one after the other; ``+Inf`` for a
     group holding NaN or ±Inf (as :func:`block_amax`)."""
-    amax = group_amax(flat, shard_lengths(shards))
-    return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
+    return _inf_unless_finite(group_amax(flat, shard_lengths(shards)))
 
 
 def _check_rounding(rounding: str) -> None:
@@ -311,7 +311,12 @@ def block_amax(flat: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     amax = flat.new_empty(blocks.groups)
     for lo, hi, g0, g1, size in pieces(blocks):
         amax[g0:g1] = rows_amax(flat[lo:hi].view(g1 - g0, size))
-    return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
+    return _inf_unless_finite(amax)
+
+
+def _inf_unless_finite(amax: torch.Tensor) -> torch.Tensor:
+    """``amax`` (never negative) with NaN made ``+Inf``, in place: one kernel."""
+    return amax.nan_to_num_(nan=float("inf"), posinf=float("inf"))
 
 
 def encode_blocks(flat: torch.Tensor, divisor: torch.Tensor, blocks: Blocks,
@@ -358,14 +363,14 @@ class NVFP4Codec(Codec):
     def _scales(self, amax: torch.Tensor, segments: Segments) -> tuple[torch.Tensor, ...]:
         """``(segment scales s, block scale codes, block scales β·s per block)``."""
         counts = device_lengths(tuple(len(seg) for seg in segments), amax.device)
-        finite = torch.where(torch.isinf(amax), torch.zeros_like(amax), amax)
+        finite = amax.nan_to_num(posinf=0.0)  # a non-finite block (+Inf) counts as 0
         seg_amax = torch.segment_reduce(finite, "max", lengths=counts, unsafe=True)
         s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
         s_block = torch.repeat_interleave(s, counts, output_size=amax.numel())
         r = (amax / (E2M1_MAX * s_block)).clamp_(max=E4M3_MAX)
         nearest = r.to(torch.float8_e4m3fn)
         code = nearest.view(torch.uint8) + (e4m3_values(nearest) < r).to(torch.uint8)  # round up
-        code = torch.where(torch.isinf(amax), torch.full_like(code, 0x7F), code)
+        code.masked_fill_(amax.isinf(), 0x7F)
         return s, code, e4m3_values(code).mul_(s_block)
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
@@ -403,7 +408,7 @@ class NVFP4Codec(Codec):
         scale = e4m3_values(code).mul_(torch.repeat_interleave(s, counts, output_size=n_groups))
         unpack_into(out[:n], buf[4 * n_seg + n_groups :])
         scale_blocks(out, scale, blocks)
-        return torch.isfinite(scale).all()
+        return finite_flag(scale)
 
     def encode_shards(self, x: torch.Tensor, shards: Shards, seeds) -> list[torch.Tensor]:
         """As :meth:`encode_into` shard by shard, every segment's and block's scale from
@@ -421,7 +426,8 @@ class NVFP4Codec(Codec):
                           code.split([b for _, b, _ in sizes]),
                           pack_shards(e2m1_encode(v, u), [sum(map(sum, g)) for g in shards]))
 
-    def decode_shards(self, out: torch.Tensor, parts, shards: Shards) -> torch.Tensor:
+    def decode_shards(self, out: torch.Tensor, parts, shards: Shards,
+                      check: bool = True) -> torch.Tensor | None:
         lengths = shard_lengths(shards)
         if not lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
@@ -432,7 +438,7 @@ class NVFP4Codec(Codec):
                                                                output_size=code.numel()))
         unpack_shards(out, torch.cat(list(parts[2::3])), [sum(map(sum, g)) for g in shards])
         group_mul_(out, scale, lengths)
-        return torch.isfinite(scale).all()
+        return finite_flag(scale) if check else None
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         return flushed_fraction(self, x)

@@ -34,6 +34,7 @@ from .base import (
     Shards,
     device_lengths,
     exact_div,
+    finite_flag,
     group_amax,
     group_div,
     group_mul_,
@@ -103,6 +104,10 @@ class FP8Codec(Codec):
         return FP8_FORMATS[self.format]
 
     @property
+    def segmentwise(self) -> bool:
+        return True  # a scale per group (never across segments), a byte per element
+
+    @property
     def fmax(self) -> float:
         return float(torch.finfo(self.dtype).max)
 
@@ -127,7 +132,7 @@ class FP8Codec(Codec):
         lengths = [n for seg in segments for n in seg]
         packed = Packed.from_bytes(buf, (sum(lengths),), self, lengths)
         packed.dequantize(out=out)
-        return torch.isfinite(packed.scales).all()
+        return finite_flag(packed.scales)
 
     def encode_shards(self, x: torch.Tensor, shards: Shards,
                       seeds=None) -> list[torch.Tensor]:
@@ -137,12 +142,15 @@ class FP8Codec(Codec):
         if not lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
         scales = self.scales_from_amax(group_amax(x, lengths))
-        codes = group_div(x, scales, lengths).to(self.dtype).view(torch.uint8)
+        codes = torch.empty(x.numel(), dtype=self.dtype, device=x.device)
+        group_div(x, scales, lengths, out=codes)
+        codes = codes.view(torch.uint8)
         sizes = [self.part_bytes(s) for s in shards]
         return interleave(scales.view(torch.uint8).split([a for a, _ in sizes]),
                           codes.split([b for _, b in sizes]))
 
-    def decode_shards(self, out: torch.Tensor, parts, shards: Shards) -> torch.Tensor:
+    def decode_shards(self, out: torch.Tensor, parts, shards: Shards,
+                      check: bool = True) -> torch.Tensor | None:
         scales = torch.cat(list(parts[0::2])).view(torch.float32)
         codes = torch.cat(list(parts[1::2]))
         if self.format == "e4m3":
@@ -150,7 +158,7 @@ class FP8Codec(Codec):
         else:
             out.copy_(codes.view(torch.float8_e5m2))
         group_mul_(out, scales, shard_lengths(shards))
-        return torch.isfinite(scales).all()
+        return finite_flag(scales) if check else None
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         """Share of codes saturated at ``±fmax`` or flushed to zero from a non-zero value,
@@ -200,12 +208,12 @@ class FP8Codec(Codec):
         """The float32 scales of groups with the given amax (NaN for a non-finite group)."""
         scales = exact_div(amax, self.fmax)
         # When amax / fmax rounds down (far, once it is an fp32 subnormal), amax / s exceeds
-        # fmax and E5M2 overflows to inf: step such scales up one ulp so codes stay in range.
-        scales = torch.where(amax / scales > self.fmax,
-                             torch.nextafter(scales, torch.full_like(scales, float("inf"))),
-                             scales)
-        scales = torch.where(scales == 0, torch.ones_like(scales), scales)  # all-zero group
-        return torch.where(torch.isfinite(scales), scales, torch.full_like(scales, float("nan")))
+        # fmax and E5M2 overflows to inf: step such scales up one ulp (towards amax, which
+        # is above them) so codes stay in range.
+        scales = torch.where(amax / scales > self.fmax, torch.nextafter(scales, amax), scales)
+        scales.masked_fill_(scales == 0, 1.0)  # an all-zero group
+        # amax is never negative: only +Inf is left to mark (NaN stays NaN)
+        return scales.nan_to_num_(nan=float("nan"), posinf=float("nan"))
 
     def round_trip(self, x: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
         """``dequantize(quantize(x))`` in fp32 — the codec's error model in one call."""

@@ -65,14 +65,13 @@ def e8m0_scales(amax: torch.Tensor, element: str) -> torch.Tensor:
     m, k = torch.frexp(amax)  # amax = m·2^k, m in [0.5, 1): amax ≤ fmax·2^e iff e ≥ …
     e = (k - top + (m > frac).to(k.dtype)).clamp_(-127, 127)
     byte = (e + 127).to(torch.uint8)
-    return torch.where(torch.isfinite(amax), byte, torch.full_like(byte, 0xFF))
+    return byte.masked_fill_(amax.mul(0).ne(0), 0xFF)  # amax·0: NaN unless amax is finite
 
 
 def e8m0_values(byte: torch.Tensor) -> torch.Tensor:
     """``2^(byte − 127)`` as FP32 (``0`` → the subnormal ``2⁻¹²⁷``, ``0xFF`` → NaN)."""
     bits = byte.to(torch.int32) << 23
-    bits = torch.where(byte == 0, torch.full_like(bits, 0x00400000), bits)
-    bits = torch.where(byte == 0xFF, torch.full_like(bits, 0x7FC00000), bits)
+    bits.masked_fill_(byte == 0, 0x00400000).masked_fill_(byte == 0xFF, 0x7FC00000)
     return bits.view(torch.float32)
 
 
@@ -104,6 +103,10 @@ class MXCodec(Codec):
     def packed(self) -> bool:
         return self.element == "e2m1"
 
+    @property
+    def segmentwise(self) -> bool:
+        return not self.packed and self.rounding == "nearest"
+
     def groups(self, shape: tuple[int, ...]) -> list[int]:
         return group_lengths(tuple(shape), "block", MX_BLOCK)
 
@@ -129,8 +132,7 @@ class MXCodec(Codec):
             return
         byte = e8m0_scales(block_amax(flat, blocks), self.element)
         out[:g].copy_(byte)
-        scale = e8m0_values(byte)
-        scale = torch.where(torch.isnan(scale), torch.ones_like(scale), scale)
+        scale = e8m0_values(byte).nan_to_num_(nan=1.0)  # a NaN block divided by 1
         u = (segment_uniforms(segments, flat.numel(), seed, flat.device)
              if self.rounding == "stochastic" else None)
         # x / X is exact (a power of two); the kernel rounds once
@@ -165,17 +167,22 @@ class MXCodec(Codec):
         if not shard_lengths(shards):
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
         byte = e8m0_scales(block_amax_of(x, shards), self.element)
-        scale = e8m0_values(byte)
-        scale = torch.where(torch.isnan(scale), torch.ones_like(scale), scale)
+        scale = e8m0_values(byte).nan_to_num_(nan=1.0)  # a NaN block divided by 1
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
-        v = group_div(x, scale, shard_lengths(shards))
-        codes = (e2m1_encode if self.packed else e4m3_encode)(v, u)
+        lengths = shard_lengths(shards)
+        if self.packed or u is not None:
+            codes = (e2m1_encode if self.packed else e4m3_encode)(group_div(x, scale, lengths), u)
+        else:  # e4m3_encode's cast, in the division's kernel
+            codes = torch.empty(x.numel(), dtype=torch.float8_e4m3fn, device=x.device)
+            group_div(x, scale, lengths, out=codes)
+            codes = codes.view(torch.uint8)
         numels = [sum(map(sum, g)) for g in shards]
         return interleave(byte.split([sum(map(len, g)) for g in shards]),
                           pack_shards(codes, numels) if self.packed else codes.split(numels))
 
-    def decode_shards(self, out: torch.Tensor, parts, shards: Shards) -> torch.Tensor:
+    def decode_shards(self, out: torch.Tensor, parts, shards: Shards,
+                      check: bool = True) -> torch.Tensor | None:
         lengths = shard_lengths(shards)
         if not lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
@@ -186,7 +193,7 @@ class MXCodec(Codec):
         else:
             e4m3_into(out, codes)
         group_mul_(out, e8m0_values(byte), lengths)
-        return (byte != 0xFF).all()
+        return (byte != 0xFF).all() if check else None
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         return flushed_fraction(self, x)

@@ -205,7 +205,7 @@ class Communicator:
 
         def finish() -> torch.Tensor:
             total = decode_gathered(gathered, layout, launch.out)
-            release(shard, gathered[0])  # the N gathered shards are views of one buffer
+            release(shard, gathered)
             return total
 
         self._pending.append((work, finish, result))
@@ -228,7 +228,7 @@ class Communicator:
                 layout.numel, dtype=torch.float32, device=sent.device)
             for buf in gathered:
                 total += decode(buf, layout)
-            release(sent, gathered[0])  # the N gathered payloads are views of one buffer
+            release(sent, gathered)
             # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
             return poison_unless(total, all_finite(total))
 

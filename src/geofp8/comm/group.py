@@ -100,12 +100,14 @@ class DeviceGroup:
         return t
 
     def all_gather(self, t: torch.Tensor, kind: str, async_op: bool = False):
-        """``(list of every rank's t, work)``."""
+        """``(every rank's t stacked, [N, *t.shape], work)``: one buffer, gathered in place
+        (a list of outputs would be gathered into a buffer and copied out, one copy per rank,
+        by NCCL)."""
         t = self.on_device(t)
-        out = list(t.new_empty((self.size, *t.shape)).unbind(0))  # one buffer, N views
+        out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # gloo: concatenated form
         self.charge(kind, (self.size - 1) * t.numel() * t.element_size())
-        work = dist.all_gather(out, t, group=self.group, async_op=True)
-        return out, self._keep(work, async_op)
+        work = dist.all_gather_single(out, t, group=self.group, async_op=True)
+        return out.view(self.size, *t.shape), self._keep(work, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, kind: str) -> None:
         """Blocking ``reduce_scatter_single`` (the ``N − 1`` shards for others are sent)."""

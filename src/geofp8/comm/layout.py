@@ -201,18 +201,82 @@ class ShardLayout:
         return out
 
     def decode_shards(self, out: torch.Tensor, parts: list[torch.Tensor],
-                      shards: list[int]) -> torch.Tensor:
+                      shards: list[int], check: bool = True) -> torch.Tensor | None:
         """Decode the payload ``parts`` of ``shards`` (as :meth:`encode_shards` returns them)
         into the FP32 ``out`` (their values one after the other); returns the 0-dim bool device
-        flag, ``False`` if any scale is non-finite (see :meth:`Codec.decode_shards`)."""
+        flag, ``False`` if any scale is non-finite, or ``None`` without ``check`` (see
+        :meth:`Codec.decode_shards`)."""
         if not self.codecs:
-            return self.codec.decode_shards(out, parts, tuple(self.groups[j] for j in shards))
+            return self.codec.decode_shards(out, parts, tuple(self.groups[j] for j in shards),
+                                            check)
         flags, part = [], 0
         for _, _, codec, lo, hi, segments in self._runs_of(shards):
             k = len(codec.part_bytes(segments))
-            flags.append(codec.decode_shards(out[lo:hi], parts[part : part + k], (segments,)))
+            flags.append(codec.decode_shards(out[lo:hi], parts[part : part + k], (segments,),
+                                             check))
             part += k
-        return _all(flags, out.device)
+        return _all(flags, out.device) if check else None
+
+    @cached_property
+    def _by_segment(self) -> tuple | None:
+        """For a segmentwise codec (:attr:`Codec.segmentwise`) when shard-major order is not
+        flat order: ``(every segment as a one-segment shard of its groups, in flat order;
+        per shard, the flat position of each of its segments; per flat segment, its parts'
+        bytes)``. ``None`` otherwise."""
+        if self.codecs or not self.codec.segmentwise or self._order is None:
+            return None
+        _, _, flat_of, by_pos = self._order
+        groups = [g for shard in self.groups for g in shard]  # shard-major order
+        flat_shards = tuple((groups[i],) for i in by_pos)
+        positions, m = [], 0
+        for segments in self.segments:
+            positions.append(tuple(flat_of[m : m + len(segments)]))
+            m += len(segments)
+        return flat_shards, tuple(positions), [self.codec.part_bytes(s) for s in flat_shards]
+
+    @property
+    def segmentwise(self) -> bool:
+        """Whether the batched stages run the codec over the segments in flat order and
+        reorder bytes (:meth:`encode_pieces`, :meth:`decode_flat`) rather than FP32 values."""
+        return self._by_segment is not None
+
+    def encode_pieces(self, flat: torch.Tensor, seeds: list[int | None]
+                      ) -> list[list[torch.Tensor]]:
+        """Per shard, the pieces whose concatenation is its payload, from the flat FP32
+        vector; shard ``j`` encoded with ``seeds[j]``. Batched: :meth:`encode_shards` of the
+        shard-major vector, or, for a segmentwise codec, one codec call over the flat vector
+        segment by segment whose parts are then put in shard order: bytes are reordered,
+        not FP32 values (no shard-major copy)."""
+        n = self.world_size
+        if self._by_segment is None:
+            parts = self.encode_shards(self.shard_major(flat), list(range(n)), seeds)
+            bounds = [0]
+            for j in range(n):
+                bounds.append(bounds[-1] + len(self.parts[j]))
+            return [parts[bounds[j] : bounds[j + 1]] for j in range(n)]
+        flat_shards, positions, _ = self._by_segment
+        _check_float(flat)
+        parts = self.codec.encode_shards(flat, flat_shards, [None] * len(flat_shards))
+        k = len(parts) // len(flat_shards)  # parts per segment
+        return [[parts[f * k + p] for p in range(k) for f in positions[j]] for j in range(n)]
+
+    def decode_flat(self, out: torch.Tensor, buf: torch.Tensor, records: list[int],
+                    check: bool = True) -> torch.Tensor | None:
+        """When :attr:`segmentwise`: the flat FP32 vector into ``out`` from every shard's
+        record of ``records[j]`` bytes (its payload first) back to back in ``buf``, in one
+        codec call over the segments in flat order (the records' parts are cut by segment:
+        no FP32 values reordered). Returns the finite flag (:meth:`decode_shards`)."""
+        flat_shards, positions, seg_bytes = self._by_segment
+        k = len(seg_bytes[0]) if seg_bytes else 0
+        sizes, where = [], [0] * (len(flat_shards) * k)  # where: index of each piece in sizes
+        for j, record in enumerate(records):
+            for p in range(k):
+                for f in positions[j]:
+                    where[f * k + p] = len(sizes)
+                    sizes.append(seg_bytes[f][p])
+            sizes.append(record - sum(self.parts[j]))  # the record's rest (side bytes, padding)
+        pieces = buf[: sum(records)].split(sizes)
+        return self.codec.decode_shards(out, [pieces[i] for i in where], flat_shards, check)
 
     def encode_into(self, out: torch.Tensor, values: torch.Tensor, shard: int,
                     seed: int | None, overwrite: bool = False) -> None:

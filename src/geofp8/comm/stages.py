@@ -40,8 +40,9 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
            sender: int = 0) -> torch.Tensor:
     """Stage 1: every shard quantized with its own scales (then its ``side`` bytes, if any),
     one after the other in one uint8 buffer; ``sender``: this rank (its rounding stream).
-    Batched (:attr:`ShardLayout.kernels`): one codec call over the shard-major bucket (the
-    kernels do not grow with ``N``); chunked: shard by shard straight into the buffer."""
+    Batched (:attr:`ShardLayout.kernels`): one codec call over the bucket (the kernels do
+    not grow with ``N``, :meth:`ShardLayout.encode_pieces`); chunked: shard by shard
+    straight into the buffer."""
     n = layout.world_size
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
     if not layout.batched(flat.device):
@@ -52,12 +53,9 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
             if layout.side[j]:
                 record[layout.shard_bytes(j) :].copy_(side[j])
         return sent
-    parts = layout.encode_shards(layout.shard_major(flat), list(range(n)), seeds)
-    pieces, pos = [], 0
-    for j in range(n):
-        k = len(layout.parts[j])
-        pieces += parts[pos : pos + k]
-        pos += k
+    pieces = []
+    for j, payload in enumerate(layout.encode_pieces(flat, seeds)):
+        pieces += payload
         if layout.side[j]:
             pieces.append(side[j])
     return torch.cat(pieces)
@@ -68,12 +66,13 @@ def _send_sizes(layout: ShardLayout) -> list[int]:
 
 
 def _decode_records(buf: torch.Tensor, layout: ShardLayout, shards: list[int],
-                    record: int | list[int], out: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    record: int | list[int], out: torch.Tensor | None = None,
+                    check: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(values, finite)`` of the encoded ``shards`` laid one after the other in ``buf``,
     each in a record of ``record`` bytes (its payload first): batched, one split and one
     codec call; chunked, record by record. ``values`` (``out`` when given): the shards'
-    values one after the other."""
+    values one after the other. ``finite`` is ``None`` without ``check`` (a NaN scale's
+    group decodes to NaN either way)."""
     records = [record] * len(shards) if isinstance(record, int) else record
     values = out if out is not None else torch.empty(
         sum(layout.shard_numel(j) for j in shards), dtype=torch.float32, device=buf.device)
@@ -81,7 +80,7 @@ def _decode_records(buf: torch.Tensor, layout: ShardLayout, shards: list[int],
         out = values.split([layout.shard_numel(j) for j in shards])
         flags = [layout.decode_into(v, payload, j)
                  for v, payload, j in zip(out, buf[: sum(records)].split(records), shards)]
-        return values, torch.stack(flags).all()
+        return values, torch.stack(flags).all() if check else None
     sizes = []
     for j, nbytes in zip(shards, records):
         parts = layout.parts[j]
@@ -91,24 +90,34 @@ def _decode_records(buf: torch.Tensor, layout: ShardLayout, shards: list[int],
         k = len(layout.parts[j])
         payload += pieces[pos : pos + k]
         pos += k + 1  # the record's rest (side bytes, padding)
-    return values, layout.decode_shards(values, payload, shards)
+    return values, layout.decode_shards(values, payload, shards, check)
 
 
 def _decode_flat(buf: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
                  record: int | list[int], minus: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor | None = None,
+                 check: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(values, finite)`` of the whole vector in flat order from every shard's record of
     ``record`` bytes (its payload first), the records back to back in ``buf`` or a list of
     them; with ``minus``, ``minus − values`` instead (no decoded copy); written into ``out``
-    when given. Batched: one codec call and the shard-major reorder; chunked: shard by shard
-    into place (:meth:`ShardLayout.decode_scattered`)."""
+    when given; ``finite`` is ``None`` without ``check``. Batched: one codec call, over
+    the segments in flat order for a segmentwise codec (:meth:`ShardLayout.decode_flat`),
+    else over the shards followed by the shard-major reorder; chunked: shard by shard into
+    place (:meth:`ShardLayout.decode_scattered`)."""
     n = layout.world_size
     if layout.batched(_device_of(buf)):
-        direct = out if layout.shard_major_is_flat else None
-        values, finite = _decode_records(torch.cat(buf) if isinstance(buf, list) else buf,
-                                         layout, list(range(n)), record, out=direct)
-        if direct is None:
-            values = layout.from_shard_major(values, out=out)
+        joined = torch.cat(buf) if isinstance(buf, list) else buf
+        records = [record] * n if isinstance(record, int) else record
+        if layout.segmentwise:
+            values = out if out is not None else torch.empty(
+                layout.numel, dtype=torch.float32, device=joined.device)
+            finite = layout.decode_flat(values, joined, records, check)
+        else:  # decoded in shard-major order, then reordered
+            direct = out if layout.shard_major_is_flat else None
+            values, finite = _decode_records(joined, layout, list(range(n)), records,
+                                             out=direct, check=check)
+            if direct is None:
+                values = layout.from_shard_major(values, out=out)
         if minus is not None:
             torch.sub(minus, values, out=values)
         return values, finite
@@ -117,7 +126,7 @@ def _decode_flat(buf: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
     values = out if out is not None else torch.empty(layout.numel, dtype=torch.float32,
                                                      device=records[0].device)
     flags = [layout.decode_scattered(values, r, j, minus) for j, r in enumerate(records)]
-    return values, torch.stack(flags).all()
+    return values, torch.stack(flags).all() if check else None
 
 
 def _device_of(buf: torch.Tensor | list[torch.Tensor]) -> torch.device:
@@ -139,7 +148,7 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
     size = n * layout.shard_numel(shard)
     fits = scratch is not None and scratch.numel() >= size
     values, _ = _decode_records(received, layout, [shard] * n, nbytes,
-                                out=scratch[:size] if fits else None)
+                                out=scratch[:size] if fits else None, check=False)
     rows = values.view(n, -1)
     if unmap is not None:
         rows = unmap(rows, received[: n * nbytes].view(n, nbytes)[:, layout.shard_bytes(shard):])
@@ -158,18 +167,21 @@ def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
         return out
     parts = layout.encode_shards(shard_sum, [shard], [seed])
     pad = layout.max_shard_bytes - nbytes
-    return torch.cat([*parts, shard_sum.new_zeros(pad, dtype=torch.uint8)])
+    return torch.cat([*parts, shard_sum.new_zeros(pad, dtype=torch.uint8)] if pad else parts)
 
 
 def decode_shard(buf: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
     """The values of one encoded shard (its owner's view of what it re-encoded)."""
-    return _decode_records(buf, layout, [shard], layout.shard_bytes(shard))[0]
+    return _decode_records(buf, layout, [shard], layout.shard_bytes(shard), check=False)[0]
 
 
-def decode_gathered(gathered: list[torch.Tensor], layout: ShardLayout,
+def decode_gathered(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Stage 5: the full reduced vector (written into the FP32 ``out`` when given); all NaN if
-    any shard carries a non-finite scale."""
+    """Stage 5: the full reduced vector (written into the FP32 ``out`` when given) from the
+    ``N`` re-encoded shards (an all-gather's ``[N, max_shard_bytes]`` buffer, or a list);
+    all NaN if any shard carries a non-finite scale."""
+    if isinstance(gathered, torch.Tensor):
+        gathered = gathered.view(-1)
     return poison_unless(*_decode_flat(gathered, layout, layout.max_shard_bytes, out=out))
 
 
@@ -193,13 +205,13 @@ def poison_unless(values: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
 
 def decode(sent: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     """What ``encode(flat, layout)`` decodes to (the sender's own view)."""
-    return _decode_flat(sent, layout, _send_sizes(layout))[0]
+    return _decode_flat(sent, layout, _send_sizes(layout), check=False)[0]
 
 
 def rounding_error(sent: torch.Tensor, flat: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     """``flat − decode(sent)``: what ``sent = encode(flat, layout)`` lost (a sender's error
     feedback residual), in flat order without a decoded copy of the whole vector."""
-    return _decode_flat(sent, layout, _send_sizes(layout), minus=flat)[0]
+    return _decode_flat(sent, layout, _send_sizes(layout), minus=flat, check=False)[0]
 
 
 def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout,
