@@ -362,12 +362,11 @@ def _group_amax(flat: torch.Tensor, lengths, info: _Info) -> torch.Tensor:
             out[n_full:] = _amax1(flat[n_full * size :])
         return out
     if not info.irregular:  # few groups (per tensor, per shard): one fused pass each
-        out = flat.new_empty(len(lengths))
-        lo = 0
-        for g, n in enumerate(lengths):
-            out[g] = _amax1(flat[lo : lo + n])
-            lo += n
-        return out
+        if len(lengths) == 1:
+            return _amax1(flat).reshape(1)
+        extremes = [torch.aminmax(v) for v in flat.split(list(lengths))]  # groups are not empty
+        lowest = torch.stack([lo for lo, _ in extremes])
+        return torch.maximum(torch.stack([hi for _, hi in extremes]), lowest.neg_())
     return segment_amax(flat, device_lengths(tuple(lengths), flat.device))
 
 
@@ -380,21 +379,23 @@ def _amax1(x: torch.Tensor) -> torch.Tensor:
 
 def _encode_into(codes: torch.Tensor, flat: torch.Tensor, scales: torch.Tensor,
                  lengths, info: _Info, in_place: bool = False) -> None:
-    """``codes[i] = fp8(flat[i] / s_g)`` piece by piece through a cache-sized buffer, or
-    through ``flat`` itself when ``in_place`` (its values are lost)."""
+    """``codes[i] = fp8(flat[i] / s_g)`` piece by piece, each quotient cast in the division's
+    kernel (through a piece-sized buffer of torch's on a CPU). ``in_place`` (``flat``'s values
+    may be lost): many irregular groups are divided by a per-element divisor, a few of
+    different lengths each by its scale in one op, both in ``flat``, then cast at once."""
     if info.irregular:
         per_element = _per_element(scales, lengths, flat.numel())
         codes.copy_(flat.div_(per_element) if in_place else flat / per_element)
         return
-    tmp = None if in_place else flat.new_empty(min(CHUNK + info.widest, flat.numel()) or 1)
+    if in_place and info.size is None and lengths:
+        torch._foreach_div_(list(flat.split(list(lengths))), list(scales.split(1)))
+        codes.copy_(flat)
+        return
     for lo, hi, rows, s in _pieces(lengths, info, scales):
-        src = flat[lo:hi]
-        buf = src if tmp is None else tmp[: hi - lo]
         if rows:
-            torch.div(src.view(rows, -1), s, out=buf.view(rows, -1))
+            torch.div(flat[lo:hi].view(rows, -1), s, out=codes[lo:hi].view(rows, -1))
         else:
-            torch.div(src, s, out=buf)
-        codes[lo:hi].copy_(buf)
+            torch.div(flat[lo:hi], s, out=codes[lo:hi])
 
 
 @functools.cache
@@ -405,7 +406,7 @@ def e4m3_table(device: torch.device) -> torch.Tensor:
     return codes.view(torch.float8_e4m3fn).float().to(device)
 
 
-LOOKUP_PIECE = 1 << 16  # codes per lookup on a CPU: a 256 KB index (as fast as 1 MB's)
+LOOKUP_PIECE = 1 << 18  # codes per lookup on a CPU: a 1 MB index (13 % faster than 256 KB's)
 DEVICE_PIECE = 1 << 22  # codes per lookup off the CPU: a 16 MB index, one gather per DDP bucket
 
 
@@ -460,6 +461,13 @@ def _decode_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         else:
             lookup_into(out, table, u8)
         out.mul_(_per_element(scales, lengths, out.numel()))
+        return
+    if info.size is None and lengths:  # a few groups of unequal lengths: convert, then scale
+        if table is None:
+            out.copy_(native)
+        else:
+            lookup_into(out, table, u8)
+        torch._foreach_mul_(list(out.split(list(lengths))), list(scales.split(1)))
         return
     if table is None:
         for lo, hi, rows, s in _pieces(lengths, info, scales):

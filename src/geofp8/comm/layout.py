@@ -316,13 +316,14 @@ class ShardLayout:
         else:
             values = out.new_empty(self.shard_numel(shard))
         finite = self.decode_into(values, payload, shard)
+        if minus is None and len(spans) > 1:  # every segment to its place in one op
+            torch._foreach_copy_([out[lo:hi] for lo, hi in spans],
+                                 list(values.split([hi - lo for lo, hi in spans])))
+            return finite
         pos = 0
         for lo, hi in spans:
-            piece = values[pos : pos + hi - lo]
             if minus is not None:
-                torch.sub(minus[lo:hi], piece, out=out[lo:hi])
-            elif len(spans) > 1:
-                out[lo:hi].copy_(piece)
+                torch.sub(minus[lo:hi], values[pos : pos + hi - lo], out=out[lo:hi])
             pos += hi - lo
         return finite
 
