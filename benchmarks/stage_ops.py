@@ -20,6 +20,7 @@ stream, and small ops do not reach the HBM's bandwidth.
 
     python benchmarks/stage_ops.py                          # this checkout
     python benchmarks/stage_ops.py --kernels batched chunked   # the layout's two ways
+    python benchmarks/stage_ops.py --kernels chunked --buckets llama-small   # a real bucket
     PYTHONPATH=<other checkout>/src python benchmarks/stage_ops.py   # another version
 """
 
@@ -45,6 +46,17 @@ from geofp8.comm.stages import (
 )
 
 BUCKETS = {"1MB": [(256, 256)] * 4, "25MB": [(512, 512)] * 25}  # tensors of a bucket
+MODEL_BUCKETS = ("llama-small",)  # every parameter of a model preset (4096 tokens), in one bucket
+
+
+def bucket_shapes(name: str) -> list[tuple[int, ...]]:
+    """The tensors of bucket ``name``: one of :data:`BUCKETS`, or a model's parameters (the
+    unequal tensors of a real bucket: per-tensor scale groups of many lengths)."""
+    if name in MODEL_BUCKETS:
+        from geofp8.tools.models import load_model
+
+        return [tuple(p.shape) for p in load_model(name, 4096, seed=0)[0].parameters()]
+    return BUCKETS[name]
 LAUNCH_US = 5.0  # one eager kernel launch on a GPU, microseconds
 ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                torch.ops.aten.new_empty.default}  # ops that launch no kernel
@@ -106,7 +118,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", default=["e4m3", "nvfp4"])
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4, 8])
-    parser.add_argument("--buckets", nargs="+", default=list(BUCKETS))
+    parser.add_argument("--buckets", nargs="+", default=list(BUCKETS),
+                        choices=[*BUCKETS, *MODEL_BUCKETS])
     parser.add_argument("--kernels", nargs="+", default=["batched", "chunked"],
                         help="ShardLayout.kernels to run (the GPU projection is the batched "
                              "row's: those are the kernels a GPU runs)")
@@ -117,7 +130,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for fmt, kernels, name, n in itertools.product(args.formats, args.kernels, args.buckets,
                                                    args.ranks):
-        layout = ShardLayout.build(BUCKETS[name], make_codec(fmt), n, kernels=kernels)
+        layout = ShardLayout.build(bucket_shapes(name), make_codec(fmt), n, kernels=kernels)
         x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
         run = rank_share(layout, x)
         counted = rank_share(layout, x.to("meta")) if kernels == "batched" else run

@@ -225,14 +225,11 @@ class ShardLayout:
         bytes)``. ``None`` otherwise."""
         if self.codecs or not self.codec.segmentwise or self._order is None:
             return None
-        _, _, flat_of, by_pos = self._order
+        by_pos = self._order[3]
         groups = [g for shard in self.groups for g in shard]  # shard-major order
         flat_shards = tuple((groups[i],) for i in by_pos)
-        positions, m = [], 0
-        for segments in self.segments:
-            positions.append(tuple(flat_of[m : m + len(segments)]))
-            m += len(segments)
-        return flat_shards, tuple(positions), [self.codec.part_bytes(s) for s in flat_shards]
+        return (flat_shards, self._segment_split[1],
+                [self.codec.part_bytes(s) for s in flat_shards])
 
     @property
     def segmentwise(self) -> bool:
@@ -316,15 +313,15 @@ class ShardLayout:
         else:
             values = out.new_empty(self.shard_numel(shard))
         finite = self.decode_into(values, payload, shard)
-        if minus is None and len(spans) > 1:  # every segment to its place in one op
-            torch._foreach_copy_([out[lo:hi] for lo, hi in spans],
-                                 list(values.split([hi - lo for lo, hi in spans])))
+        if not spans or (len(spans) == 1 and minus is None):
             return finite
-        pos = 0
-        for lo, hi in spans:
-            if minus is not None:
-                torch.sub(minus[lo:hi], values[pos : pos + hi - lo], out=out[lo:hi])
-            pos += hi - lo
+        places = self.segment_views(out, shard)
+        pieces = values.split([hi - lo for lo, hi in spans])
+        if minus is None:  # every segment to its place in one op
+            torch._foreach_copy_(places, list(pieces))
+        else:
+            for place, piece, before in zip(places, pieces, self.segment_views(minus, shard)):
+                torch.sub(before, piece, out=place)
         return finite
 
     def send_bytes(self, j: int) -> int:
@@ -359,10 +356,35 @@ class ShardLayout:
     def gather(self, flat: torch.Tensor, j: int) -> torch.Tensor:
         """Shard ``j`` of ``flat`` as one contiguous tensor: a view of ``flat`` when the
         shard is one segment of it, else a new tensor."""
-        parts = [flat[lo:hi] for lo, hi in self.segments[j]]
+        parts = self.segment_views(flat, j)
         if len(parts) == 1:
             return parts[0]
         return torch.cat(parts) if parts else flat.new_zeros(0)
+
+    @cached_property
+    def _segment_split(self) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+        """``(the lengths of all segments in flat order, per shard the flat position of each
+        of its segments)``."""
+        if self._order is None:
+            sizes, flat_of = [hi - lo for segs in self.segments for lo, hi in segs], None
+        else:
+            sizes, _, flat_of, _ = self._order
+        positions, m = [], 0
+        for segments in self.segments:
+            positions.append(tuple(flat_of[m : m + len(segments)]) if flat_of
+                             else tuple(range(m, m + len(segments))))
+            m += len(segments)
+        return sizes, tuple(positions)
+
+    def segment_views(self, flat: torch.Tensor, j: int) -> list[torch.Tensor]:
+        """Views of shard ``j``'s segments of the flat vector ``flat``, in shard order: one
+        split for all of them (a slice per segment costs an op each on the host)."""
+        if len(self.segments[j]) == 1:
+            lo, hi = self.segments[j][0]
+            return [flat[lo:hi]]
+        sizes, positions = self._segment_split
+        pieces = flat[: self.numel].split(sizes)
+        return [pieces[f] for f in positions[j]]
 
     @cached_property
     def _order(self) -> tuple[list[int], list[int], list[int], list[int]] | None:
