@@ -83,6 +83,28 @@ def test_e4m3_lookup_decode_equals_torch_conversion_bitwise(scaling):
     assert torch.equal(got.nan_to_num().view(torch.int32), want.nan_to_num().view(torch.int32))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("lengths", [[2100], [300] * 7, [5, 900, 17, 1178]])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_codes_and_values_are_torchs_division_and_product(fmt, lengths, overwrite):
+    """Whatever way the kernels go (one group, equal groups, a few unequal ones divided and
+    scaled one op for all), every code is torch's ``(x / s_g).to(fp8)`` and every value its
+    ``code.float() · s_g``, bit for bit (NaN where NaN)."""
+    codec = FP8Codec(fmt)
+    x = torch.randn(2100, generator=torch.Generator().manual_seed(1)) * torch.logspace(
+        -8, 8, 2100)
+    x[1000] = float("inf")  # poisons the third group of the unequal ones
+    work = x.clone()
+    packed = codec.quantize(work, lengths, overwrite=overwrite)
+    per_element = torch.repeat_interleave(packed.scales, torch.tensor(lengths))
+    want = (x / per_element).to(codec.dtype).view(torch.uint8)
+    assert torch.equal(packed.codes, want)
+    values = packed.codes.view(codec.dtype).float() * per_element
+    got = packed.dequantize()
+    assert torch.equal(got.isnan(), values.isnan())
+    assert torch.equal(got.nan_to_num().view(torch.int32), values.nan_to_num().view(torch.int32))
+
+
 # -- error bounds --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", FORMATS)
