@@ -271,10 +271,12 @@ class Packed:
 # -- kernels ---------------------------------------------------------------------------------
 #
 # The codec is memory-bound on a CPU, so every kernel below walks the tensor in pieces of
-# at most ``CHUNK`` elements: the temporaries of a piece (the scaled fp32 values before
-# the cast, the int16 bit patterns of the decoder) stay in cache, and each big tensor is
-# read or written once. Division by the scale is kept (not a multiply by its reciprocal),
-# so the codes are bit-identical to ``(x / s).to(fp8)``.
+# at most ``CHUNK`` elements: the temporaries of a piece (the quotients torch casts to FP8,
+# the decoder's lookup index) stay in cache, and each big tensor is read or written once.
+# A shard's few groups of unequal lengths (a piece of each tensor of a bucket) are instead
+# divided or scaled by one op for all of them (``torch._foreach_*``): on a CPU each op costs
+# microseconds of dispatch, more than a small group's data. Division by the scale is kept
+# (not a multiply by its reciprocal), so the codes are bit-identical to ``(x / s).to(fp8)``.
 
 CHUNK = 1 << 18  # elements per piece; 1 MiB of fp32
 _MAX_CODE = {"e4m3": 0x7E, "e5m2": 0x7B}  # the byte of +fmax (448, 57344) without its sign

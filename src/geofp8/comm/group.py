@@ -100,7 +100,7 @@ class DeviceGroup:
         return t
 
     def all_gather(self, t: torch.Tensor, kind: str, async_op: bool = False):
-        """``(every rank's t stacked, [N, *t.shape], work)``: one buffer, gathered in place
+        """``(every rank's t stacked as [N, *t.shape], work)``: one buffer, gathered in place
         (a list of outputs would be gathered into a buffer and copied out, one copy per rank,
         by NCCL)."""
         t = self.on_device(t)
