@@ -28,6 +28,7 @@ class ByteCounter:
         return {
             "all_reduce": lambda t, *a, **k: 2 * (n - 1) * self._size(t) // n,
             "all_gather": lambda out, t, *a, **k: (n - 1) * self._size(t),
+            "all_gather_single": lambda out, t, *a, **k: (n - 1) * self._size(t),
             "broadcast": lambda t, src, *a, **k: (n - 1) * self._size(t) if src == self.rank
             else 0,
             "all_to_all_single": lambda out, t, out_splits=None, in_splits=None, *a, **k:
