@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["Codec", "Segments", "Shards", "device_lengths", "exact_div", "finite_flag",
-           "group_amax", "group_div", "group_mul_", "interleave", "mix_seed", "rows_amax",
-           "segment_amax", "shard_lengths"]
+           "group_amax", "group_div", "group_fp8", "group_mul_", "interleave", "mix_seed",
+           "rows_amax", "segment_amax", "shard_lengths"]
 
 Segments = Sequence[Sequence[int]]  # per segment of a shard: its scale-group lengths
 Shards = Sequence[Segments]  # several shards, one after the other
@@ -126,6 +126,15 @@ def group_div(x: torch.Tensor, divisor: torch.Tensor, lengths: tuple[int, ...],
         return torch.div(x.view(-1, size), divisor[:, None], out=q).view(-1)
     d = _per_element(divisor, lengths, x.numel())
     return torch.div(x, d, out=d if out is None else out)
+
+
+def group_fp8(x: torch.Tensor, divisor: torch.Tensor, lengths: tuple[int, ...],
+              dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 ``dtype`` codes (uint8) of ``x_i / divisor_g`` (:func:`group_div`), cast as
+    ``.to(dtype)`` casts them in the division's own kernel: no FP32 quotient."""
+    codes = torch.empty(x.numel(), dtype=dtype, device=x.device)
+    group_div(x, divisor, lengths, out=codes)
+    return codes.view(torch.uint8)
 
 
 def group_mul_(out: torch.Tensor, scale: torch.Tensor, lengths: tuple[int, ...]) -> None:

@@ -36,7 +36,7 @@ from .base import (
     exact_div,
     finite_flag,
     group_amax,
-    group_div,
+    group_fp8,
     group_mul_,
     interleave,
     segment_amax,
@@ -142,9 +142,7 @@ class FP8Codec(Codec):
         if not lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
         scales = self.scales_from_amax(group_amax(x, lengths))
-        codes = torch.empty(x.numel(), dtype=self.dtype, device=x.device)
-        group_div(x, scales, lengths, out=codes)
-        codes = codes.view(torch.uint8)
+        codes = group_fp8(x, scales, lengths, self.dtype)
         sizes = [self.part_bytes(s) for s in shards]
         return interleave(scales.view(torch.uint8).split([a for a, _ in sizes]),
                           codes.split([b for _, b in sizes]))

@@ -30,7 +30,16 @@ from typing import ClassVar
 
 import torch
 
-from .base import Codec, Segments, Shards, group_div, group_mul_, interleave, shard_lengths
+from .base import (
+    Codec,
+    Segments,
+    Shards,
+    group_div,
+    group_fp8,
+    group_mul_,
+    interleave,
+    shard_lengths,
+)
 from .fp4 import (
     Blocks,
     _check_input,
@@ -174,9 +183,7 @@ class MXCodec(Codec):
         if self.packed or u is not None:
             codes = (e2m1_encode if self.packed else e4m3_encode)(group_div(x, scale, lengths), u)
         else:  # e4m3_encode's cast, in the division's kernel
-            codes = torch.empty(x.numel(), dtype=torch.float8_e4m3fn, device=x.device)
-            group_div(x, scale, lengths, out=codes)
-            codes = codes.view(torch.uint8)
+            codes = group_fp8(x, scale, lengths, torch.float8_e4m3fn)
         numels = [sum(map(sum, g)) for g in shards]
         return interleave(byte.split([sum(map(len, g)) for g in shards]),
                           pack_shards(codes, numels) if self.packed else codes.split(numels))

@@ -105,23 +105,22 @@ def _decode_flat(buf: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
     else over the shards followed by the shard-major reorder; chunked: shard by shard into
     place (:meth:`ShardLayout.decode_scattered`)."""
     n = layout.world_size
+    sizes = [record] * n if isinstance(record, int) else record
     if layout.batched(_device_of(buf)):
         joined = torch.cat(buf) if isinstance(buf, list) else buf
-        records = [record] * n if isinstance(record, int) else record
         if layout.segmentwise:
             values = out if out is not None else torch.empty(
                 layout.numel, dtype=torch.float32, device=joined.device)
-            finite = layout.decode_flat(values, joined, records, check)
+            finite = layout.decode_flat(values, joined, sizes, check)
         else:  # decoded in shard-major order, then reordered
             direct = out if layout.shard_major_is_flat else None
-            values, finite = _decode_records(joined, layout, list(range(n)), records,
+            values, finite = _decode_records(joined, layout, list(range(n)), sizes,
                                              out=direct, check=check)
             if direct is None:
                 values = layout.from_shard_major(values, out=out)
         if minus is not None:
             torch.sub(minus, values, out=values)
         return values, finite
-    sizes = [record] * n if isinstance(record, int) else record
     records = buf if isinstance(buf, list) else buf[: sum(sizes)].split(sizes)
     values = out if out is not None else torch.empty(layout.numel, dtype=torch.float32,
                                                      device=records[0].device)
