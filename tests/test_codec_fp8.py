@@ -9,7 +9,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from geofp8.codecs import native
 from geofp8.codecs.fp8 import FP8Codec, Packed, group_lengths
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernels(request, monkeypatch):
+    """The CPU's E4M3 kernels: native (where a C compiler is) or torch's ops."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "kernels", lambda: None)
+    elif native.kernels() is None:
+        pytest.skip("no C compiler")
+    return request.param
 
 FORMATS = ["e4m3", "e5m2"]
 SCALINGS = ["tensor", "row", "block"]
@@ -84,16 +95,19 @@ def test_e4m3_lookup_decode_equals_torch_conversion_bitwise(scaling):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("lengths", [[2100], [300] * 7, [5, 900, 17, 1178]])
+@pytest.mark.parametrize("lengths", [[2100], [300] * 7, [5, 900, 17, 1178],
+                                     [4096, 4100] * 130, [1, 2, 3] * 200 + [900]])
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_codes_and_values_are_torchs_division_and_product(fmt, lengths, overwrite):
+def test_codes_and_values_are_torchs_division_and_product(fmt, lengths, overwrite, kernels):
     """Whatever way the kernels go (one group, equal groups, a few unequal ones divided and
-    scaled one op for all), every code is torch's ``(x / s_g).to(fp8)`` and every value its
+    scaled one op for all, many long ones one op each, many short ones through per-element
+    scales), every code is torch's ``(x / s_g).to(fp8)`` and every value its
     ``code.float() · s_g``, bit for bit (NaN where NaN)."""
     codec = FP8Codec(fmt)
-    x = torch.randn(2100, generator=torch.Generator().manual_seed(1)) * torch.logspace(
-        -8, 8, 2100)
-    x[1000] = float("inf")  # poisons the third group of the unequal ones
+    numel = sum(lengths)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(1)) * torch.logspace(
+        -8, 8, numel)
+    x[1000] = float("inf")  # poisons the group holding element 1000
     work = x.clone()
     packed = codec.quantize(work, lengths, overwrite=overwrite)
     per_element = torch.repeat_interleave(packed.scales, torch.tensor(lengths))
@@ -400,10 +414,11 @@ def test_clipped_fraction_counts_flushed_and_saturated_codes(fmt, scaling):
 @pytest.mark.parametrize("lengths", [None, [300] * 7, [5, 900, 17, 1178],
                                      [1, 2, 3] * 200 + [900]])  # the last: many irregular
 @pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
-def test_quantizing_in_place_gives_the_same_codes(scaling, lengths):
+def test_quantizing_in_place_gives_the_same_codes(scaling, lengths, kernels):
     """``overwrite=True`` lets the codec divide ``x`` by its scales in place: the same scales
-    and codes bit for bit. Groups of unequal lengths are divided in ``x`` (used up); equal
-    ones piece by piece straight into the codes (no scratch either way), ``x`` left alone."""
+    and codes bit for bit. With torch's ops groups of unequal lengths are divided in ``x``
+    (used up); equal ones piece by piece straight into the codes (no scratch either way),
+    ``x`` left alone; the native E4M3 kernel never writes ``x``."""
     codec = FP8Codec("e4m3", scaling, 64)
     x = torch.randn(2100, generator=torch.Generator().manual_seed(3)) * torch.logspace(
         -6, 6, 2100)
@@ -415,4 +430,4 @@ def test_quantizing_in_place_gives_the_same_codes(scaling, lengths):
     assert torch.equal(got.codes, expect.codes)
     assert torch.equal(got.scales.view(torch.int32), expect.scales.view(torch.int32))
     unequal = lengths is not None and len(set(lengths[:-1])) > 1
-    assert torch.equal(work.nan_to_num(), x.nan_to_num()) != unequal
+    assert torch.equal(work.nan_to_num(), x.nan_to_num()) != (unequal and kernels == "torch")

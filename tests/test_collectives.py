@@ -452,16 +452,17 @@ def test_all_finite_agrees_with_isfinite(dtype):
 
 
 class _Fp32Cats(TorchDispatchMode):
-    """Counts the concatenations of FP32 values (how a bucket is reordered)."""
+    """Counts the concatenations of at least ``numel`` FP32 values (how a bucket is
+    reordered; not a stack of a few scales)."""
 
-    def __init__(self) -> None:
+    def __init__(self, numel: int) -> None:
         super().__init__()
-        self.count = 0
+        self.count, self.numel = 0, numel
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.count += func in (torch.ops.aten.cat.default, torch.ops.aten.cat.out) and (
-            out.dtype == torch.float32)
+            out.dtype == torch.float32 and out.numel() >= self.numel)
         return out
 
 
@@ -469,32 +470,38 @@ class _Fp32Cats(TorchDispatchMode):
                          [("e4m3", "tensor", "nearest", True), ("e5m2", "block", "nearest", True),
                           ("mxfp8", None, "nearest", True), ("mxfp8", None, "stochastic", False),
                           ("nvfp4", None, "nearest", False), ("mxfp4", None, "nearest", False)])
-def test_a_segmentwise_codec_is_batched_in_flat_order(fmt, scaling, rounding, segmentwise):
-    """FP8 and MXFP8 (nearest) payloads are per-segment concatenations: the batched stages
-    encode and decode the bucket in its flat order and reorder bytes, never FP32 values
-    (the others reorder the bucket into shard-major order), with the chunked kernels'
-    bytes and values."""
+def test_a_segmentwise_codec_is_run_in_flat_order(fmt, scaling, rounding, segmentwise):
+    """FP8 and MXFP8 (nearest) payloads are per-segment concatenations: the stages, batched
+    or chunked, encode and decode the bucket in its flat order and reorder bytes, never FP32
+    values (the others reorder the bucket into shard-major order or gather shard by shard),
+    with the bytes and values of the codec run shard by shard."""
     from geofp8.codecs import make_codec
+    from geofp8.codecs.base import mix_seed
 
     shapes, n = [(37, 11), (3,), (64, 16)], 3
     codec = make_codec(fmt, scaling, 8, rounding)
     layouts = {k: ShardLayout.build(shapes, codec, n, kernels=k) for k in ("batched", "chunked")}
-    batched = layouts["batched"]
-    assert batched.segmentwise == segmentwise and not batched.shard_major_is_flat
-    flat = torch.randn(batched.numel, generator=torch.Generator().manual_seed(3))
-    results = {}
+    layout = layouts["chunked"]
+    assert layout.segmentwise == segmentwise and not layout.shard_major_is_flat
+    flat = torch.randn(layout.numel, generator=torch.Generator().manual_seed(3))
+    gathered = torch.stack([encode_reduced(flat[: layout.shard_numel(j)], layout, j)
+                            for j in range(n)])
+    # the reference: shard by shard, each shard's values gathered and decoded into place
+    records = [torch.empty(layout.shard_bytes(j), dtype=torch.uint8) for j in range(n)]
+    residual, total = torch.empty_like(flat), torch.empty_like(flat)
+    for j, record in enumerate(records):
+        layout.encode_gathered(record, flat, j, mix_seed(9, 0, j))
+        layout.decode_scattered(residual, record, j, minus=flat)
+        layout.decode_scattered(total, gathered[j], j)
+    expect = (torch.cat(records), residual, total)
     for kernels, layout in layouts.items():
-        gathered = torch.stack([encode_reduced(flat[: layout.shard_numel(j)], layout, j)
-                                for j in range(n)])
-        with _Fp32Cats() as cats:
+        with _Fp32Cats(min(layout.shard_numel(j) for j in range(n))) as cats:
             sent = encode(flat, layout, seed=9)
-            residual = rounding_error(sent, flat, layout)
-            total = decode_gathered(gathered, layout, out=torch.empty_like(flat))
-        results[kernels] = (sent, residual, total)
-        if kernels == "batched":
-            assert (cats.count == 0) == segmentwise, cats.count
-    for got, expect in zip(results["batched"], results["chunked"]):
-        assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8))
+            got = (sent, rounding_error(sent, flat, layout),
+                   decode_gathered(gathered, layout, out=torch.empty_like(flat)))
+        assert (cats.count == 0) == segmentwise, (kernels, cats.count)
+        for a, b in zip(got, expect):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), kernels
 
 
 def test_finite_flag_is_false_for_any_nan_or_inf():

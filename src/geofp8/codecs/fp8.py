@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import native
 from .base import (
     Codec,
     Segments,
@@ -302,12 +303,15 @@ def _info(lengths) -> _Info:
     size = _uniform(lengths)
     if size is not None:
         return _Info(size, False, size)
-    if len(lengths) > MANY_GROUPS:
+    if len(lengths) > MANY_GROUPS and sum(lengths) < LONG_GROUP * len(lengths):
         return _Info(None, True, 0)
     return _Info(None, False, max(lengths, default=0))
 
 
-MANY_GROUPS = 256  # more irregular groups than this: per-element scales instead of a loop
+# Many irregular groups (more than MANY_GROUPS, shorter than LONG_GROUP elements on average)
+# go through per-element scales: a loop would cost an op per group for little data each.
+MANY_GROUPS = 256
+LONG_GROUP = 4096
 
 
 def _per_element(scales: torch.Tensor, lengths, numel: int) -> torch.Tensor:
@@ -382,7 +386,11 @@ def _encode_into(codes: torch.Tensor, flat: torch.Tensor, scales: torch.Tensor,
     """``codes[i] = fp8(flat[i] / s_g)`` piece by piece, each quotient cast in the division's
     kernel (through a piece-sized buffer of torch's on a CPU). ``in_place`` (``flat``'s values
     may be lost): many irregular groups are divided by a per-element divisor, a few of
-    different lengths each by its scale in one op, both in ``flat``, then cast at once."""
+    different lengths each by its scale in one op, both in ``flat``, then cast at once.
+    E4M3 on a CPU: one pass of the native kernel (:mod:`.native`) where it is built."""
+    if codes.dtype == torch.float8_e4m3fn and _native(codes, flat):
+        native.encode(codes, flat, scales, tuple(lengths))
+        return
     if info.irregular:
         per_element = _per_element(scales, lengths, flat.numel())
         codes.copy_(flat.div_(per_element) if in_place else flat / per_element)
@@ -396,6 +404,13 @@ def _encode_into(codes: torch.Tensor, flat: torch.Tensor, scales: torch.Tensor,
             torch.div(flat[lo:hi].view(rows, -1), s, out=codes[lo:hi].view(rows, -1))
         else:
             torch.div(flat[lo:hi], s, out=codes[lo:hi])
+
+
+def _native(codes: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the native E4M3 kernels take these (contiguous CPU) tensors."""
+    return (codes.device.type == "cpu" and codes.element_size() == 1
+            and values.dtype == torch.float32 and codes.is_contiguous()
+            and values.is_contiguous() and native.kernels() is not None)
 
 
 @functools.cache
@@ -448,23 +463,27 @@ def _decode_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     """``out[i] = value(code_i) · s_g``.
 
     E5M2 is the top byte of an IEEE half, and torch converts it fast; off a CPU torch
-    converts E4M3 fast too. On a CPU E4M3 is a lookup in the 256-entry value table; a piece
-    with one scale looks its codes up in the table times that scale (the same FP32 product
-    ``value · s``, in one pass).
+    converts E4M3 fast too. On a CPU E4M3 is one pass of the native kernel (:mod:`.native`)
+    where it is built, else a lookup in the 256-entry value table; a piece with one scale
+    looks its codes up in the table times that scale (the same FP32 product ``value · s``,
+    in one pass).
     """
     u8 = codes.view(torch.uint8)
+    if fmt == "e4m3" and _native(u8, out):
+        native.decode(out, u8, scales, tuple(lengths))
+        return
     table = e4m3_table(codes.device) if fmt == "e4m3" and codes.device.type == "cpu" else None
-    native = codes.view(FP8_FORMATS[fmt])
+    typed = codes.view(FP8_FORMATS[fmt])
     if info.irregular:
         if table is None:
-            out.copy_(native)
+            out.copy_(typed)
         else:
             lookup_into(out, table, u8)
         out.mul_(_per_element(scales, lengths, out.numel()))
         return
     if info.size is None and lengths:  # a few groups of unequal lengths: convert, then scale
         if table is None:
-            out.copy_(native)
+            out.copy_(typed)
         else:
             lookup_into(out, table, u8)
         torch._foreach_mul_(list(out.split(list(lengths))), list(scales.split(1)))
@@ -472,7 +491,7 @@ def _decode_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     if table is None:
         for lo, hi, rows, s in _pieces(lengths, info, scales):
             o = out[lo:hi]
-            o.copy_(native[lo:hi])
+            o.copy_(typed[lo:hi])
             (o.view(rows, -1) if rows else o).mul_(s)
         return
     for lo, hi, rows, s in _pieces(lengths, info, scales):

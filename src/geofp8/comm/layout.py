@@ -13,7 +13,7 @@ from functools import cached_property
 import torch
 
 from ..codecs import Codec
-from ..codecs.base import mix_seed
+from ..codecs.base import interleave, mix_seed
 
 __all__ = ["KERNELS", "ShardLayout", "fp32_allreduce_wire_bytes", "tensor_wire_bytes"]
 
@@ -231,19 +231,28 @@ class ShardLayout:
         return (flat_shards, self._segment_split[1],
                 [self.codec.part_bytes(s) for s in flat_shards])
 
+    @cached_property
+    def _flat_run(self) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+        """When :attr:`segmentwise`: every segment's groups in flat order, as the segments of
+        one shard, and that shard's parts' bytes (part ``p`` of every segment back to back)."""
+        segments = tuple(shard[0] for shard in self._by_segment[0])
+        return segments, tuple(self.codec.part_bytes(segments))
+
     @property
     def segmentwise(self) -> bool:
-        """Whether the batched stages run the codec over the segments in flat order and
-        reorder bytes (:meth:`encode_pieces`, :meth:`decode_flat`) rather than FP32 values."""
+        """Whether the stages run the codec over the segments in flat order and reorder bytes
+        (:meth:`encode_pieces`, :meth:`decode_flat`) rather than FP32 values."""
         return self._by_segment is not None
 
     def encode_pieces(self, flat: torch.Tensor, seeds: list[int | None]
                       ) -> list[list[torch.Tensor]]:
         """Per shard, the pieces whose concatenation is its payload, from the flat FP32
-        vector; shard ``j`` encoded with ``seeds[j]``. Batched: :meth:`encode_shards` of the
-        shard-major vector, or, for a segmentwise codec, one codec call over the flat vector
-        segment by segment whose parts are then put in shard order: bytes are reordered,
-        not FP32 values (no shard-major copy)."""
+        vector; shard ``j`` encoded with ``seeds[j]``. For a segmentwise codec, one codec
+        call over the flat vector, segment by segment (batched: :meth:`Codec.encode_shards`;
+        chunked: the codec's own :meth:`Codec.encode_into` of all segments as one shard, whose
+        parts are cut by segment), its parts then put in shard order: bytes are reordered,
+        not FP32 values (no shard-major copy). Otherwise (batched only)
+        :meth:`encode_shards` of the shard-major vector."""
         n = self.world_size
         if self._by_segment is None:
             parts = self.encode_shards(self.shard_major(flat), list(range(n)), seeds)
@@ -251,9 +260,16 @@ class ShardLayout:
             for j in range(n):
                 bounds.append(bounds[-1] + len(self.parts[j]))
             return [parts[bounds[j] : bounds[j + 1]] for j in range(n)]
-        flat_shards, positions, _ = self._by_segment
+        flat_shards, positions, seg_bytes = self._by_segment
         _check_float(flat)
-        parts = self.codec.encode_shards(flat, flat_shards, [None] * len(flat_shards))
+        if self.batched(flat.device):
+            parts = self.codec.encode_shards(flat, flat_shards, [None] * len(flat_shards))
+        else:
+            segments, part_bytes = self._flat_run
+            payload = flat.new_empty(sum(part_bytes), dtype=torch.uint8)
+            self.codec.encode_into(payload, flat, segments)
+            parts = interleave(*(part.split([b[p] for b in seg_bytes])
+                                 for p, part in enumerate(payload.split(part_bytes))))
         k = len(parts) // len(flat_shards)  # parts per segment
         return [[parts[f * k + p] for p in range(k) for f in positions[j]] for j in range(n)]
 
@@ -261,8 +277,9 @@ class ShardLayout:
                     check: bool = True) -> torch.Tensor | None:
         """When :attr:`segmentwise`: the flat FP32 vector into ``out`` from every shard's
         record of ``records[j]`` bytes (its payload first) back to back in ``buf``, in one
-        codec call over the segments in flat order (the records' parts are cut by segment:
-        no FP32 values reordered). Returns the finite flag (:meth:`decode_shards`)."""
+        codec call over the segments in flat order (the records' parts are cut by segment and,
+        for the chunked kernels, joined into one payload: bytes are reordered, no FP32
+        values). Returns the finite flag (:meth:`decode_shards`)."""
         flat_shards, positions, seg_bytes = self._by_segment
         k = len(seg_bytes[0]) if seg_bytes else 0
         sizes, where = [], [0] * (len(flat_shards) * k)  # where: index of each piece in sizes
@@ -273,7 +290,12 @@ class ShardLayout:
                     sizes.append(seg_bytes[f][p])
             sizes.append(record - sum(self.parts[j]))  # the record's rest (side bytes, padding)
         pieces = buf[: sum(records)].split(sizes)
-        return self.codec.decode_shards(out, [pieces[i] for i in where], flat_shards, check)
+        if self.batched(buf.device):
+            return self.codec.decode_shards(out, [pieces[i] for i in where], flat_shards, check)
+        payload = torch.cat([pieces[where[f * k + p]] for p in range(k)
+                             for f in range(len(flat_shards))])
+        finite = self.codec.decode_into(out, payload, self._flat_run[0])
+        return finite if check else None
 
     def encode_into(self, out: torch.Tensor, values: torch.Tensor, shard: int,
                     seed: int | None, overwrite: bool = False) -> None:
