@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run_ranks
 from geofp8 import GeoFP8Config
-from geofp8.codecs import NVFP4Codec, make_codec
+from geofp8.codecs import NVFP4Codec, make_codec, native
 from geofp8.codecs.fp4 import E2M1_VALUES, e2m1_encode, e2m1_round, e2m1_values
 from geofp8.codecs.mx import e8m0_scales, e8m0_values
 from geofp8.comm import ShardLayout, decode, encode, exact_allreduce, simulate_exact_allreduce
@@ -419,7 +419,8 @@ def test_replicas_bit_identical_after_20_steps_with_every_block_method():
 def test_encoding_in_place_gives_the_same_payload(fmt, rounding):
     """``overwrite=True`` divides ``x`` by its block scales in place instead of into new
     pieces: the same payload byte for byte (two segments, a short last block, an Inf, more
-    than one piece of the encoder), and ``x`` is used up."""
+    than one piece of the encoder), and ``x`` is used up (the CPU's native NVFP4 kernel,
+    round to nearest, never writes it)."""
     codec = make_codec(fmt, rounding=rounding)
     numel = (1 << 17) + 37
     segments = [codec.groups((1000,)), codec.groups((numel - 1000,))]
@@ -431,4 +432,5 @@ def test_encoding_in_place_gives_the_same_payload(fmt, rounding):
     got, work = torch.empty_like(expect), x.clone()
     codec.encode_into(got, work, segments, seed=9, overwrite=True)
     assert torch.equal(got, expect)
-    assert not torch.equal(work.nan_to_num(), x.nan_to_num())
+    native_kernel = fmt == "nvfp4" and rounding == "nearest" and native.kernels() is not None
+    assert torch.equal(work.nan_to_num(), x.nan_to_num()) == native_kernel

@@ -1,10 +1,11 @@
-"""The CPU's native E4M3 kernels: bit for bit torch's conversion and product, the same
-bytes through the codec and the stages as torch's ops, refused bounds, a failed build."""
+"""The CPU's native kernels (E4M3; NVFP4's E2M1): bit for bit torch's conversion, rounding
+and products, the same bytes through the codecs and the stages as torch's ops, refused
+bounds, a failed build."""
 
 import pytest
 import torch
 
-from geofp8.codecs import FP8Codec, native
+from geofp8.codecs import FP8Codec, NVFP4Codec, fp4, native
 from geofp8.comm import ShardLayout
 from geofp8.comm.stages import decode_gathered, decode_sum, encode, encode_reduced, rounding_error
 
@@ -25,11 +26,11 @@ def _every_rounding_case() -> torch.Tensor:
 def test_encode_is_torchs_conversion_of_the_quotient():
     x = _every_rounding_case()
     got = torch.empty(x.numel(), dtype=torch.uint8)
-    native.encode(got, x, torch.ones(1), (x.numel(),))
+    native.e4m3_encode(got, x, torch.ones(1), (x.numel(),))
     assert torch.equal(got, x.to(torch.float8_e4m3fn).view(torch.uint8))
     lengths = (x.numel() // 3, 1, x.numel() - x.numel() // 3 - 1)
     scales = torch.tensor([3.7e-3, 0.0, 2.5e30])  # a zero scale: x / 0 is ±Inf or NaN
-    native.encode(got, x, scales, lengths)
+    native.e4m3_encode(got, x, scales, lengths)
     per_element = torch.repeat_interleave(scales, torch.tensor(lengths))
     assert torch.equal(got, (x / per_element).to(torch.float8_e4m3fn).view(torch.uint8))
 
@@ -41,7 +42,7 @@ def test_decode_is_torchs_product(with_minus):
     scales = torch.tensor([0.37, float("inf"), 1e-30])
     minus = torch.randn(codes.numel()) if with_minus else None
     out = torch.empty(codes.numel())
-    native.decode(out, codes, scales, lengths, minus)
+    native.e4m3_decode(out, codes, scales, lengths, minus)
     want = codes.view(torch.float8_e4m3fn).float() * torch.repeat_interleave(
         scales, torch.tensor(lengths))
     if with_minus:
@@ -50,16 +51,72 @@ def test_decode_is_torchs_product(with_minus):
     assert torch.equal(out.nan_to_num().view(torch.int32), want.nan_to_num().view(torch.int32))
 
 
+def test_e2m1_encode_is_the_grid_rounding():
+    """Every rounding case (ties at 0.25 … 5, saturation above 6, NaN a signed zero) as
+    :func:`geofp8.codecs.fp4.e2m1_encode` rounds it, and the quotient by each group's
+    divisor as torch divides."""
+    x = _every_rounding_case()
+    n = x.numel()
+    got = torch.empty(n, dtype=torch.uint8)
+    native.e2m1_encode(got, x, torch.ones(1), [(0, 0, 1, n)])
+    assert torch.equal(got, fp4.e2m1_encode(x))
+    x = x[: 16 * 1000 + 3]  # groups of 16, a short last one
+    divisor = torch.rand(1001, generator=torch.Generator().manual_seed(0)) * 1e3
+    got = torch.empty(x.numel(), dtype=torch.uint8)
+    native.e2m1_encode(got, x, divisor, [(0, 0, 1000, 16), (16000, 1000, 1, 3)])
+    per_element = torch.repeat_interleave(divisor, torch.tensor([16] * 1000 + [3]))
+    assert torch.equal(got, fp4.e2m1_encode((x / per_element).contiguous()))
+
+
+@pytest.mark.parametrize("numel", [255, 256])
+def test_nibbles_are_packed_and_decoded_as_torch_does(numel):
+    """Packing (an odd count: a last byte alone) and the decode of groups starting and
+    ending in either nibble: ``value · scale_g`` as torch unpacks and scales."""
+    codes = torch.arange(numel, dtype=torch.int64).remainder(16).to(torch.uint8)
+    got, want = (torch.empty((numel + 1) // 2, dtype=torch.uint8) for _ in range(2))
+    native.pack_nibbles(codes, got)
+    fp4.pack_nibbles(codes, want)
+    assert torch.equal(got, want)
+    runs = [(0, 0, 1, 5), (5, 1, 14, 16), (229, 15, 1, numel - 229)]
+    scales = torch.tensor([0.3, *torch.logspace(-20, 20, 14).tolist(), float("inf")])
+    out = torch.empty(numel)
+    native.e2m1_decode(out, got, scales, runs)
+    lengths = torch.tensor([5] + [16] * 14 + [numel - 229])
+    expect = fp4.e2m1_values(codes.long()) * torch.repeat_interleave(scales, lengths)
+    assert torch.equal(out.isnan(), expect.isnan())
+    assert torch.equal(out.nan_to_num().view(torch.int32), expect.nan_to_num().view(torch.int32))
+
+
+def test_runs_amax_is_the_block_amax(monkeypatch):
+    """Every group's largest magnitude as torch's ops take it (exact), ``+Inf`` once the
+    codec's policy is applied for a group holding NaN or ±Inf; ``-0`` groups give 0."""
+    x = torch.randn(16 * 50 + 7, generator=torch.Generator().manual_seed(2)) * 1e3
+    x[3], x[20], x[40] = float("nan"), float("-inf"), float("inf")
+    x[55:71] = -0.0  # group 4
+    blocks = fp4.blocks_of([[7] + [16] * 50])
+    got = fp4.block_amax(x, blocks)
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    want = fp4.block_amax(x, blocks)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert (got[[0, 1, 3]] == float("inf")).all() and got[4] == 0 and not got.isnan().any()
+
+
 def test_out_of_bounds_arguments_are_refused():
     x, codes = torch.randn(10), torch.empty(10, dtype=torch.uint8)
     with pytest.raises(ValueError, match="elements"):
-        native.encode(codes, x, torch.ones(2), (5, 6))
+        native.e4m3_encode(codes, x, torch.ones(2), (5, 6))
     with pytest.raises(ValueError, match="scale per group"):
-        native.encode(codes, x, torch.ones(3), (5, 5))
+        native.e4m3_encode(codes, x, torch.ones(3), (5, 5))
     with pytest.raises(ValueError, match="contiguous"):
-        native.decode(torch.empty(20)[::2], codes, torch.ones(1), (10,))
+        native.e4m3_decode(torch.empty(20)[::2], codes, torch.ones(1), (10,))
     with pytest.raises(ValueError, match="FP32"):
-        native.decode(torch.empty(10, dtype=torch.float64), codes, torch.ones(1), (10,))
+        native.e4m3_decode(torch.empty(10, dtype=torch.float64), codes, torch.ones(1), (10,))
+    with pytest.raises(ValueError, match="tile"):
+        native.e2m1_encode(codes, x, torch.ones(2), [(0, 0, 1, 5), (6, 1, 1, 4)])
+    with pytest.raises(ValueError, match="elements"):
+        native.e2m1_encode(codes, x, torch.ones(2), [(0, 0, 2, 16)])
+    with pytest.raises(ValueError, match="packed"):
+        native.e2m1_decode(torch.empty(10), codes[:4], torch.ones(1), [(0, 0, 1, 10)])
 
 
 def _stages(layout, inputs):
@@ -72,12 +129,14 @@ def _stages(layout, inputs):
             gathered, decode_gathered(gathered, layout))
 
 
-@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
-def test_the_stages_give_torchs_bits_with_or_without_the_native_kernels(monkeypatch, scaling):
+@pytest.mark.parametrize("codec", [FP8Codec("e4m3", "tensor"), FP8Codec("e4m3", "row"),
+                                   FP8Codec("e4m3", "block", 32), NVFP4Codec()],
+                         ids=["tensor", "row", "block", "nvfp4"])
+def test_the_stages_give_torchs_bits_with_or_without_the_native_kernels(monkeypatch, codec):
     """A real bucket's layout (unequal tensors, several shards, irregular groups at N = 3):
     the same bytes and values whether the codec runs the native kernels or torch's ops."""
     shapes, n = [(37, 11), (3,), (64, 16), (5, 300)], 3
-    layout = ShardLayout.build(shapes, FP8Codec("e4m3", scaling, 32), n, kernels="chunked")
+    layout = ShardLayout.build(shapes, codec, n, kernels="chunked")
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(layout.numel, generator=g) * torch.logspace(-3, 3, layout.numel)
               for _ in range(n)]

@@ -41,6 +41,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from . import native
 from .base import (
     Codec,
     Segments,
@@ -308,6 +309,8 @@ def pieces(blocks: Blocks):
 
 def block_amax(flat: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     """Max ``|x|`` of every group; ``+Inf`` for a group holding NaN or ±Inf."""
+    if native.usable(flat):  # one pass of the CPU's native kernel
+        return _inf_unless_finite(native.runs_amax(flat, blocks.runs, blocks.groups))
     amax = flat.new_empty(blocks.groups)
     for lo, hi, g0, g1, size in pieces(blocks):
         amax[g0:g1] = rows_amax(flat[lo:hi].view(g1 - g0, size))
@@ -389,9 +392,14 @@ class NVFP4Codec(Codec):
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
         u = (segment_uniforms(segments, flat.numel(), seed, flat.device)
              if self.rounding == "stochastic" else None)
-        codes = encode_blocks(flat, divisor, blocks, u, e2m1_encode,
-                              in_place=overwrite)
-        pack_nibbles(codes, out[4 * n_seg + n_groups :])
+        packed = out[4 * n_seg + n_groups :]
+        if u is None and native.usable(flat, packed):  # one pass of the CPU's native kernel
+            codes = torch.empty(flat.numel(), dtype=torch.uint8)
+            native.e2m1_encode(codes, flat, divisor, blocks.runs)
+            native.pack_nibbles(codes, packed)
+            return
+        pack_nibbles(encode_blocks(flat, divisor, blocks, u, e2m1_encode, in_place=overwrite),
+                     packed)
 
     def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
                     segments: Segments) -> torch.Tensor:
@@ -406,8 +414,12 @@ class NVFP4Codec(Codec):
         code = buf[4 * n_seg : 4 * n_seg + n_groups]
         counts = device_lengths(tuple(len(seg) for seg in segments), buf.device)
         scale = e4m3_values(code).mul_(torch.repeat_interleave(s, counts, output_size=n_groups))
-        unpack_into(out[:n], buf[4 * n_seg + n_groups :])
-        scale_blocks(out, scale, blocks)
+        packed = buf[4 * n_seg + n_groups :]
+        if native.usable(out, packed):  # one pass of the CPU's native kernel
+            native.e2m1_decode(out[:n], packed, scale, blocks.runs)
+        else:
+            unpack_into(out[:n], packed)
+            scale_blocks(out, scale, blocks)
         return finite_flag(scale)
 
     def encode_shards(self, x: torch.Tensor, shards: Shards, seeds) -> list[torch.Tensor]:

@@ -388,8 +388,8 @@ def _encode_into(codes: torch.Tensor, flat: torch.Tensor, scales: torch.Tensor,
     may be lost): many irregular groups are divided by a per-element divisor, a few of
     different lengths each by its scale in one op, both in ``flat``, then cast at once.
     E4M3 on a CPU: one pass of the native kernel (:mod:`.native`) where it is built."""
-    if codes.dtype == torch.float8_e4m3fn and _native(codes, flat):
-        native.encode(codes, flat, scales, tuple(lengths))
+    if codes.dtype == torch.float8_e4m3fn and native.usable(codes, flat):
+        native.e4m3_encode(codes, flat, scales, tuple(lengths))
         return
     if info.irregular:
         per_element = _per_element(scales, lengths, flat.numel())
@@ -404,13 +404,6 @@ def _encode_into(codes: torch.Tensor, flat: torch.Tensor, scales: torch.Tensor,
             torch.div(flat[lo:hi].view(rows, -1), s, out=codes[lo:hi].view(rows, -1))
         else:
             torch.div(flat[lo:hi], s, out=codes[lo:hi])
-
-
-def _native(codes: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether the native E4M3 kernels take these (contiguous CPU) tensors."""
-    return (codes.device.type == "cpu" and codes.element_size() == 1
-            and values.dtype == torch.float32 and codes.is_contiguous()
-            and values.is_contiguous() and native.kernels() is not None)
 
 
 @functools.cache
@@ -469,8 +462,8 @@ def _decode_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     in one pass).
     """
     u8 = codes.view(torch.uint8)
-    if fmt == "e4m3" and _native(u8, out):
-        native.decode(out, u8, scales, tuple(lengths))
+    if fmt == "e4m3" and native.usable(u8, out):
+        native.e4m3_decode(out, u8, scales, tuple(lengths))
         return
     table = e4m3_table(codes.device) if fmt == "e4m3" and codes.device.type == "cpu" else None
     typed = codes.view(FP8_FORMATS[fmt])
