@@ -3,8 +3,7 @@
  *
  * encode: codes[i] = e4m3(x[i] / s_g), the IEEE FP32 quotient converted as torch 2.13's c10
  *         converts (round to nearest even; overflow and Inf saturate at 0x7E = 448; NaN is 0x7F);
- * decode: out[i] = value(codes[i]) * s_g (the FP32 product of torch's value of the byte), or
- *         minus[i] - value(codes[i]) * s_g when `minus` is given.
+ * decode: out[i] = value(codes[i]) * s_g (the FP32 product of torch's value of the byte).
  *
  * Group g holds lengths[g] consecutive elements. Compiled without -ffast-math: the division and
  * the product must stay IEEE operations, not a reciprocal or a fused multiply-add.
@@ -71,18 +70,12 @@ static inline float value_of(uint8_t c) {
 }
 
 void geofp8_e4m3_decode(const uint8_t *codes, float *out, const int64_t *lengths,
-                        const float *scales, int64_t groups, const float *minus) {
+                        const float *scales, int64_t groups) {
     for (int64_t g = 0; g < groups; g++) {
         const float s = scales[g];
         const int64_t n = lengths[g];
-        if (minus) {
-            for (int64_t i = 0; i < n; i++)
-                out[i] = minus[i] - value_of(codes[i]) * s;
-            minus += n;
-        } else {
-            for (int64_t i = 0; i < n; i++)
-                out[i] = value_of(codes[i]) * s;
-        }
+        for (int64_t i = 0; i < n; i++)
+            out[i] = value_of(codes[i]) * s;
         codes += n;
         out += n;
     }

@@ -101,7 +101,7 @@ def kernels() -> ctypes.CDLL | None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.geofp8_e4m3_encode.argtypes = [p, p, p, p, i64]
-    lib.geofp8_e4m3_decode.argtypes = [p, p, p, p, i64, p]
+    lib.geofp8_e4m3_decode.argtypes = [p, p, p, p, i64]
     lib.geofp8_e2m1_encode.argtypes = lib.geofp8_e2m1_decode.argtypes = [p, p, p, p, i64]
     lib.geofp8_pack_nibbles.argtypes = [p, p, i64]
     lib.geofp8_runs_amax.argtypes = [p, p, p, i64]
@@ -150,16 +150,14 @@ def e4m3_encode(codes: torch.Tensor, x: torch.Tensor, scales: torch.Tensor,
 
 
 def e4m3_decode(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-           lengths: tuple[int, ...], minus: torch.Tensor | None = None) -> None:
-    """``out[i] = value(codes[i]) · scales[g]`` (or ``minus[i] −`` that) for the groups of
-    ``lengths``, ``value``: torch's FP32 value of the E4M3 byte."""
-    extra = () if minus is None else (minus,)
-    if any(t.dtype != torch.float32 for t in (out, *extra)) or codes.element_size() != 1:
+                lengths: tuple[int, ...]) -> None:
+    """``out[i] = value(codes[i]) · scales[g]`` for the groups of ``lengths``, ``value``:
+    torch's FP32 value of the E4M3 byte."""
+    if out.dtype != torch.float32 or codes.element_size() != 1:
         raise ValueError("the native decode takes FP32 values and one-byte codes")
-    n = _checked(lengths, scales, out, codes, *extra)
+    n = _checked(lengths, scales, out, codes)
     kernels().geofp8_e4m3_decode(codes.data_ptr(), out.data_ptr(), n.data_ptr(),
-                                 scales.data_ptr(), n.numel(),
-                                 None if minus is None else minus.data_ptr())
+                                 scales.data_ptr(), n.numel())
 
 
 def _runs(runs: list[tuple[int, int, int, int]], groups: int, numel: int, scales: torch.Tensor,
