@@ -60,7 +60,7 @@ void geofp8_e4m3_encode(const float *x, uint8_t *codes, const int64_t *lengths,
 /* torch's FP32 value of an E4M3 byte, branch-free: a normal code's bits under an exponent
  * rebiased by 120, a subnormal one (exponent 0) is its mantissa times 2^-9 (both exact),
  * S.1111.111 is NaN (0x7FF00000 and the sign, the bits c10 gives). */
-static inline float value_of(uint8_t c) {
+static inline float e4m3_value(uint8_t c) {
     uint32_t m = c & UINT32_C(0x7F);
     uint32_t normal = (m << 20) + (UINT32_C(120) << 23);
     uint32_t subnormal = bits_of((float)(int32_t)(m & 7u) * 0x1p-9f);
@@ -75,7 +75,7 @@ void geofp8_e4m3_decode(const uint8_t *codes, float *out, const int64_t *lengths
         const float s = scales[g];
         const int64_t n = lengths[g];
         for (int64_t i = 0; i < n; i++)
-            out[i] = value_of(codes[i]) * s;
+            out[i] = e4m3_value(codes[i]) * s;
         codes += n;
         out += n;
     }
