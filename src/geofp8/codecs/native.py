@@ -111,10 +111,18 @@ def kernels() -> ctypes.CDLL | None:
     return lib
 
 
+def _on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def _require_cpu(*tensors: torch.Tensor) -> None:
+    if not _on_cpu(*tensors):
+        raise ValueError("the native kernels take contiguous CPU tensors")
+
+
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the kernels are built and take these tensors (contiguous, on the CPU)."""
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and (
-        kernels() is not None)
+    return _on_cpu(*tensors) and kernels() is not None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -129,9 +137,7 @@ def _checked(lengths: tuple[int, ...], scales: torch.Tensor, *tensors: torch.Ten
     lengths_t, total = _lengths(tuple(lengths))
     if scales.dtype != torch.float32 or scales.numel() != len(lengths):
         raise ValueError("the native kernels take one FP32 scale per group")
-    for t in (scales, *tensors):
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("the native kernels take contiguous CPU tensors")
+    _require_cpu(scales, *tensors)
     for t in tensors:
         if t.numel() != total:
             raise ValueError(f"the groups hold {total} elements, a tensor {t.numel()}")
@@ -139,7 +145,7 @@ def _checked(lengths: tuple[int, ...], scales: torch.Tensor, *tensors: torch.Ten
 
 
 def e4m3_encode(codes: torch.Tensor, x: torch.Tensor, scales: torch.Tensor,
-           lengths: tuple[int, ...]) -> None:
+                lengths: tuple[int, ...]) -> None:
     """``codes[i] = e4m3(x[i] / scales[g])`` for the FP32 ``x`` cut into groups of
     ``lengths`` (``codes``: one byte per element, uint8 or ``float8_e4m3fn``)."""
     if x.dtype != torch.float32 or codes.element_size() != 1:
@@ -172,9 +178,7 @@ def _runs(runs: list[tuple[int, int, int, int]], groups: int, numel: int, scales
     if (lo, g) != (numel, groups) or scales.numel() != groups or scales.dtype != torch.float32:
         raise ValueError(f"the runs hold {lo} elements in {g} groups; {numel} elements and "
                          f"{scales.numel()} FP32 scales were given")
-    for t in (scales, *tensors):
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("the native kernels take contiguous CPU tensors")
+    _require_cpu(scales, *tensors)
     return torch.tensor(runs, dtype=torch.int64).reshape(-1, 4)
 
 
@@ -194,9 +198,7 @@ def pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
     if codes.dtype != torch.uint8 or out.dtype != torch.uint8 or \
             out.numel() != (codes.numel() + 1) // 2:
         raise ValueError("pack_nibbles takes n uint8 codes and ⌈n/2⌉ bytes")
-    for t in (codes, out):
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("the native kernels take contiguous CPU tensors")
+    _require_cpu(codes, out)
     kernels().geofp8_pack_nibbles(codes.data_ptr(), out.data_ptr(), codes.numel())
 
 
