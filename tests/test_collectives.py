@@ -466,19 +466,30 @@ class _Fp32Cats(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize(("fmt", "scaling", "rounding", "segmentwise"),
-                         [("e4m3", "tensor", "nearest", True), ("e5m2", "block", "nearest", True),
-                          ("mxfp8", None, "nearest", True), ("mxfp8", None, "stochastic", False),
-                          ("nvfp4", None, "nearest", False), ("mxfp4", None, "nearest", False)])
-def test_a_segmentwise_codec_is_run_in_flat_order(fmt, scaling, rounding, segmentwise):
-    """FP8 and MXFP8 (nearest) payloads are per-segment concatenations: the stages, batched
-    or chunked, encode and decode the bucket in its flat order and reorder bytes, never FP32
-    values (the others reorder the bucket into shard-major order or gather shard by shard),
-    with the bytes and values of the codec run shard by shard."""
+ODD = [(37, 11), (3,), (64, 16)]  # at N = 3, segments of odd lengths
+EVEN = [(36, 12), (6,), (64, 16)]
+
+
+@pytest.mark.parametrize(("fmt", "scaling", "rounding", "shapes", "segmentwise"),
+                         [("e4m3", "tensor", "nearest", ODD, True),
+                          ("e5m2", "block", "nearest", ODD, True),
+                          ("mxfp8", None, "nearest", ODD, True),
+                          ("mxfp8", None, "stochastic", ODD, False),
+                          ("nvfp4", None, "nearest", ODD, False),
+                          ("nvfp4", None, "nearest", EVEN, True),
+                          ("nvfp4", None, "stochastic", EVEN, False),
+                          ("mxfp4", None, "nearest", ODD, False),
+                          ("mxfp4", None, "nearest", EVEN, True)])
+def test_a_segmentwise_codec_is_run_in_flat_order(fmt, scaling, rounding, shapes, segmentwise):
+    """FP8, MXFP8 and (segments of even lengths: whole bytes of nibbles) NVFP4 / MXFP4 payloads
+    with nearest rounding are per-segment concatenations: the stages, batched or chunked,
+    encode and decode the bucket in its flat order and reorder bytes, never FP32 values (the
+    others reorder the bucket into shard-major order or gather shard by shard), with the bytes
+    and values of the codec run shard by shard."""
     from geofp8.codecs import make_codec
     from geofp8.codecs.base import mix_seed
 
-    shapes, n = [(37, 11), (3,), (64, 16)], 3
+    n = 3
     codec = make_codec(fmt, scaling, 8, rounding)
     layouts = {k: ShardLayout.build(shapes, codec, n, kernels=k) for k in ("batched", "chunked")}
     layout = layouts["chunked"]

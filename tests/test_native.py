@@ -47,36 +47,43 @@ def test_decode_is_torchs_product():
     assert torch.equal(out.nan_to_num().view(torch.int32), want.nan_to_num().view(torch.int32))
 
 
+def _e2m1_packed(x: torch.Tensor, divisor: torch.Tensor, runs) -> torch.Tensor:
+    packed = torch.empty((x.numel() + 1) // 2, dtype=torch.uint8)
+    native.e2m1_encode(packed, x, divisor, runs)
+    return packed
+
+
+def _torch_packed(codes: torch.Tensor) -> torch.Tensor:
+    packed = torch.empty((codes.numel() + 1) // 2, dtype=torch.uint8)
+    fp4.pack_nibbles(codes, packed)
+    return packed
+
+
 def test_e2m1_encode_is_the_grid_rounding():
     """Every rounding case (ties at 0.25 … 5, saturation above 6, NaN a signed zero) as
     :func:`geofp8.codecs.fp4.e2m1_encode` rounds it, and the quotient by each group's
-    divisor as torch divides."""
+    divisor as torch divides, packed two per byte as :func:`fp4.pack_nibbles` packs (an odd
+    count: a last byte alone)."""
     x = _every_rounding_case()
     n = x.numel()
-    got = torch.empty(n, dtype=torch.uint8)
-    native.e2m1_encode(got, x, torch.ones(1), [(0, 0, 1, n)])
-    assert torch.equal(got, fp4.e2m1_encode(x))
+    got = _e2m1_packed(x, torch.ones(1), [(0, 0, 1, n)])
+    assert torch.equal(got, _torch_packed(fp4.e2m1_encode(x)))
     x = x[: 16 * 1000 + 3]  # groups of 16, a short last one
     divisor = torch.rand(1001, generator=torch.Generator().manual_seed(0)) * 1e3
-    got = torch.empty(x.numel(), dtype=torch.uint8)
-    native.e2m1_encode(got, x, divisor, [(0, 0, 1000, 16), (16000, 1000, 1, 3)])
+    got = _e2m1_packed(x, divisor, [(0, 0, 1000, 16), (16000, 1000, 1, 3)])
     per_element = torch.repeat_interleave(divisor, torch.tensor([16] * 1000 + [3]))
-    assert torch.equal(got, fp4.e2m1_encode((x / per_element).contiguous()))
+    assert torch.equal(got, _torch_packed(fp4.e2m1_encode((x / per_element).contiguous())))
 
 
 @pytest.mark.parametrize("numel", [255, 256])
-def test_nibbles_are_packed_and_decoded_as_torch_does(numel):
-    """Packing (an odd count: a last byte alone) and the decode of groups starting and
-    ending in either nibble: ``value · scale_g`` as torch unpacks and scales."""
+def test_nibbles_are_decoded_as_torch_does(numel):
+    """The decode of groups starting and ending in either nibble: ``value · scale_g`` as
+    torch unpacks and scales."""
     codes = torch.arange(numel, dtype=torch.int64).remainder(16).to(torch.uint8)
-    got, want = (torch.empty((numel + 1) // 2, dtype=torch.uint8) for _ in range(2))
-    native.pack_nibbles(codes, got)
-    fp4.pack_nibbles(codes, want)
-    assert torch.equal(got, want)
     runs = [(0, 0, 1, 5), (5, 1, 14, 16), (229, 15, 1, numel - 229)]
     scales = torch.tensor([0.3, *torch.logspace(-20, 20, 14).tolist(), float("inf")])
     out = torch.empty(numel)
-    native.e2m1_decode(out, got, scales, runs)
+    native.e2m1_decode(out, _torch_packed(codes), scales, runs)
     lengths = torch.tensor([5] + [16] * 14 + [numel - 229])
     expect = fp4.e2m1_values(codes.long()) * torch.repeat_interleave(scales, lengths)
     assert torch.equal(out.isnan(), expect.isnan())
@@ -97,20 +104,81 @@ def test_runs_amax_is_the_block_amax(monkeypatch):
     assert (got[[0, 1, 3]] == float("inf")).all() and got[4] == 0 and not got.isnan().any()
 
 
+def _assert_same_bits(got, want):
+    """Tensor by tensor the same bits (a NaN's payload aside)."""
+    for a, b in zip(got, want, strict=True):
+        if a.is_floating_point():
+            assert torch.equal(a.isnan(), b.isnan())
+            a, b = a.nan_to_num().view(torch.uint8), b.nan_to_num().view(torch.uint8)
+        assert torch.equal(a, b)
+
+
+def test_nvfp4_block_scales_are_torchs(monkeypatch):
+    """Segment and block scales, codes and values from blocks' amaxes of every magnitude
+    (0, subnormal, huge, +Inf: non-finite) as torch's ops compute them; a segment of only
+    non-finite blocks gets the smallest scale."""
+    g = torch.Generator().manual_seed(4)
+    amax = torch.rand(3000, generator=g) * torch.logspace(-44, 38, 3000)
+    amax[::7], amax[5::11] = 0.0, float("inf")
+    amax[2990:] = float("inf")
+    segments = [[16] * 1000, [16] * 1, [16] * 1989, [16] * 10]
+    codec = NVFP4Codec()
+    got = codec._scales(amax, segments)
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    want = codec._scales(amax, segments)
+    _assert_same_bits(got, want)
+    assert got[0][-1] == 2.0**-149
+
+
+def test_a_call_split_across_threads_gives_the_same_bytes(monkeypatch):
+    """Ranges cut at 64-element multiples (inside groups of every kernel but the amax, whose
+    cuts move to group starts) give the bytes of one thread's call."""
+    g = torch.Generator().manual_seed(3)
+    segments = [[5] + [16] * 40 + [9], [16] * 13, [3, 16, 16, 1]]
+    blocks = fp4.blocks_of(segments)
+    lengths = tuple(n for seg in segments for n in seg)
+    x = torch.randn(blocks.numel, generator=g) * torch.logspace(-4, 4, blocks.numel)
+    scales = torch.rand(blocks.groups, generator=g) + 0.01
+
+    def every_kernel():
+        codes, values = torch.empty(x.numel(), dtype=torch.uint8), torch.empty(x.numel())
+        native.e4m3_encode(codes, x, scales, lengths)
+        native.e4m3_decode(values, codes, scales, lengths)
+        packed = _e2m1_packed(x, scales, blocks.runs)
+        nibbles = torch.empty(x.numel())
+        native.e2m1_decode(nibbles, packed, scales, blocks.runs)
+        return codes, values, packed, nibbles, native.runs_amax(x, blocks.runs, blocks.groups)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = every_kernel()
+        torch.set_num_threads(7)
+        monkeypatch.setattr(native, "PARALLEL_MIN", 100)
+        assert len(native._cuts(x.numel())) == 8 and len(native._cuts(x.numel(), blocks.runs)) == 8
+        split = every_kernel()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(alone, split):
+        assert torch.equal(a, b)
+
+
 def test_out_of_bounds_arguments_are_refused():
     x, codes = torch.randn(10), torch.empty(10, dtype=torch.uint8)
     with pytest.raises(ValueError, match="elements"):
         native.e4m3_encode(codes, x, torch.ones(2), (5, 6))
-    with pytest.raises(ValueError, match="scale per group"):
+    with pytest.raises(ValueError, match="3 FP32 scales"):
         native.e4m3_encode(codes, x, torch.ones(3), (5, 5))
     with pytest.raises(ValueError, match="contiguous"):
         native.e4m3_decode(torch.empty(20)[::2], codes, torch.ones(1), (10,))
     with pytest.raises(ValueError, match="FP32"):
         native.e4m3_decode(torch.empty(10, dtype=torch.float64), codes, torch.ones(1), (10,))
     with pytest.raises(ValueError, match="tile"):
-        native.e2m1_encode(codes, x, torch.ones(2), [(0, 0, 1, 5), (6, 1, 1, 4)])
+        native.e2m1_encode(codes[:5], x, torch.ones(2), [(0, 0, 1, 5), (6, 1, 1, 4)])
     with pytest.raises(ValueError, match="elements"):
-        native.e2m1_encode(codes, x, torch.ones(2), [(0, 0, 2, 16)])
+        native.e2m1_encode(codes[:5], x, torch.ones(2), [(0, 0, 2, 16)])
+    with pytest.raises(ValueError, match="packed"):
+        native.e2m1_encode(codes, x, torch.ones(1), [(0, 0, 1, 10)])
     with pytest.raises(ValueError, match="packed"):
         native.e2m1_decode(torch.empty(10), codes[:4], torch.ones(1), [(0, 0, 1, 10)])
 
@@ -142,10 +210,7 @@ def test_the_stages_give_torchs_bits_with_or_without_the_native_kernels(monkeypa
         if kind == "torch":
             monkeypatch.setattr(native, "kernels", lambda: None)
         results[kind] = _stages(layout, inputs)
-    for a, b in zip(results["native"], results["torch"]):
-        assert torch.equal(a.isnan(), b.isnan()) if a.is_floating_point() else True
-        assert torch.equal(a.nan_to_num().view(torch.uint8) if a.is_floating_point() else a,
-                           b.nan_to_num().view(torch.uint8) if b.is_floating_point() else b)
+    _assert_same_bits(results["native"], results["torch"])
 
 
 def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path):

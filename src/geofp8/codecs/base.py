@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["Codec", "Segments", "Shards", "device_lengths", "exact_div", "finite_flag",
-           "group_amax", "group_div", "group_fp8", "group_mul_", "interleave", "mix_seed",
-           "rows_amax", "segment_amax", "shard_lengths"]
+           "group_amax", "group_div", "group_fp8", "group_mul_", "group_runs", "interleave",
+           "mix_seed", "rows_amax", "segment_amax", "shard_lengths"]
 
 Segments = Sequence[Sequence[int]]  # per segment of a shard: its scale-group lengths
 Shards = Sequence[Segments]  # several shards, one after the other
@@ -41,6 +41,37 @@ def mix_seed(*values: int) -> int:
         h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
         h ^= h >> 29
     return h >> 1
+
+
+def group_runs(segments: Segments) -> list[tuple[int, int, int, int]]:
+    """``(first element, first group, groups, group length)`` of every run of equal-length
+    groups: a segment's groups are ``[head?, b, …, b, tail?]`` (a tensor's blocks cut at the
+    shard boundaries), so a shard has at most three runs per segment."""
+    runs: list[tuple[int, int, int, int]] = []
+    lo = g = 0
+
+    def add(count: int, size: int) -> None:
+        nonlocal lo, g
+        if runs and runs[-1][3] == size and runs[-1][0] + runs[-1][2] * size == lo:
+            first, g0, n, _ = runs[-1]
+            runs[-1] = (first, g0, n + count, size)
+        else:
+            runs.append((lo, g, count, size))
+        lo += count * size
+        g += count
+
+    for seg in segments:
+        k = len(seg)
+        body = seg[1] if k > 2 else None
+        # the body is uniform: one C-speed count over the segment, no copy of it
+        if k > 2 and seg.count(body) - (seg[0] == body) - (seg[-1] == body) == k - 2:
+            add(1, seg[0])
+            add(k - 2, body)
+            add(1, seg[-1])
+        else:
+            for n in seg:
+                add(1, n)
+    return runs
 
 
 @functools.lru_cache(maxsize=1024)
@@ -172,12 +203,12 @@ class Codec(ABC):
     format: str
     block_size: int  # elements per scale block (FP8: of scaling="block"; the rht block)
 
-    @property
-    def segmentwise(self) -> bool:
-        """Whether a shard's payload is, part by part, the concatenation of what each of its
-        segments encodes to alone (no scale, packed byte or random stream shared by two
-        segments). Then a layout encodes and decodes a whole bucket in its flat order and
-        reorders bytes rather than FP32 values (:meth:`ShardLayout.encode_pieces`)."""
+    def segmentwise(self, lengths: Sequence[int]) -> bool:
+        """Whether a shard whose segments hold ``lengths`` elements has, part by part, the
+        payload of each segment encoded alone, back to back (no scale, packed byte or random
+        stream shared by two segments). Then a layout encodes and decodes a whole bucket in
+        its flat order and reorders bytes rather than FP32 values
+        (:meth:`ShardLayout.encode_pieces`)."""
         return False
 
     @abstractmethod

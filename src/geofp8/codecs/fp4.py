@@ -36,6 +36,7 @@ encodes the same values with the same seed gets the same codes.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -52,6 +53,7 @@ from .base import (
     group_amax,
     group_div,
     group_mul_,
+    group_runs,
     interleave,
     mix_seed,
     rows_amax,
@@ -245,56 +247,42 @@ def _check_input(x: torch.Tensor, numel: int) -> torch.Tensor:
     return x.reshape(-1).float()
 
 
+def whole_bytes(lengths: Sequence[int]) -> bool:
+    """Whether segments of ``lengths`` elements each pack into whole bytes of two nibbles
+    (each segment's nibbles then start a byte: a run of them packs as they do one by one)."""
+    return all(n % 2 == 0 for n in lengths)
+
+
 CHUNK = 1 << 16  # elements per kernel piece: the temporaries of a piece stay in cache
 
 
-def block_runs(segments: Segments) -> list[tuple[int, int, int, int]]:
-    """``(first element, first group, groups, group length)`` of every run of equal-length
-    groups: a segment's groups are ``[head?, b, …, b, tail?]`` (a tensor's blocks cut at the
-    shard boundaries), so a shard has at most three runs per segment."""
-    runs: list[tuple[int, int, int, int]] = []
-    lo = g = 0
-
-    def add(count: int, size: int) -> None:
-        nonlocal lo, g
-        if runs and runs[-1][3] == size and runs[-1][0] + runs[-1][2] * size == lo:
-            first, g0, n, _ = runs[-1]
-            runs[-1] = (first, g0, n + count, size)
-        else:
-            runs.append((lo, g, count, size))
-        lo += count * size
-        g += count
-
-    for seg in segments:
-        k = len(seg)
-        body = seg[1] if k > 2 else None
-        # the body is uniform: one C-speed count over the segment, no copy of it
-        if k > 2 and seg.count(body) - (seg[0] == body) - (seg[-1] == body) == k - 2:
-            add(1, seg[0])
-            add(k - 2, body)
-            add(1, seg[-1])
-        else:
-            for n in seg:
-                add(1, n)
-    return runs
-
-
 class Blocks(NamedTuple):
-    """A shard's scale groups as runs of equal length (:func:`block_runs`) and their totals,
-    found once per codec call: an NVFP4 shard has a group per 16 elements, and a walk over
-    their lengths in Python costs milliseconds per bucket."""
+    """A shard's scale groups as runs of equal length (:func:`~.base.group_runs`) and their
+    totals, found once per codec call: an NVFP4 shard has a group per 16 elements, and a walk
+    over their lengths in Python costs milliseconds per bucket."""
 
     runs: list[tuple[int, int, int, int]]
     groups: int
     numel: int
 
 
+_BLOCKS: dict[int, tuple[Segments, Blocks]] = {}  # id(segments) -> (segments, their blocks)
+
+
 def blocks_of(segments: Segments) -> Blocks:
-    runs = block_runs(segments)
-    if not runs:
-        return Blocks(runs, 0, 0)
-    lo, g0, count, size = runs[-1]
-    return Blocks(runs, g0 + count, lo + count * size)
+    """The blocks of ``segments``, remembered for the last 256 tuples of tuples passed (a
+    layout passes the same ones every step; hashing them would cost as much as the walk)."""
+    hit = _BLOCKS.get(id(segments))
+    if hit is not None and hit[0] is segments:
+        return hit[1]
+    runs = group_runs(segments)
+    lo, g0, count, size = runs[-1] if runs else (0, 0, 0, 0)
+    blocks = Blocks(runs, g0 + count, lo + count * size)
+    if isinstance(segments, tuple) and all(type(seg) is tuple for seg in segments):
+        if len(_BLOCKS) >= 256:
+            del _BLOCKS[next(iter(_BLOCKS))]
+        _BLOCKS[id(segments)] = (segments, blocks)
+    return blocks
 
 
 def pieces(blocks: Blocks):
@@ -310,7 +298,7 @@ def pieces(blocks: Blocks):
 def block_amax(flat: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     """Max ``|x|`` of every group; ``+Inf`` for a group holding NaN or ±Inf."""
     if native.usable(flat):  # one pass of the CPU's native kernel
-        return _inf_unless_finite(native.runs_amax(flat, blocks.runs, blocks.groups))
+        return native.runs_amax(flat, blocks.runs, blocks.groups)
     amax = flat.new_empty(blocks.groups)
     for lo, hi, g0, g1, size in pieces(blocks):
         amax[g0:g1] = rows_amax(flat[lo:hi].view(g1 - g0, size))
@@ -355,6 +343,10 @@ class NVFP4Codec(Codec):
     def groups(self, shape: tuple[int, ...]) -> list[int]:
         return group_lengths(tuple(shape), "block", NVFP4_BLOCK)
 
+    def segmentwise(self, lengths: Sequence[int]) -> bool:
+        """Nearest rounding (no random stream) and whole bytes of two nibbles per segment."""
+        return self.rounding == "nearest" and whole_bytes(lengths)
+
     def part_bytes(self, segments: Segments) -> tuple[int, int, int]:
         """Segment scales, block scales, packed codes."""
         return self._parts(len(segments), blocks_of(segments))
@@ -365,7 +357,12 @@ class NVFP4Codec(Codec):
 
     def _scales(self, amax: torch.Tensor, segments: Segments) -> tuple[torch.Tensor, ...]:
         """``(segment scales s, block scale codes, block scales β·s per block)``."""
-        counts = device_lengths(tuple(len(seg) for seg in segments), amax.device)
+        blocks = tuple(len(seg) for seg in segments)
+        if native.usable(amax):  # two passes of the CPU's native kernels
+            seg_amax = native.runs_amax(amax, group_runs([blocks]), len(blocks), finite_only=True)
+            s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
+            return (s, *native.nvfp4_scales(amax, s, blocks))
+        counts = device_lengths(blocks, amax.device)
         finite = amax.nan_to_num(posinf=0.0)  # a non-finite block (+Inf) counts as 0
         seg_amax = torch.segment_reduce(finite, "max", lengths=counts, unsafe=True)
         s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
@@ -394,9 +391,7 @@ class NVFP4Codec(Codec):
              if self.rounding == "stochastic" else None)
         packed = out[4 * n_seg + n_groups :]
         if u is None and native.usable(flat, packed):  # one pass of the CPU's native kernel
-            codes = torch.empty(flat.numel(), dtype=torch.uint8)
-            native.e2m1_encode(codes, flat, divisor, blocks.runs)
-            native.pack_nibbles(codes, packed)
+            native.e2m1_encode(packed, flat, divisor, blocks.runs)
             return
         pack_nibbles(encode_blocks(flat, divisor, blocks, u, e2m1_encode, in_place=overwrite),
                      packed)
@@ -412,12 +407,16 @@ class NVFP4Codec(Codec):
             return torch.ones((), dtype=torch.bool, device=buf.device)
         s = buf[: 4 * n_seg].clone().view(torch.float32)
         code = buf[4 * n_seg : 4 * n_seg + n_groups]
-        counts = device_lengths(tuple(len(seg) for seg in segments), buf.device)
-        scale = e4m3_values(code).mul_(torch.repeat_interleave(s, counts, output_size=n_groups))
+        blocks_per_segment = tuple(len(seg) for seg in segments)
         packed = buf[4 * n_seg + n_groups :]
-        if native.usable(out, packed):  # one pass of the CPU's native kernel
+        if native.usable(out, packed):  # one pass of the CPU's native kernels each
+            scale = torch.empty(n_groups, dtype=torch.float32)
+            native.e4m3_decode(scale, code, s, blocks_per_segment)
             native.e2m1_decode(out[:n], packed, scale, blocks.runs)
         else:
+            counts = device_lengths(blocks_per_segment, buf.device)
+            scale = e4m3_values(code).mul_(
+                torch.repeat_interleave(s, counts, output_size=n_groups))
             unpack_into(out[:n], packed)
             scale_blocks(out, scale, blocks)
         return finite_flag(scale)

@@ -23,6 +23,7 @@ four per scale group. The receiver must know
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -104,8 +105,7 @@ class FP8Codec(Codec):
     def dtype(self) -> torch.dtype:
         return FP8_FORMATS[self.format]
 
-    @property
-    def segmentwise(self) -> bool:
+    def segmentwise(self, lengths: Sequence[int]) -> bool:
         return True  # a scale per group (never across segments), a byte per element
 
     @property

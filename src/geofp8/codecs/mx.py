@@ -25,6 +25,7 @@ Bytes per element: ``1/2 + 1/32`` (MXFP4, 0.133× FP32) and ``1 + 1/32`` (MXFP8)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -58,6 +59,7 @@ from .fp4 import (
     shard_uniforms,
     unpack_into,
     unpack_shards,
+    whole_bytes,
 )
 from .fp8 import e4m3_into, group_lengths
 
@@ -112,9 +114,10 @@ class MXCodec(Codec):
     def packed(self) -> bool:
         return self.element == "e2m1"
 
-    @property
-    def segmentwise(self) -> bool:
-        return not self.packed and self.rounding == "nearest"
+    def segmentwise(self, lengths: Sequence[int]) -> bool:
+        """Nearest rounding (no random stream), one byte per code or whole bytes of two
+        nibbles per segment."""
+        return self.rounding == "nearest" and (not self.packed or whole_bytes(lengths))
 
     def groups(self, shape: tuple[int, ...]) -> list[int]:
         return group_lengths(tuple(shape), "block", MX_BLOCK)

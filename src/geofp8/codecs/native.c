@@ -1,12 +1,14 @@
-/* GeoFP8's E4M3 and E2M1 kernels for a CPU: one pass over a run of scale groups, bit for bit what
- * torch's eager ops compute (see geofp8/codecs/native.py, which compiles and loads this file).
+/* GeoFP8's E4M3 and E2M1 kernels for a CPU: one pass over a range of elements, bit for bit what
+ * torch's eager ops compute (see geofp8/codecs/native.py, which compiles and loads this file and
+ * splits a call's elements across threads).
  *
- * encode: codes[i] = e4m3(x[i] / s_g), the IEEE FP32 quotient converted as torch 2.13's c10
- *         converts (round to nearest even; overflow and Inf saturate at 0x7E = 448; NaN is 0x7F);
- * decode: out[i] = value(codes[i]) * s_g (the FP32 product of torch's value of the byte).
+ * Scale groups come as runs of equal groups (geofp8.codecs.base.group_runs): run r of `runs` is
+ * (first element, first group, groups, group length), the runs covering the elements in order.
+ * Every kernel works on the elements [lo, hi) only, so that threads can share a call: the
+ * E2M1 ones need an even `lo`, the amax one whole groups.
  *
- * Group g holds lengths[g] consecutive elements. Compiled without -ffast-math: the division and
- * the product must stay IEEE operations, not a reciprocal or a fused multiply-add.
+ * Compiled without -ffast-math: divisions and products stay IEEE operations, not reciprocals or
+ * fused multiply-adds.
  */
 #include <stdint.h>
 #include <string.h>
@@ -30,6 +32,40 @@ static inline uint32_t select(uint32_t mask, uint32_t a, uint32_t b) {
     return (a & mask) | (b & ~mask);
 }
 
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* A run's groups k0 <= k < k1 that meet the elements [lo, hi). */
+typedef struct {
+    int64_t first, g0, size, k0, k1;
+} run_t;
+
+static inline run_t run_in(const int64_t *run, int64_t lo, int64_t hi) {
+    run_t r = {run[0], run[1], run[3], 0, 0};
+    const int64_t end = r.first + run[2] * r.size;
+    if (r.size > 0 && end > lo && r.first < hi) {
+        r.k0 = lo > r.first ? (lo - r.first) / r.size : 0;
+        r.k1 = hi < end ? (hi - r.first + r.size - 1) / r.size : run[2];
+    }
+    return r;
+}
+
+/* `...` (a block) for every group g meeting [lo, hi), with its elements [a, b) there. */
+#define FOR_EACH_GROUP(runs, n_runs, lo, hi, ...)                                           \
+    for (int64_t q_ = 0; q_ < (n_runs); q_++) {                                             \
+        const run_t r_ = run_in((runs) + 4 * q_, (lo), (hi));                               \
+        for (int64_t k_ = r_.k0; k_ < r_.k1; k_++) {                                        \
+            const int64_t g = r_.g0 + k_, start = r_.first + k_ * r_.size;                  \
+            const int64_t a = max64(start, (lo)), b = min64(start + r_.size, (hi));         \
+            __VA_ARGS__                                                                     \
+        }                                                                                   \
+    }
+
+/* ---- E4M3 (FP8's elements) --------------------------------------------------------------
+ * encode: codes[i] = e4m3(x[i] / s_g), the IEEE FP32 quotient converted as torch 2.13's c10
+ *         converts (round to nearest even; overflow and Inf saturate at 0x7E = 448; NaN is 0x7F);
+ * decode: out[i] = value(codes[i]) * s_g (the FP32 product of torch's value of the byte). */
+
 /* c10's fp8e4m3fn_from_fp32_value, branch-free. */
 static inline uint8_t e4m3_of(float f) {
     const uint32_t denorm = UINT32_C(141) << 23; /* below 2^-6: a magic add rounds */
@@ -45,18 +81,6 @@ static inline uint8_t e4m3_of(float f) {
     return (uint8_t)(code | sign);
 }
 
-void geofp8_e4m3_encode(const float *x, uint8_t *codes, const int64_t *lengths,
-                        const float *scales, int64_t groups) {
-    for (int64_t g = 0; g < groups; g++) {
-        const float s = scales[g];
-        const int64_t n = lengths[g];
-        for (int64_t i = 0; i < n; i++)
-            codes[i] = e4m3_of(x[i] / s);
-        x += n;
-        codes += n;
-    }
-}
-
 /* torch's FP32 value of an E4M3 byte, branch-free: a normal code's bits under an exponent
  * rebiased by 120, a subnormal one (exponent 0) is its mantissa times 2^-9 (both exact),
  * S.1111.111 is NaN (0x7FF00000 and the sign, the bits c10 gives). */
@@ -69,34 +93,42 @@ static inline float e4m3_value(uint8_t c) {
     return float_of(v | ((uint32_t)(c & 0x80u) << 24));
 }
 
-void geofp8_e4m3_decode(const uint8_t *codes, float *out, const int64_t *lengths,
-                        const float *scales, int64_t groups) {
-    for (int64_t g = 0; g < groups; g++) {
+void geofp8_e4m3_encode(const float *restrict x, uint8_t *restrict codes,
+                        const float *restrict scales, const int64_t *runs, int64_t n_runs,
+                        int64_t lo, int64_t hi) {
+    FOR_EACH_GROUP(runs, n_runs, lo, hi, {
         const float s = scales[g];
-        const int64_t n = lengths[g];
-        for (int64_t i = 0; i < n; i++)
-            out[i] = e4m3_value(codes[i]) * s;
-        codes += n;
-        out += n;
-    }
+        for (int64_t i = a; i < b; i++)
+            codes[i] = e4m3_of(x[i] / s);
+    })
 }
 
-/* ---- E2M1 (NVFP4's elements) ------------------------------------------------------------
- * A run r of `runs` is (first element, first group, groups, group length): a shard's groups
- * as runs of equal lengths (geofp8.codecs.fp4.block_runs), covering its elements in order.
- *
- * encode: codes[i] = e2m1(x[i] / divisor_g), one code per byte, as geofp8.codecs.fp4.e2m1_encode
- *         rounds: to nearest, ties to even, above 6 saturating, NaN a signed zero;
- * pack:   two codes per byte, element 2i in the low nibble (an odd count: a last byte alone);
- * decode: out[i] = value(nibble i of packed) * scale_g, the FP32 product;
- * amax:   every group's largest magnitude. */
+void geofp8_e4m3_decode(const uint8_t *restrict codes, float *restrict out,
+                        const float *restrict scales, const int64_t *runs, int64_t n_runs,
+                        int64_t lo, int64_t hi) {
+    FOR_EACH_GROUP(runs, n_runs, lo, hi, {
+        const float s = scales[g];
+        for (int64_t i = a; i < b; i++)
+            out[i] = e4m3_value(codes[i]) * s;
+    })
+}
 
+/* ---- E2M1 (NVFP4's elements), two per byte, element 2i in the low nibble ----------------
+ * encode: nibble i = e2m1(x[i] / d_g), rounded as geofp8.codecs.fp4.e2m1_encode rounds:
+ *         to nearest, ties to even, above 6 saturating, NaN a signed zero;
+ * decode: out[i] = value(nibble i) * scale_g, the FP32 product. */
+
+/* By the bits, as e4m3_of: |v| clamped to 6 (above saturates), below 1 a magic add rounds to a
+ * multiple of 0.5, from 1 up the exponent is rebiased by 126 over one mantissa bit; NaN is 0. */
 static inline uint8_t e2m1_of(float v) {
+    const uint32_t six = UINT32_C(0x40C00000), one = UINT32_C(0x3F800000);
     uint32_t b = bits_of(v);
-    float a = float_of(b & UINT32_C(0x7FFFFFFF));
-    uint32_t code = (uint32_t)(a > 0.25f) + (uint32_t)(a >= 0.75f) + (uint32_t)(a > 1.25f) +
-                    (uint32_t)(a >= 1.75f) + (uint32_t)(a > 2.5f) + (uint32_t)(a >= 3.5f) +
-                    (uint32_t)(a > 5.0f);
+    uint32_t mag = b & UINT32_C(0x7FFFFFFF);
+    uint32_t m = mag < six ? mag : six;
+    uint32_t subnormal = bits_of(float_of(m) + 0x1p22f) - bits_of(0x1p22f);
+    uint32_t normal = (m - (UINT32_C(126) << 23) + UINT32_C(0x1FFFFF) + ((m >> 22) & 1u)) >> 22;
+    uint32_t code = select(mask_if(m < one), subnormal, normal);
+    code &= ~mask_if(mag > UINT32_C(0x7F800000));
     return (uint8_t)(code | ((b >> 28) & 8u));
 }
 
@@ -109,71 +141,97 @@ static inline float e2m1_value(uint32_t c) {
     return float_of(v | ((c & 8u) << 28));
 }
 
-void geofp8_e2m1_encode(const float *x, uint8_t *codes, const float *divisor,
-                        const int64_t *runs, int64_t n_runs) {
-    for (int64_t r = 0; r < n_runs; r++) {
-        const int64_t lo = runs[4 * r], g0 = runs[4 * r + 1];
-        const int64_t count = runs[4 * r + 2], size = runs[4 * r + 3];
-        for (int64_t k = 0; k < count; k++) {
-            const float d = divisor[g0 + k];
-            const float *xg = x + lo + k * size;
-            uint8_t *cg = codes + lo + k * size;
-            for (int64_t j = 0; j < size; j++)
-                cg[j] = e2m1_of(xg[j] / d);
+enum { PIECE = 1 << 13 }; /* elements a kernel takes at a time: their temporaries stay in L1/L2 */
+
+/* buf[i - p] = scale of the group holding element i, for the elements [p, q): a group of
+ * NVFP4 is 16 elements, too short a loop to divide or multiply in. */
+static void spread(float *restrict buf, const float *restrict scale, const int64_t *runs,
+                   int64_t n_runs, int64_t p, int64_t q) {
+    FOR_EACH_GROUP(runs, n_runs, p, q, {
+        const float v = scale[g];
+        for (int64_t i = a; i < b; i++)
+            buf[i - p] = v;
+    })
+}
+
+/* The divisor of a group is its scale, or 1 where the scale is not positive (0: an all-zero
+ * block; NaN: a non-finite one), as NVFP4Codec divides. */
+void geofp8_e2m1_encode(const float *restrict x, uint8_t *restrict packed,
+                        const float *restrict scale, const int64_t *runs, int64_t n_runs,
+                        int64_t lo, int64_t hi) {
+    float d[PIECE];
+    uint8_t codes[PIECE];
+    for (int64_t p = lo; p < hi; p += PIECE) {
+        const int64_t n = min64(PIECE, hi - p), pairs = n / 2;
+        spread(d, scale, runs, n_runs, p, p + n);
+        for (int64_t i = 0; i < n; i++) {
+            const float di = float_of(select(mask_if(d[i] > 0.0f), bits_of(d[i]), bits_of(1.0f)));
+            codes[i] = e2m1_of(x[p + i] / di);
         }
+        uint8_t *out = packed + p / 2;
+        for (int64_t k = 0; k < pairs; k++)
+            out[k] = (uint8_t)(codes[2 * k] | (codes[2 * k + 1] << 4));
+        if (n & 1)
+            out[pairs] = codes[n - 1];
     }
 }
 
-void geofp8_pack_nibbles(const uint8_t *codes, uint8_t *out, int64_t n) {
-    const int64_t pairs = n / 2;
-    for (int64_t i = 0; i < pairs; i++)
-        out[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
-    if (n & 1)
-        out[pairs] = codes[n - 1];
-}
-
-/* amax[g] = max |x_i| over group g; NaN (some NaN pattern) for a group holding a NaN. On
- * the magnitudes' bit patterns, whose integer order is the float order with every NaN
- * above +Inf, so the maximum vectorizes without fast-math. */
-void geofp8_runs_amax(const float *restrict x, float *restrict amax, const int64_t *runs,
-                      int64_t n_runs) {
-    for (int64_t r = 0; r < n_runs; r++) {
-        const int64_t lo = runs[4 * r], g0 = runs[4 * r + 1];
-        const int64_t count = runs[4 * r + 2], size = runs[4 * r + 3];
-        for (int64_t k = 0; k < count; k++) {
-            const float *xg = x + lo + k * size;
-            uint32_t m = 0;
-            for (int64_t j = 0; j < size; j++) {
-                uint32_t a = bits_of(xg[j]) & UINT32_C(0x7FFFFFFF);
-                m = a > m ? a : m;
-            }
-            amax[g0 + k] = float_of(m);
-        }
-    }
-}
-
-/* Two passes over the shard, each a long vectorized loop: every nibble's value, then every
- * group's product (a group is short: 16 elements for NVFP4). */
 void geofp8_e2m1_decode(const uint8_t *restrict packed, float *restrict out,
-                        const float *restrict scale, const int64_t *runs, int64_t n_runs) {
-    if (n_runs == 0)
-        return;
-    const int64_t n = runs[4 * (n_runs - 1)] + runs[4 * (n_runs - 1) + 2] * runs[4 * (n_runs - 1) + 3];
-    const int64_t pairs = n / 2;
-    for (int64_t k = 0; k < pairs; k++) {
-        out[2 * k] = e2m1_value(packed[k] & 15u);
-        out[2 * k + 1] = e2m1_value(packed[k] >> 4);
-    }
-    if (n & 1)
-        out[n - 1] = e2m1_value(packed[pairs] & 15u);
-    for (int64_t r = 0; r < n_runs; r++) {
-        const int64_t lo = runs[4 * r], g0 = runs[4 * r + 1];
-        const int64_t count = runs[4 * r + 2], size = runs[4 * r + 3];
-        for (int64_t k = 0; k < count; k++) {
-            const float s = scale[g0 + k];
-            float *o = out + lo + k * size;
-            for (int64_t j = 0; j < size; j++)
-                o[j] *= s;
+                        const float *restrict scale, const int64_t *runs, int64_t n_runs,
+                        int64_t lo, int64_t hi) {
+    float sc[PIECE];
+    for (int64_t p = lo; p < hi; p += PIECE) {
+        const int64_t n = min64(PIECE, hi - p), pairs = n / 2;
+        const uint8_t *in = packed + p / 2;
+        float *o = out + p;
+        spread(sc, scale, runs, n_runs, p, p + n);
+        for (int64_t k = 0; k < pairs; k++) {
+            o[2 * k] = e2m1_value(in[k] & 15u);
+            o[2 * k + 1] = e2m1_value(in[k] >> 4);
         }
+        if (n & 1)
+            o[n - 1] = e2m1_value(in[pairs] & 15u);
+        for (int64_t i = 0; i < n; i++)
+            o[i] *= sc[i];
     }
+}
+
+/* amax[g] = max |x_i| over group g, +Inf for a group holding NaN or +-Inf (`finite_only`:
+ * non-finite values count as 0 instead). On the magnitudes' bit patterns, whose integer order
+ * is the float order with every NaN above +Inf, so the maximum vectorizes without fast-math. */
+void geofp8_runs_amax(const float *restrict x, float *restrict amax, const int64_t *runs,
+                      int64_t n_runs, int64_t finite_only, int64_t lo, int64_t hi) {
+    const uint32_t inf = UINT32_C(0x7F800000), below = finite_only ? inf : UINT32_MAX;
+    FOR_EACH_GROUP(runs, n_runs, lo, hi, {
+        uint32_t m = 0;
+        for (int64_t i = a; i < b; i++) {
+            uint32_t v = bits_of(x[i]) & UINT32_C(0x7FFFFFFF);
+            v &= mask_if(v < below);
+            m = v > m ? v : m;
+        }
+        amax[g] = float_of(m < inf ? m : inf);
+    })
+}
+
+/* ---- NVFP4's block scales ----------------------------------------------------------------
+ * Block g of segment j (a run's group is a segment, its elements the segment's blocks), with
+ * its amax (+Inf: non-finite) and the segment's FP32 scale s_j:
+ *   r = min(amax_g / (6 s_j), 448), code_g = the E4M3 code of r rounded up (to nearest, then
+ *   one code up where its value is below r), 0x7F (NaN) for a non-finite block;
+ *   scale_g = value(code_g) * s_j, as geofp8.codecs.fp4.NVFP4Codec computes them in torch. */
+void geofp8_nvfp4_scales(const float *restrict amax, uint8_t *restrict code,
+                         float *restrict scale, const float *restrict s, const int64_t *runs,
+                         int64_t n_runs, int64_t lo, int64_t hi) {
+    FOR_EACH_GROUP(runs, n_runs, lo, hi, {
+        const float sj = s[g], t = 6.0f * sj;
+        for (int64_t i = a; i < b; i++) {
+            const float q = amax[i] / t;
+            const float r = float_of(select(mask_if(q > 448.0f), bits_of(448.0f), bits_of(q)));
+            uint32_t c = e4m3_of(r);
+            c += (uint32_t)(e4m3_value((uint8_t)c) < r);
+            c = select(mask_if(bits_of(amax[i]) == UINT32_C(0x7F800000)), UINT32_C(0x7F), c);
+            code[i] = (uint8_t)c;
+            scale[i] = e4m3_value((uint8_t)c) * sj;
+        }
+    })
 }

@@ -10,12 +10,15 @@ then renamed). Where no compiler is, or ``GEOFP8_NATIVE=0``, or the build fails 
 says why), :func:`kernels` is ``None`` and the codecs run torch's ops: the same bits.
 
 The kernels take contiguous CPU tensors: FP32 values, uint8 codes, FP32 scales (or
-divisors) per group, the groups' int64 lengths or runs (see ``native.c``), and trust the
-bounds that the wrappers below check.
+divisors) per group, the groups as runs of equal lengths (:func:`~.base.group_runs`), and
+trust the bounds that the wrappers below check. Like torch's own CPU ops, a call of at least
+:data:`PARALLEL_MIN` elements per thread is split across ``torch.get_num_threads()`` threads
+(``ctypes`` releases the GIL): one thread in a ``torchrun`` rank, where ``OMP_NUM_THREADS=1``.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import hashlib
@@ -25,12 +28,15 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-__all__ = ["e2m1_decode", "e2m1_encode", "e4m3_decode", "e4m3_encode", "kernels",
-           "pack_nibbles", "runs_amax", "usable"]
+from .base import group_runs
+
+__all__ = ["PARALLEL_MIN", "e2m1_decode", "e2m1_encode", "e4m3_decode", "e4m3_encode",
+           "kernels", "nvfp4_scales", "runs_amax", "usable"]
 
 SOURCE = Path(__file__).with_name("native.c")
 # ISO C: no fused multiply-add contraction (the products stay IEEE products). Tuned for the
@@ -100,14 +106,12 @@ def kernels() -> ctypes.CDLL | None:
                       "torch's ops are used instead (the same results, slower)", stacklevel=2)
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.geofp8_e4m3_encode.argtypes = [p, p, p, p, i64]
-    lib.geofp8_e4m3_decode.argtypes = [p, p, p, p, i64]
-    lib.geofp8_e2m1_encode.argtypes = lib.geofp8_e2m1_decode.argtypes = [p, p, p, p, i64]
-    lib.geofp8_pack_nibbles.argtypes = [p, p, i64]
-    lib.geofp8_runs_amax.argtypes = [p, p, p, i64]
     for f in (lib.geofp8_e4m3_encode, lib.geofp8_e4m3_decode, lib.geofp8_e2m1_encode,
-              lib.geofp8_e2m1_decode, lib.geofp8_pack_nibbles, lib.geofp8_runs_amax):
-        f.restype = None
+              lib.geofp8_e2m1_decode):
+        f.argtypes, f.restype = [p, p, p, p, i64, i64, i64], None
+    lib.geofp8_runs_amax.argtypes = [p, p, p, i64, i64, i64, i64]
+    lib.geofp8_nvfp4_scales.argtypes = [p, p, p, p, p, i64, i64, i64]
+    lib.geofp8_runs_amax.restype = lib.geofp8_nvfp4_scales.restype = None
     return lib
 
 
@@ -125,48 +129,55 @@ def usable(*tensors: torch.Tensor) -> bool:
     return _on_cpu(*tensors) and kernels() is not None
 
 
-@functools.lru_cache(maxsize=1024)
-def _lengths(lengths: tuple[int, ...]) -> tuple[torch.Tensor, int]:
-    """The groups' lengths as an int64 tensor (once per distinct tuple) and their sum."""
-    return torch.tensor(lengths, dtype=torch.int64), sum(lengths)
+# -- threads ---------------------------------------------------------------------------------
+
+PARALLEL_MIN = 1 << 18  # elements a thread takes at least (1 MB of FP32): smaller calls run alone
+ALIGN = 64  # elements: a cut between threads splits neither a byte of nibbles nor a cache line
 
 
-def _checked(lengths: tuple[int, ...], scales: torch.Tensor, *tensors: torch.Tensor
-             ) -> torch.Tensor:
-    """The int64 lengths, once the kernels' bounds are known to hold (they trust them)."""
-    lengths_t, total = _lengths(tuple(lengths))
-    if scales.dtype != torch.float32 or scales.numel() != len(lengths):
-        raise ValueError("the native kernels take one FP32 scale per group")
-    _require_cpu(scales, *tensors)
-    for t in tensors:
-        if t.numel() != total:
-            raise ValueError(f"the groups hold {total} elements, a tensor {t.numel()}")
-    return lengths_t
+@functools.cache
+def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
+    """Worker threads of this process (``pid``: a forked child makes its own)."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="geofp8-native")
 
 
-def e4m3_encode(codes: torch.Tensor, x: torch.Tensor, scales: torch.Tensor,
-                lengths: tuple[int, ...]) -> None:
-    """``codes[i] = e4m3(x[i] / scales[g])`` for the FP32 ``x`` cut into groups of
-    ``lengths`` (``codes``: one byte per element, uint8 or ``float8_e4m3fn``)."""
-    if x.dtype != torch.float32 or codes.element_size() != 1:
-        raise ValueError("the native encode takes FP32 values and one-byte codes")
-    n = _checked(lengths, scales, codes, x)
-    kernels().geofp8_e4m3_encode(x.data_ptr(), codes.data_ptr(), n.data_ptr(),
-                                 scales.data_ptr(), n.numel())
+def _cuts(numel: int, runs: list[tuple[int, int, int, int]] | None = None) -> list[int]:
+    """``[0, …, numel]``: a range per thread, cut at multiples of :data:`ALIGN` elements, or
+    (``runs`` given) at the start of the group holding the cut."""
+    parts = min(torch.get_num_threads(), numel // PARALLEL_MIN)
+    cuts = [numel * t // parts for t in range(1, parts)]
+    if runs is None:
+        cuts = [c - c % ALIGN for c in cuts]
+    else:
+        firsts = [run[0] for run in runs]
+        cuts = [_group_start(runs[bisect.bisect_right(firsts, c) - 1], c) for c in cuts]
+    return sorted({0, *cuts, numel})
 
 
-def e4m3_decode(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                lengths: tuple[int, ...]) -> None:
-    """``out[i] = value(codes[i]) · scales[g]`` for the groups of ``lengths``, ``value``:
-    torch's FP32 value of the E4M3 byte."""
-    if out.dtype != torch.float32 or codes.element_size() != 1:
-        raise ValueError("the native decode takes FP32 values and one-byte codes")
-    n = _checked(lengths, scales, out, codes)
-    kernels().geofp8_e4m3_decode(codes.data_ptr(), out.data_ptr(), n.data_ptr(),
-                                 scales.data_ptr(), n.numel())
+def _group_start(run: tuple[int, int, int, int], element: int) -> int:
+    first, _, _, size = run
+    return first + (element - first) // size * size if size else first
 
 
-def _runs(runs: list[tuple[int, int, int, int]], groups: int, numel: int, scales: torch.Tensor,
+def _call(kernel, cuts: list[int], *args) -> None:
+    """``kernel(*args, lo, hi)`` for every range of ``cuts``, the first on this thread."""
+    ranges = list(zip(cuts, cuts[1:]))
+    if len(ranges) > 1:
+        pool = _pool(len(ranges) - 1, os.getpid())
+        jobs = [pool.submit(kernel, *args, lo, hi) for lo, hi in ranges[1:]]
+        kernel(*args, *ranges[0])
+        for job in jobs:
+            job.result()
+    elif ranges:
+        kernel(*args, *ranges[0])
+
+
+# -- the kernels -----------------------------------------------------------------------------
+
+Runs = list[tuple[int, int, int, int]]
+
+
+def _runs(runs: Runs, groups: int, numel: int, scales: torch.Tensor,
           *tensors: torch.Tensor) -> torch.Tensor:
     """The runs ``(first element, first group, groups, length)`` as an int64 ``[R, 4]``
     tensor, once they are known to tile ``numel`` elements and ``groups`` groups in order."""
@@ -182,44 +193,86 @@ def _runs(runs: list[tuple[int, int, int, int]], groups: int, numel: int, scales
     return torch.tensor(runs, dtype=torch.int64).reshape(-1, 4)
 
 
-def e2m1_encode(codes: torch.Tensor, x: torch.Tensor, divisor: torch.Tensor,
-                runs: list[tuple[int, int, int, int]]) -> None:
-    """``codes[i] = e2m1(x[i] / divisor[g])`` (uint8, one code per element) over the groups
-    of ``runs`` (:func:`geofp8.codecs.fp4.block_runs`)."""
-    if x.dtype != torch.float32 or codes.dtype != torch.uint8 or codes.numel() != x.numel():
-        raise ValueError("the native E2M1 encode takes FP32 values and a uint8 code each")
-    r = _runs(runs, divisor.numel(), x.numel(), divisor, codes, x)
-    kernels().geofp8_e2m1_encode(x.data_ptr(), codes.data_ptr(), divisor.data_ptr(),
-                                 r.data_ptr(), r.shape[0])
+@functools.lru_cache(maxsize=1024)
+def _length_runs(lengths: tuple[int, ...]) -> Runs:
+    """Groups of ``lengths`` (once per distinct tuple) as runs."""
+    return group_runs([lengths])
 
 
-def pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
-    """Two 4-bit ``codes`` per byte of ``out`` (``⌈n/2⌉`` bytes), element ``2i`` low."""
-    if codes.dtype != torch.uint8 or out.dtype != torch.uint8 or \
-            out.numel() != (codes.numel() + 1) // 2:
-        raise ValueError("pack_nibbles takes n uint8 codes and ⌈n/2⌉ bytes")
-    _require_cpu(codes, out)
-    kernels().geofp8_pack_nibbles(codes.data_ptr(), out.data_ptr(), codes.numel())
+def _e4m3(kernel, fp32: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+          lengths: tuple[int, ...], values_first: bool) -> None:
+    if fp32.dtype != torch.float32 or codes.element_size() != 1:
+        raise ValueError("the native E4M3 kernels take FP32 values and one-byte codes")
+    if codes.numel() != fp32.numel():
+        raise ValueError(f"{fp32.numel()} values and {codes.numel()} codes were given")
+    runs = _length_runs(tuple(lengths))
+    r = _runs(runs, len(lengths), fp32.numel(), scales, codes, fp32)
+    first, second = (fp32, codes) if values_first else (codes, fp32)
+    _call(kernel, _cuts(fp32.numel()), first.data_ptr(), second.data_ptr(), scales.data_ptr(),
+          r.data_ptr(), r.shape[0])
+
+
+def e4m3_encode(codes: torch.Tensor, x: torch.Tensor, scales: torch.Tensor,
+                lengths: tuple[int, ...]) -> None:
+    """``codes[i] = e4m3(x[i] / scales[g])`` for the FP32 ``x`` cut into groups of
+    ``lengths`` (``codes``: one byte per element, uint8 or ``float8_e4m3fn``)."""
+    _e4m3(kernels().geofp8_e4m3_encode, x, codes, scales, lengths, values_first=True)
+
+
+def e4m3_decode(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                lengths: tuple[int, ...]) -> None:
+    """``out[i] = value(codes[i]) · scales[g]`` for the groups of ``lengths``, ``value``:
+    torch's FP32 value of the E4M3 byte."""
+    _e4m3(kernels().geofp8_e4m3_decode, out, codes, scales, lengths, values_first=False)
+
+
+def e2m1_encode(packed: torch.Tensor, x: torch.Tensor, divisor: torch.Tensor,
+                runs: Runs) -> None:
+    """Nibble ``i`` of ``packed`` (``⌈n/2⌉`` bytes, element ``2i`` low) ``= e2m1(x[i] /
+    divisor[g])`` over the groups of ``runs`` (:func:`~.base.group_runs`)."""
+    if x.dtype != torch.float32 or packed.dtype != torch.uint8 or \
+            packed.numel() != (x.numel() + 1) // 2:
+        raise ValueError("the native E2M1 encode takes n FP32 values and ⌈n/2⌉ packed bytes")
+    r = _runs(runs, divisor.numel(), x.numel(), divisor, packed, x)
+    _call(kernels().geofp8_e2m1_encode, _cuts(x.numel()), x.data_ptr(), packed.data_ptr(),
+          divisor.data_ptr(), r.data_ptr(), r.shape[0])
 
 
 def e2m1_decode(out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                runs: list[tuple[int, int, int, int]]) -> None:
+                runs: Runs) -> None:
     """``out[i] = value(nibble i of packed) · scales[g]`` over the groups of ``runs``."""
     if out.dtype != torch.float32 or packed.dtype != torch.uint8 or \
             packed.numel() < (out.numel() + 1) // 2:
         raise ValueError("the native E2M1 decode takes FP32 values and ⌈n/2⌉ packed bytes")
     r = _runs(runs, scales.numel(), out.numel(), scales, out, packed)
-    kernels().geofp8_e2m1_decode(packed.data_ptr(), out.data_ptr(), scales.data_ptr(),
-                                 r.data_ptr(), r.shape[0])
+    _call(kernels().geofp8_e2m1_decode, _cuts(out.numel()), packed.data_ptr(), out.data_ptr(),
+          scales.data_ptr(), r.data_ptr(), r.shape[0])
 
 
-def runs_amax(x: torch.Tensor, runs: list[tuple[int, int, int, int]],
-              groups: int) -> torch.Tensor:
-    """Max ``|x|`` of each of the ``groups`` groups of ``runs`` (a new FP32 tensor); NaN for
-    a group holding a NaN (its payload unspecified)."""
+def runs_amax(x: torch.Tensor, runs: Runs, groups: int, finite_only: bool = False
+              ) -> torch.Tensor:
+    """Max ``|x|`` of each of the ``groups`` groups of ``runs`` (a new FP32 tensor); ``+Inf``
+    for a group holding NaN or ±Inf, or (``finite_only``) non-finite values counted as 0."""
     amax = torch.empty(groups, dtype=torch.float32)
     if x.dtype != torch.float32:
         raise ValueError("the native amax takes FP32 values")
     r = _runs(runs, groups, x.numel(), amax, x)
-    kernels().geofp8_runs_amax(x.data_ptr(), amax.data_ptr(), r.data_ptr(), r.shape[0])
+    _call(kernels().geofp8_runs_amax, _cuts(x.numel(), runs), x.data_ptr(), amax.data_ptr(),
+          r.data_ptr(), r.shape[0], int(finite_only))
     return amax
+
+
+def nvfp4_scales(amax: torch.Tensor, s: torch.Tensor, counts: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's block scale codes (uint8) and values (FP32) from every block's ``amax``
+    (``+Inf``: non-finite) and its segment's scale ``s`` (``counts``: blocks per segment),
+    as :class:`geofp8.codecs.fp4.NVFP4Codec` computes them with torch's ops."""
+    if amax.dtype != torch.float32:
+        raise ValueError("the native NVFP4 scales take FP32 block amaxes")
+    runs = _length_runs(tuple(counts))
+    r = _runs(runs, len(counts), amax.numel(), s, amax)
+    code = torch.empty(amax.numel(), dtype=torch.uint8)
+    scale = torch.empty(amax.numel(), dtype=torch.float32)
+    _call(kernels().geofp8_nvfp4_scales, _cuts(amax.numel()), amax.data_ptr(), code.data_ptr(),
+          scale.data_ptr(), s.data_ptr(), r.data_ptr(), r.shape[0])
+    return code, scale

@@ -219,11 +219,12 @@ class ShardLayout:
 
     @cached_property
     def _by_segment(self) -> tuple | None:
-        """For a segmentwise codec (:attr:`Codec.segmentwise`) when shard-major order is not
+        """For a segmentwise codec (:meth:`Codec.segmentwise`) when shard-major order is not
         flat order: ``(every segment as a one-segment shard of its groups, in flat order;
         per shard, the flat position of each of its segments; per flat segment, its parts'
         bytes)``. ``None`` otherwise."""
-        if self.codecs or not self.codec.segmentwise or self._order is None:
+        lengths = [hi - lo for spans in self.segments for lo, hi in spans]
+        if self.codecs or self._order is None or not self.codec.segmentwise(lengths):
             return None
         by_pos = self._order[3]
         groups = [g for shard in self.groups for g in shard]  # shard-major order
