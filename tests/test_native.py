@@ -132,12 +132,13 @@ def test_nvfp4_block_scales_are_torchs(monkeypatch):
 
 def test_a_call_split_across_threads_gives_the_same_bytes(monkeypatch):
     """Ranges cut at 64-element multiples (inside groups of every kernel but the amax, whose
-    cuts move to group starts) give the bytes of one thread's call."""
+    cuts move to group starts, or which takes each range's maxima where there are fewer
+    groups than threads) give the bytes of one thread's call."""
     g = torch.Generator().manual_seed(3)
     segments = [[5] + [16] * 40 + [9], [16] * 13, [3, 16, 16, 1]]
     blocks = fp4.blocks_of(segments)
     lengths = tuple(n for seg in segments for n in seg)
-    x = torch.randn(blocks.numel, generator=g) * torch.logspace(-4, 4, blocks.numel)
+    x = torch.randn(blocks.numel, generator=g) * torch.logspace(-4, 4, blocks.numel).flip(0)
     scales = torch.rand(blocks.groups, generator=g) + 0.01
 
     def every_kernel():
@@ -147,7 +148,10 @@ def test_a_call_split_across_threads_gives_the_same_bytes(monkeypatch):
         packed = _e2m1_packed(x, scales, blocks.runs)
         nibbles = torch.empty(x.numel())
         native.e2m1_decode(nibbles, packed, scales, blocks.runs)
-        return codes, values, packed, nibbles, native.runs_amax(x, blocks.runs, blocks.groups)
+        few = [(0, 0, 1, 5), (5, 1, 2, (x.numel() - 5) // 2)]  # fewer groups than threads
+        return (codes, values, packed, nibbles, native.runs_amax(x, blocks.runs, blocks.groups),
+                native.runs_amax(x[: few[-1][0] + 2 * few[-1][3]], few, 3),
+                native.runs_amax(x, [(0, 0, 1, x.numel())], 1))
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

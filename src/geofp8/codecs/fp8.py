@@ -346,12 +346,15 @@ def _slices(lo: int, hi: int, scale: torch.Tensor):
 
 
 def _group_amax(flat: torch.Tensor, lengths, info: _Info) -> torch.Tensor:
-    """Max |x| of each contiguous group; NaN propagates (amax / amin keep NaN).
+    """Max |x| of each contiguous group; a non-finite group's is NaN (amax / amin keep NaN)
+    or, from the native kernel, +Inf: the same NaN scale either way.
 
     ``max(max x, −min x)`` reads the data without materialising ``|x|``.
     """
     if not lengths:
         return flat.new_zeros(0)
+    if native.usable(flat):  # one pass of the CPU's native kernel (+Inf for NaN: same scale)
+        return native.runs_amax(flat, native.length_runs(tuple(lengths)), len(lengths))
     size = info.size
     if size is not None and len(lengths) > 1:
         out = flat.new_empty(len(lengths))

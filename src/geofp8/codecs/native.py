@@ -36,7 +36,7 @@ import torch
 from .base import group_runs
 
 __all__ = ["PARALLEL_MIN", "e2m1_decode", "e2m1_encode", "e4m3_decode", "e4m3_encode",
-           "kernels", "nvfp4_scales", "runs_amax", "usable"]
+           "kernels", "length_runs", "nvfp4_scales", "runs_amax", "usable"]
 
 SOURCE = Path(__file__).with_name("native.c")
 # ISO C: no fused multiply-add contraction (the products stay IEEE products). Tuned for the
@@ -131,6 +131,8 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 # -- threads ---------------------------------------------------------------------------------
 
+Runs = list[tuple[int, int, int, int]]  # (first element, first group, groups, group length)
+
 PARALLEL_MIN = 1 << 18  # elements a thread takes at least (1 MB of FP32): smaller calls run alone
 ALIGN = 64  # elements: a cut between threads splits neither a byte of nibbles nor a cache line
 
@@ -141,7 +143,7 @@ def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix="geofp8-native")
 
 
-def _cuts(numel: int, runs: list[tuple[int, int, int, int]] | None = None) -> list[int]:
+def _cuts(numel: int, runs: Runs | None = None) -> list[int]:
     """``[0, …, numel]``: a range per thread, cut at multiples of :data:`ALIGN` elements, or
     (``runs`` given) at the start of the group holding the cut."""
     parts = min(torch.get_num_threads(), numel // PARALLEL_MIN)
@@ -159,22 +161,25 @@ def _group_start(run: tuple[int, int, int, int], element: int) -> int:
     return first + (element - first) // size * size if size else first
 
 
-def _call(kernel, cuts: list[int], *args) -> None:
-    """``kernel(*args, lo, hi)`` for every range of ``cuts``, the first on this thread."""
+def _parallel(job, cuts: list[int]) -> None:
+    """``job(i, lo, hi)`` for every range ``i`` of ``cuts``, the first on this thread."""
     ranges = list(zip(cuts, cuts[1:]))
     if len(ranges) > 1:
         pool = _pool(len(ranges) - 1, os.getpid())
-        jobs = [pool.submit(kernel, *args, lo, hi) for lo, hi in ranges[1:]]
-        kernel(*args, *ranges[0])
-        for job in jobs:
-            job.result()
+        jobs = [pool.submit(job, i, lo, hi) for i, (lo, hi) in enumerate(ranges) if i]
+        job(0, *ranges[0])
+        for done in jobs:
+            done.result()
     elif ranges:
-        kernel(*args, *ranges[0])
+        job(0, *ranges[0])
+
+
+def _call(kernel, cuts: list[int], *args) -> None:
+    """``kernel(*args, lo, hi)`` for every range of ``cuts``."""
+    _parallel(lambda _, lo, hi: kernel(*args, lo, hi), cuts)
 
 
 # -- the kernels -----------------------------------------------------------------------------
-
-Runs = list[tuple[int, int, int, int]]
 
 
 def _runs(runs: Runs, groups: int, numel: int, scales: torch.Tensor,
@@ -194,7 +199,7 @@ def _runs(runs: Runs, groups: int, numel: int, scales: torch.Tensor,
 
 
 @functools.lru_cache(maxsize=1024)
-def _length_runs(lengths: tuple[int, ...]) -> Runs:
+def length_runs(lengths: tuple[int, ...]) -> Runs:
     """Groups of ``lengths`` (once per distinct tuple) as runs."""
     return group_runs([lengths])
 
@@ -205,7 +210,7 @@ def _e4m3(kernel, fp32: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         raise ValueError("the native E4M3 kernels take FP32 values and one-byte codes")
     if codes.numel() != fp32.numel():
         raise ValueError(f"{fp32.numel()} values and {codes.numel()} codes were given")
-    runs = _length_runs(tuple(lengths))
+    runs = length_runs(tuple(lengths))
     r = _runs(runs, len(lengths), fp32.numel(), scales, codes, fp32)
     first, second = (fp32, codes) if values_first else (codes, fp32)
     _call(kernel, _cuts(fp32.numel()), first.data_ptr(), second.data_ptr(), scales.data_ptr(),
@@ -252,14 +257,20 @@ def e2m1_decode(out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 def runs_amax(x: torch.Tensor, runs: Runs, groups: int, finite_only: bool = False
               ) -> torch.Tensor:
     """Max ``|x|`` of each of the ``groups`` groups of ``runs`` (a new FP32 tensor); ``+Inf``
-    for a group holding NaN or ±Inf, or (``finite_only``) non-finite values counted as 0."""
-    amax = torch.empty(groups, dtype=torch.float32)
+    for a group holding NaN or ±Inf, or (``finite_only``) non-finite values counted as 0.
+
+    Threads take whole groups; where there are fewer groups than threads (one per tensor),
+    each takes a range of elements and its own maxima, then the maximum of those is taken."""
     if x.dtype != torch.float32:
         raise ValueError("the native amax takes FP32 values")
-    r = _runs(runs, groups, x.numel(), amax, x)
-    _call(kernels().geofp8_runs_amax, _cuts(x.numel(), runs), x.data_ptr(), amax.data_ptr(),
-          r.data_ptr(), r.shape[0], int(finite_only))
-    return amax
+    whole = groups >= torch.get_num_threads()
+    cuts = _cuts(x.numel(), runs if whole else None)
+    maxima = torch.zeros(1 if whole else max(1, len(cuts) - 1), groups)  # 0: an empty group
+    r = _runs(runs, groups, x.numel(), maxima[0], x)
+    kernel, args = kernels().geofp8_runs_amax, (r.data_ptr(), r.shape[0], int(finite_only))
+    _parallel(lambda i, lo, hi: kernel(x.data_ptr(), maxima[i % len(maxima)].data_ptr(),
+                                       *args, lo, hi), cuts)
+    return maxima[0] if len(maxima) == 1 else maxima.amax(0)
 
 
 def nvfp4_scales(amax: torch.Tensor, s: torch.Tensor, counts: tuple[int, ...]
@@ -269,7 +280,7 @@ def nvfp4_scales(amax: torch.Tensor, s: torch.Tensor, counts: tuple[int, ...]
     as :class:`geofp8.codecs.fp4.NVFP4Codec` computes them with torch's ops."""
     if amax.dtype != torch.float32:
         raise ValueError("the native NVFP4 scales take FP32 block amaxes")
-    runs = _length_runs(tuple(counts))
+    runs = length_runs(tuple(counts))
     r = _runs(runs, len(counts), amax.numel(), s, amax)
     code = torch.empty(amax.numel(), dtype=torch.uint8)
     scale = torch.empty(amax.numel(), dtype=torch.float32)
