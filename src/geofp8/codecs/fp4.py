@@ -357,12 +357,13 @@ class NVFP4Codec(Codec):
 
     def _scales(self, amax: torch.Tensor, segments: Segments) -> tuple[torch.Tensor, ...]:
         """``(segment scales s, block scale codes, block scales β·s per block)``."""
-        blocks = tuple(len(seg) for seg in segments)
+        per_segment = tuple(len(seg) for seg in segments)  # blocks of each segment
         if native.usable(amax):  # two passes of the CPU's native kernels
-            seg_amax = native.runs_amax(amax, group_runs([blocks]), len(blocks), finite_only=True)
+            seg_amax = native.runs_amax(amax, native.length_runs(per_segment), len(segments),
+                                        finite_only=True)
             s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
-            return (s, *native.nvfp4_scales(amax, s, blocks))
-        counts = device_lengths(blocks, amax.device)
+            return (s, *native.nvfp4_scales(amax, s, per_segment))
+        counts = device_lengths(per_segment, amax.device)
         finite = amax.nan_to_num(posinf=0.0)  # a non-finite block (+Inf) counts as 0
         seg_amax = torch.segment_reduce(finite, "max", lengths=counts, unsafe=True)
         s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
@@ -407,14 +408,14 @@ class NVFP4Codec(Codec):
             return torch.ones((), dtype=torch.bool, device=buf.device)
         s = buf[: 4 * n_seg].clone().view(torch.float32)
         code = buf[4 * n_seg : 4 * n_seg + n_groups]
-        blocks_per_segment = tuple(len(seg) for seg in segments)
+        per_segment = tuple(len(seg) for seg in segments)  # blocks of each segment
         packed = buf[4 * n_seg + n_groups :]
         if native.usable(out, packed):  # one pass of the CPU's native kernels each
             scale = torch.empty(n_groups, dtype=torch.float32)
-            native.e4m3_decode(scale, code, s, blocks_per_segment)
+            native.e4m3_decode(scale, code, s, per_segment)
             native.e2m1_decode(out[:n], packed, scale, blocks.runs)
         else:
-            counts = device_lengths(blocks_per_segment, buf.device)
+            counts = device_lengths(per_segment, buf.device)
             scale = e4m3_values(code).mul_(
                 torch.repeat_interleave(s, counts, output_size=n_groups))
             unpack_into(out[:n], packed)
