@@ -13,7 +13,7 @@ conversion rather than the CPU's table lookup), the chunked kernels' on the CPU.
 
 A GPU projection from the counts: every kernel (an op that is neither a view nor a bare
 allocation) a launch of :data:`LAUNCH_US` plus the
-bytes it reads and writes (tensor arguments and results of every op that is not a view) at
+bytes it reads and writes (:func:`moved_bytes`, of every op that is not a view) at
 :data:`HBM_BYTES_PER_S` (an H200), next to the time the bytes this rank sends for the bucket
 take on a 100 and a 400 Gbit/s link. A model, not a measurement: launches overlap on a
 stream, and small ops do not reach the HBM's bandwidth.
@@ -74,6 +74,20 @@ def peak_allocated(prof) -> int:
     return peak
 
 
+WRITE_ONLY = {torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar,
+              torch.ops.aten.zero_.default}  # in-place ops that do not read their ``self``
+
+
+def moved_bytes(func, args, kwargs, out) -> int:
+    """Bytes an op reads and writes: every distinct tensor among its arguments and results
+    once (an ``out=`` tensor is written, not read), and the ``self`` of an in-place op that
+    reads it (``mul_``) twice."""
+    tensors = {id(t): t for t in pytree.tree_leaves((args, kwargs, out))
+               if isinstance(t, torch.Tensor)}
+    inplace = func._schema.name.endswith("_") and func not in WRITE_ONLY
+    return sum(t.nbytes for t in tensors.values()) + (args[0].nbytes if inplace else 0)
+
+
 class Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -84,8 +98,7 @@ class Counter(TorchDispatchMode):
         self.ops += 1
         self.kernels += not func.is_view and func not in ALLOCATIONS
         if not func.is_view:
-            self.bytes += sum(t.nbytes for t in pytree.tree_leaves((args, kwargs, out))
-                              if isinstance(t, torch.Tensor))
+            self.bytes += moved_bytes(func, args, kwargs, out)
         return out
 
 

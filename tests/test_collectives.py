@@ -506,12 +506,18 @@ def test_a_segmentwise_codec_is_run_in_flat_order(fmt, scaling, rounding, shapes
         layout.decode_scattered(total, gathered[j], j)
     expect = (torch.cat(records), residual, total)
     for kernels, layout in layouts.items():
+        error = torch.empty_like(flat)  # the rounding error from the encoding pass, or decoded
         with _Fp32Cats(min(layout.shard_numel(j) for j in range(n))) as cats:
             sent = encode(flat, layout, seed=9)
             got = (sent, rounding_error(sent, flat, layout),
                    decode_gathered(gathered, layout, out=torch.empty_like(flat)))
+            assert torch.equal(encode(flat, layout, seed=9, error=error), sent)
+        assert layout.encodes_error(flat.device) == (segmentwise and kernels == "chunked")
+        if not layout.encodes_error(flat.device):
+            with pytest.raises(ValueError, match="encodes_error"):
+                layout.encode_pieces(flat, [None] * n, error)
         assert (cats.count == 0) == segmentwise, (kernels, cats.count)
-        for a, b in zip(got, expect):
+        for a, b in zip((*got, error), (*expect, residual)):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), kernels
 
 

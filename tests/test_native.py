@@ -35,6 +35,34 @@ def test_encode_is_torchs_conversion_of_the_quotient():
     assert torch.equal(got, (x / per_element).to(torch.float8_e4m3fn).view(torch.uint8))
 
 
+def test_the_rounding_error_is_the_decode_subtracted():
+    """``x − value(code) · s`` from the encoding pass: the bits of decoding the codes and
+    subtracting (a NaN's payload aside), for every rounding case and scales that are tiny,
+    huge, zero (``x / 0``: ±Inf or NaN codes) or NaN (a non-finite group's), E4M3 and E2M1."""
+    x = _every_rounding_case()
+    n = x.numel()
+    lengths = (7, n // 4, n // 4, 1, n - n // 2 - 8)  # the first group: +0 and subnormals
+    scales = torch.tensor([0.0, 3.7e-3, 2.5e30, float("nan"), 1e-40])
+    codes, error, values = torch.empty(n, dtype=torch.uint8), torch.empty(n), torch.empty(n)
+    native.e4m3_encode(codes, x, scales, lengths, error=error)
+    native.e4m3_decode(values, codes, scales, lengths)
+    _assert_same_bits([codes, error], [_codes_of(x, scales, lengths), x - values])
+    runs = [(0, 0, 1, 5), (5, 1, (n - 5) // 16, 16), (5 + (n - 5) // 16 * 16, 1 + (n - 5) // 16,
+                                                       1, (n - 5) % 16)]
+    scales = torch.rand(runs[-1][1] + 1, generator=torch.Generator().manual_seed(5)) * 1e3
+    scales[:4] = torch.tensor([0.0, float("nan"), 1e-42, 3e38])
+    packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
+    native.e2m1_encode(packed, x, scales, runs, error=error)
+    native.e2m1_decode(values, packed, scales, runs)
+    _assert_same_bits([packed, error], [_e2m1_packed(x, scales, runs), x - values])
+
+
+def _codes_of(x, scales, lengths):
+    codes = torch.empty(x.numel(), dtype=torch.uint8)
+    native.e4m3_encode(codes, x, scales, lengths)
+    return codes
+
+
 def test_decode_is_torchs_product():
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(40)
     lengths = (256 * 13, 1, 256 * 27 - 1)
@@ -188,23 +216,34 @@ def test_out_of_bounds_arguments_are_refused():
 
 
 def _stages(layout, inputs):
-    """Every stage of the exact collective for rank 0 of ``inputs`` (one vector per rank)."""
-    sent = [encode(x, layout, sender=r) for r, x in enumerate(inputs)]
+    """Every stage of the exact collective for rank 0 of ``inputs`` (one vector per rank),
+    the sender's rounding error both from the encoding pass and decoded back."""
+    error = torch.empty_like(inputs[0])
+    sent = [encode(x, layout, sender=r, error=None if r else error)
+            for r, x in enumerate(inputs)]
     nbytes = layout.send_bytes(0)
     reduced = decode_sum(torch.cat([s[:nbytes] for s in sent]), layout, 0)
     gathered = torch.stack([encode_reduced(reduced, layout, 0)] * layout.world_size)
-    return (sent[0], rounding_error(sent[0], inputs[0], layout), reduced,
-            gathered, decode_gathered(gathered, layout))
+    decoded_back = rounding_error(sent[0], inputs[0], layout)
+    _assert_same_bits([error], [decoded_back])
+    return (sent[0], decoded_back, error, reduced, gathered, decode_gathered(gathered, layout))
 
 
-@pytest.mark.parametrize("codec", [FP8Codec("e4m3", "tensor"), FP8Codec("e4m3", "row"),
-                                   FP8Codec("e4m3", "block", 32), NVFP4Codec()],
-                         ids=["tensor", "row", "block", "nvfp4"])
-def test_the_stages_give_torchs_bits_with_or_without_the_native_kernels(monkeypatch, codec):
+ODD = [(37, 11), (3,), (64, 16), (5, 300)]  # segments of odd lengths at N = 3
+
+
+@pytest.mark.parametrize(("codec", "shapes"), [
+    (FP8Codec("e4m3", "tensor"), ODD), (FP8Codec("e4m3", "row"), ODD),
+    (FP8Codec("e4m3", "block", 32), ODD), (NVFP4Codec(), ODD),
+    (NVFP4Codec(), [(36, 12), (64, 16), (6, 300)])], ids=["tensor", "row", "block", "nvfp4",
+                                                          "nvfp4-segmentwise"])
+def test_the_stages_give_torchs_bits_with_or_without_the_native_kernels(monkeypatch, codec,
+                                                                         shapes):
     """A real bucket's layout (unequal tensors, several shards, irregular groups at N = 3):
     the same bytes and values whether the codec runs the native kernels or torch's ops."""
-    shapes, n = [(37, 11), (3,), (64, 16), (5, 300)], 3
+    n = 3
     layout = ShardLayout.build(shapes, codec, n, kernels="chunked")
+    assert layout.encodes_error(torch.device("cpu")) == (shapes != ODD or codec.format != "nvfp4")
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(layout.numel, generator=g) * torch.logspace(-3, 3, layout.numel)
               for _ in range(n)]

@@ -48,7 +48,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from .comm import Communicator, ShardLayout, encode, fp32_allreduce_wire_bytes, rounding_error
+from .comm import Communicator, ShardLayout, encode, fp32_allreduce_wire_bytes
 from .comm.group import DeviceGroup
 from .comm.stages import all_finite, poison_unless
 from .config import FP8Config, GeoFP8Config
@@ -134,9 +134,11 @@ class GeoFP8ReduceScatter(ReduceScatter):
         routes = self._prepare(flat.view(n, -1), n)
         finite = all_finite(flat).to(torch.uint8).reshape(1)
         seed = engine.seed(unit.crc(), 0)
-        sent = encode(flat, layout, side=[finite] * n, seed=seed, sender=dg.rank)
-        if engine.config.error_feedback:
-            self._stage_residuals(rounding_error(sent, flat, layout).view(n, -1), n, routes)
+        residual = torch.empty_like(flat) if engine.config.error_feedback else None
+        sent = encode(flat, layout, side=[finite] * n, seed=seed, sender=dg.rank,
+                      error=residual)
+        if residual is not None:
+            self._stage_residuals(residual.view(n, -1), n, routes)
         engine.ledger.add("codec_s", time.perf_counter() - t0)
         total = self.state.communicator(dg).launch(sent, layout, unmap=_poison_unless_flag,
                                                    gather=False, out=flat).wait()
@@ -227,9 +229,9 @@ class ReplicaAllReduce:
                     if residual is not None:
                         x[lo:hi] += residual.reshape(-1)
             seed = engine.seed(unit.crc(), 1)
-            sent = encode(x, layout, seed=seed, sender=rep.rank)
-            if engine.config.error_feedback:
-                residual = rounding_error(sent, x, layout)
+            residual = torch.empty_like(x) if engine.config.error_feedback else None
+            sent = encode(x, layout, seed=seed, sender=rep.rank, error=residual)
+            if residual is not None:
                 for name, (lo, hi), chunk in zip(unit.names, _spans(chunks), chunks):
                     feedback.stage(name + REPLICA, residual[lo:hi].view(chunk), IDENTITY)
             engine.ledger.add("codec_s", time.perf_counter() - t0)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .codecs.base import exact_div
 from .comm.collective import Communicator
 from .comm.layout import ShardLayout
-from .comm.stages import encode, rounding_error
+from .comm.stages import encode
 
 __all__ = ["HierarchicalAllReduce", "node_size", "row_chunks"]
 
@@ -129,9 +129,9 @@ class HierarchicalAllReduce:
             chunk = mine[pos : pos + rows * width].view(shape)
             routes.append(pipeline.prepare_into(name, chunk, chunk, in_place=True))
         layout = self._layout(chunk_shapes)
-        sent = encode(mine, layout, seed=seed, sender=self.inter.rank)
-        if engine.config.error_feedback:
-            residual = rounding_error(sent, mine, layout)
+        residual = torch.empty_like(mine) if engine.config.error_feedback else None
+        sent = encode(mine, layout, seed=seed, sender=self.inter.rank, error=residual)
+        if residual is not None:
             for name, shape, (pos, rows, width), route in zip(names, chunk_shapes, chunks,
                                                                routes):
                 pipeline.feedback.stage(name, residual[pos : pos + rows * width].view(shape),

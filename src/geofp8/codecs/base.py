@@ -239,6 +239,15 @@ class Codec(ABC):
         device, ``False`` if any scale is non-finite (no host sync: the caller poisons on the
         device with it)."""
 
+    def encode_with_error(self, out: torch.Tensor, error: torch.Tensor, x: torch.Tensor,
+                          segments: Segments) -> None:
+        """:meth:`encode_into` (round to nearest) and ``error = x − decode(out)``, the FP32
+        rounding error (``x``'s size): here by decoding ``out`` back; a codec whose kernels
+        leave it from the encoding pass itself overrides this (the same bits)."""
+        self.encode_into(out, x, segments)
+        self.decode_into(error, out, segments)
+        torch.sub(x, error, out=error)
+
     @abstractmethod
     def encode_shards(self, x: torch.Tensor, shards: Shards,
                       seeds: Sequence[int | None]) -> list[torch.Tensor]:

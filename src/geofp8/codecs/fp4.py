@@ -375,7 +375,9 @@ class NVFP4Codec(Codec):
         return s, code, e4m3_values(code).mul_(s_block)
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
-                    seed: int | None = None, overwrite: bool = False) -> None:
+                    seed: int | None = None, overwrite: bool = False,
+                    error: torch.Tensor | None = None) -> None:
+        """``error``: see :meth:`encode_with_error`."""
         blocks = blocks_of(segments)
         flat = _check_input(x, blocks.numel)
         n_seg, n_groups = len(segments), blocks.groups
@@ -387,15 +389,26 @@ class NVFP4Codec(Codec):
         s, code, scale = self._scales(block_amax(flat, blocks), segments)
         out[: 4 * n_seg].copy_(s.view(torch.uint8))
         out[4 * n_seg : 4 * n_seg + n_groups].copy_(code)
-        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
         u = (segment_uniforms(segments, flat.numel(), seed, flat.device)
              if self.rounding == "stochastic" else None)
         packed = out[4 * n_seg + n_groups :]
         if u is None and native.usable(flat, packed):  # one pass of the CPU's native kernel
-            native.e2m1_encode(packed, flat, divisor, blocks.runs)
+            native.e2m1_encode(packed, flat, scale, blocks.runs, error=error)
             return
+        if error is not None:
+            raise ValueError("only the native CPU kernel with nearest rounding leaves the "
+                             "rounding error")
+        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
         pack_nibbles(encode_blocks(flat, divisor, blocks, u, e2m1_encode, in_place=overwrite),
                      packed)
+
+    def encode_with_error(self, out: torch.Tensor, error: torch.Tensor, x: torch.Tensor,
+                          segments: Segments) -> None:
+        """On a CPU: the native kernel leaves the rounding error in its encoding pass."""
+        if self.rounding == "nearest" and native.usable(out, error, x):
+            self.encode_into(out, x, segments, error=error)
+        else:
+            super().encode_with_error(out, error, x, segments)
 
     def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
                     segments: Segments) -> torch.Tensor:

@@ -120,13 +120,23 @@ class FP8Codec(Codec):
         return (4 * sum(len(seg) for seg in segments), sum(sum(seg) for seg in segments))
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
-                    seed: int | None = None, overwrite: bool = False) -> None:
-        """``[scales][codes]`` of the flat ``x`` straight into ``out`` (no payload copy)."""
+                    seed: int | None = None, overwrite: bool = False,
+                    error: torch.Tensor | None = None) -> None:
+        """``[scales][codes]`` of the flat ``x`` straight into ``out`` (no payload copy);
+        ``error``: see :meth:`encode_with_error`."""
         lengths = [n for seg in segments for n in seg]
         n_groups = len(lengths)
         packed = self.quantize(x, lengths, out=out[4 * n_groups : 4 * n_groups + x.numel()],
-                               overwrite=overwrite)
+                               overwrite=overwrite, error=error)
         out[: 4 * n_groups].copy_(packed.scales.view(torch.uint8))
+
+    def encode_with_error(self, out: torch.Tensor, error: torch.Tensor, x: torch.Tensor,
+                          segments: Segments) -> None:
+        """E4M3 on a CPU: the native kernel leaves the rounding error in its encoding pass."""
+        if self.format == "e4m3" and native.usable(out, error, x):
+            self.encode_into(out, x, segments, error=error)
+        else:
+            super().encode_with_error(out, error, x, segments)
 
     def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
                     segments: Segments) -> torch.Tensor:
@@ -168,13 +178,16 @@ class FP8Codec(Codec):
         return (flushed + saturated).double() / max(x.numel(), 1)
 
     def quantize(self, x: torch.Tensor, lengths: list[int] | None = None, *,
-                 out: torch.Tensor | None = None, overwrite: bool = False) -> Packed:
+                 out: torch.Tensor | None = None, overwrite: bool = False,
+                 error: torch.Tensor | None = None) -> Packed:
         """Encode ``x`` (fp32/bf16/fp16, any shape); ``lengths`` overrides the groups.
 
         ``out`` (optional): a contiguous uint8 buffer of ``x.numel()`` bytes that receives
         the codes (reuse it across steps to skip the allocation). ``overwrite``: an FP32
         ``x`` may be divided by its scales in place (its values are lost) rather than
-        through a scratch vector; the same codes either way.
+        through a scratch vector; the same codes either way. ``error`` (E4M3 on a CPU with
+        the native kernels only): an FP32 vector of ``x.numel()`` values that receives
+        ``x − dequantize(codes)`` from the encoding pass.
         """
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise TypeError(f"GeoFP8 codecs take floating-point tensors, got {x.dtype}")
@@ -196,7 +209,12 @@ class FP8Codec(Codec):
             raise ValueError("out must be a contiguous uint8 tensor with one byte per element")
         else:
             codes = out.view(-1).view(self.dtype)
-        _encode_into(codes, flat, scales, lengths, info, in_place=overwrite)
+        if error is not None:
+            if not (self.format == "e4m3" and native.usable(codes, flat, error)):
+                raise ValueError("only E4M3's native CPU kernel leaves the rounding error")
+            native.e4m3_encode(codes, flat, scales, tuple(lengths), error=error)
+        else:
+            _encode_into(codes, flat, scales, lengths, info, in_place=overwrite)
         return Packed(codes.view(torch.uint8), scales, tuple(x.shape), self, tuple(lengths))
 
     def scales_of(self, flat: torch.Tensor, lengths: list[int], info=None) -> torch.Tensor:

@@ -63,22 +63,33 @@ static inline run_t run_in(const int64_t *run, int64_t lo, int64_t hi) {
 
 /* ---- E4M3 (FP8's elements) --------------------------------------------------------------
  * encode: codes[i] = e4m3(x[i] / s_g), the IEEE FP32 quotient converted as torch 2.13's c10
- *         converts (round to nearest even; overflow and Inf saturate at 0x7E = 448; NaN is 0x7F);
+ *         converts (round to nearest even; overflow and Inf saturate at 0x7E = 448; NaN is 0x7F),
+ *         and, where `error` is not NULL, error[i] = x[i] - value(codes[i]) * s_g (the decode's
+ *         product, then the FP32 difference: the rounding error, in the same pass);
  * decode: out[i] = value(codes[i]) * s_g (the FP32 product of torch's value of the byte). */
 
-/* c10's fp8e4m3fn_from_fp32_value, branch-free. */
-static inline uint8_t e4m3_of(float f) {
-    const uint32_t denorm = UINT32_C(141) << 23; /* below 2^-6: a magic add rounds */
-    uint32_t b = bits_of(f);
-    uint32_t sign = (b >> 24) & UINT32_C(0x80);
-    uint32_t mag = b & UINT32_C(0x7FFFFFFF);
-    uint32_t subnormal = bits_of(float_of(mag) + float_of(denorm)) - denorm;
-    uint32_t normal = (mag + (UINT32_C(0) - (UINT32_C(120) << 23)) + UINT32_C(0x7FFFF) +
-                       ((mag >> 20) & 1u)) >> 20;
-    uint32_t code = select(mask_if(mag < (UINT32_C(121) << 23)), subnormal, normal);
-    code = select(mask_if(code > UINT32_C(0x7E)), UINT32_C(0x7E), code);
-    code = select(mask_if(mag > UINT32_C(0x7F800000)), UINT32_C(0x7F), code);
-    return (uint8_t)(code | sign);
+/* c10's fp8e4m3fn_from_fp32_value, branch-free: |q| clamped to 448 (above saturates; NaN
+ * becomes 448, then code 0x7F), from 2^-6 up the mantissa rounded to 3 bits in place (the
+ * bits of the rounded value), below it a magic add rounds to a multiple of 2^-9. Also, in
+ * *value, that code's FP32 value as e4m3_value gives it (NaN for 0x7F). */
+static inline uint8_t e4m3_round(float q, float *value) {
+    const uint32_t denorm = UINT32_C(141) << 23, top = UINT32_C(0x43E00000);
+    uint32_t b = bits_of(q);
+    uint32_t mag = b & UINT32_C(0x7FFFFFFF), sign = b & UINT32_C(0x80000000);
+    uint32_t nan = mask_if(mag > UINT32_C(0x7F800000));
+    uint32_t m = mag < top ? mag : top;
+    uint32_t below = bits_of(float_of(m) + float_of(denorm));
+    uint32_t rounded = (m + UINT32_C(0x7FFFF) + ((m >> 20) & 1u)) & UINT32_C(0xFFF00000);
+    uint32_t subnormal = mask_if(m < (UINT32_C(121) << 23));
+    uint32_t v = select(subnormal, bits_of(float_of(below) - float_of(denorm)), rounded);
+    *value = float_of(select(nan, UINT32_C(0x7FF00000), v) | sign);
+    uint32_t code = select(subnormal, below - denorm, (rounded - (UINT32_C(120) << 23)) >> 20);
+    return (uint8_t)(code | (nan & UINT32_C(0x7F)) | (sign >> 24));
+}
+
+static inline uint8_t e4m3_of(float q) {
+    float value;
+    return e4m3_round(q, &value);
 }
 
 /* torch's FP32 value of an E4M3 byte, branch-free: a normal code's bits under an exponent
@@ -93,13 +104,20 @@ static inline float e4m3_value(uint8_t c) {
     return float_of(v | ((uint32_t)(c & 0x80u) << 24));
 }
 
-void geofp8_e4m3_encode(const float *restrict x, uint8_t *restrict codes,
+void geofp8_e4m3_encode(const float *restrict x, uint8_t *restrict codes, float *restrict error,
                         const float *restrict scales, const int64_t *runs, int64_t n_runs,
                         int64_t lo, int64_t hi) {
     FOR_EACH_GROUP(runs, n_runs, lo, hi, {
         const float s = scales[g];
-        for (int64_t i = a; i < b; i++)
-            codes[i] = e4m3_of(x[i] / s);
+        if (error)
+            for (int64_t i = a; i < b; i++) {
+                float v;
+                codes[i] = e4m3_round(x[i] / s, &v);
+                error[i] = x[i] - v * s;
+            }
+        else
+            for (int64_t i = a; i < b; i++)
+                codes[i] = e4m3_of(x[i] / s);
     })
 }
 
@@ -155,8 +173,9 @@ static void spread(float *restrict buf, const float *restrict scale, const int64
 }
 
 /* The divisor of a group is its scale, or 1 where the scale is not positive (0: an all-zero
- * block; NaN: a non-finite one), as NVFP4Codec divides. */
-void geofp8_e2m1_encode(const float *restrict x, uint8_t *restrict packed,
+ * block; NaN: a non-finite one), as NVFP4Codec divides; `error` (or NULL): x - value * scale,
+ * as the decode's product and the FP32 difference. */
+void geofp8_e2m1_encode(const float *restrict x, uint8_t *restrict packed, float *restrict error,
                         const float *restrict scale, const int64_t *runs, int64_t n_runs,
                         int64_t lo, int64_t hi) {
     float d[PIECE];
@@ -168,6 +187,9 @@ void geofp8_e2m1_encode(const float *restrict x, uint8_t *restrict packed,
             const float di = float_of(select(mask_if(d[i] > 0.0f), bits_of(d[i]), bits_of(1.0f)));
             codes[i] = e2m1_of(x[p + i] / di);
         }
+        if (error)
+            for (int64_t i = 0; i < n; i++)
+                error[p + i] = x[p + i] - e2m1_value(codes[i]) * d[i];
         uint8_t *out = packed + p / 2;
         for (int64_t k = 0; k < pairs; k++)
             out[k] = (uint8_t)(codes[2 * k] | (codes[2 * k + 1] << 4));

@@ -106,8 +106,9 @@ def kernels() -> ctypes.CDLL | None:
                       "torch's ops are used instead (the same results, slower)", stacklevel=2)
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    for f in (lib.geofp8_e4m3_encode, lib.geofp8_e4m3_decode, lib.geofp8_e2m1_encode,
-              lib.geofp8_e2m1_decode):
+    for f in (lib.geofp8_e4m3_encode, lib.geofp8_e2m1_encode):
+        f.argtypes, f.restype = [p, p, p, p, p, i64, i64, i64], None
+    for f in (lib.geofp8_e4m3_decode, lib.geofp8_e2m1_decode):
         f.argtypes, f.restype = [p, p, p, p, i64, i64, i64], None
     lib.geofp8_runs_amax.argtypes = [p, p, p, i64, i64, i64, i64]
     lib.geofp8_nvfp4_scales.argtypes = [p, p, p, p, p, i64, i64, i64]
@@ -204,43 +205,60 @@ def length_runs(lengths: tuple[int, ...]) -> Runs:
     return group_runs([lengths])
 
 
-def _e4m3(kernel, fp32: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-          lengths: tuple[int, ...], values_first: bool) -> None:
+def _e4m3_runs(fp32: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+               lengths: tuple[int, ...], *tensors: torch.Tensor) -> torch.Tensor:
     if fp32.dtype != torch.float32 or codes.element_size() != 1:
         raise ValueError("the native E4M3 kernels take FP32 values and one-byte codes")
     if codes.numel() != fp32.numel():
         raise ValueError(f"{fp32.numel()} values and {codes.numel()} codes were given")
-    runs = length_runs(tuple(lengths))
-    r = _runs(runs, len(lengths), fp32.numel(), scales, codes, fp32)
-    first, second = (fp32, codes) if values_first else (codes, fp32)
-    _call(kernel, _cuts(fp32.numel()), first.data_ptr(), second.data_ptr(), scales.data_ptr(),
-          r.data_ptr(), r.shape[0])
+    return _runs(length_runs(tuple(lengths)), len(lengths), fp32.numel(), scales, codes, fp32,
+                 *tensors)
+
+
+def _error_ptr(error: torch.Tensor | None, x: torch.Tensor) -> int | None:
+    """``error``'s address (``None``: NULL) once it is an FP32 vector of ``x``'s size."""
+    if error is None:
+        return None
+    if error.dtype != torch.float32 or error.numel() != x.numel():
+        raise ValueError(f"the rounding error takes {x.numel()} FP32 values, got "
+                         f"{error.numel()} of {error.dtype}")
+    _require_cpu(error)
+    return error.data_ptr()
 
 
 def e4m3_encode(codes: torch.Tensor, x: torch.Tensor, scales: torch.Tensor,
-                lengths: tuple[int, ...]) -> None:
+                lengths: tuple[int, ...], error: torch.Tensor | None = None) -> None:
     """``codes[i] = e4m3(x[i] / scales[g])`` for the FP32 ``x`` cut into groups of
-    ``lengths`` (``codes``: one byte per element, uint8 or ``float8_e4m3fn``)."""
-    _e4m3(kernels().geofp8_e4m3_encode, x, codes, scales, lengths, values_first=True)
+    ``lengths`` (``codes``: one byte per element, uint8 or ``float8_e4m3fn``); with
+    ``error``, also ``error[i] = x[i] − value(codes[i]) · scales[g]`` in the same pass (what
+    :func:`e4m3_decode` and a subtraction give)."""
+    r = _e4m3_runs(x, codes, scales, lengths)
+    _call(kernels().geofp8_e4m3_encode, _cuts(x.numel()), x.data_ptr(), codes.data_ptr(),
+          _error_ptr(error, x), scales.data_ptr(), r.data_ptr(), r.shape[0])
 
 
 def e4m3_decode(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                 lengths: tuple[int, ...]) -> None:
     """``out[i] = value(codes[i]) · scales[g]`` for the groups of ``lengths``, ``value``:
     torch's FP32 value of the E4M3 byte."""
-    _e4m3(kernels().geofp8_e4m3_decode, out, codes, scales, lengths, values_first=False)
+    r = _e4m3_runs(out, codes, scales, lengths)
+    _call(kernels().geofp8_e4m3_decode, _cuts(out.numel()), codes.data_ptr(), out.data_ptr(),
+          scales.data_ptr(), r.data_ptr(), r.shape[0])
 
 
-def e2m1_encode(packed: torch.Tensor, x: torch.Tensor, divisor: torch.Tensor,
-                runs: Runs) -> None:
+def e2m1_encode(packed: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
+                runs: Runs, error: torch.Tensor | None = None) -> None:
     """Nibble ``i`` of ``packed`` (``⌈n/2⌉`` bytes, element ``2i`` low) ``= e2m1(x[i] /
-    divisor[g])`` over the groups of ``runs`` (:func:`~.base.group_runs`)."""
+    d_g)`` over the groups of ``runs`` (:func:`~.base.group_runs`), ``d_g = scale[g]`` or 1
+    where that is not positive (0 or NaN); with ``error``, also ``error[i] = x[i] −
+    value(nibble i) · scale[g]`` in the same pass (what :func:`e2m1_decode` and a
+    subtraction give)."""
     if x.dtype != torch.float32 or packed.dtype != torch.uint8 or \
             packed.numel() != (x.numel() + 1) // 2:
         raise ValueError("the native E2M1 encode takes n FP32 values and ⌈n/2⌉ packed bytes")
-    r = _runs(runs, divisor.numel(), x.numel(), divisor, packed, x)
+    r = _runs(runs, scale.numel(), x.numel(), scale, packed, x)
     _call(kernels().geofp8_e2m1_encode, _cuts(x.numel()), x.data_ptr(), packed.data_ptr(),
-          divisor.data_ptr(), r.data_ptr(), r.shape[0])
+          _error_ptr(error, x), scale.data_ptr(), r.data_ptr(), r.shape[0])
 
 
 def e2m1_decode(out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,

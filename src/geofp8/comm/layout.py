@@ -245,15 +245,25 @@ class ShardLayout:
         (:meth:`encode_pieces`, :meth:`decode_flat`) rather than FP32 values."""
         return self._by_segment is not None
 
-    def encode_pieces(self, flat: torch.Tensor, seeds: list[int | None]
-                      ) -> list[list[torch.Tensor]]:
+    def encodes_error(self, device: torch.device) -> bool:
+        """Whether :meth:`encode_pieces` takes an ``error`` vector on ``device``: a segmentwise
+        codec on the chunked kernels, whose one call over the flat vector can leave its
+        rounding error there (:meth:`Codec.encode_with_error`)."""
+        return self.segmentwise and not self.batched(device)
+
+    def encode_pieces(self, flat: torch.Tensor, seeds: list[int | None],
+                      error: torch.Tensor | None = None) -> list[list[torch.Tensor]]:
         """Per shard, the pieces whose concatenation is its payload, from the flat FP32
         vector; shard ``j`` encoded with ``seeds[j]``. For a segmentwise codec, one codec
         call over the flat vector, segment by segment (batched: :meth:`Codec.encode_shards`;
         chunked: the codec's own :meth:`Codec.encode_into` of all segments as one shard, whose
         parts are cut by segment), its parts then put in shard order: bytes are reordered,
         not FP32 values (no shard-major copy). Otherwise (batched only)
-        :meth:`encode_shards` of the shard-major vector."""
+        :meth:`encode_shards` of the shard-major vector. ``error`` (where
+        :meth:`encodes_error`): receives ``flat − decode(payloads)`` in flat order."""
+        if error is not None and not self.encodes_error(flat.device):
+            raise ValueError("this layout does not leave the rounding error on "
+                             f"{flat.device.type} (see encodes_error)")
         n = self.world_size
         if self._by_segment is None:
             parts = self.encode_shards(self.shard_major(flat), list(range(n)), seeds)
@@ -268,7 +278,10 @@ class ShardLayout:
         else:
             segments, part_bytes = self._flat_run
             payload = flat.new_empty(sum(part_bytes), dtype=torch.uint8)
-            self.codec.encode_into(payload, flat, segments)
+            if error is None:
+                self.codec.encode_into(payload, flat, segments)
+            else:
+                self.codec.encode_with_error(payload, error, flat, segments)
             parts = interleave(*(part.split([b[p] for b in seg_bytes])
                                  for p, part in enumerate(payload.split(part_bytes))))
         k = len(parts) // len(flat_shards)  # parts per segment

@@ -37,14 +37,20 @@ def _shard_seed(seed: int | None, *index: int) -> int | None:
 
 def encode(flat: torch.Tensor, layout: ShardLayout,
            side: list[torch.Tensor] | None = None, seed: int | None = None,
-           sender: int = 0) -> torch.Tensor:
+           sender: int = 0, error: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 1: every shard quantized with its own scales (then its ``side`` bytes, if any),
     one after the other in one uint8 buffer; ``sender``: this rank (its rounding stream).
     Batched (:attr:`ShardLayout.kernels`) or segmentwise: one codec call over the bucket
     (the kernels do not grow with ``N``, :meth:`ShardLayout.encode_pieces`); else chunked:
-    shard by shard straight into the buffer."""
+    shard by shard straight into the buffer.
+
+    ``error``: an FP32 vector of ``flat``'s size that receives :func:`rounding_error`
+    (``flat − decode(sent)``, a sender's error feedback residual; the same bits), from the
+    encoding pass itself where the layout allows it (:meth:`ShardLayout.encodes_error`),
+    else decoded back from the buffer."""
     n = layout.world_size
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
+    fused = error is not None and layout.encodes_error(flat.device)
     if not (layout.batched(flat.device) or layout.segmentwise):
         sizes = _send_sizes(layout)
         sent = flat.new_empty(sum(sizes), dtype=torch.uint8)
@@ -52,13 +58,16 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
             layout.encode_gathered(record, flat, j, seeds[j])
             if layout.side[j]:
                 record[layout.shard_bytes(j) :].copy_(side[j])
-        return sent
-    pieces = []
-    for j, payload in enumerate(layout.encode_pieces(flat, seeds)):
-        pieces += payload
-        if layout.side[j]:
-            pieces.append(side[j])
-    return torch.cat(pieces)
+    else:
+        pieces = []
+        for j, payload in enumerate(layout.encode_pieces(flat, seeds, error if fused else None)):
+            pieces += payload
+            if layout.side[j]:
+                pieces.append(side[j])
+        sent = torch.cat(pieces)
+    if error is not None and not fused:
+        _decode_flat(sent, layout, _send_sizes(layout), minus=flat, out=error, check=False)
+    return sent
 
 
 def _send_sizes(layout: ShardLayout) -> list[int]:
