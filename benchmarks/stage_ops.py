@@ -1,7 +1,7 @@
 """Aten ops and wall time of the exact collective's stages per bucket, in one process.
 
-One rank's share of a bucket: :func:`encode` with its rounding error (its payload and its
-error feedback residual), :func:`decode_sum` of the ``N`` copies of its shard,
+One rank's share of a bucket: :func:`encode_with_error` (its payload and its error feedback
+residual), :func:`decode_sum` of the ``N`` copies of its shard,
 :func:`encode_reduced` and :func:`decode_gathered`. Ops are counted with a dispatch mode and
 the peak of the bytes allocated and not yet freed (the profiler's allocation records; the
 inputs, made beforehand, not counted) is taken against the bucket's FP32 bytes: both
@@ -42,6 +42,7 @@ from geofp8.comm.stages import (
     decode_sum,
     encode,
     encode_reduced,
+    encode_with_error,
 )
 
 BUCKETS = {"1MB": [(256, 256)] * 4, "25MB": [(512, 512)] * 25}  # tensors of a bucket
@@ -120,7 +121,7 @@ def rank_share(layout: ShardLayout, x: torch.Tensor):
                                            layout, j) for j in range(n)])  # an all-gather's
 
     def run() -> None:
-        encode(x, layout, error=torch.empty_like(x))  # with its rounding error, as EF does
+        encode_with_error(x, layout)  # its rounding error too, as error feedback takes it
         encode_reduced(decode_sum(received, layout, 0), layout, 0)
         decode_gathered(gathered, layout)
     return run

@@ -15,6 +15,7 @@ from geofp8.comm import (
     decode_gathered,
     encode,
     encode_reduced,
+    encode_with_error,
     exact_allreduce,
     fp32_allreduce_wire_bytes,
     rounding_error,
@@ -231,6 +232,23 @@ def test_non_finite_on_one_rank_poisons_everything(world_size, bad):
         inputs[world_size - 1][where] = bad
         out = simulate_exact_allreduce(inputs, layout)
         assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "mxfp4", "mxfp8"])
+@pytest.mark.parametrize("kernels", ["batched", "chunked"])
+def test_a_non_finite_value_poisons_the_sum_in_every_codec(fmt, kernels):
+    """Stage 5 all NaN when one rank's shard holds a non-finite value, and no NaN otherwise:
+    segmentwise layouts (even segments) fold the poison into the codec's scales, the others
+    poison the decoded values."""
+    from geofp8.codecs import make_codec
+
+    for shapes in ([(64, 16), (32, 8)], [(37, 11), (3,), (64, 16)]):
+        layout = ShardLayout.build(shapes, make_codec(fmt), 3, kernels=kernels)
+        inputs = [torch.randn(layout.numel, generator=torch.Generator().manual_seed(r))
+                  for r in range(3)]
+        assert not simulate_exact_allreduce(inputs, layout).isnan().any()
+        inputs[2][layout.numel - 1] = float("inf")
+        assert simulate_exact_allreduce(inputs, layout).isnan().all(), shapes
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 4])
@@ -506,16 +524,16 @@ def test_a_segmentwise_codec_is_run_in_flat_order(fmt, scaling, rounding, shapes
         layout.decode_scattered(total, gathered[j], j)
     expect = (torch.cat(records), residual, total)
     for kernels, layout in layouts.items():
-        error = torch.empty_like(flat)  # the rounding error from the encoding pass, or decoded
         with _Fp32Cats(min(layout.shard_numel(j) for j in range(n))) as cats:
             sent = encode(flat, layout, seed=9)
             got = (sent, rounding_error(sent, flat, layout),
                    decode_gathered(gathered, layout, out=torch.empty_like(flat)))
-            assert torch.equal(encode(flat, layout, seed=9, error=error), sent)
+            again, error = encode_with_error(flat, layout, seed=9)  # from the encoding pass
+            assert torch.equal(again, sent)
         assert layout.encodes_error(flat.device) == (segmentwise and kernels == "chunked")
         if not layout.encodes_error(flat.device):
             with pytest.raises(ValueError, match="encodes_error"):
-                layout.encode_pieces(flat, [None] * n, error)
+                layout.encode_pieces(flat, [None] * n, torch.empty_like(flat))
         assert (cats.count == 0) == segmentwise, (kernels, cats.count)
         for a, b in zip((*got, error), (*expect, residual)):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), kernels

@@ -60,8 +60,11 @@ def test_codec_and_stages_on_the_device_match_the_cpu_without_host_syncs(fmt, sc
         run()  # first call: the codec's tables and the layout's group lengths
         with dev.strict():
             got = run()
-    for name, g, e in zip(("round trip", "simulation", "poisoned simulation"), got, expect):
+    for name, g, e in zip(("round trip", "simulation"), got, expect):
         assert _same(g, e), f"{fmt}/{scaling}/{rounding}: {name} differs from the CPU's"
+    # all NaN on both; which NaN (the payload bits) is the operand a kernel's product keeps
+    # when value and scale are both NaN, and the two paths multiply in different kernels
+    assert to_host(got[2]).isnan().all(), f"{fmt}/{scaling}/{rounding}: not poisoned"
 
 
 class _Ops(TorchDispatchMode):

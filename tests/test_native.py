@@ -7,7 +7,14 @@ import torch
 
 from geofp8.codecs import FP8Codec, NVFP4Codec, fp4, native
 from geofp8.comm import ShardLayout
-from geofp8.comm.stages import decode_gathered, decode_sum, encode, encode_reduced, rounding_error
+from geofp8.comm.stages import (
+    decode_gathered,
+    decode_sum,
+    encode,
+    encode_reduced,
+    encode_with_error,
+    rounding_error,
+)
 
 pytestmark = pytest.mark.skipif(native.kernels() is None, reason="no C compiler")
 
@@ -218,9 +225,9 @@ def test_out_of_bounds_arguments_are_refused():
 def _stages(layout, inputs):
     """Every stage of the exact collective for rank 0 of ``inputs`` (one vector per rank),
     the sender's rounding error both from the encoding pass and decoded back."""
-    error = torch.empty_like(inputs[0])
-    sent = [encode(x, layout, sender=r, error=None if r else error)
-            for r, x in enumerate(inputs)]
+    sent = [encode(x, layout, sender=r) for r, x in enumerate(inputs)]
+    assert torch.equal(encode_with_error(inputs[0], layout)[0], sent[0])
+    error = encode_with_error(inputs[0], layout)[1]
     nbytes = layout.send_bytes(0)
     reduced = decode_sum(torch.cat([s[:nbytes] for s in sent]), layout, 0)
     gathered = torch.stack([encode_reduced(reduced, layout, 0)] * layout.world_size)

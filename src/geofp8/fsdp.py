@@ -48,7 +48,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from .comm import Communicator, ShardLayout, encode, fp32_allreduce_wire_bytes
+from .comm import Communicator, ShardLayout, encode, encode_with_error, fp32_allreduce_wire_bytes
 from .comm.group import DeviceGroup
 from .comm.stages import all_finite, poison_unless
 from .config import FP8Config, GeoFP8Config
@@ -134,11 +134,11 @@ class GeoFP8ReduceScatter(ReduceScatter):
         routes = self._prepare(flat.view(n, -1), n)
         finite = all_finite(flat).to(torch.uint8).reshape(1)
         seed = engine.seed(unit.crc(), 0)
-        residual = torch.empty_like(flat) if engine.config.error_feedback else None
-        sent = encode(flat, layout, side=[finite] * n, seed=seed, sender=dg.rank,
-                      error=residual)
-        if residual is not None:
+        if engine.config.error_feedback:
+            sent, residual = encode_with_error(flat, layout, [finite] * n, seed, dg.rank)
             self._stage_residuals(residual.view(n, -1), n, routes)
+        else:
+            sent = encode(flat, layout, [finite] * n, seed, dg.rank)
         engine.ledger.add("codec_s", time.perf_counter() - t0)
         total = self.state.communicator(dg).launch(sent, layout, unmap=_poison_unless_flag,
                                                    gather=False, out=flat).wait()
@@ -229,11 +229,12 @@ class ReplicaAllReduce:
                     if residual is not None:
                         x[lo:hi] += residual.reshape(-1)
             seed = engine.seed(unit.crc(), 1)
-            residual = torch.empty_like(x) if engine.config.error_feedback else None
-            sent = encode(x, layout, seed=seed, sender=rep.rank, error=residual)
-            if residual is not None:
+            if engine.config.error_feedback:
+                sent, residual = encode_with_error(x, layout, seed=seed, sender=rep.rank)
                 for name, (lo, hi), chunk in zip(unit.names, _spans(chunks), chunks):
                     feedback.stage(name + REPLICA, residual[lo:hi].view(chunk), IDENTITY)
+            else:
+                sent = encode(x, layout, seed=seed, sender=rep.rank)
             engine.ledger.add("codec_s", time.perf_counter() - t0)
             x = self.state.communicator(rep).launch(sent, layout, gather=True, seed=seed,
                                                     owner_keys=unit.names, out=x).wait()

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .codecs.base import exact_div
 from .comm.collective import Communicator
 from .comm.layout import ShardLayout
-from .comm.stages import encode
+from .comm.stages import encode, encode_with_error
 
 __all__ = ["HierarchicalAllReduce", "node_size", "row_chunks"]
 
@@ -129,13 +129,14 @@ class HierarchicalAllReduce:
             chunk = mine[pos : pos + rows * width].view(shape)
             routes.append(pipeline.prepare_into(name, chunk, chunk, in_place=True))
         layout = self._layout(chunk_shapes)
-        residual = torch.empty_like(mine) if engine.config.error_feedback else None
-        sent = encode(mine, layout, seed=seed, sender=self.inter.rank, error=residual)
-        if residual is not None:
+        if engine.config.error_feedback:
+            sent, residual = encode_with_error(mine, layout, seed=seed, sender=self.inter.rank)
             for name, shape, (pos, rows, width), route in zip(names, chunk_shapes, chunks,
                                                                routes):
                 pipeline.feedback.stage(name, residual[pos : pos + rows * width].view(shape),
                                         route)
+        else:
+            sent = encode(mine, layout, seed=seed, sender=self.inter.rank)
         engine.ledger.add("codec_s", time.perf_counter() - t0)
         total = self.communicator.launch(sent, layout, seed=seed, out=mine).wait()
         t1 = time.perf_counter()

@@ -28,7 +28,7 @@ from .candidates import find_candidates
 from .codecs import make_codec
 from .comm.group import DeviceGroup
 from .comm.layout import ShardLayout
-from .comm.stages import encode
+from .comm.stages import encode, encode_with_error
 from .feedback import ErrorFeedback
 from .geometry.sources import LocalFactors, SharedInputs, make_source
 from .geometry.transforms import IDENTITY, LowRankInput, Transform
@@ -235,14 +235,15 @@ class GradientPipeline:
         layout = self._layout(shapes, per_sender, tuple(self.codec_of(n) for n in names))
         side = self._sender_factors(shapes, per_sender, routes, layout) if any(per_sender) \
             else None
-        residual = torch.empty_like(flat) if self.config.error_feedback else None
-        sent = encode(flat, layout, side, seed, sender=self.group.rank, error=residual)
-        if residual is not None:  # R ← Ũ − deq(Q(Ũ))
+        if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ))
+            sent, residual = encode_with_error(flat, layout, side, seed, self.group.rank)
             pos = 0
             for name, shape, route in zip(names, shapes, routes):
                 n = torch.Size(shape).numel()
                 self.feedback.stage(name, residual[pos : pos + n].view(shape), route)
                 pos += n
+        else:
+            sent = encode(flat, layout, side, seed, sender=self.group.rank)
         side_bytes = sum(layout.side[j] for j in range(self.world_size) if j != self.rank)
         return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes)
 

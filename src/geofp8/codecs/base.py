@@ -189,6 +189,14 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     return t.mul(0).sum().eq(0)
 
 
+def poison_scales_(scales: torch.Tensor) -> None:
+    """``scales`` in place, all NaN unless every one is finite, so that every value they
+    decode is NaN then (:func:`finite_flag` folded into the scales: no pass over the decoded
+    values). ``s + Σ s·0`` is ``s + 0 = s`` when all are finite (scales are never ``-0``) and
+    NaN otherwise."""
+    scales.add_(scales.mul(0).sum())
+
+
 def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
     """``x / divisor`` correctly rounded on every device. CUDA evaluates a division by a
     Python (CPU) scalar as ``x · fl(1/divisor)``, up to one ulp off the CPU's quotient; a
@@ -233,11 +241,12 @@ class Codec(ABC):
         by its scales in place instead of into new FP32 pieces or a scratch vector."""
 
     @abstractmethod
-    def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
-                    segments: Segments) -> torch.Tensor:
+    def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments,
+                    poison: bool = False) -> torch.Tensor | None:
         """Decode ``buf`` into the flat FP32 ``out``; returns a 0-dim bool tensor on ``buf``'s
         device, ``False`` if any scale is non-finite (no host sync: the caller poisons on the
-        device with it)."""
+        device with it). ``poison``: instead, every value is NaN unless every scale is finite
+        (:func:`poison_scales_`, no pass over ``out``), and ``None`` is returned."""
 
     def encode_with_error(self, out: torch.Tensor, error: torch.Tensor, x: torch.Tensor,
                           segments: Segments) -> None:
@@ -259,11 +268,13 @@ class Codec(ABC):
 
     @abstractmethod
     def decode_shards(self, out: torch.Tensor, parts: Sequence[torch.Tensor],
-                      shards: Shards, check: bool = True) -> torch.Tensor | None:
+                      shards: Shards, check: bool = True,
+                      poison: bool = False) -> torch.Tensor | None:
         """Decode ``parts`` (as :meth:`encode_shards` returns them) into the flat FP32
         ``out`` (the shards' values one after the other), in a number of kernels that does
         not grow with the number of shards; returns a 0-dim bool device tensor, ``False`` if
-        any scale is non-finite (``None`` without ``check``: its kernels are skipped)."""
+        any scale is non-finite (``None`` without ``check``: its kernels are skipped).
+        ``poison``: as :meth:`decode_into`'s (returns ``None``)."""
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         """Share of the elements of ``x`` that the codec saturates at its largest code or

@@ -56,6 +56,7 @@ from .base import (
     group_runs,
     interleave,
     mix_seed,
+    poison_scales_,
     rows_amax,
     shard_lengths,
 )
@@ -410,8 +411,8 @@ class NVFP4Codec(Codec):
         else:
             super().encode_with_error(out, error, x, segments)
 
-    def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
-                    segments: Segments) -> torch.Tensor:
+    def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments,
+                    poison: bool = False) -> torch.Tensor | None:
         blocks = blocks_of(segments)
         n_seg, n_groups, n = len(segments), blocks.groups, blocks.numel
         nbytes = sum(self._parts(n_seg, blocks))
@@ -426,14 +427,19 @@ class NVFP4Codec(Codec):
         if native.usable(out, packed):  # one pass of the CPU's native kernels each
             scale = torch.empty(n_groups, dtype=torch.float32)
             native.e4m3_decode(scale, code, s, per_segment)
-            native.e2m1_decode(out[:n], packed, scale, blocks.runs)
         else:
             counts = device_lengths(per_segment, buf.device)
             scale = e4m3_values(code).mul_(
                 torch.repeat_interleave(s, counts, output_size=n_groups))
+        finite = None if poison else finite_flag(scale)
+        if poison:
+            poison_scales_(scale)
+        if native.usable(out, packed):
+            native.e2m1_decode(out[:n], packed, scale, blocks.runs)
+        else:
             unpack_into(out[:n], packed)
             scale_blocks(out, scale, blocks)
-        return finite_flag(scale)
+        return finite
 
     def encode_shards(self, x: torch.Tensor, shards: Shards, seeds) -> list[torch.Tensor]:
         """As :meth:`encode_into` shard by shard, every segment's and block's scale from
@@ -451,8 +457,8 @@ class NVFP4Codec(Codec):
                           code.split([b for _, b, _ in sizes]),
                           pack_shards(e2m1_encode(v, u), [sum(map(sum, g)) for g in shards]))
 
-    def decode_shards(self, out: torch.Tensor, parts, shards: Shards,
-                      check: bool = True) -> torch.Tensor | None:
+    def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
+                      poison: bool = False) -> torch.Tensor | None:
         lengths = shard_lengths(shards)
         if not lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
@@ -461,9 +467,12 @@ class NVFP4Codec(Codec):
         counts = device_lengths(tuple(len(seg) for g in shards for seg in g), out.device)
         scale = e4m3_values(code).mul_(torch.repeat_interleave(s, counts,
                                                                output_size=code.numel()))
+        finite = finite_flag(scale) if check and not poison else None
+        if poison:
+            poison_scales_(scale)
         unpack_shards(out, torch.cat(list(parts[2::3])), [sum(map(sum, g)) for g in shards])
         group_mul_(out, scale, lengths)
-        return finite_flag(scale) if check else None
+        return finite
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         return flushed_fraction(self, x)

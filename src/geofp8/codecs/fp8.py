@@ -41,6 +41,7 @@ from .base import (
     group_fp8,
     group_mul_,
     interleave,
+    poison_scales_,
     segment_amax,
     shard_lengths,
 )
@@ -138,12 +139,15 @@ class FP8Codec(Codec):
         else:
             super().encode_with_error(out, error, x, segments)
 
-    def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
-                    segments: Segments) -> torch.Tensor:
+    def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments,
+                    poison: bool = False) -> torch.Tensor | None:
         lengths = [n for seg in segments for n in seg]
-        packed = Packed.from_bytes(buf, (sum(lengths),), self, lengths)
+        packed = Packed.from_bytes(buf, (sum(lengths),), self, lengths)  # scales: a copy
+        finite = None if poison else finite_flag(packed.scales)
+        if poison:
+            poison_scales_(packed.scales)
         packed.dequantize(out=out)
-        return finite_flag(packed.scales)
+        return finite
 
     def encode_shards(self, x: torch.Tensor, shards: Shards,
                       seeds=None) -> list[torch.Tensor]:
@@ -158,16 +162,19 @@ class FP8Codec(Codec):
         return interleave(scales.view(torch.uint8).split([a for a, _ in sizes]),
                           codes.split([b for _, b in sizes]))
 
-    def decode_shards(self, out: torch.Tensor, parts, shards: Shards,
-                      check: bool = True) -> torch.Tensor | None:
+    def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
+                      poison: bool = False) -> torch.Tensor | None:
         scales = torch.cat(list(parts[0::2])).view(torch.float32)
         codes = torch.cat(list(parts[1::2]))
+        finite = finite_flag(scales) if check and not poison else None
+        if poison:
+            poison_scales_(scales)
         if self.format == "e4m3":
             e4m3_into(out, codes)
         else:
             out.copy_(codes.view(torch.float8_e5m2))
         group_mul_(out, scales, shard_lengths(shards))
-        return finite_flag(scales) if check else None
+        return finite
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         """Share of codes saturated at ``±fmax`` or flushed to zero from a non-zero value,

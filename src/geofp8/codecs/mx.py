@@ -39,6 +39,7 @@ from .base import (
     group_fp8,
     group_mul_,
     interleave,
+    poison_scales_,
     shard_lengths,
 )
 from .fp4 import (
@@ -84,6 +85,14 @@ def e8m0_values(byte: torch.Tensor) -> torch.Tensor:
     bits = byte.to(torch.int32) << 23
     bits.masked_fill_(byte == 0, 0x00400000).masked_fill_(byte == 0xFF, 0x7FC00000)
     return bits.view(torch.float32)
+
+
+def _scales(byte: torch.Tensor, poison: bool) -> torch.Tensor:
+    """The blocks' FP32 scales, all NaN with ``poison`` unless every one is finite."""
+    values = e8m0_values(byte)
+    if poison:
+        poison_scales_(values)
+    return values
 
 
 def e4m3_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,8 +165,8 @@ class MXCodec(Codec):
         else:
             out[g:].copy_(codes)
 
-    def decode_into(self, out: torch.Tensor, buf: torch.Tensor,
-                    segments: Segments) -> torch.Tensor:
+    def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments,
+                    poison: bool = False) -> torch.Tensor | None:
         blocks = blocks_of(segments)
         g, n = blocks.groups, blocks.numel
         nbytes = sum(self._parts(blocks))
@@ -170,8 +179,8 @@ class MXCodec(Codec):
             unpack_into(out[:n], buf[g:])
         else:
             e4m3_into(out[:n], buf[g : g + n])
-        scale_blocks(out, e8m0_values(byte), blocks)
-        return (byte != 0xFF).all()
+        scale_blocks(out, _scales(byte, poison), blocks)
+        return None if poison else (byte != 0xFF).all()
 
     def encode_shards(self, x: torch.Tensor, shards: Shards, seeds) -> list[torch.Tensor]:
         """As :meth:`encode_into` shard by shard, from one segmented amax and one division by
@@ -191,8 +200,8 @@ class MXCodec(Codec):
         return interleave(byte.split([sum(map(len, g)) for g in shards]),
                           pack_shards(codes, numels) if self.packed else codes.split(numels))
 
-    def decode_shards(self, out: torch.Tensor, parts, shards: Shards,
-                      check: bool = True) -> torch.Tensor | None:
+    def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
+                      poison: bool = False) -> torch.Tensor | None:
         lengths = shard_lengths(shards)
         if not lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
@@ -202,8 +211,8 @@ class MXCodec(Codec):
             unpack_shards(out, codes, [sum(map(sum, g)) for g in shards])
         else:
             e4m3_into(out, codes)
-        group_mul_(out, e8m0_values(byte), lengths)
-        return (byte != 0xFF).all() if check else None
+        group_mul_(out, _scales(byte, poison), lengths)
+        return (byte != 0xFF).all() if check and not poison else None
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         return flushed_fraction(self, x)

@@ -288,12 +288,14 @@ class ShardLayout:
         return [[parts[f * k + p] for p in range(k) for f in positions[j]] for j in range(n)]
 
     def decode_flat(self, out: torch.Tensor, buf: torch.Tensor, records: list[int],
-                    check: bool = True) -> torch.Tensor | None:
+                    check: bool = True, poison: bool = False) -> torch.Tensor | None:
         """When :attr:`segmentwise`: the flat FP32 vector into ``out`` from every shard's
         record of ``records[j]`` bytes (its payload first) back to back in ``buf``, in one
         codec call over the segments in flat order (the records' parts are cut by segment and,
         for the chunked kernels, joined into one payload: bytes are reordered, no FP32
-        values). Returns the finite flag (:meth:`decode_shards`)."""
+        values). Returns the finite flag (:meth:`decode_shards`); ``poison``: the vector is
+        all NaN unless it is set, through the scales (:meth:`Codec.decode_into`), and
+        ``None`` is returned."""
         flat_shards, positions, seg_bytes = self._by_segment
         k = len(seg_bytes[0]) if seg_bytes else 0
         sizes, where = [], [0] * (len(flat_shards) * k)  # where: index of each piece in sizes
@@ -305,10 +307,11 @@ class ShardLayout:
             sizes.append(record - sum(self.parts[j]))  # the record's rest (side bytes, padding)
         pieces = buf[: sum(records)].split(sizes)
         if self.batched(buf.device):
-            return self.codec.decode_shards(out, [pieces[i] for i in where], flat_shards, check)
+            return self.codec.decode_shards(out, [pieces[i] for i in where], flat_shards, check,
+                                            poison)
         payload = torch.cat([pieces[where[f * k + p]] for p in range(k)
                              for f in range(len(flat_shards))])
-        finite = self.codec.decode_into(out, payload, self._flat_run[0])
+        finite = self.codec.decode_into(out, payload, self._flat_run[0], poison)
         return finite if check else None
 
     def encode_into(self, out: torch.Tensor, values: torch.Tensor, shard: int,

@@ -28,7 +28,7 @@ from ..codecs.base import mix_seed
 from .layout import ShardLayout
 
 __all__ = ["all_finite", "decode", "decode_gathered", "decode_sum", "encode", "encode_reduced",
-           "poison_unless", "rounding_error", "simulate_exact_allreduce"]
+           "encode_with_error", "poison_unless", "rounding_error", "simulate_exact_allreduce"]
 
 
 def _shard_seed(seed: int | None, *index: int) -> int | None:
@@ -37,20 +37,33 @@ def _shard_seed(seed: int | None, *index: int) -> int | None:
 
 def encode(flat: torch.Tensor, layout: ShardLayout,
            side: list[torch.Tensor] | None = None, seed: int | None = None,
-           sender: int = 0, error: torch.Tensor | None = None) -> torch.Tensor:
+           sender: int = 0) -> torch.Tensor:
     """Stage 1: every shard quantized with its own scales (then its ``side`` bytes, if any),
     one after the other in one uint8 buffer; ``sender``: this rank (its rounding stream).
     Batched (:attr:`ShardLayout.kernels`) or segmentwise: one codec call over the bucket
     (the kernels do not grow with ``N``, :meth:`ShardLayout.encode_pieces`); else chunked:
-    shard by shard straight into the buffer.
+    shard by shard straight into the buffer."""
+    return _encode(flat, layout, side, seed, sender)
 
-    ``error``: an FP32 vector of ``flat``'s size that receives :func:`rounding_error`
-    (``flat − decode(sent)``, a sender's error feedback residual; the same bits), from the
-    encoding pass itself where the layout allows it (:meth:`ShardLayout.encodes_error`),
-    else decoded back from the buffer."""
+
+def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
+                      side: list[torch.Tensor] | None = None, seed: int | None = None,
+                      sender: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sent, error)``: :func:`encode` and its :func:`rounding_error` ``flat −
+    decode(sent)`` (a sender's error feedback residual, a new FP32 vector; the same bits),
+    from the encoding pass itself where the layout allows it
+    (:meth:`ShardLayout.encodes_error`), else decoded back from ``sent`` once it is built."""
+    if not layout.encodes_error(flat.device):
+        sent = _encode(flat, layout, side, seed, sender)
+        return sent, rounding_error(sent, flat, layout)
+    error = torch.empty_like(flat)
+    return _encode(flat, layout, side, seed, sender, error), error
+
+
+def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | None,
+            seed: int | None, sender: int, error: torch.Tensor | None = None) -> torch.Tensor:
     n = layout.world_size
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
-    fused = error is not None and layout.encodes_error(flat.device)
     if not (layout.batched(flat.device) or layout.segmentwise):
         sizes = _send_sizes(layout)
         sent = flat.new_empty(sum(sizes), dtype=torch.uint8)
@@ -58,16 +71,13 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
             layout.encode_gathered(record, flat, j, seeds[j])
             if layout.side[j]:
                 record[layout.shard_bytes(j) :].copy_(side[j])
-    else:
-        pieces = []
-        for j, payload in enumerate(layout.encode_pieces(flat, seeds, error if fused else None)):
-            pieces += payload
-            if layout.side[j]:
-                pieces.append(side[j])
-        sent = torch.cat(pieces)
-    if error is not None and not fused:
-        _decode_flat(sent, layout, _send_sizes(layout), minus=flat, out=error, check=False)
-    return sent
+        return sent
+    pieces = []
+    for j, payload in enumerate(layout.encode_pieces(flat, seeds, error)):
+        pieces += payload
+        if layout.side[j]:
+            pieces.append(side[j])
+    return torch.cat(pieces)
 
 
 def _send_sizes(layout: ShardLayout) -> list[int]:
@@ -104,15 +114,16 @@ def _decode_records(buf: torch.Tensor, layout: ShardLayout, shards: list[int],
 
 def _decode_flat(buf: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
                  record: int | list[int], minus: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None,
-                 check: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 out: torch.Tensor | None = None, check: bool = True,
+                 poison: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(values, finite)`` of the whole vector in flat order from every shard's record of
     ``record`` bytes (its payload first), the records back to back in ``buf`` or a list of
     them; with ``minus``, ``minus − values`` instead (no decoded copy); written into ``out``
     when given; ``finite`` is ``None`` without ``check``. A segmentwise codec: one codec
-    call over the segments in flat order (:meth:`ShardLayout.decode_flat`); else batched:
-    one over the shards followed by the shard-major reorder; chunked: shard by shard into
-    place (:meth:`ShardLayout.decode_scattered`)."""
+    call over the segments in flat order (:meth:`ShardLayout.decode_flat`; ``poison``: the
+    values are already all NaN unless finite, through the scales, and ``finite`` is
+    ``None``); else batched: one over the shards followed by the shard-major reorder;
+    chunked: shard by shard into place (:meth:`ShardLayout.decode_scattered`)."""
     n = layout.world_size
     sizes = [record] * n if isinstance(record, int) else record
     if layout.segmentwise or layout.batched(_device_of(buf)):
@@ -120,7 +131,7 @@ def _decode_flat(buf: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
         if layout.segmentwise:
             values = out if out is not None else torch.empty(
                 layout.numel, dtype=torch.float32, device=joined.device)
-            finite = layout.decode_flat(values, joined, sizes, check)
+            finite = layout.decode_flat(values, joined, sizes, check, poison)
         else:  # decoded in shard-major order, then reordered
             direct = out if layout.shard_major_is_flat else None
             values, finite = _decode_records(joined, layout, list(range(n)), sizes,
@@ -187,10 +198,13 @@ def decode_gathered(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLa
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 5: the full reduced vector (written into the FP32 ``out`` when given) from the
     ``N`` re-encoded shards (an all-gather's ``[N, max_shard_bytes]`` buffer, or a list);
-    all NaN if any shard carries a non-finite scale."""
+    all NaN if any shard carries a non-finite scale (a segmentwise codec: through its
+    scales; else a pass over the values, :func:`poison_unless`)."""
     if isinstance(gathered, torch.Tensor):
         gathered = gathered.view(-1)
-    return poison_unless(*_decode_flat(gathered, layout, layout.max_shard_bytes, out=out))
+    values, finite = _decode_flat(gathered, layout, layout.max_shard_bytes, out=out,
+                                  poison=True)
+    return values if finite is None else poison_unless(values, finite)
 
 
 def all_finite(values: torch.Tensor) -> torch.Tensor:
