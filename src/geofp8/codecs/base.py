@@ -248,11 +248,19 @@ class Codec(ABC):
         device with it). ``poison``: instead, every value is NaN unless every scale is finite
         (:func:`poison_scales_`, no pass over ``out``), and ``None`` is returned."""
 
+    def fuses_error(self, *tensors: torch.Tensor) -> bool:
+        """Whether :meth:`encode_into` takes an ``error`` vector for these tensors: kernels
+        that leave the rounding error from the encoding pass itself (none by default)."""
+        return False
+
     def encode_with_error(self, out: torch.Tensor, error: torch.Tensor, x: torch.Tensor,
                           segments: Segments) -> None:
         """:meth:`encode_into` (round to nearest) and ``error = x − decode(out)``, the FP32
-        rounding error (``x``'s size): here by decoding ``out`` back; a codec whose kernels
-        leave it from the encoding pass itself overrides this (the same bits)."""
+        rounding error (``x``'s size): from the encoding pass where :meth:`fuses_error`, else
+        by decoding ``out`` back (the same bits)."""
+        if self.fuses_error(out, error, x):
+            self.encode_into(out, x, segments, error=error)
+            return
         self.encode_into(out, x, segments)
         self.decode_into(error, out, segments)
         torch.sub(x, error, out=error)

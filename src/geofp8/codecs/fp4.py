@@ -403,13 +403,10 @@ class NVFP4Codec(Codec):
         pack_nibbles(encode_blocks(flat, divisor, blocks, u, e2m1_encode, in_place=overwrite),
                      packed)
 
-    def encode_with_error(self, out: torch.Tensor, error: torch.Tensor, x: torch.Tensor,
-                          segments: Segments) -> None:
-        """On a CPU: the native kernel leaves the rounding error in its encoding pass."""
-        if self.rounding == "nearest" and native.usable(out, error, x):
-            self.encode_into(out, x, segments, error=error)
-        else:
-            super().encode_with_error(out, error, x, segments)
+    def fuses_error(self, *tensors: torch.Tensor) -> bool:
+        """Nearest rounding on a CPU: the native kernel leaves the rounding error in its
+        encoding pass."""
+        return self.rounding == "nearest" and native.usable(*tensors)
 
     def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments,
                     poison: bool = False) -> torch.Tensor | None:

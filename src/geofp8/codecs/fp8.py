@@ -131,13 +131,9 @@ class FP8Codec(Codec):
                                overwrite=overwrite, error=error)
         out[: 4 * n_groups].copy_(packed.scales.view(torch.uint8))
 
-    def encode_with_error(self, out: torch.Tensor, error: torch.Tensor, x: torch.Tensor,
-                          segments: Segments) -> None:
+    def fuses_error(self, *tensors: torch.Tensor) -> bool:
         """E4M3 on a CPU: the native kernel leaves the rounding error in its encoding pass."""
-        if self.format == "e4m3" and native.usable(out, error, x):
-            self.encode_into(out, x, segments, error=error)
-        else:
-            super().encode_with_error(out, error, x, segments)
+        return self.format == "e4m3" and native.usable(*tensors)
 
     def decode_into(self, out: torch.Tensor, buf: torch.Tensor, segments: Segments,
                     poison: bool = False) -> torch.Tensor | None:
@@ -217,7 +213,7 @@ class FP8Codec(Codec):
         else:
             codes = out.view(-1).view(self.dtype)
         if error is not None:
-            if not (self.format == "e4m3" and native.usable(codes, flat, error)):
+            if not self.fuses_error(codes, flat, error):
                 raise ValueError("only E4M3's native CPU kernel leaves the rounding error")
             native.e4m3_encode(codes, flat, scales, tuple(lengths), error=error)
         else:
