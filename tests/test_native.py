@@ -178,13 +178,16 @@ def test_a_call_split_across_threads_gives_the_same_bytes(monkeypatch):
 
     def every_kernel():
         codes, values = torch.empty(x.numel(), dtype=torch.uint8), torch.empty(x.numel())
-        native.e4m3_encode(codes, x, scales, lengths)
+        errors = torch.empty(2, x.numel())
+        native.e4m3_encode(codes, x, scales, lengths, error=errors[0])
         native.e4m3_decode(values, codes, scales, lengths)
         packed = _e2m1_packed(x, scales, blocks.runs)
+        native.e2m1_encode(torch.empty_like(packed), x, scales, blocks.runs, error=errors[1])
         nibbles = torch.empty(x.numel())
         native.e2m1_decode(nibbles, packed, scales, blocks.runs)
         few = [(0, 0, 1, 5), (5, 1, 2, (x.numel() - 5) // 2)]  # fewer groups than threads
-        return (codes, values, packed, nibbles, native.runs_amax(x, blocks.runs, blocks.groups),
+        return (codes, values, errors, packed, nibbles,
+                native.runs_amax(x, blocks.runs, blocks.groups),
                 native.runs_amax(x[: few[-1][0] + 2 * few[-1][3]], few, 3),
                 native.runs_amax(x, [(0, 0, 1, x.numel())], 1))
 

@@ -206,13 +206,12 @@ def length_runs(lengths: tuple[int, ...]) -> Runs:
 
 
 def _e4m3_runs(fp32: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-               lengths: tuple[int, ...], *tensors: torch.Tensor) -> torch.Tensor:
+               lengths: tuple[int, ...]) -> torch.Tensor:
     if fp32.dtype != torch.float32 or codes.element_size() != 1:
         raise ValueError("the native E4M3 kernels take FP32 values and one-byte codes")
     if codes.numel() != fp32.numel():
         raise ValueError(f"{fp32.numel()} values and {codes.numel()} codes were given")
-    return _runs(length_runs(tuple(lengths)), len(lengths), fp32.numel(), scales, codes, fp32,
-                 *tensors)
+    return _runs(length_runs(tuple(lengths)), len(lengths), fp32.numel(), scales, codes, fp32)
 
 
 def _error_ptr(error: torch.Tensor | None, x: torch.Tensor) -> int | None:
