@@ -197,6 +197,17 @@ def poison_scales_(scales: torch.Tensor) -> None:
     scales.add_(scales.mul(0).sum())
 
 
+def scales_flag(scales: torch.Tensor, check: bool = True,
+                poison: bool = False) -> torch.Tensor | None:
+    """What a decode returns about its ``scales``, taken before they multiply: with
+    ``poison``, ``None`` and the scales poisoned in place (:func:`poison_scales_`); else their
+    :func:`finite_flag`, or ``None`` without ``check``."""
+    if poison:
+        poison_scales_(scales)
+        return None
+    return finite_flag(scales) if check else None
+
+
 def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
     """``x / divisor`` correctly rounded on every device. CUDA evaluates a division by a
     Python (CPU) scalar as ``x · fl(1/divisor)``, up to one ulp off the CPU's quotient; a

@@ -49,15 +49,14 @@ from .base import (
     Shards,
     device_lengths,
     exact_div,
-    finite_flag,
     group_amax,
     group_div,
     group_mul_,
     group_runs,
     interleave,
     mix_seed,
-    poison_scales_,
     rows_amax,
+    scales_flag,
     shard_lengths,
 )
 from .fp8 import e4m3_values, group_lengths, lookup_into
@@ -421,17 +420,16 @@ class NVFP4Codec(Codec):
         code = buf[4 * n_seg : 4 * n_seg + n_groups]
         per_segment = tuple(len(seg) for seg in segments)  # blocks of each segment
         packed = buf[4 * n_seg + n_groups :]
-        if native.usable(out, packed):  # one pass of the CPU's native kernels each
+        fast = native.usable(out, packed)  # one pass of the CPU's native kernels each
+        if fast:
             scale = torch.empty(n_groups, dtype=torch.float32)
             native.e4m3_decode(scale, code, s, per_segment)
         else:
             counts = device_lengths(per_segment, buf.device)
             scale = e4m3_values(code).mul_(
                 torch.repeat_interleave(s, counts, output_size=n_groups))
-        finite = None if poison else finite_flag(scale)
-        if poison:
-            poison_scales_(scale)
-        if native.usable(out, packed):
+        finite = scales_flag(scale, poison=poison)
+        if fast:
             native.e2m1_decode(out[:n], packed, scale, blocks.runs)
         else:
             unpack_into(out[:n], packed)
@@ -464,9 +462,7 @@ class NVFP4Codec(Codec):
         counts = device_lengths(tuple(len(seg) for g in shards for seg in g), out.device)
         scale = e4m3_values(code).mul_(torch.repeat_interleave(s, counts,
                                                                output_size=code.numel()))
-        finite = finite_flag(scale) if check and not poison else None
-        if poison:
-            poison_scales_(scale)
+        finite = scales_flag(scale, check, poison)
         unpack_shards(out, torch.cat(list(parts[2::3])), [sum(map(sum, g)) for g in shards])
         group_mul_(out, scale, lengths)
         return finite

@@ -36,12 +36,11 @@ from .base import (
     Shards,
     device_lengths,
     exact_div,
-    finite_flag,
     group_amax,
     group_fp8,
     group_mul_,
     interleave,
-    poison_scales_,
+    scales_flag,
     segment_amax,
     shard_lengths,
 )
@@ -139,9 +138,7 @@ class FP8Codec(Codec):
                     poison: bool = False) -> torch.Tensor | None:
         lengths = [n for seg in segments for n in seg]
         packed = Packed.from_bytes(buf, (sum(lengths),), self, lengths)  # scales: a copy
-        finite = None if poison else finite_flag(packed.scales)
-        if poison:
-            poison_scales_(packed.scales)
+        finite = scales_flag(packed.scales, poison=poison)
         packed.dequantize(out=out)
         return finite
 
@@ -162,9 +159,7 @@ class FP8Codec(Codec):
                       poison: bool = False) -> torch.Tensor | None:
         scales = torch.cat(list(parts[0::2])).view(torch.float32)
         codes = torch.cat(list(parts[1::2]))
-        finite = finite_flag(scales) if check and not poison else None
-        if poison:
-            poison_scales_(scales)
+        finite = scales_flag(scales, check, poison)
         if self.format == "e4m3":
             e4m3_into(out, codes)
         else:
