@@ -13,7 +13,7 @@ conversion rather than the CPU's table lookup), the chunked kernels' on the CPU.
 
 A GPU projection from the counts: every kernel (an op that is neither a view nor a bare
 allocation) a launch of :data:`LAUNCH_US` plus the
-bytes it reads and writes (:func:`moved_bytes`, of every op that is not a view) at
+bytes it reads and writes (:func:`moved_bytes`, of every kernel) at
 :data:`HBM_BYTES_PER_S` (an H200), next to the time the bytes this rank sends for the bucket
 take on a 100 and a 400 Gbit/s link. A model, not a measurement: launches overlap on a
 stream, and small ops do not reach the HBM's bandwidth.
@@ -59,7 +59,8 @@ def bucket_shapes(name: str) -> list[tuple[int, ...]]:
     return BUCKETS[name]
 LAUNCH_US = 5.0  # one eager kernel launch on a GPU, microseconds
 ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-               torch.ops.aten.new_empty.default}  # ops that launch no kernel
+               torch.ops.aten.new_empty.default,
+               torch.ops.aten.empty_like.default}  # ops that launch no kernel, move no byte
 HBM_BYTES_PER_S = 4.8e12
 
 
@@ -96,8 +97,8 @@ class Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        self.kernels += not func.is_view and func not in ALLOCATIONS
-        if not func.is_view:
+        if not func.is_view and func not in ALLOCATIONS:
+            self.kernels += 1
             self.bytes += moved_bytes(func, args, kwargs, out)
         return out
 
@@ -160,7 +161,7 @@ def main() -> None:
         send = [8 * layout.wire_bytes(0) / bits for bits in (100e9, 400e9)]
         print(f"| {fmt} | {kernels} | {name} | {n} | {counter.ops} | {counter.kernels} | "
               f"{counter.bytes / 1e6:.0f} | {peak:.2f} | {1e3 * t:.1f} | {t / t_copy:.0f} | "
-              f"{1e3 * gpu:.2f} | "
+              f"{1e3 * gpu:.3f} | "
               f"{1e3 * send[0]:.2f} / {1e3 * send[1]:.2f} |", flush=True)
 
 

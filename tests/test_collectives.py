@@ -469,18 +469,18 @@ def test_all_finite_agrees_with_isfinite(dtype):
         assert bool(flag) == bool(torch.isfinite(x).all()), x
 
 
-class _Fp32Cats(TorchDispatchMode):
-    """Counts the concatenations of at least ``numel`` FP32 values (how a bucket is
-    reordered; not a stack of a few scales)."""
+class _Cats(TorchDispatchMode):
+    """Counts the concatenations of at least ``numel`` values of ``dtype`` (FP32 by default:
+    how a bucket is reordered, not a stack of a few scales; ``None``: any)."""
 
-    def __init__(self, numel: int) -> None:
+    def __init__(self, numel: int = 0, dtype: torch.dtype | None = torch.float32) -> None:
         super().__init__()
-        self.count, self.numel = 0, numel
+        self.count, self.numel, self.dtype = 0, numel, dtype
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.count += func in (torch.ops.aten.cat.default, torch.ops.aten.cat.out) and (
-            out.dtype == torch.float32 and out.numel() >= self.numel)
+            self.dtype in (None, out.dtype) and out.numel() >= self.numel)
         return out
 
 
@@ -524,19 +524,37 @@ def test_a_segmentwise_codec_is_run_in_flat_order(fmt, scaling, rounding, shapes
         layout.decode_scattered(total, gathered[j], j)
     expect = (torch.cat(records), residual, total)
     for kernels, layout in layouts.items():
-        with _Fp32Cats(min(layout.shard_numel(j) for j in range(n))) as cats:
+        with _Cats(min(layout.shard_numel(j) for j in range(n))) as cats:
             sent = encode(flat, layout, seed=9)
             got = (sent, rounding_error(sent, flat, layout),
                    decode_gathered(gathered, layout, out=torch.empty_like(flat)))
-            again, error = encode_with_error(flat, layout, seed=9)  # from the encoding pass
+            with _Cats(dtype=None) as joins:  # the error in flat order, from the codec's call
+                again, error = encode_with_error(flat, layout, seed=9)
             assert torch.equal(again, sent)
-        assert layout.encodes_error(flat.device) == (segmentwise and kernels == "chunked")
-        if not layout.encodes_error(flat.device):
+        # segmentwise: one concatenation, the payloads into the wire buffer (the batched
+        # error is decoded from views of the codec's parts, codecs.base.joined)
+        assert joins.count == 1 or not segmentwise, (kernels, joins.count)
+        assert layout.encodes_error == segmentwise
+        if not layout.encodes_error:
             with pytest.raises(ValueError, match="encodes_error"):
-                layout.encode_pieces(flat, [None] * n, torch.empty_like(flat))
+                layout.encode_pieces(flat, [None] * n, with_error=True)
         assert (cats.count == 0) == segmentwise, (kernels, cats.count)
         for a, b in zip((*got, error), (*expect, residual)):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), kernels
+
+
+def test_joined_is_a_view_only_of_parts_that_lie_back_to_back():
+    from geofp8.codecs.base import joined
+
+    base = torch.arange(12, dtype=torch.uint8)
+    a, b, c = base.split(4)
+    view = joined([a, b])
+    assert view.data_ptr() == base.data_ptr() and torch.equal(view, base[:8])
+    for parts, options in (([a, c], {}), ([b, a], {}), ([a, b], {"fresh": True}),
+                           ([base[1:5], base[5:9]], {"align": 4}), ([a.clone(), b], {})):
+        out = joined(parts, **options)
+        assert torch.equal(out, torch.cat(parts)), options
+        assert out.untyped_storage().data_ptr() != base.untyped_storage().data_ptr(), options
 
 
 def test_finite_flag_is_false_for_any_nan_or_inf():

@@ -25,7 +25,7 @@ import torch
 
 __all__ = ["Codec", "Segments", "Shards", "device_lengths", "exact_div", "finite_flag",
            "group_amax", "group_div", "group_fp8", "group_mul_", "group_runs", "interleave",
-           "mix_seed", "rows_amax", "segment_amax", "shard_lengths"]
+           "joined", "mix_seed", "rows_amax", "segment_amax", "shard_lengths"]
 
 Segments = Sequence[Sequence[int]]  # per segment of a shard: its scale-group lengths
 Shards = Sequence[Segments]  # several shards, one after the other
@@ -175,6 +175,23 @@ def group_mul_(out: torch.Tensor, scale: torch.Tensor, lengths: tuple[int, ...])
         out.view(-1, size).mul_(scale[:, None])
     else:
         out.mul_(_per_element(scale, lengths, out.numel()))
+
+
+def joined(parts: Sequence[torch.Tensor], fresh: bool = False, align: int = 1) -> torch.Tensor:
+    """The 1-D ``parts`` back to back in one tensor: a view, no copy, when they already lie
+    back to back in one tensor (the parts of one :meth:`Codec.encode_shards` call, in their
+    order), starting at a multiple of ``align`` elements (bytes a wider dtype's view needs)
+    and not ``fresh`` (the caller writes into the result); else ``torch.cat``."""
+    first = parts[0]
+    base, end = first._base, first.storage_offset()
+    if fresh or base is None or end % align:
+        return torch.cat(list(parts))
+    for p in parts:
+        if (p._base is not base or p.dtype != first.dtype or p.storage_offset() != end
+                or p.dim() != 1 or (p.numel() > 1 and p.stride(0) != 1)):
+            return torch.cat(list(parts))
+        end += p.numel()
+    return first.as_strided((end - first.storage_offset(),), (1,))
 
 
 def interleave(*kinds: Sequence[torch.Tensor]) -> list[torch.Tensor]:

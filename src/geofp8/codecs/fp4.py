@@ -54,6 +54,7 @@ from .base import (
     group_mul_,
     group_runs,
     interleave,
+    joined,
     mix_seed,
     rows_amax,
     scales_flag,
@@ -457,13 +458,13 @@ class NVFP4Codec(Codec):
         lengths = shard_lengths(shards)
         if not lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
-        s = torch.cat(list(parts[0::3])).view(torch.float32)
-        code = torch.cat(list(parts[1::3]))
+        s = joined(parts[0::3], align=4).view(torch.float32)
+        code = joined(parts[1::3])
         counts = device_lengths(tuple(len(seg) for g in shards for seg in g), out.device)
         scale = e4m3_values(code).mul_(torch.repeat_interleave(s, counts,
                                                                output_size=code.numel()))
         finite = scales_flag(scale, check, poison)
-        unpack_shards(out, torch.cat(list(parts[2::3])), [sum(map(sum, g)) for g in shards])
+        unpack_shards(out, joined(parts[2::3]), [sum(map(sum, g)) for g in shards])
         group_mul_(out, scale, lengths)
         return finite
 

@@ -40,6 +40,7 @@ from .base import (
     group_fp8,
     group_mul_,
     interleave,
+    joined,
     scales_flag,
     segment_amax,
     shard_lengths,
@@ -157,8 +158,8 @@ class FP8Codec(Codec):
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
-        scales = torch.cat(list(parts[0::2])).view(torch.float32)
-        codes = torch.cat(list(parts[1::2]))
+        scales = joined(parts[0::2], poison, 4).view(torch.float32)  # poisoned in place
+        codes = joined(parts[1::2])
         finite = scales_flag(scales, check, poison)
         if self.format == "e4m3":
             e4m3_into(out, codes)

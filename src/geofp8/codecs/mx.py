@@ -39,6 +39,7 @@ from .base import (
     group_fp8,
     group_mul_,
     interleave,
+    joined,
     poison_scales_,
     shard_lengths,
 )
@@ -205,8 +206,8 @@ class MXCodec(Codec):
         lengths = shard_lengths(shards)
         if not lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
-        byte = torch.cat(list(parts[0::2]))
-        codes = torch.cat(list(parts[1::2]))
+        byte = joined(parts[0::2])
+        codes = joined(parts[1::2])
         if self.packed:
             unpack_shards(out, codes, [sum(map(sum, g)) for g in shards])
         else:

@@ -245,47 +245,59 @@ class ShardLayout:
         (:meth:`encode_pieces`, :meth:`decode_flat`) rather than FP32 values."""
         return self._by_segment is not None
 
-    def encodes_error(self, device: torch.device) -> bool:
-        """Whether :meth:`encode_pieces` takes an ``error`` vector on ``device``: a segmentwise
-        codec on the chunked kernels, whose one call over the flat vector can leave its
-        rounding error there (:meth:`Codec.encode_with_error`)."""
-        return self.segmentwise and not self.batched(device)
+    @property
+    def encodes_error(self) -> bool:
+        """Whether :meth:`encode_pieces` leaves the rounding error: a segmentwise codec, whose
+        one call over the flat vector leaves its rounding error in flat order (chunked: from
+        the encoding pass where :meth:`Codec.fuses_error`; batched: decoded from the payload
+        parts before they are put in shard order, no copy of them)."""
+        return self.segmentwise
 
     def encode_pieces(self, flat: torch.Tensor, seeds: list[int | None],
-                      error: torch.Tensor | None = None) -> list[list[torch.Tensor]]:
-        """Per shard, the pieces whose concatenation is its payload, from the flat FP32
-        vector; shard ``j`` encoded with ``seeds[j]``. For a segmentwise codec, one codec
-        call over the flat vector, segment by segment (batched: :meth:`Codec.encode_shards`;
-        chunked: the codec's own :meth:`Codec.encode_into` of all segments as one shard, whose
-        parts are cut by segment), its parts then put in shard order: bytes are reordered,
-        not FP32 values (no shard-major copy). Otherwise (batched only)
-        :meth:`encode_shards` of the shard-major vector. ``error`` (where
-        :meth:`encodes_error`): receives ``flat − decode(payloads)`` in flat order."""
-        if error is not None and not self.encodes_error(flat.device):
-            raise ValueError("this layout does not leave the rounding error on "
-                             f"{flat.device.type} (see encodes_error)")
-        n = self.world_size
+                      with_error: bool = False
+                      ) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
+        """``(per shard, the pieces whose concatenation is its payload; the rounding error)``
+        from the flat FP32 vector; shard ``j`` encoded with ``seeds[j]``. For a segmentwise
+        codec, one codec call over the flat vector, segment by segment (batched:
+        :meth:`Codec.encode_shards`; chunked: the codec's own :meth:`Codec.encode_into` of all
+        segments as one shard, whose parts are cut by segment), its parts then put in shard
+        order: bytes are reordered, not FP32 values (no shard-major copy). Otherwise (batched
+        only) :meth:`encode_shards` of the shard-major vector. ``with_error`` (where
+        :attr:`encodes_error`): the error is a new FP32 vector ``flat − decode(payloads)`` in
+        flat order (else ``None``): chunked, from the encoding pass where
+        :meth:`Codec.fuses_error`; batched, decoded from the parts before they are put in
+        shard order (views, no copy), allocated once the codec's temporaries are freed."""
+        if with_error and not self.encodes_error:
+            raise ValueError("this layout does not leave the rounding error in flat order "
+                             "(see encodes_error)")
+        n, error = self.world_size, None
         if self._by_segment is None:
             parts = self.encode_shards(self.shard_major(flat), list(range(n)), seeds)
             bounds = [0]
             for j in range(n):
                 bounds.append(bounds[-1] + len(self.parts[j]))
-            return [parts[bounds[j] : bounds[j + 1]] for j in range(n)]
+            return [parts[bounds[j] : bounds[j + 1]] for j in range(n)], None
         flat_shards, positions, seg_bytes = self._by_segment
         _check_float(flat)
         if self.batched(flat.device):
             parts = self.codec.encode_shards(flat, flat_shards, [None] * len(flat_shards))
+            if with_error:
+                error = torch.empty_like(flat)
+                self.codec.decode_shards(error, parts, flat_shards, check=False)
+                torch.sub(flat, error, out=error)
         else:
             segments, part_bytes = self._flat_run
             payload = flat.new_empty(sum(part_bytes), dtype=torch.uint8)
-            if error is None:
-                self.codec.encode_into(payload, flat, segments)
-            else:
+            if with_error:
+                error = torch.empty_like(flat)
                 self.codec.encode_with_error(payload, error, flat, segments)
+            else:
+                self.codec.encode_into(payload, flat, segments)
             parts = interleave(*(part.split([b[p] for b in seg_bytes])
                                  for p, part in enumerate(payload.split(part_bytes))))
         k = len(parts) // len(flat_shards)  # parts per segment
-        return [[parts[f * k + p] for p in range(k) for f in positions[j]] for j in range(n)]
+        return [[parts[f * k + p] for p in range(k) for f in positions[j]]
+                for j in range(n)], error
 
     def decode_flat(self, out: torch.Tensor, buf: torch.Tensor, records: list[int],
                     check: bool = True, poison: bool = False) -> torch.Tensor | None:

@@ -43,7 +43,7 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
     Batched (:attr:`ShardLayout.kernels`) or segmentwise: one codec call over the bucket
     (the kernels do not grow with ``N``, :meth:`ShardLayout.encode_pieces`); else chunked:
     shard by shard straight into the buffer."""
-    return _encode(flat, layout, side, seed, sender)
+    return _encode(flat, layout, side, seed, sender)[0]
 
 
 def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
@@ -51,17 +51,18 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
                       sender: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sent, error)``: :func:`encode` and its :func:`rounding_error` ``flat −
     decode(sent)`` (a sender's error feedback residual, a new FP32 vector; the same bits),
-    from the encoding pass itself where the layout allows it
-    (:meth:`ShardLayout.encodes_error`), else decoded back from ``sent`` once it is built."""
-    if not layout.encodes_error(flat.device):
-        sent = _encode(flat, layout, side, seed, sender)
+    left in flat order by the layout's one codec call where it can
+    (:attr:`ShardLayout.encodes_error`), else decoded back from ``sent`` once it is built."""
+    if not layout.encodes_error:
+        sent = _encode(flat, layout, side, seed, sender)[0]
         return sent, rounding_error(sent, flat, layout)
-    error = torch.empty_like(flat)
-    return _encode(flat, layout, side, seed, sender, error), error
+    return _encode(flat, layout, side, seed, sender, with_error=True)
 
 
 def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | None,
-            seed: int | None, sender: int, error: torch.Tensor | None = None) -> torch.Tensor:
+            seed: int | None, sender: int, with_error: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(sent, the rounding error when with_error, else None)``."""
     n = layout.world_size
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
     if not (layout.batched(flat.device) or layout.segmentwise):
@@ -71,13 +72,14 @@ def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | 
             layout.encode_gathered(record, flat, j, seeds[j])
             if layout.side[j]:
                 record[layout.shard_bytes(j) :].copy_(side[j])
-        return sent
+        return sent, None
+    payloads, error = layout.encode_pieces(flat, seeds, with_error)
     pieces = []
-    for j, payload in enumerate(layout.encode_pieces(flat, seeds, error)):
+    for j, payload in enumerate(payloads):
         pieces += payload
         if layout.side[j]:
             pieces.append(side[j])
-    return torch.cat(pieces)
+    return torch.cat(pieces), error
 
 
 def _send_sizes(layout: ShardLayout) -> list[int]:
