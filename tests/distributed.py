@@ -33,8 +33,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+def _context():
+    """Ranks are forked from a server that has imported torch once (2 s of CPU a process
+    here, most of a short test's time), not spawned afresh; each still starts from a clean
+    single-threaded process, and takes the caller's environment as it is now (_entry)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
+def _entry(rank, world_size, port, fn, args, queue, environ):
+    os.environ.clear()  # the caller's, not the server's from when it started
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     import torch
     torch.set_num_threads(1)
@@ -53,11 +63,12 @@ def _entry(rank, world_size, port, fn, args, queue):
 
 
 def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
-             for r in range(world_size)]
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, environ),
+                         daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, []
