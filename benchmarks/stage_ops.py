@@ -9,7 +9,9 @@ deterministic. Times are the best of 3 on one thread, next to a memcpy of the bu
 
 The batched kernels' ops are counted on the ``meta`` device (what they run on an
 accelerator, where the codecs take their device paths, e.g. E4M3 decoded by torch's own
-conversion rather than the CPU's table lookup), the chunked kernels' on the CPU.
+conversion rather than the CPU's table lookup), the chunked kernels' on the CPU (where the
+native C kernels, :mod:`geofp8.codecs.native`, run outside the dispatcher: their passes are
+in the time, not in the ops or bytes counted).
 
 A GPU projection from the counts: every kernel (an op that is neither a view nor a bare
 allocation) a launch of :data:`LAUNCH_US` plus the
