@@ -158,7 +158,7 @@ class FP8Codec(Codec):
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
-        scales = joined(parts[0::2], poison, 4).view(torch.float32)  # poisoned in place
+        scales = joined(parts[0::2], fresh=poison, align=4).view(torch.float32)  # poisoned in place
         codes = joined(parts[1::2])
         finite = scales_flag(scales, check, poison)
         if self.format == "e4m3":
