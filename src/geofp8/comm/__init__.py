@@ -18,6 +18,5 @@ from .stages import (
 
 __all__ = ["COLLECTIVES", "KERNELS", "Communicator", "ShardLayout", "all_finite", "decode",
            "decode_gathered", "decode_sum", "encode", "encode_reduced", "encode_with_error",
-           "exact_allreduce",
-           "fp32_allreduce_wire_bytes", "rounding_error", "simulate_exact_allreduce",
-           "wire_bytes"]
+           "exact_allreduce", "fp32_allreduce_wire_bytes", "rounding_error",
+           "simulate_exact_allreduce", "wire_bytes"]
