@@ -69,6 +69,17 @@ def test_cli_writes_json_and_markdown(tmp_path):
     assert "Part 1" in md.read_text()
 
 
+def test_cli_threads_sets_and_reports_torch_threads(tmp_path):
+    out, before = tmp_path / "b.json", torch.get_num_threads()
+    try:
+        assert main(["bench", "--quick", "--parts", "1", "--sizes", "0.02", "--repeats", "1",
+                     "--threads", "1", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    data = json.loads(out.read_text())
+    assert data["meta"]["torch_threads"] == 1 and "; 1 torch threads;" in data["codec"]["table"]
+
+
 def test_cli_rejects_unknown_part():
     with pytest.raises(SystemExit):
         main(["bench", "--quick", "--parts", "9"])

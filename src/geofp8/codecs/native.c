@@ -32,6 +32,15 @@ static inline uint32_t select(uint32_t mask, uint32_t a, uint32_t b) {
     return (a & mask) | (b & ~mask);
 }
 
+enum { PIECE = 1 << 13 }; /* elements a kernel takes at a time: their temporaries stay in L1/L2 */
+
+/* out[i] = the low byte of c[i]: a loop of its own, so that the codes' arithmetic stays in
+ * 32-bit lanes and only this loop packs them to bytes. */
+static inline void narrow(uint8_t *restrict out, const uint32_t *restrict c, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        out[i] = (uint8_t)c[i];
+}
+
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -72,7 +81,7 @@ static inline run_t run_in(const int64_t *run, int64_t lo, int64_t hi) {
  * becomes 448, then code 0x7F), from 2^-6 up the mantissa rounded to 3 bits in place (the
  * bits of the rounded value), below it a magic add rounds to a multiple of 2^-9. Also, in
  * *value, that code's FP32 value as e4m3_value gives it (NaN for 0x7F). */
-static inline uint8_t e4m3_round(float q, float *value) {
+static inline uint32_t e4m3_round(float q, float *value) {
     const uint32_t denorm = UINT32_C(141) << 23, top = UINT32_C(0x43E00000);
     uint32_t b = bits_of(q);
     uint32_t mag = b & UINT32_C(0x7FFFFFFF), sign = b & UINT32_C(0x80000000);
@@ -84,10 +93,10 @@ static inline uint8_t e4m3_round(float q, float *value) {
     uint32_t v = select(subnormal, bits_of(float_of(below) - float_of(denorm)), rounded);
     *value = float_of(select(nan, UINT32_C(0x7FF00000), v) | sign);
     uint32_t code = select(subnormal, below - denorm, (rounded - (UINT32_C(120) << 23)) >> 20);
-    return (uint8_t)(code | (nan & UINT32_C(0x7F)) | (sign >> 24));
+    return code | (nan & UINT32_C(0x7F)) | (sign >> 24);
 }
 
-static inline uint8_t e4m3_of(float q) {
+static inline uint32_t e4m3_of(float q) {
     float value;
     return e4m3_round(q, &value);
 }
@@ -107,17 +116,24 @@ static inline float e4m3_value(uint8_t c) {
 void geofp8_e4m3_encode(const float *restrict x, uint8_t *restrict codes, float *restrict error,
                         const float *restrict scales, const int64_t *runs, int64_t n_runs,
                         int64_t lo, int64_t hi) {
+    uint32_t c[PIECE];
     FOR_EACH_GROUP(runs, n_runs, lo, hi, {
         const float s = scales[g];
-        if (error)
-            for (int64_t i = a; i < b; i++) {
-                float v;
-                codes[i] = e4m3_round(x[i] / s, &v);
-                error[i] = x[i] - v * s;
-            }
-        else
-            for (int64_t i = a; i < b; i++)
-                codes[i] = e4m3_of(x[i] / s);
+        for (int64_t p = a; p < b; p += PIECE) {
+            const int64_t n = min64(PIECE, b - p);
+            const float *xp = x + p;
+            if (error) {
+                float *ep = error + p;
+                for (int64_t i = 0; i < n; i++) {
+                    float v;
+                    c[i] = e4m3_round(xp[i] / s, &v);
+                    ep[i] = xp[i] - v * s;
+                }
+            } else
+                for (int64_t i = 0; i < n; i++)
+                    c[i] = e4m3_of(xp[i] / s);
+            narrow(codes + p, c, n);
+        }
     })
 }
 
@@ -138,7 +154,7 @@ void geofp8_e4m3_decode(const uint8_t *restrict codes, float *restrict out,
 
 /* By the bits, as e4m3_of: |v| clamped to 6 (above saturates), below 1 a magic add rounds to a
  * multiple of 0.5, from 1 up the exponent is rebiased by 126 over one mantissa bit; NaN is 0. */
-static inline uint8_t e2m1_of(float v) {
+static inline uint32_t e2m1_of(float v) {
     const uint32_t six = UINT32_C(0x40C00000), one = UINT32_C(0x3F800000);
     uint32_t b = bits_of(v);
     uint32_t mag = b & UINT32_C(0x7FFFFFFF);
@@ -147,7 +163,7 @@ static inline uint8_t e2m1_of(float v) {
     uint32_t normal = (m - (UINT32_C(126) << 23) + UINT32_C(0x1FFFFF) + ((m >> 22) & 1u)) >> 22;
     uint32_t code = select(mask_if(m < one), subnormal, normal);
     code &= ~mask_if(mag > UINT32_C(0x7F800000));
-    return (uint8_t)(code | ((b >> 28) & 8u));
+    return code | ((b >> 28) & 8u);
 }
 
 /* 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (code 8 is -0): exponent e = m >> 1 over a
@@ -158,8 +174,6 @@ static inline float e2m1_value(uint32_t c) {
     uint32_t v = select(mask_if(e == 0), mant * UINT32_C(0x3F000000), normal);
     return float_of(v | ((c & 8u) << 28));
 }
-
-enum { PIECE = 1 << 13 }; /* elements a kernel takes at a time: their temporaries stay in L1/L2 */
 
 /* buf[i - p] = scale of the group holding element i, for the elements [p, q): a group of
  * NVFP4 is 16 elements, too short a loop to divide or multiply in. */
@@ -179,7 +193,7 @@ void geofp8_e2m1_encode(const float *restrict x, uint8_t *restrict packed, float
                         const float *restrict scale, const int64_t *runs, int64_t n_runs,
                         int64_t lo, int64_t hi) {
     float d[PIECE];
-    uint8_t codes[PIECE];
+    uint32_t codes[PIECE]; /* in 32-bit lanes: see narrow() */
     for (int64_t p = lo; p < hi; p += PIECE) {
         const int64_t n = min64(PIECE, hi - p), pairs = n / 2;
         spread(d, scale, runs, n_runs, p, p + n);
@@ -202,19 +216,20 @@ void geofp8_e2m1_decode(const uint8_t *restrict packed, float *restrict out,
                         const float *restrict scale, const int64_t *runs, int64_t n_runs,
                         int64_t lo, int64_t hi) {
     float sc[PIECE];
+    uint32_t c[PIECE]; /* the nibbles, one per element */
     for (int64_t p = lo; p < hi; p += PIECE) {
         const int64_t n = min64(PIECE, hi - p), pairs = n / 2;
         const uint8_t *in = packed + p / 2;
         float *o = out + p;
         spread(sc, scale, runs, n_runs, p, p + n);
         for (int64_t k = 0; k < pairs; k++) {
-            o[2 * k] = e2m1_value(in[k] & 15u);
-            o[2 * k + 1] = e2m1_value(in[k] >> 4);
+            c[2 * k] = in[k] & 15u;
+            c[2 * k + 1] = in[k] >> 4;
         }
         if (n & 1)
-            o[n - 1] = e2m1_value(in[pairs] & 15u);
+            c[n - 1] = in[pairs] & 15u;
         for (int64_t i = 0; i < n; i++)
-            o[i] *= sc[i];
+            o[i] = e2m1_value(c[i]) * sc[i];
     }
 }
 

@@ -96,9 +96,11 @@ BLOCK_CODECS = [("nvfp4", "nearest"), ("nvfp4", "stochastic"), ("mxfp4", "neares
 
 
 def _block_codec_ops(fmt: str, rounding: str, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """``encode_into`` / ``decode_into`` of the whole tensor as one shard, into reused buffers."""
+    """``encode_into`` / ``decode_into`` of the whole tensor as one shard, into reused buffers;
+    its groups as a tuple of tuples, as a layout passes them (the codecs remember what they
+    derive from those tuples)."""
     codec = make_codec(fmt, rounding=rounding)
-    segments = [codec.groups((x.numel(),))]
+    segments = (tuple(codec.groups((x.numel(),))),)
     buf = torch.empty(codec.payload_bytes(segments), dtype=torch.uint8)
     codec.encode_into(buf, x, segments, seed=0)
     enc = lambda: codec.encode_into(buf, x, segments, seed=0)  # noqa: E731
@@ -156,8 +158,9 @@ def part_codec(sizes_mb: list[float], repeats: int = 3, block: int = 128) -> dic
               r.get("ef_naive_vs_memcpy", "-")]
              for r in rows]
     title = ("Part 1 — codec throughput as a ratio to memcpy of the same fp32 tensor "
-             f"(1.0 = copy speed; FP8 block = {block}; block formats through the Codec "
-             "interface, whole tensor as one shard, no fused EF path)")
+             f"(1.0 = copy speed; {torch.get_num_threads()} torch threads; FP8 block = "
+             f"{block}; block formats through the Codec interface, whole tensor as one shard, "
+             "no fused EF path)")
     return {"rows": rows, "table": format_table(title, cols, table)}
 
 
@@ -588,6 +591,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=None,
                         help="codec tensor sizes in MB, comma list (default 4,64,256)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's; a torchrun rank runs 1)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per figure")
     parser.add_argument("--compile", action="store_true",
                         help="also time torch.compile of the obvious codec (slow warm-up)")
@@ -614,6 +619,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         sizes = [0.25, 1.0] if args.quick else DEFAULT_SIZES
     repeats = args.repeats or (2 if args.quick else 3)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ddp = {
         "world_sizes": [int(w) for w in args.ddp_world_sizes.split(",")]
         if args.ddp_world_sizes else None,
