@@ -85,6 +85,11 @@ def test_cli_rejects_unknown_part():
         main(["bench", "--quick", "--parts", "9"])
 
 
+def test_cli_rejects_a_thread_count_below_one():
+    with pytest.raises(SystemExit, match="positive"):
+        main(["bench", "--quick", "--parts", "1", "--threads", "0"])
+
+
 @pytest.mark.distributed
 def test_part3_whole_step_on_real_ranks(tmp_path):
     out = tmp_path / "b.json"

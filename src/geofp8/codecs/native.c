@@ -193,7 +193,7 @@ void geofp8_e2m1_encode(const float *restrict x, uint8_t *restrict packed, float
                         const float *restrict scale, const int64_t *runs, int64_t n_runs,
                         int64_t lo, int64_t hi) {
     float d[PIECE];
-    uint32_t codes[PIECE]; /* in 32-bit lanes: see narrow() */
+    uint32_t codes[PIECE]; /* in 32-bit lanes (see narrow()), packed to nibbles below */
     for (int64_t p = lo; p < hi; p += PIECE) {
         const int64_t n = min64(PIECE, hi - p), pairs = n / 2;
         spread(d, scale, runs, n_runs, p, p + n);

@@ -619,7 +619,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         sizes = [0.25, 1.0] if args.quick else DEFAULT_SIZES
     repeats = args.repeats or (2 if args.quick else 3)
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads takes a positive count, got {args.threads}")
         torch.set_num_threads(args.threads)
     ddp = {
         "world_sizes": [int(w) for w in args.ddp_world_sizes.split(",")]
