@@ -149,12 +149,31 @@ def test_interrupted_command_leaves_nothing(tmp_path):
     assert ranks.stdout == ""  # no trainer survives
 
 
+def _link_capacity(c: netem.Cluster, src: int, dst: int, nbytes: int, rate: float,
+                   transfers: int = 5) -> float:
+    """The best goodput of a few transfers (bit/s), checked against the shaper's ceiling.
+
+    The token bucket bounds every transfer from above: ``rate`` plus its burst spread over
+    the transfer. Whatever delays the kernel's servicing of the bucket (other work on the
+    host or under the hypervisor) only lowers a transfer's figure: a bucket left alone longer
+    than its burst
+    (1 ms of traffic) loses those tokens. On the 2-core VM these tests run on, single 32 MB
+    transfers at 1 Gbit/s measured 0.955-0.960 of the rate in a quiet hour and 0.75-0.87 in
+    a noisy one, so the link's capacity is the best of several transfers, as iperf users
+    read it."""
+    goodputs = [netem.measure_throughput(c, src=src, dst=dst, nbytes=nbytes, timeout=20)
+                for _ in range(transfers)]
+    # over T s a bucket passes at most rate·T + 8·burst bits: goodput·(1 − burst/nbytes) ≤ rate
+    assert max(goodputs) * (1 - c.shaping.burst / nbytes) <= rate * 1.01, goodputs
+    return max(goodputs)
+
+
 @needs_root
 def test_rate_limit_is_real():
     with netem.Cluster(2, 1e9) as c:
-        goodput = netem.measure_throughput(c, src=1, dst=0, nbytes=32 << 20, timeout=20)
+        capacity = _link_capacity(c, src=1, dst=0, nbytes=32 << 20, rate=1e9)
     assert netem.leftovers(c.prefix) == []
-    assert goodput == pytest.approx(1e9, rel=0.15)
+    assert capacity == pytest.approx(1e9, rel=0.15)
 
 
 @needs_root
@@ -165,7 +184,7 @@ def test_two_level_cluster_shapes_only_the_link_between_nodes():
         assert (c.nodes, len(c.namespaces)) == (2, 2)
         assert c.address(0) == c.address(1) != c.address(2) == c.address(3)
         inside = netem.measure_throughput(c, src=1, dst=0, nbytes=16 << 20, timeout=20)
-        between = netem.measure_throughput(c, src=2, dst=0, nbytes=16 << 20, timeout=20)
+        between = _link_capacity(c, src=2, dst=0, nbytes=16 << 20, rate=rate)
         assert _host_state() == before
     assert netem.leftovers(c.prefix) == [] and _host_state() == before
     assert between == pytest.approx(rate, rel=0.15)

@@ -27,8 +27,8 @@ per-run prefix (``gf8-<pid>-<random>``) so a leftover is recognisable, and
 :meth:`Cluster.down` removes everything, also after a failure (use it as a context
 manager). Needs root and the ``ip`` and ``tc`` commands (iproute2).
 
-``python -m geofp8.tools.netem sink|source`` is the bounded bulk TCP transfer that
-:func:`measure_throughput` runs between two namespaces.
+``python -m geofp8.tools.netem sink|source`` (or this file run by path) is the bounded bulk
+TCP transfer that :func:`measure_throughput` runs between two namespaces.
 """
 
 from __future__ import annotations
@@ -268,7 +268,9 @@ def measure_throughput(cluster: Cluster, src: int = 1, dst: int = 0, nbytes: int
     if not 0 < nbytes <= 1 << 30:
         raise ValueError("nbytes must be in (0, 1 GiB]")
     host, port = cluster.address(dst), 5201
-    me = [sys.executable, "-m", "geofp8.tools.netem"]
+    # run by path (-P: its folder not on sys.path): the standard library only; `-m` would
+    # import the geofp8 package, and torch with it, ~3 s a process on a small machine
+    me = [sys.executable, "-P", os.path.abspath(__file__)]
     sink = cluster.popen(dst, [*me, "sink", host, str(port), str(nbytes), str(timeout)],
                          env=os.environ.copy(), stdout=subprocess.PIPE, text=True)
     source = cluster.popen(src, [*me, "source", host, str(port), str(nbytes), str(timeout)],
