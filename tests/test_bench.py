@@ -85,17 +85,27 @@ def test_cli_rejects_unknown_part():
         main(["bench", "--quick", "--parts", "9"])
 
 
-def test_cli_rejects_a_thread_count_below_one():
+def test_cli_rejects_a_thread_or_step_count_below_one():
     with pytest.raises(SystemExit, match="positive"):
         main(["bench", "--quick", "--parts", "1", "--threads", "0"])
+    with pytest.raises(SystemExit, match="positive"):
+        main(["bench", "--quick", "--parts", "3", "--ddp-steps", "0"])
 
 
 @pytest.mark.distributed
 def test_part3_whole_step_on_real_ranks(tmp_path):
     out = tmp_path / "b.json"
-    assert main(["bench", "--quick", "--parts", "3", "--json", str(out)]) == 0
+    assert main(["bench", "--quick", "--parts", "3", "--ddp-steps", "3",
+                 "--json", str(out)]) == 0
     rows = {r["method"]: r for r in json.loads(out.read_text())["ddp"]["runs"][0]["rows"]}
     assert set(rows) == {"fp32", "fp8", "geofp8-auto"}
+    base = rows["fp32"]["step_times_s"]
+    for r in rows.values():  # each step's time over fp32's step of the same index
+        steps = r["step_times_s"]
+        assert len(steps) == 3 and r["step_s"] == sorted(steps)[1]
+        assert r["vs_fp32"][0] == sorted(s / b for s, b in zip(steps, base))[1]
+        assert r["vs_fp32"][1] <= r["vs_fp32"][0] <= r["vs_fp32"][2]
+    assert rows["fp32"]["vs_fp32"] == [1.0, 1.0, 1.0]
     assert rows["fp32"]["bytes_per_element"] == 4.0  # ring all-reduce of FP32, 2 ranks
     assert 1.0 <= rows["fp8"]["bytes_per_element"] < 1.1  # counted from the collectives
     fid = rows["fp8"]["fidelity"]
@@ -228,3 +238,26 @@ def test_optimizer_part_times_both_orthogonalization_dtypes():
     assert "Part 5" in bench.to_markdown({"meta": {"date": "d", "cpu_count": 2,
                                                    "torch_threads": 2, "torch": "t"},
                                           "optimizer": res}, "geofp8 bench --parts 5")
+
+
+def test_methods_step_in_turn_the_order_reversed_every_step(monkeypatch):
+    from geofp8.tools import ddp_bench
+
+    ran = []
+
+    def step(t, cfg, data, i, rank):
+        if t.method == "b" and i == 3:
+            raise RuntimeError("RuntimeError: hook failed on every rank")
+        ran.append((t.method, i))
+        return 0.1
+
+    monkeypatch.setattr(ddp_bench, "_step", step)
+    monkeypatch.setattr(ddp_bench.dist, "barrier", lambda: None)
+    cfg = ddp_bench.DDPBenchConfig(warmup=2, steps=3)
+    trainees = [ddp_bench._Trainee(m, None, None, None, None, None,
+                                   ddp_bench.ByteCounter(0, 2)) for m in "abc"]
+    ddp_bench._train_interleaved(trainees, cfg, None, 0)
+    assert ran == [("a", 0), ("b", 0), ("c", 0), ("c", 1), ("b", 1), ("a", 1),
+                   ("a", 2), ("b", 2), ("c", 2), ("c", 3), ("a", 3), ("a", 4), ("c", 4)]
+    assert [len(t.times) for t in trainees] == [3, 1, 3]  # timed: steps 2, 3, 4
+    assert trainees[1].error == "RuntimeError: hook failed on every rank"

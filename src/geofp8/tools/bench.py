@@ -604,6 +604,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ddp-seq-len", type=int, default=None, help="part 3: tokens/sequence")
     parser.add_argument("--ddp-batch-size", type=int, default=None,
                         help="part 3: sequences per rank")
+    parser.add_argument("--ddp-steps", type=int, default=None,
+                        help="part 3: timed steps per method (default 10; a few percent "
+                             "needs more)")
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     parser.add_argument("--markdown", type=Path, default=None,
                         help="write the Performance section here (e.g. docs/performance.md)")
@@ -623,12 +626,14 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise SystemExit(f"--threads takes a positive count, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.ddp_steps is not None and args.ddp_steps < 1:
+        raise SystemExit(f"--ddp-steps takes a positive count, got {args.ddp_steps}")
     ddp = {
         "world_sizes": [int(w) for w in args.ddp_world_sizes.split(",")]
         if args.ddp_world_sizes else None,
         "methods": tuple(args.ddp_methods.split(",")) if args.ddp_methods else None,
         "model": args.ddp_model, "seq_len": args.ddp_seq_len,
-        "batch_size": args.ddp_batch_size,
+        "batch_size": args.ddp_batch_size, "steps": args.ddp_steps,
     }
     results = run_bench(parts, sizes, args.quick, repeats, args.compile, ddp=ddp)
     if args.json:
