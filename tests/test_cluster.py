@@ -155,12 +155,9 @@ def _link_capacity(c: netem.Cluster, src: int, dst: int, nbytes: int, rate: floa
 
     The token bucket bounds every transfer from above: ``rate`` plus its burst spread over
     the transfer. Whatever delays the kernel's servicing of the bucket (other work on the
-    host or under the hypervisor) only lowers a transfer's figure: a bucket left alone longer
-    than its burst
-    (1 ms of traffic) loses those tokens. On the 2-core VM these tests run on, single 32 MB
-    transfers at 1 Gbit/s measured 0.955-0.960 of the rate in a quiet hour and 0.75-0.87 in
-    a noisy one, so the link's capacity is the best of several transfers, as iperf users
-    read it."""
+    host or under the hypervisor) only lowers a transfer's figure, by the tokens it loses
+    (figures at :meth:`netem.Shaping.for_rate`), so the link's capacity is the best of
+    several transfers, as iperf users read it."""
     goodputs = [netem.measure_throughput(c, src=src, dst=dst, nbytes=nbytes, timeout=20)
                 for _ in range(transfers)]
     # over T s a bucket passes at most rate·T + 8·burst bits: goodput·(1 − burst/nbytes) ≤ rate
