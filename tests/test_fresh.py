@@ -150,7 +150,8 @@ def _grads_after_5_steps(rank, world_size, method, sketch_format=None):
                            error_feedback=False, sketch_format=sketch_format)
         ddp.register_comm_hook(GeoFP8State(model, cfg), geofp8_hook)
     elif method == "fp8":
-        ddp.register_comm_hook(FP8State(model, FP8Config(format="e5m2")), fp8_hook)
+        ddp.register_comm_hook(FP8State(model, FP8Config(format="e5m2", error_feedback=False)),
+                               fp8_hook)
     for step in range(5):
         model.zero_grad()
         loss_fn(ddp, step, rank).backward()

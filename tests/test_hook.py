@@ -31,7 +31,7 @@ def _make_state(kind, model, **kw):
     if kind == "fp32":
         return None, None
     if kind == "fp8":
-        return FP8State(model, FP8Config(**kw)), fp8_hook
+        return FP8State(model, FP8Config(**{"error_feedback": False, **kw})), fp8_hook  # "fp8"
     if kind == "hadamard":
         return HadamardFP8State(model, FP8Config(**kw)), hadamard_fp8_hook
     return GeoFP8State(model, GeoFP8Config(**kw)), geofp8_hook
