@@ -100,9 +100,9 @@ def test_the_default_is_fp8_with_error_feedback_and_every_method_is_importable()
 
 def _default_worker(rank, world_size):
     from torch import nn
-    from toymodels import loss_fn, make_model
 
     from geofp8 import FP8State, GeoFP8State, fp8_hook, geofp8_hook
+    from toymodels import loss_fn, make_model
 
     params = []
     for make in (lambda m: (GeoFP8State(m, GeoFP8Config()), geofp8_hook),
