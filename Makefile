@@ -44,11 +44,11 @@ $(VENV)/.installed: $(VENV)/.torch pyproject.toml Makefile
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks docs examples
 	$(PY) -m pytest -q
 
 lint: install
-	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks docs examples
 
 demo: $(VENV)/.demo
 	$(PY) -m geofp8.tools.cli demo
