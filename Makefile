@@ -3,9 +3,10 @@
 #
 # Which torch: when .venv has none, `make` installs torch==$(TORCH_VERSION) with PyTorch's
 # CPU index added ($(TORCH_INDEX)), i.e. the CPU build 2.13.0+cpu wherever that index or a
-# local wheel offers it. Another build: `make test TORCH_INDEX=https://download.pytorch.org/whl/cu128`
-# (a CUDA build), `TORCH_INDEX=` (only the indexes pip is configured with), `TORCH_VERSION=2.12.0`,
-# or install torch into .venv yourself first: any torch already in .venv is kept as it is.
+# local wheel offers it. Another build: `TORCH_INDEX=` (only the indexes pip is configured
+# with: PyPI's torch is a CUDA build on Linux), `TORCH_INDEX=<a PyTorch CUDA index>`,
+# `TORCH_VERSION=2.12.0`, or install torch into .venv yourself first: any torch already in
+# .venv is kept as it is.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -56,8 +57,8 @@ demo: $(VENV)/.demo
 bench: $(VENV)/.demo
 	$(PY) -m geofp8.tools.cli bench
 
-# On a machine with one NVIDIA GPU (a CUDA build of torch installed first, or
-# TORCH_INDEX=... as above): correctness on the device, a 1-rank NCCL run of every method,
+# On a machine with one NVIDIA GPU (`make gpu-check TORCH_INDEX=`, or a CUDA build of torch
+# installed into .venv first): correctness on the device, a 1-rank NCCL run of every method,
 # codec/transform throughput vs a D2D copy. Without network:
 # PYTHONPATH=src python3 -m geofp8.tools.gpu_check (README "Check it on a GPU").
 gpu-check: $(VENV)/.demo
