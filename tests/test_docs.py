@@ -1,7 +1,7 @@
 """The documentation is a guide that runs: every fenced ``python`` block of README.md and
 docs/*.md runs as written on 2 gloo ranks (as torchrun would start it), the README stays
 under 300 lines with its method table generated from the result folders, and every relative
-link points at a file that exists.
+link points at a file (and heading) that exists.
 
 A block that cannot run here is marked on the line before its fence with
 ``<!-- docs-test: skip: <the reason> -->``; the reason is the test's skip message.
@@ -131,12 +131,21 @@ def test_the_configuration_reference_has_a_line_for_every_field():
     assert fields <= rows, f"not in docs/configuration.md: {sorted(fields - rows)}"
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces → -."""
+    headings = re.findall(r"^#+\s+(.+?)\s*$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
 @pytest.mark.parametrize("page", LINKED, ids=[str(p.relative_to(ROOT)) for p in LINKED])
-def test_every_relative_link_points_at_a_file(page):
+def test_every_relative_link_points_at_a_file_and_heading(page):
     broken = []
     for target in re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", page.read_text()):
-        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"^[a-z]+:", target):
             continue
-        if not (page.parent / target.split("#")[0]).exists():
+        path, _, anchor = target.partition("#")
+        linked = page.parent / path if path else page
+        if not linked.exists() or (anchor and linked.suffix == ".md"
+                                   and anchor not in _anchors(linked)):
             broken.append(target)
     assert not broken, f"{page.relative_to(ROOT)} links to missing {broken}"
