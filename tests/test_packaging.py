@@ -2,13 +2,14 @@
 virtual environment that reuses the torch already installed (as a user's own environment
 has it), imports from that environment and runs a 2-rank DDP step under torchrun.
 
-The wheel's core requirements are torch and numpy only; everything else is an extra."""
+The wheel's core requirements are torch and numpy only; everything else is an extra. The
+fresh environment sees nothing else of this one: only torch, numpy and what they require."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import venv
 import zipfile
 from email.parser import Parser
@@ -48,6 +49,34 @@ print(json.dumps({"rank": rank, "file": geofp8.__file__, "grad": got.tolist(),
                   "bytes": state.stats()["bytes_sent"]}))
 dist.destroy_process_group()
 """
+
+
+def _torch_and_numpy_only(into: Path) -> Path:
+    """A folder of links to the installed torch and numpy and the distributions they require
+    (by their metadata, transitively): the user's environment with no extra in it."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen, todo = set(), ["torch", "numpy"]
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name not in seen:
+            seen.add(name)
+            for line in metadata.distribution(name).requires or []:
+                req = Requirement(line)
+                if req.marker is None or req.marker.evaluate({"extra": ""}):
+                    todo.append(req.name)
+    into.mkdir()
+    for name in seen:
+        dist = metadata.distribution(name)
+        for top in {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}:
+            if top != "__pycache__" and not top.endswith(".pth"):
+                target = Path(dist.locate_file(top))
+                if not (into / top).exists():
+                    (into / top).symlink_to(target)
+    return into
 
 
 def _run(*cmd, **kw):
@@ -92,18 +121,21 @@ def test_the_wheel_installs_into_an_environment_with_torch_and_runs_a_ddp_step(w
                                                                               tmp_path):
     env_dir = tmp_path / "env"
     venv.EnvBuilder(with_pip=False).create(env_dir)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = "1"
     python = env_dir / "bin" / "python"
     site = Path(_run(str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                     "['purelib'])").strip())
-    # the user's torch: this interpreter's site-packages, read (not copied) by the new one
-    reuse = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    (site / "reuse-installed-torch.pth").write_text("\n".join(sorted(reuse)) + "\n")
+                     "['purelib'])", env=env).strip())
+    # the user's torch (and numpy), read (not copied) by the new environment
+    reuse = _torch_and_numpy_only(tmp_path / "torch-and-numpy")
+    (site / "reuse-installed-torch.pth").write_text(f"{reuse}\n")
+    extras = _run(str(python), "-c", "import importlib.util as u; print(u.find_spec("
+                  "'transformers'), u.find_spec('triton'))", env=env, cwd=tmp_path)
+    assert extras.split() == ["None", "None"]  # no extra is visible to it
     _run(sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
          "--no-index", "-q", str(wheel))
     script = tmp_path / "step.py"
     script.write_text(DDP_STEP)
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
-    env["OMP_NUM_THREADS"] = "1"
     out = _run(str(python), "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", "2", str(script), env=env, cwd=tmp_path)
     ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")),
