@@ -23,8 +23,11 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .errors import RunFailed
+from .flags import at_least, choice_list, flatten
 from .train import TrainConfig, to_argv
-from .train.compare import check_methods, compare, split_list
+from .train.compare import compare
+from .train.config import METHODS as ALL_METHODS
 from .train.launch import launch
 from .train.report import format_table, read_log
 
@@ -78,7 +81,7 @@ def probe(base: TrainConfig, method: str, nproc: int) -> RunCost:
     rc = launch(nproc, to_argv(cfg))
     wall = time.perf_counter() - t0
     if rc != 0:
-        raise RuntimeError(f"the timing run of {method} failed (exit status {rc})")
+        raise RunFailed(f"the timing run of {method} failed (exit status {rc})")
     try:
         return cost_from_log(read_log(folder / "log.jsonl"), wall)
     finally:
@@ -138,17 +141,17 @@ class _Clock:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="reports/demo",
                         help="report folder (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=SETTINGS["steps"],
+    parser.add_argument("--steps", type=at_least(1), default=SETTINGS["steps"],
                         help="steps per run (default: %(default)s)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (default: %(default)s)")
-    parser.add_argument("--methods", nargs="+", default=METHODS,
-                        help="methods (default: %(default)s)")
+    parser.add_argument("--nproc", type=at_least(1), default=2,
+                        help="ranks (default: %(default)s)")
+    parser.add_argument("--methods", nargs="+", type=choice_list(ALL_METHODS), default=METHODS,
+                        help=f"methods, space- or comma-separated (default: {' '.join(METHODS)})")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs")
 
 
 def run(args: argparse.Namespace) -> int:
-    methods = split_list(args.methods)
-    check_methods(methods)  # before the timing run
+    methods = flatten(args.methods)
     settings = {**SETTINGS, "steps": args.steps,
                 "warmup": min(SETTINGS["warmup"], max(1, args.steps // 10))}
     base = TrainConfig(**settings, out=args.out)

@@ -15,7 +15,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import RunFailed, UsageError
+from ..flags import at_least, choice_list, comma_list, flatten
 from . import add_train_arguments, check_inputs, config_from_args, to_argv
 from .config import METHODS, TrainConfig
 from .launch import launch
@@ -25,16 +26,18 @@ DEFAULT_METHODS = ["fp32", "fp8", "fp8-ef", "geofp8-auto"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, metavar="METHOD",
+    parser.add_argument("--methods", nargs="+", type=choice_list(METHODS),
+                        default=DEFAULT_METHODS, metavar="METHOD",
                         help=f"methods to run, space- or comma-separated (default: "
-                        f"%(default)s; all: {' '.join(METHODS)})")
-    parser.add_argument("--seeds", nargs="+", default=["0"],
+                        f"{' '.join(DEFAULT_METHODS)}; all: {' '.join(METHODS)})")
+    parser.add_argument("--seeds", nargs="+", type=comma_list(at_least(0)), default=[0],
                         help="seeds, space- or comma-separated (model initialisation and data "
                         "order; default: 0)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per run (default: 2)")
+    parser.add_argument("--nproc", type=at_least(1), default=2,
+                        help="ranks per run (default: %(default)s)")
     parser.add_argument("--reuse", action="store_true",
                         help="keep runs whose log already reaches the last step")
-    parser.add_argument("--run-timeout", type=float, default=None,
+    parser.add_argument("--run-timeout", type=at_least(0, float, above=True), default=None,
                         help="seconds before one run is stopped (default: none)")
     add_train_arguments(parser, skip=("method", "seed", "resume", "stop_after"))
     parser.set_defaults(out="reports/compare", shadow_every=10)
@@ -75,7 +78,7 @@ def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
             echo(f"[{done}/{total}] {method} seed {seed} ({nproc} ranks) ...")
             rc = launch(nproc, to_argv(cfg), timeout=run_timeout)
             if rc != 0:
-                raise RuntimeError(f"{method} seed {seed} failed (exit status {rc}); "
+                raise RunFailed(f"{method} seed {seed} failed (exit status {rc}); "
                                    f"rerun: geofp8 train --nproc {nproc} "
                                    + shlex.join(to_argv(cfg)))
             seconds = time.perf_counter() - t0
@@ -96,14 +99,8 @@ def check_methods(methods: list[str]) -> None:
                          f"{', '.join(METHODS)}")
 
 
-def split_list(values: list[str]) -> list[str]:
-    """``["a,b", "c"]`` → ``["a", "b", "c"]``."""
-    return [v for item in values for v in item.split(",") if v]
-
-
 def run(args: argparse.Namespace) -> int:
-    args.methods = split_list(args.methods)
-    args.seeds = [int(s) for s in split_list(args.seeds)]
+    args.methods, args.seeds = flatten(args.methods), flatten(args.seeds)
     base = config_from_args(args)
     check_inputs(base)
     command = "geofp8 compare " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 else None
