@@ -223,7 +223,10 @@ def test_resume_from_a_checkpoint_without_geofp8_state_warns(tmp_path, capfd):
 
 # -- pieces ----------------------------------------------------------------------------------
 
-def test_argv_round_trip():
+def test_argv_round_trip(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("a.txt", "b.txt"):  # --data must name files
+        (tmp_path / name).write_text("text")
     cfg = TrainConfig(model="llama-small", data=["a.txt", "b.txt"], steps=7, lr=3e-4,
                       method="geofp8", resume=True, stop_after=3, shadow_every=5)
     parser = argparse.ArgumentParser()
