@@ -11,6 +11,8 @@ import argparse
 import json
 import math
 import os
+import shutil
+import sys
 from dataclasses import replace
 
 import pytest
@@ -122,6 +124,39 @@ def test_report_numbers_come_from_the_logs(all_methods):
         assert method["final_val_loss"] == pytest.approx(final_val)
         assert method["val_gap_to_fp32"] == pytest.approx(final_val - fp32_val)
         assert f"| {run['method']} | {final_val:.4f}" in report
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compare_without_matplotlib_says_so_first_and_writes_the_report(all_methods, tmp_path,
+                                                                         monkeypatch):
+    out, _ = all_methods
+    for method in ("fp32", "fp8-ef"):  # finished runs: --reuse trains nothing
+        shutil.copytree(run_dir(out, method, 0), run_dir(tmp_path, method, 0))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    said = []
+    results = compare(TrainConfig(**TINY), ["fp32", "fp8-ef"], [0], nproc=2, out=tmp_path,
+                      reuse=True, echo=said.append)
+    assert said[0].startswith("matplotlib is not installed: the report will have no plots "
+                              "(pip install matplotlib (the [report] extra")
+    report = (tmp_path / "report.md").read_text()
+    assert "| fp8-ef |" in report and "No plots: matplotlib was not installed" in report
+    assert "![loss]" not in report and not list(tmp_path.glob("*.png"))
+    assert set(results["methods"]) == {"fp32", "fp8-ef"}
+
+
+def test_compare_names_a_missing_package_before_any_run(tmp_path, monkeypatch):
+    from geofp8.tools.errors import UsageError
+    from geofp8.tools.train import compare as compare_module
+
+    def launch(*args, **kwargs):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(compare_module, "launch", launch)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(UsageError, match="needs tokenizers, not installed here: pip install "
+                       r"tokenizers \(the \[hf\] extra of geofp8\)"):
+        compare(TrainConfig(**TINY), ["fp32"], [0], nproc=2, out=tmp_path)
 
 
 def _record(step, loss, sent, val=None, rel=None):

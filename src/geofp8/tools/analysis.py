@@ -49,6 +49,7 @@ from .data import get_batch
 from .errors import UsageError
 from .flags import at_least, choice_list, comma_list, text_file
 from .models import check_model_spec
+from .needs import require
 
 __all__ = [
     "FidelityConfig",
@@ -466,6 +467,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_model_spec(args.model)
+    require("geofp8 fidelity", "transformers", "tokenizers")
     config = FidelityConfig(
         model=args.model, data=[str(p) for p in args.data], seq_len=args.seq_len,
         batch_size=args.batch_size, ranks=args.ranks, factor_source=args.factor_source,

@@ -38,6 +38,7 @@ from ..methods import METHODS
 from . import scaling
 from .flags import at_least, choice_list, comma_list
 from .models import PRESETS
+from .needs import require
 
 MiB = 2**20
 GB = 1e9
@@ -624,6 +625,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     parts = [int(p) for p in args.parts]
+    if {3, 5} & set(parts):
+        require("bench parts 3 and 5 (Llama steps)", "transformers", "tokenizers")
     sizes = args.sizes or ([0.25, 1.0] if args.quick else DEFAULT_SIZES)
     repeats = args.repeats or (2 if args.quick else 3)
     if args.threads is not None:

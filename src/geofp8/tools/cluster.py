@@ -41,6 +41,7 @@ from pathlib import Path
 from . import netem, scaling
 from .errors import UsageError
 from .flags import at_least, choice_list, comma_list, flatten
+from .needs import require
 from .train import add_train_arguments, check_inputs, config_from_args, to_argv
 from .train.compare import _complete
 from .train.config import METHODS, TrainConfig
@@ -432,6 +433,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--rates: a rate is repeated in {' '.join(rates)}")
     base = config_from_args(args)
     check_inputs(base)
+    require("geofp8 cluster's report (time_to_loss.png)", "matplotlib")
     # the command that produces these runs (--reuse only skips finished ones)
     command = "geofp8 cluster " + shlex.join(a for a in getattr(args, "_argv", [])[1:]
                                              if a != "--reuse")

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from .errors import RunFailed
 from .flags import at_least, choice_list, flatten
-from .train import TrainConfig, to_argv
+from .needs import available
+from .train import TrainConfig, check_inputs, to_argv
 from .train.compare import compare
 from .train.config import METHODS as ALL_METHODS
 from .train.launch import launch
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     settings = {**SETTINGS, "steps": args.steps,
                 "warmup": min(SETTINGS["warmup"], max(1, args.steps // 10))}
     base = TrainConfig(**settings, out=args.out)
+    check_inputs(base)  # before the timing run
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
     command = (f"geofp8 compare --methods {' '.join(methods)} --nproc {args.nproc} "
                f"{flags} --out {args.out}")
@@ -176,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
                       on_run=_Clock(methods, run_s, args.nproc) if run_s else None)
     print()
     print(format_table(results["methods"]))
+    figures = "loss.png, fidelity.png, " if available("matplotlib") else ""
     print(f"\n{time.perf_counter() - t0:.0f} s. Report: {Path(args.out) / 'report.md'} "
-          "(with loss.png, fidelity.png, results.json)")
+          f"(with {figures}results.json)")
     return 0

@@ -124,13 +124,17 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    """The user's mistakes that can be found before any rank starts: a ``--model`` that is
-    neither a preset nor an existing directory or ``.gguf`` file, ``--data`` files that do
-    not exist (:class:`~geofp8.tools.errors.UsageError`)."""
+    """What can be found wrong before any rank starts: a ``--model`` that is neither a
+    preset nor a model directory or ``.gguf`` file, ``--data`` that names no file, a package
+    the run needs and does not find (:class:`~geofp8.tools.errors.UsageError`)."""
     from ..errors import UsageError
     from ..models import check_model_spec
+    from ..needs import require
 
     check_model_spec(cfg.model)
+    require("training a Hugging Face Llama", "transformers", "tokenizers")
+    if cfg.dataset:
+        require("--dataset", "datasets")
     for path in cfg.data:
         try:
             text_file(path)

@@ -17,9 +17,11 @@ from pathlib import Path
 
 from ..errors import RunFailed, UsageError
 from ..flags import at_least, choice_list, comma_list, flatten
+from ..needs import available, install_hint
 from . import add_train_arguments, check_inputs, config_from_args, to_argv
 from .config import METHODS, TrainConfig
 from .launch import launch
+from .parallel import shard_size
 from .report import build_report, format_table, read_log
 
 DEFAULT_METHODS = ["fp32", "fp8", "fp8-ef", "geofp8-auto"]
@@ -59,10 +61,20 @@ def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
             out: str | Path, reuse: bool = False, run_timeout: float | None = None,
             command: str | None = None, echo=print, on_run=None) -> dict:
     """Run every method for every seed, then write the report under ``out``;
-    ``on_run(method, seed, seconds)`` is called after each run that was not reused."""
-    check_methods(methods)  # before any run starts
-    for method in methods:  # and each method's settings (e.g. a budget method's --budget)
+    ``on_run(method, seed, seconds)`` is called after each run that was not reused. What
+    is missing is said before any run starts: an unknown method, a method's settings (e.g.
+    a budget method's --budget), a package the runs need; without matplotlib the report
+    has no plots."""
+    check_methods(methods)
+    for method in methods:  # each method's own settings (e.g. a budget method's --budget)
         replace(base, method=method)
+    check_inputs(base)
+    if base.parallel != "ddp":
+        shard_size(base, nproc)
+    plots = available("matplotlib")
+    if not plots:
+        echo(f"matplotlib is not installed: the report will have no plots "
+             f"({install_hint(['matplotlib'])}, then rerun with --reuse to draw them).")
     runs = []
     total, done = len(methods) * len(seeds), 0
     for seed in seeds:
@@ -88,7 +100,7 @@ def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
                  f"{records[-1]['loss']:.4f}" + (f", validation {val[-1]:.4f}" if val else ""))
             if on_run is not None:
                 on_run(method, seed, seconds)
-    return build_report(out, runs, command=command)
+    return build_report(out, runs, command=command, plots=plots)
 
 
 def check_methods(methods: list[str]) -> None:
@@ -102,7 +114,6 @@ def check_methods(methods: list[str]) -> None:
 def run(args: argparse.Namespace) -> int:
     args.methods, args.seeds = flatten(args.methods), flatten(args.seeds)
     base = config_from_args(args)
-    check_inputs(base)
     command = "geofp8 compare " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 else None
     results = compare(base, args.methods, args.seeds, args.nproc, args.out, args.reuse,
                       args.run_timeout, command)

@@ -199,6 +199,10 @@ def _markdown(results: dict, methods: dict[str, dict], runs: list[dict], plots: 
         parts += ["## At a glance", "", *verdict, ""]
     if plots:
         parts += ["![loss](loss.png)", "", "![fidelity](fidelity.png)", ""]
+    else:
+        parts += ["No plots: matplotlib was not installed when this report was written "
+                  "(`pip install matplotlib`, the [report] extra of geofp8; then the same "
+                  "command with `--reuse` draws them without training again).", ""]
     return "\n".join(parts)
 
 
