@@ -108,6 +108,31 @@ class TrainConfig:
         spec = METHODS[self.method]
         return spec.config(**spec.takes(**self.method_settings()))
 
+    def geometry_start(self) -> tuple[int | None, str]:
+        """The first step at which ``--method`` can send a layer through a geometry map
+        (``None``: it never does) and why then. :meth:`geofp8.GeoFP8State.stats` tells the
+        step it did (``geometry_since_step``); an ``auto`` or budget method may start later,
+        or never, when geometry measures no better than plain coordinates."""
+        c = self.method_config()
+        if c is None or c.transform == "euclidean" or (c.layers == "none" and c.budget is None):
+            return None, "it sends every gradient in plain coordinates"
+        if c.transform in ("hadamard", "rht"):
+            return c.warmup_steps, "a fixed rotation, on from the first step"
+        if c.factor_source == "refresh":
+            ready, why = c.refresh_every, (f"the first factor comes from the first refresh, "
+                                           f"after --refresh-every {c.refresh_every} steps")
+        else:
+            ready, why = 0, "this step's factor, built during the backward"
+        if c.budget is not None or c.layers == "auto":
+            return max(ready + 1, c.warmup_steps), (
+                f"{why}; the paths' errors are measured on that step and a layer switches to "
+                "geometry on the next one, only where geometry measured better")
+        if c.layers == "profile":
+            fixed = c.warmup_steps + c.profile_steps
+            return max(ready, fixed), (f"{why}; the profile fixes the layers after "
+                                       f"--profile-steps {c.profile_steps}")
+        return max(ready, c.warmup_steps), why
+
     def method_settings(self) -> dict[str, Any]:
         """The run-wide settings a method may take (:meth:`geofp8.methods.Method.takes`)."""
         return dict(format=self.format, k=self.k, budget=self.budget,
