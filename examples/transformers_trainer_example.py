@@ -21,15 +21,15 @@ def main():
     parser.add_argument("--steps", type=int, default=60)
     steps = parser.parse_args().steps
     dataset = [{"input_ids": block, "labels": block} for block in text_blocks()]
-    args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="geofp8-trainer-"), max_steps=steps,
-        per_device_train_batch_size=8, learning_rate=1e-3, lr_scheduler_type="constant",
-        logging_steps=10, logging_first_step=True, save_strategy="no", report_to=[],
-        disable_tqdm=True, ddp_find_unused_parameters=False,
-        use_cpu=not torch.cuda.is_available())
-    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=dataset)
-    enable(trainer, CONFIG)  # the one line
-    trainer.train()
+    with tempfile.TemporaryDirectory(prefix="geofp8-trainer-") as output_dir:  # nothing kept
+        args = TrainingArguments(
+            output_dir=output_dir, max_steps=steps, per_device_train_batch_size=8,
+            learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=10,
+            logging_first_step=True, save_strategy="no", report_to=[], disable_tqdm=True,
+            ddp_find_unused_parameters=False, use_cpu=not torch.cuda.is_available())
+        trainer = Trainer(model=tiny_llama(), args=args, train_dataset=dataset)
+        enable(trainer, CONFIG)  # the one line
+        trainer.train()
 
 
 if __name__ == "__main__":

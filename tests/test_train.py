@@ -98,6 +98,73 @@ def test_methods_send_what_they_claim(all_methods):
     assert kfac[-1]["geometry_layers"] > 0
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_geometry_starts_where_the_method_says(all_methods):
+    """stats()' geometry_since_step, logged, against TrainConfig.geometry_start: the methods
+    that put every chosen layer on the map start exactly there; auto and budget methods
+    there at the earliest (only where geometry measures better)."""
+    out, _ = all_methods
+    started = 0
+    for method in METHODS:
+        step, why = TrainConfig(**{**TINY, "method": method}).geometry_start()
+        records = read_log(run_dir(out, method, 0) / "log.jsonl")
+        since = [r.get("geometry_since_step") for r in records]
+        first_on = next((r["step"] for r in records if r.get("geometry_layers")), None)
+        assert since[-1] == first_on, method  # the library's figure and the logged counts
+        info = json.loads((run_dir(out, method, 0) / "run.json").read_text())
+        assert info["geometry_start"] == {"step": step, "why": why}
+        if step is None:
+            assert first_on is None, method
+        elif "measured better" in why:
+            assert first_on is None or first_on >= step, method
+        else:
+            assert first_on == step, method
+            started += 1
+    assert started >= 10  # rotations, refreshed, fresh and local factors, profile, K-FAC
+
+
+def test_geometry_start_follows_the_methods_schedule():
+    start = {m: TrainConfig(method=m, budget=0.9 if m.startswith("budget") else None,
+                            refresh_every=50, profile_steps=100).geometry_start()[0]
+             for m in METHODS}
+    assert start["fp8-ef"] is None and start["powersgd"] is None and start["nvfp4-ef"] is None
+    assert start["hadamard"] == start["nvfp4-rht-ef"] == 0  # fixed rotations
+    assert start["geofp8-fresh-all"] == start["geofp8-local"] == 0  # this step's factor
+    assert start["geofp8-all"] == start["kfac"] == 50  # the first refresh
+    assert start["geofp8-auto"] == start["budget"] == 51  # measured at it, chosen after
+    assert start["geofp8"] == 100  # the profile decides after 100 steps
+
+
+def test_report_says_from_which_step_geometry_is_on_or_why_not():
+    from geofp8.tools.train.report import _geometry_lines
+
+    def run(method, records, plan_step, why="the first factor comes from the first refresh"):
+        return {"method": method, "seed": 0, "summary": summarize_run(records),
+                "info": {"geometry_start": {"step": plan_step, "why": why},
+                         "config": {"refresh_every": 5}}}
+
+    def rec(step, layers, since=None, sent=100, factor=0):
+        r = _record(step, 5.0, sent)
+        r.update(geometry_layers=layers, factor_bytes_sent=factor)
+        return r if since is None else {**r, "geometry_since_step": since}
+
+    on = run("geofp8-all", [rec(0, 0), rec(1, 3, 1, 400, 300), rec(2, 4, 1), rec(3, 4, 1)], 1)
+    short = run("geofp8-auto", [rec(0, 0), rec(1, 0)], 51)
+    never = run("geofp8-auto", [rec(s, 0) for s in range(60)], 51, "... measured better")
+    plain = run("fp8-ef", [_record(0, 5.0, 100)], None)
+    lines = _geometry_lines([on, short, never, plain])
+    assert lines[0].startswith("* geofp8-all (seed 0): geometry on from step 1, on up to 4 "
+                               "layer(s) (4 at the end). Step 1 sent 400 B, 4.0× a typical "
+                               "step (300 B factor traffic); once every 5 steps, that is "
+                               "+60% bytes a step on average.")
+    assert lines[1].startswith("* geofp8-auto (seed 0): no geometry in these 2 steps: it can "
+                               "start at step 51 at the earliest (the first factor comes")
+    assert "no geometry in 60 steps (possible from step 51): on no layer" in lines[2]
+    assert len([x for x in lines if x.startswith("*")]) == 3  # fp8-ef: nothing to say
+    assert lines[-1].startswith("A step above 1.5× a typical one is a factor refresh")
+
+
 # -- the report comes from the logs ----------------------------------------------------------
 
 @pytest.mark.distributed
@@ -206,7 +273,8 @@ def test_resume_continues_the_same_trajectory_bitwise(tmp_path):
     a = read_log(tmp_path / "whole" / "log.jsonl")
     b = read_log(tmp_path / "part" / "log.jsonl")
     assert [r["step"] for r in b] == list(range(6))
-    keys = ("loss", "grad_norm", "lr", "bytes_sent", "val_loss", "geometry_layers")
+    keys = ("loss", "grad_norm", "lr", "bytes_sent", "val_loss", "geometry_layers",
+            "geometry_since_step")
     assert [{k: r.get(k) for k in keys} for r in a] == [{k: r.get(k) for k in keys} for r in b]
     assert b[-1]["elapsed_s"] > b[2]["elapsed_s"]
 

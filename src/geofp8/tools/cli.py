@@ -48,7 +48,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="geofp8", description="GeoFP8: geometry-aware FP8 gradient communication for "
-        "PyTorch data-parallel training — fidelity analysis, reference training, benchmarks.")
+        "PyTorch data-parallel training — fidelity analysis, reference training, benchmarks.",
+        epilog="Start with `geofp8 demo` (a few minutes on a laptop); `geofp8 COMMAND --help` "
+        "lists a command's flags.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():

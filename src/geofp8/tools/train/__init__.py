@@ -115,7 +115,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] =
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_train_arguments(parser)
     parser.add_argument("--nproc", type=_COUNT, default=None,
-                        help="launch torchrun with this many local processes")
+                        help="launch torchrun with this many local processes (default: none, "
+                        "this process trains alone or as the rank torchrun started)")
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
