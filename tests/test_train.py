@@ -373,13 +373,18 @@ def test_demo_runs_compare_and_prints_the_table(tmp_path, capsys):
     from geofp8.tools import cli
 
     out = tmp_path / "demo"
-    assert cli.main(["demo", "--steps", "2", "--methods", "fp32,fp8", "--out", str(out)]) == 0
+    assert cli.main(["demo", "--steps", "2", "--methods", "fp32,geofp8-auto", "--out",
+                     str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "| fp32 |" in printed and "| fp8 |" in printed
+    assert "| fp32 |" in printed and "| geofp8-auto |" in printed
     assert str(out / "report.md") in printed
     assert "Timed" not in printed  # runs no longer than the timing run: no timing run
     saved = json.loads((out / "results.json").read_text())
-    assert [r["method"] for r in saved["runs"]] == ["fp32", "fp8"]
+    assert [r["method"] for r in saved["runs"]] == ["fp32", "geofp8-auto"]
+    # a short run says why it shows no geometry (the demo profiles and refreshes every 50)
+    assert ("* geofp8-auto (seed 0): no geometry in these 2 steps: it can start at step 51 at "
+            "the earliest (the first factor comes from the first refresh, after "
+            "--refresh-every 50 steps;") in (out / "report.md").read_text()
 
 
 class _CollectiveForward(torch.nn.Module):
