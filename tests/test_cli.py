@@ -60,6 +60,8 @@ MISTAKES = [
      "TrainConfig: --parallel fsdp runs the fp32 and GeoFP8 methods, not 'powersgd'"),
     (["train", "--parallel", "hsdp", "--optimizer", "adamw", "--shard-size", "3", "--nproc",
       "4"], "--shard-size 3 must divide the 4 ranks into at least 2 replicas"),
+    (["train", "--hierarchy", "node", "--node-size", "3", "--nproc", "2"], "--node-size 3 "
+     "must divide the 2 ranks"),
     pytest.param(["train", "--data", "short.txt", "--nproc", "2", "--steps", "2"],
                  "the corpus (3 tokens) is too short for one training block of 129 tokens "
                  "(--seq-len 128)", marks=[pytest.mark.distributed, pytest.mark.slow],
@@ -70,6 +72,8 @@ MISTAKES = [
     (["compare", "--seeds", "0,a"], "argument --seeds: 'a' is not an integer"),
     (["compare", "--nproc", "0"], "argument --nproc: must be >= 1, got 0"),
     (["compare", "--run-timeout", "0"], "argument --run-timeout: must be > 0, got 0"),
+    (["compare", "--nproc", "3", "--parallel", "hsdp", "--shard-size", "2", "--optimizer",
+      "adamw"], "--shard-size 2 must divide the 3 ranks into at least 2 replicas"),
     # demo
     (["demo", "--nproc", "0"], "argument --nproc: must be >= 1, got 0"),
     (["demo", "--steps", "0"], "argument --steps: must be >= 1, got 0"),

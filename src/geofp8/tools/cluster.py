@@ -42,7 +42,7 @@ from . import netem, scaling
 from .errors import UsageError
 from .flags import at_least, choice_list, comma_list, flatten
 from .needs import require
-from .train import add_train_arguments, check_inputs, config_from_args, to_argv
+from .train import add_train_arguments, check_inputs, check_world, config_from_args, to_argv
 from .train.compare import _complete
 from .train.config import METHODS, TrainConfig
 from .train.launch import launch
@@ -433,6 +433,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--rates: a rate is repeated in {' '.join(rates)}")
     base = config_from_args(args)
     check_inputs(base)
+    check_world(base, args.nproc)
     require("geofp8 cluster's report (time_to_loss.png)", "matplotlib")
     # the command that produces these runs (--reuse only skips finished ones)
     command = "geofp8 cluster " + shlex.join(a for a in getattr(args, "_argv", [])[1:]

@@ -15,8 +15,8 @@ from ...feedback import STORAGES
 from ..flags import at_least, fraction, text_file
 from .config import METHODS, TrainConfig, make_comm_hook
 
-__all__ = ["METHODS", "TrainConfig", "add_arguments", "check_inputs", "config_from_args",
-           "make_comm_hook", "run", "to_argv"]
+__all__ = ["METHODS", "TrainConfig", "add_arguments", "check_inputs", "check_world",
+           "config_from_args", "make_comm_hook", "run", "to_argv"]
 
 HELP = {
     "model": "preset (llama-tiny, llama-small: CPU; llama-300m, llama-600m: paper scale) "
@@ -143,6 +143,22 @@ def check_inputs(cfg: TrainConfig) -> None:
             raise UsageError(f"--data: {e}") from None
 
 
+def check_world(cfg: TrainConfig, world: int) -> None:
+    """What a launch on ``world`` ranks can be refused for before it starts: a
+    ``--shard-size`` or ``--node-size`` that does not split them, a ``--resume`` from a
+    checkpoint of another number of ranks (:class:`~geofp8.tools.errors.UsageError`)."""
+    from ..errors import UsageError
+    from . import checkpoint
+    from .parallel import shard_size
+
+    if cfg.parallel != "ddp":
+        shard_size(cfg, world)
+    if cfg.node_size and world % cfg.node_size:
+        raise UsageError(f"--node-size {cfg.node_size} must divide the {world} ranks")
+    if cfg.resume and (step := checkpoint.latest_step(cfg.out)) is not None:
+        checkpoint.check_world(cfg.out, step, world)
+
+
 def to_argv(cfg: TrainConfig) -> list[str]:
     """The ``geofp8 train`` flags that reproduce ``cfg`` (defaults left out)."""
     argv = []
@@ -163,13 +179,11 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from .launch import exit_rank, in_launched_process, launch
-    from .parallel import shard_size
 
     cfg = config_from_args(args)
     check_inputs(cfg)
     if args.nproc and not in_launched_process():
-        if cfg.parallel != "ddp":
-            shard_size(cfg, args.nproc)
+        check_world(cfg, args.nproc)
         return launch(args.nproc, to_argv(cfg))
     from .loop import train
 

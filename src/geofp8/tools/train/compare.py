@@ -18,10 +18,9 @@ from pathlib import Path
 from ..errors import RunFailed, UsageError
 from ..flags import at_least, choice_list, comma_list, flatten
 from ..needs import available, install_hint
-from . import add_train_arguments, check_inputs, config_from_args, to_argv
+from . import add_train_arguments, check_inputs, check_world, config_from_args, to_argv
 from .config import METHODS, TrainConfig
 from .launch import launch
-from .parallel import shard_size
 from .report import build_report, format_table, read_log
 
 DEFAULT_METHODS = ["fp32", "fp8", "fp8-ef", "geofp8-auto"]
@@ -69,8 +68,7 @@ def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
     for method in methods:  # each method's own settings (e.g. a budget method's --budget)
         replace(base, method=method)
     check_inputs(base)
-    if base.parallel != "ddp":
-        shard_size(base, nproc)
+    check_world(base, nproc)
     plots = available("matplotlib")
     if not plots:
         echo(f"matplotlib is not installed: the report will have no plots "
