@@ -27,8 +27,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "communication (fp32, bf16, fp8, fp8-ef, hadamard, geofp8, geofp8-auto, ...)"),
     "compare": ("geofp8.tools.train.compare", "train with several methods and seeds on the "
                 "same data and write a report (report.md, loss.png, fidelity.png, results.json)"),
-    "demo": ("geofp8.tools.demo", "the main job: compare fp32, fp8, fp8-ef, geofp8 and geofp8-auto "
-             "on a CPU-sized Llama with 2 ranks (under 7 minutes on 2 cores; timed first)"),
+    "demo": ("geofp8.tools.demo", "the quick start: compare fp32, fp8, fp8-ef, geofp8 and "
+             "geofp8-auto on a CPU-sized Llama with 2 ranks (under 7 minutes on 2 cores; timed "
+             "first)"),
     "cluster": ("geofp8.tools.cluster", "time to loss on an emulated cluster: one network "
                 "namespace per rank, links shaped to 1/10 Gbit/s (root, ip and tc), per method "
                 "and rate, with the alpha-beta model's error and the overlap"),
