@@ -220,7 +220,10 @@ class SyncEngine:
     # -- reporting and checkpoints -----------------------------------------------------------
 
     def stats(self) -> dict:
-        """Figures of the last settled step (reading changes nothing); see the adapters."""
+        """Figures of the last settled step (reading changes nothing); see the adapters.
+        ``geometry_layers``: the weights that went through a geometry map;
+        ``geometry_since_step``: the first step that sent any that way (``None`` until then:
+        a refreshed factor exists only from the first refresh on)."""
         last = self.ledger.last
         sent = last["bytes_sent"] + last["factor_bytes_sent"]
         return {
@@ -232,6 +235,7 @@ class SyncEngine:
             "bytes_fp32_equivalent": int(last["bytes_fp32_equivalent"]),
             "bytes_per_element": sent / last["elements"] if last["elements"] else 0.0,
             "geometry_layers": self.pipeline.geometry_layers(),
+            "geometry_since_step": self.pipeline.geometry_since,
             **self.pipeline.budget_stats(),
             "codec_s": last["codec_s"],
             "transform_s": last["transform_s"],

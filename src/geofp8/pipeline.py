@@ -92,6 +92,8 @@ class GradientPipeline:
         # the residuals of the exact collective's second rounding (owner_feedback), set by
         # the DDP adapter: see owner_keys and prepare_into
         self.owner: ErrorFeedback | None = None
+        self.step = 0
+        self.geometry_since: int | None = None  # the first settled step with a layer on a map
 
     # -- step boundaries ---------------------------------------------------------------------
 
@@ -101,6 +103,7 @@ class GradientPipeline:
         if self.source is not None:
             self.source.start_step(step)
         self._observing = self.source is not None and self.selection.wants(step)
+        self.step = step
 
     def step_flags(self) -> list[torch.Tensor]:
         """Device flags for the step's one host read (see :meth:`FactorSource.step_flags`)."""
@@ -115,6 +118,8 @@ class GradientPipeline:
         if self.source is not None:
             self.source.settle(finite)
         self.selection.settle(finite)
+        if finite and self.geometry_since is None and self.geometry_layers():
+            self.geometry_since = self.step
         if finite:
             self.feedback.commit()
         else:
@@ -358,9 +363,11 @@ class GradientPipeline:
     def state_dict(self) -> dict:
         """Selection and factors (the residuals are the engine's to save)."""
         return {"selection": self.selection.state_dict(),
-                "source": self.source.state_dict() if self.source is not None else None}
+                "source": self.source.state_dict() if self.source is not None else None,
+                "geometry_since": self.geometry_since}
 
     def load_state_dict(self, state: dict) -> None:
+        self.geometry_since = state.get("geometry_since")  # absent in older checkpoints
         self.selection.load_state_dict(state["selection"])
         if self.source is not None:
             self.source.load_state_dict(state["source"])

@@ -32,8 +32,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["atomic_save", "checkpoint_dir", "latest_step", "load_rank", "load_shared",
-           "load_sharded", "save_sharded", "step_dir", "write_meta"]
+from ..errors import UsageError
+
+__all__ = ["atomic_save", "check_world", "checkpoint_dir", "latest_step", "load_rank",
+           "load_shared", "load_sharded", "save_sharded", "step_dir", "write_meta"]
 
 
 def checkpoint_dir(out: str | os.PathLike) -> Path:
@@ -99,13 +101,19 @@ def load_rank(out: str | os.PathLike, rank: int, step: int, world: int) -> dict:
         ValueError: the checkpoint was written on another number of ranks than ``world``
             (the RNG and GeoFP8 states are per rank: they are not resharded).
     """
+    check_world(out, step, world)
+    return _load(step_dir(out, step) / f"rank{rank}.pt", step)
+
+
+def check_world(out: str | os.PathLike, step: int, world: int) -> None:
+    """Raise :class:`~geofp8.tools.errors.UsageError` (a ``ValueError``) unless the
+    checkpoint of ``step`` was written on ``world`` ranks."""
     written = len(list(step_dir(out, step).glob("rank*.pt")))
     if written != world:
-        raise ValueError(f"the checkpoint {step_dir(out, step).name} was written on {written} "
+        raise UsageError(f"the checkpoint {step_dir(out, step).name} was written on {written} "
                          f"ranks, this run has {world}: the error-feedback residuals and RNG "
                          f"states are per rank and cannot be resharded; resume on {written} "
                          "ranks")
-    return _load(step_dir(out, step) / f"rank{rank}.pt", step)
 
 
 def _sharded_states(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
