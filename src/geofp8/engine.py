@@ -74,7 +74,8 @@ class SyncEngine:
         self._lock = threading.RLock()
         self._outstanding = 0
         self._finite: list[torch.Tensor] = []  # per observed unit
-        self._hooks = [model.register_forward_pre_hook(self._on_forward), *self.pipeline.hooks]
+        self._hooks = [model.register_forward_pre_hook(self._on_forward),
+                       model.register_forward_hook(self._on_forward_end), *self.pipeline.hooks]
 
     # -- set-up by the adapters --------------------------------------------------------------
 
@@ -102,6 +103,13 @@ class SyncEngine:
 
     def _on_forward(self, *_) -> None:
         self.pipeline.shared.new_forward()
+
+    @torch.compiler.disable
+    def _on_forward_end(self, module: nn.Module, *_) -> None:
+        """Every rank's training forward returns here, whichever layers it ran: the point
+        where the statistics' collectives are launched (:meth:`GradientPipeline.forward_done`)."""
+        if module.training and torch.is_grad_enabled():
+            self.pipeline.forward_done()
 
     # -- the step ----------------------------------------------------------------------------
 

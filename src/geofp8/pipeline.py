@@ -95,11 +95,24 @@ class GradientPipeline:
 
     # -- step boundaries ---------------------------------------------------------------------
 
+    def forward_done(self) -> None:
+        """The model's training forward returned: the ranks agree on the shared inputs (the
+        first time) and the factor source launches its reductions (collective)."""
+        if self.source is None:
+            return
+        self._agree()
+        self.source.forward_done()
+
+    def _agree(self) -> None:
+        if not self.shared.agreed:
+            self.shared.agree(list(self.layers), self.group)
+
     def start_step(self, step: int) -> None:
         """Decisions and refreshes due at the start of ``step`` (collective)."""
         self.selection.start_step(step, self.group)
         if self.source is not None:
-            self.source.start_step(step)
+            self._agree()  # already done at the forward's end, unless the model's own
+            self.source.start_step(step)  # forward was never called (its parts were)
         self._observing = self.source is not None and self.selection.wants(step)
 
     def step_flags(self) -> list[torch.Tensor]:
@@ -328,8 +341,7 @@ class GradientPipeline:
 
     def fingerprint(self) -> dict:
         """What every rank must agree on (JSON-serialisable)."""
-        return {"candidates": sorted(self.layers),
-                "shared_inputs": sorted(self.shared.owner.items())}
+        return {"candidates": sorted(self.layers)}
 
     def transforms(self) -> dict[str, Transform]:
         """This step's geometry map of every candidate that has one, by weight name."""

@@ -58,18 +58,24 @@ class Layer:
 class SharedInputs:
     """Links layers that read the very same input tensor to the first of them (the owner).
 
-    Decided at a layer's first training forward and fixed afterwards (the model's code
-    decides it, so every rank decides alike; the ranks' fingerprints include it)."""
+    Each rank decides at a layer's first training forward (by the identity of its input);
+    at the end of the first training forward (:meth:`agree`) the ranks merge what they saw,
+    and the map is fixed from then on, complete: a layer shares its owner's statistic only
+    if every rank that ran it decided alike and the owner owns its own; every other
+    candidate (conflicting, or run on no rank yet) owns its own. So the map is identical on
+    every rank whichever layers each rank happened to run."""
 
     def __init__(self) -> None:
         self.owner: dict[str, str] = {}
+        self.agreed = False
         self._seen: dict[int, tuple[torch.Tensor, str]] = {}
 
     def new_forward(self) -> None:
         self._seen.clear()
 
     def records(self, name: str, x: torch.Tensor) -> bool:
-        """Whether ``name`` owns the statistic of input ``x`` (its first sight decides)."""
+        """Whether ``name`` owns the statistic of input ``x`` (its first sight decides,
+        until the ranks agree)."""
         if name not in self.owner:
             seen = self._seen.get(id(x))
             self.owner[name] = seen[1] if seen is not None and seen[0] is x else name
@@ -78,6 +84,23 @@ class SharedInputs:
 
     def of(self, name: str) -> str:
         return self.owner.get(name, name)
+
+    def agree(self, names: list[str], group: DeviceGroup) -> None:
+        """Merge every rank's decisions over the candidates ``names`` and fix the map
+        (collective on ``group``; see the class notes)."""
+        everyone = group.all_gather_json(self.owner, "consistency")
+        merged = {}
+        for name in names:
+            seen = {decided[name] for decided in everyone if name in decided}
+            merged[name] = seen.pop() if len(seen) == 1 else name
+        self.owner = {n: o if merged.get(o) == o else n for n, o in merged.items()}
+        self.agreed = True
+
+    def state_dict(self) -> dict:
+        return {"owner": dict(self.owner), "agreed": self.agreed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.owner, self.agreed = dict(state["owner"]), bool(state["agreed"])
 
 
 def _training(module: nn.Module) -> bool:
@@ -98,6 +121,9 @@ class FactorSource:
 
     def start_step(self, step: int) -> None:
         """Collectives due at the start of ``step`` (e.g. a refresh)."""
+
+    def forward_done(self) -> None:
+        """The wrapped model's training forward returned (every rank, the same point)."""
 
     def prepare(self, name: str) -> None:
         """Called before ``name``'s gradient is encoded (this step's maps are built here)."""
@@ -132,12 +158,12 @@ class FactorSource:
         self.ledger.add(key, time.perf_counter() - t0)
 
     def state_dict(self) -> dict:
-        return {"owner": dict(self.shared.owner),
+        return {"shared": self.shared.state_dict(),
                 "transforms": {n: {"kind": t.name, "state": t.state()}
                                for n, t in self.transforms.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.shared.owner = dict(state["owner"])
+        self.shared.load_state_dict(state["shared"])
         self.transforms = {n: transform_from_state(s["kind"], s["state"])
                            for n, s in state["transforms"].items()}
         self._step = {}
@@ -326,7 +352,9 @@ class FreshFactors(_SketchedFactors):
     def __init__(self, layers, ledger, config, group: DeviceGroup) -> None:
         super().__init__(layers, ledger, config)
         self.group = group
-        self._works: dict[str, list] = {}
+        self._local: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # this forward's sums
+        self._launched: list[_Reduced] = []  # this step's reductions, one per forward
+        self._reduced: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._flags: list[tuple[str, torch.Tensor]] = []  # (layer, sketch not finite)
         self.warned: set[str] = set()
         self._codec = None if config.sketch_format is None else make_codec(config.sketch_format)
@@ -339,39 +367,82 @@ class FreshFactors(_SketchedFactors):
                                                      kernels=self.config.kernels)
         return self._layouts[numel]
 
+    def units(self) -> list[str]:
+        """The layers that own a statistic (:class:`SharedInputs`), in candidate order."""
+        return [n for n in self.layers if self.shared.of(n) == n]
+
+    def _width(self, name: str) -> int:
+        d = self.layers[name].d_in
+        return d * min(self.config.k + self.config.oversample, d)
+
     def record(self, name: str, x: torch.Tensor) -> None:
-        """Launch the SUM all-reduces of ``Σ x xᵀ Ω`` and ``[Σ‖x‖², tokens]`` of this
-        micro-batch (one FP32 buffer, or the sketch through the exact collective)."""
+        """Add this micro-batch's ``Σ x xᵀ Ω`` and ``[Σ‖x‖², tokens]`` to the forward's local
+        sums (no collective: :meth:`forward_done` reduces every layer's at once)."""
         x = x.reshape(-1, self.layers[name].d_in).float()
         omega = self.omega(x.shape[1], x.device)
         sketch = (x.T @ (x @ omega)).reshape(-1)
         moments = torch.cat([x.pow(2).sum().reshape(1), x.new_full((1,), float(x.shape[0]))])
+        if name in self._local:  # the layer ran twice in this forward
+            sketch, moments = sketch + self._local[name][0], moments + self._local[name][1]
+        self._local[name] = (sketch, moments)
+
+    def forward_done(self) -> None:
+        """Launch one SUM reduction of every unit's sketch and moments, in candidate order,
+        zeros for the units this rank did not run (one FP32 all-reduce, or the sketches
+        through the exact collective and the moments in FP32). Every rank launches it at the
+        same point, so which layers a rank ran never decides who joins a collective; it
+        overlaps the loss and the backward up to the first map's :meth:`prepare`."""
+        device, sketches, moments = self.group.device, [], []
+        for name in self.units():
+            sketch, moment = self._local.get(name) or (
+                torch.zeros(self._width(name), device=device), torch.zeros(2, device=device))
+            sketches.append(sketch.to(device))
+            moments.append(moment.to(device))
+        self._local = {}
+        if not sketches:
+            return
+        sketch, moment = torch.cat(sketches), torch.cat(moments)
         if self._codec is None:
-            buf, work = self.group.all_reduce(torch.cat([sketch, moments]), "factor",
+            buf, work = self.group.all_reduce(torch.cat([sketch, moment]), "factor",
                                               async_op=True)
-            self._works.setdefault(name, []).append(_Reduced(work, buf))
+            self._launched.append(_Reduced(work, buf, sketch.numel()))
             return
         layout = self._layout(sketch.numel())
         reduced = self._sketches.launch(encode(sketch, layout, sender=self.group.rank),
                                         layout, last=False)  # its all-gather: next launch
-        moments, work = self.group.all_reduce(moments, "factor", async_op=True)
-        self._works.setdefault(name, []).append(_Reduced(work, moments, reduced))
+        moment, work = self.group.all_reduce(moment, "factor", async_op=True)
+        self._launched.append(_Reduced(work, moment, sketch.numel(), reduced))
 
-    def prepare(self, name: str) -> None:
-        """Wait for the owner's reduced sketches (normally long done) and build its map, on
-        the device: nothing is read back to the host (a non-finite or empty sketch keeps the
-        last map — the identity before the first — chosen by ``torch.where``; the warning
-        waits for the step's one host read, :meth:`flags_read`)."""
-        self._drain()  # the last sketch's all-gather: issued here, the same point on every rank
-        key = self.shared.of(name)
-        works = self._works.pop(key, None)
-        if not works:
-            return
-        t0 = time.perf_counter()
-        sketch, moments = works[0].wait()
-        for reduced in works[1:]:
+    def start_step(self, step: int) -> None:
+        """A model whose own forward was not called (its submodules were): reduce now."""
+        if not self._launched:
+            self.forward_done()
+
+    def _await(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Every unit's reduced ``(sketch, [Σ‖x‖², tokens])``, summed over the step's
+        forwards."""
+        sketch, moments = self._launched[0].wait()
+        for reduced in self._launched[1:]:
             more_sketch, more_moments = reduced.wait()
             sketch, moments = sketch + more_sketch, moments + more_moments
+        units = self.units()
+        sketches = sketch.split([self._width(n) for n in units])
+        return {n: (s, m) for n, s, m in zip(units, sketches, moments.view(-1, 2))}
+
+    def prepare(self, name: str) -> None:
+        """Wait for the reduced sketches (normally long done) and build the map of ``name``'s
+        unit, on the device: nothing is read back to the host (a non-finite sketch, or one
+        that no rank recorded this step, keeps the last map — the identity before the first
+        — chosen by ``torch.where``; the warning waits for the step's one host read,
+        :meth:`flags_read`)."""
+        self._drain()  # the last sketch's all-gather: issued here, the same point on every rank
+        key = self.shared.of(name)
+        if key in self._step or not self._launched:
+            return
+        t0 = time.perf_counter()
+        if self._reduced is None:
+            self._reduced = self._await()
+        sketch, moments = self._reduced[key]
         d, cfg = self.layers[key].d_in, self.config
         omega = self.omega(d, sketch.device)
         tokens = moments[1]
@@ -405,7 +476,9 @@ class FreshFactors(_SketchedFactors):
 
     def settle(self, finite: bool) -> None:
         self._drain()  # every rank at the same point, whether or not a layer read its sketch
-        self._works, self._flags = {}, []
+        for reduced in self._launched:  # a step no map read (FP32 warm-up): done all the same
+            reduced.work.wait()
+        self._launched, self._reduced, self._flags, self._local = [], None, [], {}
         super().settle(finite)
 
 
@@ -423,18 +496,20 @@ def _chosen(ok: torch.Tensor, fresh: LowRankInput, last: Transform | None) -> Lo
 
 @dataclass
 class _Reduced:
-    """One micro-batch's reduced ``(Σ_r Y_r, [Σ‖x‖², tokens])``, once :meth:`wait` returns:
-    both views of ``values`` after the FP32 all-reduce ``work``, or the ``sketch`` the exact
-    collective reduced and ``values`` the two moments alone."""
+    """One forward's reduced ``(Σ_r Y_r, [Σ‖x‖², tokens] per unit)``, once :meth:`wait`
+    returns: both parts of ``values`` (the first ``split`` elements the sketches) after the
+    FP32 all-reduce ``work``, or the ``sketch`` the exact collective reduced and ``values``
+    the moments alone."""
 
     work: object
     values: torch.Tensor
+    split: int
     sketch: torch.futures.Future | None = None
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.work.wait()
         if self.sketch is None:
-            return self.values[:-2], self.values[-2:]
+            return self.values[: self.split], self.values[self.split :]
         return self.sketch.wait(), self.values
 
 
