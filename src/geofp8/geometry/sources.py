@@ -11,16 +11,18 @@ before a layer's gradient is encoded), :meth:`~FactorSource.transform`,
   accumulated over ``refresh_every`` settled steps and SUM-reduced; an exact statistic's map
   is computed on one owner rank and broadcast as tensors, a sketched one's by every rank
   from the same reduced sketch with the same deterministic Nyström step (as fresh factors).
-* :class:`FreshFactors` — this step's low-rank factor: each forward sketches
-  ``Σ x xᵀ Ω`` (``d_in × (k+p)`` floats) and all-reduces it at once (in FP32, or through the
-  exact collective in ``sketch_format``), overlapping the rest of the forward and the
-  backward; every rank runs the same deterministic Nyström step, on the device.
+* :class:`FreshFactors` — this step's low-rank factor: each layer's forward sketches
+  ``Σ x xᵀ Ω`` (``d_in × (k+p)`` floats) locally; when the model's forward returns, every
+  rank reduces all layers' sketches in one launch (in FP32, or through the exact collective
+  in ``sketch_format``; zeros for a layer it did not run), overlapping the backward; every
+  rank runs the same deterministic Nyström step, on the device.
 * :class:`LocalFactors` — each rank's own factor of this step, never reduced: shipped with
   the sender's payload and applied by the receiver to that sender's rows (per-sender
   decoding, see :class:`geofp8.pipeline.GradientPipeline`).
 
 Layers that read the *same input tensor* (q/k/v projections; gate/up) share one statistic
-and one map (:class:`SharedInputs`): the statistic is recorded, reduced and factored once.
+and one map (:class:`SharedInputs`, agreed across ranks): the statistic is recorded, reduced
+and factored once. No statistics collective depends on which layers a rank ran.
 """
 
 from __future__ import annotations
