@@ -229,15 +229,16 @@ def _overflow_worker(rank, world_size):
             opt.zero_grad()
     said = [str(w.message) for w in caught if "sketch of" in str(w.message)]
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return said, state.stats()["skipped_steps"], params
+    return said, state.stats()["skipped_steps"], params, state.stats()["nonfinite_factors"]
 
 
 def test_a_non_finite_fresh_sketch_is_said_once_per_layer_and_the_step_skipped():
     results = run_ranks(_overflow_worker, 2)
-    for said, skipped, params in results:
+    for said, skipped, params, rejected in results:
         # both layers' sketches overflow, at steps 1 and 3: one warning per layer
         layers = {s.split("sketch of ")[1].split()[0] for s in said}
         assert len(said) == 2 and layers == {"'0.weight'", "'2.weight'"}
         assert all("keeps its last map" in s for s in said)
         assert skipped == 2 and torch.isfinite(params).all()
+        assert rejected == 4  # two layers' sketches, twice: counted on every rank
     assert torch.equal(results[0][2], results[1][2])

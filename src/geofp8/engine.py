@@ -211,10 +211,9 @@ class SyncEngine:
     # -- consistency -------------------------------------------------------------------------
 
     def fingerprint(self) -> dict:
-        """What every rank must agree on (JSON-serialisable)."""
-        return {"kind": self.kind, "config": self.config.to_dict(),
-                "world_size": self.group.size, "parameters": self._parameters,
-                **self.pipeline.fingerprint(), **self.fingerprint_extra}
+        """What every rank must agree on (JSON-serialisable): what it has, not what it ran."""
+        mine = {k: v for k, v in self._identity().items() if k not in ("version", "rank")}
+        return {**mine, **self.pipeline.fingerprint(), **self.fingerprint_extra}
 
     def check_consistency(self) -> None:
         """Fail fast, on every rank, when ranks disagree on config or model structure
@@ -247,15 +246,14 @@ class SyncEngine:
             "statistics_s": last["statistics_s"],
             "ef_bytes": sum(f.nbytes for f in self.feedbacks.values()),
             "factor_bytes": self.pipeline.factor_nbytes,
+            "nonfinite_factors": self.pipeline.nonfinite_factors,
             **{f"bytes_{g.link}": int(last[f"bytes_{g.link}"]) for g in self.groups if g.link},
         }
 
     def state_dict(self) -> dict:
-        """Everything needed to continue bit-identically: tensors and plain containers only
-        (loads with ``weights_only=True``). Residuals differ per rank: save every rank's. It
-        records who wrote it and for what, and a checksum (:mod:`geofp8.verification`)."""
-        state = self._state()
-        return {**state, "checksum": checksum(state)}
+        """Everything needed to continue bit-identically, tensors and plain containers only
+        (``weights_only=True``), per rank; with who wrote it, for what, and a checksum."""
+        return {**(state := self._state()), "checksum": checksum(state)}
 
     def _state(self) -> dict:
         return {**self._identity(), "step": self.ledger.step,
@@ -270,11 +268,9 @@ class SyncEngine:
                 "parameters": self._parameters}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`, whole or not at all: a state of another version,
-        adapter, config, world size, rank or model, a damaged one (checksum) or one holding
-        non-finite residuals or factors is refused (``ValueError`` naming the field and what
-        to do) before anything changes; should it still not fit, the state is put back as it
-        was before the call."""
+        """Restore :meth:`state_dict` whole or not at all: a state that
+        :func:`~geofp8.verification.refusal` refuses is a ``ValueError`` naming the field,
+        before anything changes; one that still does not fit is undone."""
         problem = refusal(state, self._identity())
         if problem is not None:
             raise ValueError(f"GeoFP8 checkpoint refused, {problem}. Nothing was loaded.")
@@ -283,9 +279,8 @@ class SyncEngine:
             self._load(state)
         except Exception as error:
             self._load(before)
-            raise ValueError(f"GeoFP8 checkpoint refused: it does not fit this model's state "
-                             f"({type(error).__name__}: {error}); the state is as it was before "
-                             "the call") from error
+            raise ValueError(f"GeoFP8 checkpoint refused: it does not fit this state "
+                             f"({type(error).__name__}: {error}); nothing was loaded") from error
 
     def _load(self, state: dict) -> None:
         self.rollback()

@@ -364,6 +364,11 @@ class GradientPipeline:
                 "budget_errors": {n: dict(e) for n, e in selection.last_measurement.items()}}
 
     @property
+    def nonfinite_factors(self) -> int:
+        """Statistics, sketches or maps found non-finite and reset so far (this rank)."""
+        return self.source.rejected if self.source is not None else 0
+
+    @property
     def factor_nbytes(self) -> int:
         return self.source.nbytes if self.source is not None else 0
 

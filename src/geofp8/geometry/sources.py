@@ -117,6 +117,8 @@ class FactorSource:
         self.shared = SharedInputs()
         self.transforms: dict[str, Transform] = {}
         self._step: dict[str, Transform] = {}  # this step's maps (fresh / local)
+        self.rejected = 0  # statistics or maps found non-finite and reset (stats())
+        self.warned: set[str] = set()
 
     def attach(self, modules: dict[str, nn.Module]) -> list:
         return []
@@ -156,6 +158,19 @@ class FactorSource:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in {id(t): t for t in self.transforms.values()}.values())
 
+    def _rejected(self, names: list[str], what: str) -> None:
+        """Count non-finite statistics or maps of ``names`` that were reset; warn once per
+        layer."""
+        self.rejected += len(names)
+        for name in names:
+            if name not in self.warned:
+                self.warned.add(name)
+                warnings.warn(f"GeoFP8: {what} of {name!r} is not finite (its activations "
+                              "overflow x xᵀ in FP32); it was reset: the layer keeps its last "
+                              "map, the identity before its first (warned once per layer; "
+                              "stats()['nonfinite_factors'] counts them)", RuntimeWarning,
+                              stacklevel=3)
+
     def _timed(self, key: str, t0: float) -> None:
         self.ledger.add(key, time.perf_counter() - t0)
 
@@ -190,6 +205,7 @@ class RefreshFactors(FactorSource):
         self.config, self.group, self.kind = config, group, str(config.transform)
         self.pending: dict[str, dict[str, SecondMoment]] = {}
         self.window: dict[str, dict[str, SecondMoment]] = {}
+        self._dropped: dict[tuple[str, str], torch.Tensor] = {}  # non-finite, per moment
         for name, layer in layers.items():
             mode = config.statistics
             if mode == "auto":
@@ -232,10 +248,14 @@ class RefreshFactors(FactorSource):
                 if s == "S" or self.shared.of(n) == n]
 
     def settle(self, finite: bool) -> None:
-        for (_, _, p), (_, _, w) in zip(self._moments(self.pending), self._moments(self.window)):
+        """A finite step's statistics join the window, each moment only if all of it is
+        finite (decided on the device: a non-finite one is dropped, counted at the refresh)."""
+        for (n, s, p), (_, _, w) in zip(self._moments(self.pending), self._moments(self.window)):
             if finite:
+                ok = torch.stack([torch.isfinite(t).all() for t in p.tensors()]).all()
                 for a, b in zip(w.tensors(), p.tensors()):
-                    a.add_(b)
+                    a.add_(torch.where(ok, b, 0))
+                self._dropped[n, s] = self._dropped.get((n, s), 0) + ~ok
             p.reset()
         super().settle(finite)
 
@@ -256,15 +276,17 @@ class RefreshFactors(FactorSource):
         # one map per owner of a statistic (per layer when the output side is needed too)
         units = [n for n in self.layers if "S" in needs(self.kind) or self.shared.of(n) == n]
         world, rank = self.group.size, self.group.rank
+        usable = self._usable(units)  # the same reduced window everywhere: the same verdict
         mine = {}
         for i, name in enumerate(units):
             A = self.window[self.shared.of(name)]["A"]
-            if float(A.weight) <= 0:
+            if not usable[name] or float(A.weight) <= 0:
                 continue
             if A.mode == "sketch":  # every rank factors the same reduced sketch alike
-                self._assign(name, self._build(name))
-            elif i % world == rank:
-                mine.update({f"{name}|{k}": v for k, v in self._build(name).state().items()})
+                if _finite(built := self._build(name), name, self):
+                    self._assign(name, built)
+            elif i % world == rank and _finite(built := self._build(name), name, self):
+                mine.update({f"{name}|{k}": v for k, v in built.state().items()})
         for src in range(world):
             named = self.group.broadcast_tensors(mine if src == rank else None, src, "factor")
             by_layer: dict[str, dict[str, torch.Tensor]] = {}
@@ -276,6 +298,21 @@ class RefreshFactors(FactorSource):
         for m in moments:
             m.reset()
         self._timed("transform_s", t0)
+
+    def _usable(self, units: list[str]) -> dict[str, bool]:
+        """Whether each unit's reduced window is finite (the same window everywhere: the same
+        verdict); the others keep their last map. Counted and warned, with the statistics
+        dropped at settling."""
+        windows = [[self.window[self.shared.of(n)]["A"], *([self.window[n]["S"]]
+                    if "S" in self.window[n] else [])] for n in units]
+        flags = [torch.stack([torch.isfinite(t).all() for m in ms for t in m.tensors()]).all()
+                 for ms in windows]
+        usable = dict(zip(units, torch.stack(flags).tolist() if flags else []))
+        dropped = [n for (n, _), count in self._dropped.items() for _ in range(int(count))]
+        self._dropped = {}
+        self._rejected(dropped, "a step's input statistic")
+        self._rejected([n for n, ok in usable.items() if not ok], "the refresh's statistic")
+        return usable
 
     def _assign(self, unit: str, built: Transform) -> None:
         """``built`` is the map of ``unit`` and of every layer sharing its statistic."""
@@ -358,7 +395,6 @@ class FreshFactors(_SketchedFactors):
         self._launched: list[_Reduced] = []  # this step's reductions, one per forward
         self._reduced: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._flags: list[tuple[str, torch.Tensor]] = []  # (layer, sketch not finite)
-        self.warned: set[str] = set()
         self._codec = None if config.sketch_format is None else make_codec(config.sketch_format)
         self._sketches = Communicator("exact", group, kind="factor")
         self._layouts: dict[int, ShardLayout] = {}
@@ -454,6 +490,8 @@ class FreshFactors(_SketchedFactors):
         Y = torch.where(ok, sketch.view(d, omega.shape[1]) / count, omega)
         trace = torch.where(ok, moments[0] / count, float(d)).double()
         fresh = LowRankInput(nystrom_factor(Y, omega, min(cfg.k, d), trace), cfg.damping)
+        ok = ok & torch.stack([torch.isfinite(torch.as_tensor(getattr(fresh, f))).all()
+                               for f in LowRankInput.fields]).all()
         self._step[key] = _chosen(ok, fresh, self.transforms.get(key))
         self._flags.append((key, ~ok & (tokens > 0)))
         self._timed("transform_s", t0)
@@ -462,14 +500,10 @@ class FreshFactors(_SketchedFactors):
         return [bad for _, bad in self._flags]
 
     def flags_read(self, values: list[bool]) -> None:
-        """Warn once per layer whose sketch was not finite this step."""
-        for (key, _), bad in zip(self._flags, values):
-            if bad and key not in self.warned:  # the same reduced sketch on every rank
-                self.warned.add(key)
-                warnings.warn(f"GeoFP8: this step's input sketch of {key!r} is not finite "
-                              "(its activations overflow x xᵀ Ω in FP32); the layer keeps its "
-                              "last map for this step, the identity before its first (warned "
-                              "once per layer)", RuntimeWarning, stacklevel=2)
+        """Count the layers whose sketch or map was not finite this step; warn once each
+        (the same reduced sketch on every rank: the same verdict)."""
+        self._rejected([key for (key, _), bad in zip(self._flags, values) if bad],
+                       "this step's input sketch")
 
     def _drain(self) -> None:
         """Issue the pending sketch all-gather and complete every reduced sketch."""
@@ -482,6 +516,15 @@ class FreshFactors(_SketchedFactors):
             reduced.work.wait()
         self._launched, self._reduced, self._flags, self._local = [], None, [], {}
         super().settle(finite)
+
+
+def _finite(built: Transform, name: str, source: FactorSource) -> bool:
+    """Whether the map ``built`` of ``name`` is finite (else counted and warned by
+    ``source``; the layer keeps its last map)."""
+    if all(bool(torch.isfinite(t).all()) for t in built.state().values()):
+        return True
+    source._rejected([name], "the refreshed map")
+    return False
 
 
 def _chosen(ok: torch.Tensor, fresh: LowRankInput, last: Transform | None) -> LowRankInput:
@@ -538,8 +581,12 @@ class LocalFactors(_SketchedFactors):
             return
         k = self.rank_of(self.layers[key].d_in)
         factor = stats.factor(k)
-        if factor.rank == k and bool(torch.isfinite(factor.U).all()):
+        if factor.rank < k:
+            return
+        if bool(torch.isfinite(factor.U).all() & torch.isfinite(factor.eigvals).all()):
             self._step[key] = LowRankInput(factor, self.config.damping)
+        else:  # this rank's own statistic: it keeps its last map (shipped as ever)
+            self._rejected([key], "this rank's input statistic")
 
     def settle(self, finite: bool) -> None:
         for stats in self.pending.values():
