@@ -77,7 +77,14 @@ class SharedInputs:
 
     def records(self, name: str, x: torch.Tensor) -> bool:
         """Whether ``name`` owns the statistic of input ``x`` (its first sight decides,
-        until the ranks agree)."""
+        until the ranks agree; afterwards a plain lookup, which ``torch.compile`` traces
+        without guarding on the input's identity)."""
+        if self.agreed:
+            return self.owner.get(name, name) == name
+        return self._first_sight(name, x)
+
+    @torch.compiler.disable  # by input identity: not for a graph (the first forward only)
+    def _first_sight(self, name: str, x: torch.Tensor) -> bool:
         if name not in self.owner:
             seen = self._seen.get(id(x))
             self.owner[name] = seen[1] if seen is not None and seen[0] is x else name
@@ -174,6 +181,16 @@ class FactorSource:
     def _timed(self, key: str, t0: float) -> None:
         self.ledger.add(key, time.perf_counter() - t0)
 
+    def _measured(self, key: str, work, *args) -> None:
+        """``work(*args)``, its host time added to ``key``; untimed under ``torch.compile``
+        (the hooks it runs in are traced: no clock read in a graph)."""
+        if torch.compiler.is_compiling():
+            work(*args)
+            return
+        t0 = time.perf_counter()
+        work(*args)
+        self._timed(key, t0)
+
     def state_dict(self) -> dict:
         return {"shared": self.shared.state_dict(),
                 "transforms": {n: {"kind": t.name, "state": t.state()}
@@ -231,9 +248,7 @@ class RefreshFactors(FactorSource):
     def _input_recorder(self, name: str):
         def record(module, args):
             if _training(module) and self.shared.records(name, args[0]):
-                t0 = time.perf_counter()
-                self.pending[name]["A"].update(args[0])
-                self._timed("statistics_s", t0)
+                self._measured("statistics_s", self.pending[name]["A"].update, args[0])
         return record
 
     def _output_recorder(self, name: str):
@@ -370,9 +385,7 @@ class _SketchedFactors(FactorSource):
     def _recorder(self, name: str):
         def record(module, args):
             if _training(module) and self.shared.records(name, args[0]):
-                t0 = time.perf_counter()
-                self.record(name, args[0].detach())
-                self._timed("statistics_s", t0)
+                self._measured("statistics_s", self.record, name, args[0].detach())
         return record
 
 
