@@ -5,7 +5,8 @@ version, the adapter, the config, the world size, the rank that wrote it and the
 parameters (name, shape, dtype, trainable), and a CRC-32 :func:`checksum` of everything it
 holds (tensors by their dtype, shape and bytes; plain values by their text). :func:`refusal`
 checks each of these against the state that would load it, then that every residual, factor
-and statistic is finite, and names the first that fails with what to do. The engine loads
+and statistic is finite (not the selection's measurements: a budget marks a path a tensor
+cannot take with NaN), and names the first that fails with what to do. The engine loads
 nothing from a refused state.
 """
 
@@ -100,7 +101,6 @@ def _not_finite(state: dict) -> str | None:
                   for p, r in feedback.get("residuals", {}).items()]
         named += _floats(f"the {name} residuals' coordinates", feedback.get("basis"))
     named += _floats("the factors and statistics", state.get("source"))
-    named += _floats("the selection's measurements", state.get("selection"))
     if not named:
         return None
     flags = torch.stack([torch.isfinite(t).all().cpu() for _, t in named]).tolist()
