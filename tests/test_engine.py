@@ -9,6 +9,7 @@ from torch import nn
 
 from distributed import run_ranks
 from geofp8 import GeoFP8Config
+from geofp8.engine import STATE_VERSION
 
 EUCLID = dict(transform="euclidean", layers="none")
 
@@ -123,8 +124,8 @@ def test_fsdp_settles_at_the_end_of_backward_and_stats_only_read():
         assert r["phase"] == "idle"  # settled before backward() returned
         first, second = r["stats"]
         assert first == second and first["step"] == 1 and first["bytes_sent"] > 0
-        assert r["fsdp_state"] == (3, "fsdp", 1)
-        assert r["ddp_state"] == (3, "ddp")
+        assert r["fsdp_state"] == (STATE_VERSION, "fsdp", 1)
+        assert r["ddp_state"] == (STATE_VERSION, "ddp")
         assert "'fsdp' state" in r["cross_load"]
 
 

@@ -34,10 +34,11 @@ from .comm.stages import all_finite
 from .feedback import ErrorFeedback
 from .ledger import StepLedger
 from .pipeline import GradientPipeline
+from .verification import checksum, differences, refusal
 
 __all__ = ["STATE_VERSION", "SyncEngine"]
 
-STATE_VERSION = 3
+STATE_VERSION = 4  # 4: rank, parameters, checksum; shared inputs agreed
 BYTE_KINDS = (("bytes_sent", "payload"), ("factor_bytes_sent", "factor"),
               ("bytes_fp32_equivalent", "fp32_equivalent"))
 
@@ -74,7 +75,8 @@ class SyncEngine:
         self._lock = threading.RLock()
         self._outstanding = 0
         self._finite: list[torch.Tensor] = []  # per observed unit
-        self._hooks = [model.register_forward_pre_hook(self._on_forward), *self.pipeline.hooks]
+        self._hooks = [model.register_forward_pre_hook(self._on_forward),
+                       model.register_forward_hook(self._on_forward_end), *self.pipeline.hooks]
 
     # -- set-up by the adapters --------------------------------------------------------------
 
@@ -102,6 +104,13 @@ class SyncEngine:
 
     def _on_forward(self, *_) -> None:
         self.pipeline.shared.new_forward()
+
+    @torch.compiler.disable
+    def _on_forward_end(self, module: nn.Module, *_) -> None:
+        """Every rank's training forward returns here, whichever layers it ran: the point
+        where the statistics' collectives are launched (:meth:`GradientPipeline.forward_done`)."""
+        if module.training and torch.is_grad_enabled():
+            self.pipeline.forward_done()
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -202,10 +211,9 @@ class SyncEngine:
     # -- consistency -------------------------------------------------------------------------
 
     def fingerprint(self) -> dict:
-        """What every rank must agree on (JSON-serialisable)."""
-        return {"kind": self.kind, "config": self.config.to_dict(),
-                "world_size": self.group.size, "parameters": self._parameters,
-                **self.pipeline.fingerprint(), **self.fingerprint_extra}
+        """What every rank must agree on (JSON-serialisable): what it has, not what it ran."""
+        mine = {k: v for k, v in self._identity().items() if k not in ("version", "rank")}
+        return {**mine, **self.pipeline.fingerprint(), **self.fingerprint_extra}
 
     def check_consistency(self) -> None:
         """Fail fast, on every rank, when ranks disagree on config or model structure
@@ -242,36 +250,43 @@ class SyncEngine:
             "statistics_s": last["statistics_s"],
             "ef_bytes": sum(f.nbytes for f in self.feedbacks.values()),
             "factor_bytes": self.pipeline.factor_nbytes,
+            "nonfinite_factors": self.pipeline.nonfinite_factors,
             **{f"bytes_{g.link}": int(last[f"bytes_{g.link}"]) for g in self.groups if g.link},
         }
 
     def state_dict(self) -> dict:
-        """Everything needed to continue bit-identically: tensors and plain containers only
-        (loads with ``weights_only=True``). Residuals differ per rank: save every rank's."""
-        return {"version": STATE_VERSION, "kind": self.kind, "config": self.config.to_dict(),
-                "world_size": self.group.size, "step": self.ledger.step,
+        """Everything needed to continue bit-identically, tensors and plain containers only
+        (``weights_only=True``), per rank; with who wrote it, for what, and a checksum."""
+        return {**(state := self._state()), "checksum": checksum(state)}
+
+    def _state(self) -> dict:
+        return {**self._identity(), "step": self.ledger.step,
                 "skipped_steps": self.ledger.skipped_steps, "grad_scale": self.grad_scale,
                 **self.pipeline.state_dict(),
                 "feedback": {n: f.state_dict() for n, f in self.feedbacks.items()}}
 
+    def _identity(self) -> dict:
+        """What a state must match to be loaded here (see :func:`refusal`)."""
+        return {"version": STATE_VERSION, "kind": self.kind, "config": self.config.to_dict(),
+                "world_size": self.group.size, "rank": self.group.rank,
+                "parameters": self._parameters}
+
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`; refuses another version, adapter, config or (the
-        residuals being per rank and shaped by the layout) world size."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"GeoFP8 checkpoint version {state.get('version')!r} is not "
-                             f"supported (this version reads {STATE_VERSION})")
-        if state.get("kind") != self.kind:
-            raise ValueError(f"GeoFP8 checkpoint is of a {state.get('kind')!r} state, "
-                             f"not {self.kind!r}")
-        mine, theirs = self.config.to_dict(), state.get("config", {})
-        if theirs != mine:
-            diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
-            raise ValueError("GeoFP8 checkpoint was written with another config: "
-                             f"(checkpoint, current) = {diff}")
-        if state.get("world_size") != self.group.size:
-            raise ValueError(f"GeoFP8 checkpoint was written on {state.get('world_size')} "
-                             f"ranks, this run has {self.group.size}: the error-feedback "
-                             "residuals are per rank and cannot be resharded")
+        """Restore :meth:`state_dict` whole or not at all: a state that
+        :func:`~geofp8.verification.refusal` refuses is a ``ValueError`` naming the field,
+        before anything changes; one that still does not fit is undone."""
+        problem = refusal(state, self._identity())
+        if problem is not None:
+            raise ValueError(f"GeoFP8 checkpoint refused, {problem}. Nothing was loaded.")
+        before = self._state()
+        try:
+            self._load(state)
+        except Exception as error:
+            self._load(before)
+            raise ValueError(f"GeoFP8 checkpoint refused: it does not fit this state "
+                             f"({type(error).__name__}: {error}); nothing was loaded") from error
+
+    def _load(self, state: dict) -> None:
         self.rollback()
         self.ledger.step = int(state["step"])
         self.ledger.skipped_steps = int(state["skipped_steps"])
@@ -296,9 +311,8 @@ def _differences(first: dict, other: dict, rank: int) -> list[str]:
             problems.append(f"rank {rank} vs rank 0: config differs (rank 0, rank {rank}): "
                             f"{detail}")
         elif key == "parameters":
-            diff = [(x, y) for x, y in zip(a, b) if x != y][:3]
-            problems.append(f"rank {rank} vs rank 0: model structure differs ({len(a)} vs "
-                            f"{len(b)} parameters; first differences {diff})")
+            problems.append(f"rank {rank} vs rank 0: model structure differs "
+                            f"({differences('parameters', a, b)})")
         else:
             problems.append(f"rank {rank} vs rank 0: {key} differs: {a!r} vs {b!r}")
     return problems

@@ -204,7 +204,8 @@ class ReplicaAllReduce:
         engine, unit, rep = self.state.engine, self.unit, self.group
         n = rep.size
         rep.charge("fp32_equivalent", fp32_allreduce_wire_bytes(shard.numel(), n))
-        if not self.after_ours:  # FSDP's FP32 reduce-scatter ran before: count it too
+        if not self.after_ours or unit.shard_size == 1:  # FSDP's FP32 reduce-scatter ran
+            # before (none on a shard group of one rank): count it and the elements here
             shard_bytes = (unit.shard_size - 1) * shard.numel() * 4
             engine.ledger.add("elements", unit.shard_size * shard.numel())
             rep.charge("payload", shard_bytes)  # issued by FSDP, not through our door

@@ -97,11 +97,24 @@ class GradientPipeline:
 
     # -- step boundaries ---------------------------------------------------------------------
 
+    def forward_done(self) -> None:
+        """The model's training forward returned: the ranks agree on the shared inputs (the
+        first time) and the factor source launches its reductions (collective)."""
+        if self.source is None:
+            return
+        self._agree()
+        self.source.forward_done()
+
+    def _agree(self) -> None:
+        if not self.shared.agreed:
+            self.shared.agree(list(self.layers), self.group)
+
     def start_step(self, step: int) -> None:
         """Decisions and refreshes due at the start of ``step`` (collective)."""
         self.selection.start_step(step, self.group)
         if self.source is not None:
-            self.source.start_step(step)
+            self._agree()  # already done at the forward's end, unless the model's own
+            self.source.start_step(step)  # forward was never called (its parts were)
         self._observing = self.source is not None and self.selection.wants(step)
         self.step = step
 
@@ -333,8 +346,7 @@ class GradientPipeline:
 
     def fingerprint(self) -> dict:
         """What every rank must agree on (JSON-serialisable)."""
-        return {"candidates": sorted(self.layers),
-                "shared_inputs": sorted(self.shared.owner.items())}
+        return {"candidates": sorted(self.layers)}
 
     def transforms(self) -> dict[str, Transform]:
         """This step's geometry map of every candidate that has one, by weight name."""
@@ -355,6 +367,11 @@ class GradientPipeline:
         return {"formats": selection.assignment(), "budget": selection.budget,
                 "budget_planned": selection.planned,
                 "budget_errors": {n: dict(e) for n, e in selection.last_measurement.items()}}
+
+    @property
+    def nonfinite_factors(self) -> int:
+        """Statistics, sketches or maps found non-finite and reset so far (this rank)."""
+        return self.source.rejected if self.source is not None else 0
 
     @property
     def factor_nbytes(self) -> int:

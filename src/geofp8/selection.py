@@ -142,10 +142,11 @@ class AutoSelection(Selection):
         return step % self.every == 0 and step >= self.first_step
 
     def observe(self, name, G, geo, residual_in) -> None:
+        if self._pending is None:  # on every rank that observes, with a map or not (local
+            # factors: a rank that did not run a layer has none), so all join the reduction
+            self._pending = torch.zeros(len(self.candidates), 3, dtype=torch.float64)
         if geo is None:
             return
-        if self._pending is None:
-            self._pending = torch.zeros(len(self.candidates), 3, dtype=torch.float64)
         row = self._pending[self.index[name]]
         for col, route in ((0, IDENTITY), (1, geo)):
             residual = residual_in(route)

@@ -19,7 +19,9 @@ Each ``.pt`` file goes to a temporary name in the same directory and is renamed 
 :func:`os.replace`, so a crash mid-write never leaves a half file under the real name, and
 a crash anywhere while writing step ``s`` leaves the previous checkpoint whole and named
 by ``meta.json``. Everything is read with ``weights_only=True`` (DCP's pickled values too:
-:class:`~geofp8.integrations.dcp.SafeLoadPlanner`).
+:class:`~geofp8.integrations.dcp.SafeLoadPlanner`); a file that cannot be read is one clear
+``ValueError``, and GeoFP8's state is verified before it is loaded (another rank's, another
+model's, a damaged or non-finite one is refused: :mod:`geofp8.verification`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ...integrations.checkpoint import read
 from ..errors import UsageError
 
 __all__ = ["atomic_save", "check_world", "checkpoint_dir", "latest_step", "load_rank",
@@ -83,7 +86,7 @@ def latest_step(out: str | os.PathLike) -> int | None:
 
 
 def _load(path: Path, step: int) -> dict:
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    obj = read(path)  # a file torch cannot read is one clear error
     if obj["step"] != step:
         raise RuntimeError(f"{path.name} holds step {obj['step']}, meta.json says {step}: "
                            "the checkpoint is incomplete")
