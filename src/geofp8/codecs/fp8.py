@@ -34,16 +34,15 @@ from .base import (
     Codec,
     Segments,
     Shards,
-    device_lengths,
     exact_div,
     group_amax,
     group_fp8,
+    group_map,
     group_mul_,
     interleave,
     joined,
     scales_flag,
     segment_amax,
-    shard_lengths,
 )
 
 __all__ = ["FP8_FORMATS", "SCALINGS", "FP8Codec", "Packed", "e4m3_into", "e4m3_table",
@@ -54,6 +53,7 @@ FP8_FORMATS: dict[str, torch.dtype] = {
     "e5m2": torch.float8_e5m2,
 }
 SCALINGS = ("tensor", "row", "block")
+_FMAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_FORMATS.items()}
 
 
 def group_lengths(shape: tuple[int, ...], scaling: str, block_size: int) -> list[int]:
@@ -111,7 +111,7 @@ class FP8Codec(Codec):
 
     @property
     def fmax(self) -> float:
-        return float(torch.finfo(self.dtype).max)
+        return _FMAX[self.format]
 
     def groups(self, shape: tuple[int, ...]) -> list[int]:
         return group_lengths(tuple(shape), self.scaling, self.block_size)
@@ -147,14 +147,14 @@ class FP8Codec(Codec):
                       seeds=None) -> list[torch.Tensor]:
         """Every group's scale from one segmented amax, every code from one division by the
         per-element scale: the same values as :meth:`encode_into`, shard by shard."""
-        lengths = shard_lengths(shards)
-        if not lengths:
+        groups = group_map(shards)
+        if not groups.lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
-        scales = self.scales_from_amax(group_amax(x, lengths))
-        codes = group_fp8(x, scales, lengths, self.dtype)
-        sizes = [self.part_bytes(s) for s in shards]
-        return interleave(scales.view(torch.uint8).split([a for a, _ in sizes]),
-                          codes.split([b for _, b in sizes]))
+        scales = self.scales_from_amax(group_amax(x, groups))
+        codes = group_fp8(x, scales, groups, self.dtype)
+        scale_bytes, code_bytes = groups.memo(self, lambda: tuple(
+            zip(*(self.part_bytes(s) for s in groups))))
+        return interleave(scales.view(torch.uint8).split(scale_bytes), codes.split(code_bytes))
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
@@ -165,7 +165,7 @@ class FP8Codec(Codec):
             e4m3_into(out, codes)
         else:
             out.copy_(codes.view(torch.float8_e5m2))
-        group_mul_(out, scales, shard_lengths(shards))
+        group_mul_(out, scales, group_map(shards))
         return finite
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
@@ -332,8 +332,8 @@ LONG_GROUP = 4096
 
 
 def _per_element(scales: torch.Tensor, lengths, numel: int) -> torch.Tensor:
-    return torch.repeat_interleave(scales, device_lengths(tuple(lengths), scales.device),
-                                   output_size=numel)
+    counts = torch.tensor(lengths, dtype=torch.long).to(scales.device)
+    return torch.repeat_interleave(scales, counts, output_size=numel)
 
 
 def _pieces(lengths, info: _Info, scales: torch.Tensor):
@@ -391,7 +391,7 @@ def _group_amax(flat: torch.Tensor, lengths, info: _Info) -> torch.Tensor:
         extremes = [torch.aminmax(v) for v in flat.split(list(lengths))]  # groups are not empty
         lowest = torch.stack([lo for lo, _ in extremes])
         return torch.maximum(torch.stack([hi for _, hi in extremes]), lowest.neg_())
-    return segment_amax(flat, device_lengths(tuple(lengths), flat.device))
+    return segment_amax(flat, torch.tensor(lengths, dtype=torch.long).to(flat.device))
 
 
 def _amax1(x: torch.Tensor) -> torch.Tensor:

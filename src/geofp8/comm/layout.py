@@ -13,7 +13,7 @@ from functools import cached_property
 import torch
 
 from ..codecs import Codec
-from ..codecs.base import interleave, mix_seed
+from ..codecs.base import GroupMap, interleave, mix_seed
 
 __all__ = ["KERNELS", "ShardLayout", "fp32_allreduce_wire_bytes", "tensor_wire_bytes"]
 
@@ -139,6 +139,22 @@ class ShardLayout:
         return cls(world_size * width, world_size, codec, tuple(segments), tuple(groups),
                    tuple(owners), (side_bytes,) * world_size, kernels=str(kernels))
 
+    @cached_property
+    def _maps(self) -> dict[tuple, object]:
+        """What the stages derive from the layout, made once: group maps per selection of
+        shards, the cuts of received records per their sizes."""
+        return {}
+
+    def group_map(self, shards: list[int] | tuple[int, ...]) -> GroupMap:
+        """The scale groups of ``shards`` laid one after the other, as the codecs' batched
+        kernels take them (:class:`~geofp8.codecs.base.GroupMap`): made once per selection of
+        shards (a stage asks for the same few every step), kept as long as the layout."""
+        key = tuple(shards)
+        found = self._maps.get(key)
+        if found is None:
+            found = self._maps[key] = GroupMap(self.groups[j] for j in key)
+        return found
+
     def shard_numel(self, j: int) -> int:
         return sum(hi - lo for lo, hi in self.segments[j])
 
@@ -176,13 +192,19 @@ class ShardLayout:
         see :attr:`kernels`."""
         return self.kernels == "batched" or (self.kernels == "auto" and device.type != "cpu")
 
+    @cached_property
+    def _run_maps(self) -> tuple[tuple[GroupMap, ...], ...]:
+        """Per shard, per run: the run's segments as a one-shard :class:`GroupMap`."""
+        return tuple(tuple(GroupMap((run[5],)) for run in runs) for runs in self.runs)
+
     def _runs_of(self, shards: list[int]):
-        """``(i, r, codec, first value, end value, segments)`` of run ``r`` of every shard
-        ``shards[i]``, values counted from the first shard's."""
+        """``(i, r, codec, first value, end value, groups)`` of run ``r`` of every shard
+        ``shards[i]`` (``groups``: the run as a one-shard map), values counted from the first
+        shard's."""
         pos = 0
         for i, j in enumerate(shards):
-            for r, (codec, lo, hi, _, _, segments) in enumerate(self.runs[j]):
-                yield i, r, codec, pos + lo, pos + hi, segments
+            for r, (codec, lo, hi, *_) in enumerate(self.runs[j]):
+                yield i, r, codec, pos + lo, pos + hi, self._run_maps[j][r]
             pos += self.shard_numel(j)
 
     def encode_shards(self, values: torch.Tensor, shards: list[int],
@@ -194,10 +216,10 @@ class ShardLayout:
         ``mix_seed(seed, r)`` (independent streams per run)."""
         _check_float(values)
         if not self.codecs:
-            return self.codec.encode_shards(values, tuple(self.groups[j] for j in shards), seeds)
+            return self.codec.encode_shards(values, self.group_map(shards), seeds)
         out = []
-        for i, r, codec, lo, hi, segments in self._runs_of(shards):
-            out += codec.encode_shards(values[lo:hi], (segments,), [_run_seed(seeds[i], r)])
+        for i, r, codec, lo, hi, groups in self._runs_of(shards):
+            out += codec.encode_shards(values[lo:hi], groups, [_run_seed(seeds[i], r)])
         return out
 
     def decode_shards(self, out: torch.Tensor, parts: list[torch.Tensor],
@@ -207,12 +229,11 @@ class ShardLayout:
         flag, ``False`` if any scale is non-finite, or ``None`` without ``check`` (see
         :meth:`Codec.decode_shards`)."""
         if not self.codecs:
-            return self.codec.decode_shards(out, parts, tuple(self.groups[j] for j in shards),
-                                            check)
+            return self.codec.decode_shards(out, parts, self.group_map(shards), check)
         flags, part = [], 0
-        for _, _, codec, lo, hi, segments in self._runs_of(shards):
-            k = len(codec.part_bytes(segments))
-            flags.append(codec.decode_shards(out[lo:hi], parts[part : part + k], (segments,),
+        for _, _, codec, lo, hi, groups in self._runs_of(shards):
+            k = len(codec.part_bytes(groups[0]))
+            flags.append(codec.decode_shards(out[lo:hi], parts[part : part + k], groups,
                                              check))
             part += k
         return _all(flags, out.device) if check else None
@@ -228,7 +249,7 @@ class ShardLayout:
             return None
         by_pos = self._order[3]
         groups = [g for shard in self.groups for g in shard]  # shard-major order
-        flat_shards = tuple((groups[i],) for i in by_pos)
+        flat_shards = GroupMap((groups[i],) for i in by_pos)
         return (flat_shards, self._segment_split[1],
                 [self.codec.part_bytes(s) for s in flat_shards])
 
@@ -299,6 +320,25 @@ class ShardLayout:
         return [[parts[f * k + p] for p in range(k) for f in positions[j]]
                 for j in range(n)], error
 
+    def _record_cuts(self, records: tuple[int, ...]) -> tuple[list[int], list[int]]:
+        """``(the byte sizes that cut records of these sizes into every segment's parts and
+        each record's rest, the index in them of every segment's part p at f·k + p)``, made
+        once per records' sizes (a stage passes the same ones every step)."""
+        found = self._maps.get(("records", records))
+        if found is not None:
+            return found
+        _, positions, seg_bytes = self._by_segment
+        k = len(seg_bytes[0]) if seg_bytes else 0
+        sizes, where = [], [0] * (len(seg_bytes) * k)
+        for j, record in enumerate(records):
+            for p in range(k):
+                for f in positions[j]:
+                    where[f * k + p] = len(sizes)
+                    sizes.append(seg_bytes[f][p])
+            sizes.append(record - sum(self.parts[j]))  # the record's rest (side bytes, padding)
+        self._maps[("records", records)] = sizes, where
+        return sizes, where
+
     def decode_flat(self, out: torch.Tensor, buf: torch.Tensor, records: list[int],
                     check: bool = True, poison: bool = False) -> torch.Tensor | None:
         """When :attr:`segmentwise`: the flat FP32 vector into ``out`` from every shard's
@@ -308,15 +348,9 @@ class ShardLayout:
         values). Returns the finite flag (:meth:`decode_shards`); ``poison``: the vector is
         all NaN unless it is set, through the scales (:meth:`Codec.decode_into`), and
         ``None`` is returned."""
-        flat_shards, positions, seg_bytes = self._by_segment
+        flat_shards, _, seg_bytes = self._by_segment
         k = len(seg_bytes[0]) if seg_bytes else 0
-        sizes, where = [], [0] * (len(flat_shards) * k)  # where: index of each piece in sizes
-        for j, record in enumerate(records):
-            for p in range(k):
-                for f in positions[j]:
-                    where[f * k + p] = len(sizes)
-                    sizes.append(seg_bytes[f][p])
-            sizes.append(record - sum(self.parts[j]))  # the record's rest (side bytes, padding)
+        sizes, where = self._record_cuts(tuple(records))
         pieces = buf[: sum(records)].split(sizes)
         if self.batched(buf.device):
             return self.codec.decode_shards(out, [pieces[i] for i in where], flat_shards, check,
