@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import native
+from . import native, triton_e4m3
 from .base import (
     Codec,
     Segments,
@@ -150,8 +150,12 @@ class FP8Codec(Codec):
         groups = group_map(shards)
         if not groups.lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
-        scales = self.scales_from_amax(group_amax(x, groups))
-        codes = group_fp8(x, scales, groups, self.dtype)
+        if self.format == "e4m3" and triton_e4m3.available(x):  # two fused passes
+            _, scales = triton_e4m3.amax(x, groups)
+            codes = triton_e4m3.encode(x, scales, groups)[0]
+        else:
+            scales = self.scales_from_amax(group_amax(x, groups))
+            codes = group_fp8(x, scales, groups, self.dtype)
         scale_bytes, code_bytes = groups.memo(self, lambda: tuple(
             zip(*(self.part_bytes(s) for s in groups))))
         return interleave(scales.view(torch.uint8).split(scale_bytes), codes.split(code_bytes))
@@ -161,6 +165,9 @@ class FP8Codec(Codec):
         scales = joined(parts[0::2], fresh=poison, align=4).view(torch.float32)  # poisoned in place
         codes = joined(parts[1::2])
         finite = scales_flag(scales, check, poison)
+        if self.format == "e4m3" and triton_e4m3.available(out):  # one fused pass
+            triton_e4m3.decode(out, codes, scales, group_map(shards))
+            return finite
         if self.format == "e4m3":
             e4m3_into(out, codes)
         else:

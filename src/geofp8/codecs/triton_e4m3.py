@@ -28,6 +28,8 @@ casts round differently).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .base import group_runs
@@ -41,20 +43,20 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 
 __all__ = ["TILE", "amax", "available", "decode", "decode_sum", "encode", "tiles"]
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TILE = 1024  # elements per program
 FMAX = 448.0
 _NO_FUSION = {"enable_fp_fusion": False}  # x − v·s rounds twice, as the reference does
 
 
 def available(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels run here: Triton imports and the tensors are on a CUDA device
-    (or Triton's interpreter is on, which runs them on the CPU)."""
+    """Whether the kernels run on these tensors: Triton imports and they are on a CUDA
+    device, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` when this
+    module was imported: the tests' way to run them without a GPU)."""
     if triton is None:
         return False
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
+    if _INTERPRET:
+        return all(t.device.type == "cpu" for t in tensors)
     return all(t.is_cuda for t in tensors)
 
 
