@@ -31,21 +31,6 @@ def _same(a, b) -> bool:
         a.masked_fill(nan, 0).view(torch.int32), b.masked_fill(nan, 0).view(torch.int32))
 
 
-def _reference(codec, x, groups):
-    """``(scales, codes, value)`` of the torch batched path."""
-    import torch
-
-    from geofp8.codecs.base import group_amax, group_fp8, group_mul_
-    from geofp8.codecs.fp8 import e4m3_into
-
-    scales = codec.scales_from_amax(group_amax(x, groups))
-    codes = group_fp8(x, scales, groups, codec.dtype)
-    value = torch.empty_like(x)
-    e4m3_into(value, codes)
-    group_mul_(value, scales, groups)
-    return scales, codes, value
-
-
 def _bucket(shapes, seed: int, special: bool):
     import torch
 
@@ -82,7 +67,7 @@ def check() -> list[str]:
         u, scales = triton_e4m3.amax(xs[0], groups, residual)
         codes, error = triton_e4m3.encode(u, scales, groups, error=True)
         ref_u = xs[0] + residual
-        ref_scales, ref_codes, ref_value = _reference(codec, ref_u, groups)
+        ref_scales, ref_codes, ref_value = triton_e4m3.reference(ref_u, groups)
         for what, got, want in (("u", u, ref_u), ("scales", scales, ref_scales),
                                 ("codes", codes, ref_codes),
                                 ("error", error, ref_u - ref_value)):
@@ -93,7 +78,7 @@ def check() -> list[str]:
         if not _same(value, ref_value):
             failures.append(f"{name}: decode")
         # (c): the owner's decode of N senders' copies and their FP32 sum in sender order
-        refs = [_reference(codec, x, groups) for x in xs]
+        refs = [triton_e4m3.reference(x, groups) for x in xs]
         total = torch.zeros_like(xs[0])
         for _, _, v in refs:
             total += v
@@ -109,13 +94,10 @@ def check() -> list[str]:
 def check_collective() -> list[str]:
     """The exact collective's stages run with the fused kernels (the batched path picks them
     up on its own: :func:`triton_e4m3.available`) against the CPU's chunked path."""
-    import torch
 
-    from geofp8.codecs import make_codec
+    from geofp8.codecs import make_codec, triton_e4m3
     from geofp8.comm import ShardLayout
     from geofp8.comm.stages import simulate_exact_allreduce
-
-    from geofp8.codecs import triton_e4m3
 
     calls = []
     encode = triton_e4m3.encode
@@ -139,6 +121,20 @@ def check_collective() -> list[str]:
     if not calls:
         failures.append("the batched path did not run the fused kernels")
     return failures
+
+
+def check_gpu_rows() -> list[str]:
+    """``make gpu-check``'s fused-kernel rows, run on the CPU under the interpreter."""
+    import torch
+
+    from geofp8.tools import gpu_check
+
+    gpu_check.DEVICE = torch.device("cpu")
+    gpu_check.SHAPES = [(33, 65), (64, 33), (96,)]  # small: the interpreter is slow
+    rows = []
+    gpu_check.check_fused(rows)
+    failures = [f"gpu-check {name}: {detail}" for name, detail, verdict in rows if verdict != "ok"]
+    return failures + ([] if len(rows) == 6 else [f"gpu-check: {len(rows)} fused rows"])
 
 
 def launches() -> tuple[int, int]:
@@ -204,6 +200,6 @@ def test_fused_e4m3_kernels_are_bit_identical_to_the_torch_reference_under_the_i
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    for failure in check() + check_collective():
+    for failure in check() + check_collective() + check_gpu_rows():
         print(failure)
     print(f"launches triton {launches()[0]} aten {launches()[1]}")

@@ -41,7 +41,7 @@ try:  # an optional dependency (geofp8[gpu])
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
-__all__ = ["TILE", "amax", "available", "decode", "decode_sum", "encode", "tiles"]
+__all__ = ["TILE", "amax", "available", "decode", "decode_sum", "encode", "reference", "tiles"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TILE = 1024  # elements per program
@@ -230,3 +230,19 @@ def decode_sum(codes: torch.Tensor, scales: torch.Tensor, groups: GroupMap,
     _decode_sum_kernel[_grid(t)](codes, scales, out, t, n_senders, numel, n_groups, TILE=TILE,
                                  **_NO_FUSION)
     return out
+
+
+def reference(x: torch.Tensor, groups: GroupMap) -> tuple[torch.Tensor, ...]:
+    """``(scales, codes, values)`` of ``x`` by the torch batched path these kernels replace
+    (:meth:`~.fp8.FP8Codec.encode_shards`' ops, then the decode): what the checks compare
+    them with, on any device."""
+    from .base import group_amax, group_fp8, group_mul_
+    from .fp8 import FP8Codec, e4m3_into
+
+    codec = FP8Codec("e4m3")
+    scales = codec.scales_from_amax(group_amax(x, groups))
+    codes = group_fp8(x, scales, groups, codec.dtype)
+    values = torch.empty_like(x)
+    e4m3_into(values, codes)
+    group_mul_(values, scales, groups)
+    return scales, codes, values
