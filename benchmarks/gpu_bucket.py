@@ -14,9 +14,10 @@ the host's work, the same Python and dispatch a CUDA device sees.
   launches. Best of ``--repeats``; a model of the host cost, not a GPU measurement;
 * **wire ms**: the bytes this rank sends for the bucket at 100 and 400 Gbit/s.
 
-``--layouts K`` also times the first call of ``K`` distinct layouts one after the other (a
-model with ``K`` buckets, each bucket's layout built once), then a second pass over them
-all: the host µs of a bucket must not grow with the number of buckets the model has.
+``--layouts K`` also models the host µs of ``K`` distinct layouts run one after the other
+(a model with ``K`` buckets, each bucket's layout built once): a first pass over them all,
+then a second: the host µs of a bucket must not grow with the number of buckets the model
+has (no cache keyed by layouts that ``K`` of them overflow).
 
     python benchmarks/gpu_bucket.py                            # the default table
     python benchmarks/gpu_bucket.py --sizes 25 --ranks 8 --methods fp8-ef nvfp4-ef
@@ -132,20 +133,25 @@ def host_us(run, repeats: int) -> tuple[int, float]:
 
 
 def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int) -> tuple[float, float]:
-    """Host µs per bucket over ``count`` distinct layouts (each a bucket of a model): the
-    first pass (each layout's first call, what a model's first step pays) and the second
-    (an ordinary step), on ``meta`` (wall time, dispatch included)."""
+    """Modelled host µs per bucket over ``count`` distinct layouts (the buckets of a model,
+    each layout built once): the first pass over them all (each layout's first call, what a
+    model's first step pays) and the second (an ordinary step, every layout seen before)."""
     base = shapes(mb, kind)
     layouts = [ShardLayout.build([*base, (k + 1,)], make_codec(fmt), n, kernels="batched")
                for k in range(count)]
     runs = [rank_share(layout, torch.zeros(layout.numel, device="meta")) for layout in layouts]
-    times = []
+    cost = _mode_cost(Launches())
+    passes = []
     for _ in range(2):
-        t = time.perf_counter()
-        for run in runs:
-            run()
-        times.append(1e6 * (time.perf_counter() - t) / count)
-    return times[0], times[1]
+        mode = Launches()
+        start = time.perf_counter()
+        with mode:
+            for run in runs:
+                run()
+        wall = time.perf_counter() - start
+        host = wall - mode.inside - (mode.launches + mode.views) * cost
+        passes.append((1e6 * host + LAUNCH_US * mode.launches) / count)
+    return passes[0], passes[1]
 
 
 def main() -> None:
@@ -172,8 +178,8 @@ def main() -> None:
         print(f"| {method} | {mb:g} | {kind} | {n} | {launches} | {us:.0f} | "
               f"{wire[0]:.2f} / {wire[1]:.2f} |", flush=True)
     if args.layouts:
-        print(f"\n{args.layouts} distinct layouts, host µs per bucket on meta (dispatch "
-              "included): first pass / second pass")
+        print(f"\n{args.layouts} distinct layouts, modelled host µs per bucket: first pass "
+              "/ second pass")
         for method, mb, kind, n in itertools.product(args.methods, args.sizes, args.kinds,
                                                      args.ranks):
             first, second = many_layouts(METHODS[method], mb, kind, n, args.layouts)
