@@ -2,9 +2,9 @@
 
 One rank's share of one bucket, as the batched (accelerator) path runs it: the encode with
 its rounding error (error feedback), the decode-and-sum of the ``N`` copies of its shard,
-the re-encode and the decode of the gathered shards (``benchmarks/stage_ops.py``'s
-``rank_share``). Everything runs on the ``meta`` device, which has no data: what is left is
-the host's work, the same Python and dispatch a CUDA device sees.
+the re-encode and the decode of the gathered shards (``stage_ops.rank_share``, this
+folder's). Everything runs on the ``meta`` device, which has no data: what is left is the
+host's work, the same Python and dispatch a CUDA device sees.
 
 * **launches**: aten ops that are neither views nor bare allocations, counted by a dispatch
   mode (deterministic);
@@ -35,13 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from geofp8.codecs import make_codec
 from geofp8.comm import ShardLayout
-from geofp8.comm.stages import (
-    decode_gathered,
-    decode_sum,
-    encode,
-    encode_reduced,
-    encode_with_error,
-)
+from stage_ops import rank_share  # one rank's four stages of a bucket (this folder)
 
 LAUNCH_US = 8.0  # host cost of one eager CUDA launch (torch dispatch + cudaLaunchKernel)
 ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
@@ -85,20 +79,6 @@ class Launches(TorchDispatchMode):
         else:
             self.views += 1
         return out
-
-
-def rank_share(layout: ShardLayout, x: torch.Tensor):
-    """One rank's stages of one bucket (inputs made here, on ``x``'s device)."""
-    n = layout.world_size
-    received = torch.cat([encode(x, layout)[: layout.send_bytes(0)]] * n)
-    gathered = torch.stack([encode_reduced(torch.zeros(layout.shard_numel(j), device=x.device),
-                                           layout, j) for j in range(n)])
-
-    def run() -> None:
-        encode_with_error(x, layout)
-        encode_reduced(decode_sum(received, layout, 0), layout, 0)
-        decode_gathered(gathered, layout)
-    return run
 
 
 def _mode_cost(mode: Launches) -> float:
