@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import native, triton_e4m3
+from . import native, triton_fp8
 from .base import (
     Codec,
     Segments,
@@ -150,9 +150,9 @@ class FP8Codec(Codec):
         groups = group_map(shards)
         if not groups.lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
-        if self.format == "e4m3" and triton_e4m3.available(x):  # two fused passes
-            _, scales = triton_e4m3.amax(x, groups)
-            codes = triton_e4m3.encode(x, scales, groups)[0]
+        if triton_fp8.available(x):  # two fused passes
+            _, scales = triton_fp8.amax(x, groups, fmt=self.format)
+            codes = triton_fp8.encode(x, scales, groups, fmt=self.format)[0]
         else:
             scales = self.scales_from_amax(group_amax(x, groups))
             codes = group_fp8(x, scales, groups, self.dtype)
@@ -165,8 +165,8 @@ class FP8Codec(Codec):
         scales = joined(parts[0::2], fresh=poison, align=4).view(torch.float32)  # poisoned in place
         codes = joined(parts[1::2])
         finite = scales_flag(scales, check, poison)
-        if self.format == "e4m3" and triton_e4m3.available(out):  # one fused pass
-            triton_e4m3.decode(out, codes, scales, group_map(shards))
+        if triton_fp8.available(out):  # one fused pass
+            triton_fp8.decode(out, codes, scales, group_map(shards), self.format)
             return finite
         if self.format == "e4m3":
             e4m3_into(out, codes)

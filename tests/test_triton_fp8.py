@@ -1,4 +1,4 @@
-"""The fused Triton E4M3 kernels against the torch reference, under Triton's interpreter.
+"""The fused Triton FP8 kernels (E4M3, E5M2) against the torch reference, interpreted.
 
 ``TRITON_INTERPRET=1`` must be set before the kernels are decorated, so the checks run in
 a child process (this file run as a script) that sets it first; the test asserts that the
@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("triton")
 
 SCALINGS = (("tensor", None), ("row", None), ("block", 128), ("block", 32))
+FORMATS = ("e4m3", "e5m2")
 SHAPES = ([(3, 300), (5,), (64, 40)], [(2001,)], [(7, 129), (1,)])  # odd, unequal, 1-element
 
 
@@ -49,41 +50,42 @@ def check() -> list[str]:
     """Every case; returns the failures (empty: all bit-identical)."""
     import torch
 
-    from geofp8.codecs import make_codec, triton_e4m3
+    from geofp8.codecs import make_codec, triton_fp8
     from geofp8.codecs.base import GroupMap
 
     failures = []
-    cases = [(c, s, n, f) for c in SCALINGS for s in SHAPES for f in (0, 1)
-             for n in ((1, 3, 4) if s is SHAPES[0] else (3,))]
-    for (scaling, block), shapes, n_senders, special in cases:
-        codec = make_codec("e4m3", scaling, block)
+    cases = [(fmt, c, s, n, f) for fmt in FORMATS for c in SCALINGS for s in SHAPES
+             for f in (0, 1) for n in ((1, 3, 4) if s is SHAPES[0] and fmt == "e4m3" else (3,))]
+    for fmt, (scaling, block), shapes, n_senders, special in cases:
+        codec = make_codec(fmt, scaling, block)
         # an owner's shard of N senders: every tensor's chunk, cut at group boundaries
         groups = GroupMap([[codec.groups(s) for s in shapes]])
-        name = f"{scaling}/{block} {shapes} N={n_senders} special={special}"
+        name = f"{fmt} {scaling}/{block} {shapes} N={n_senders} special={special}"
         xs = [_bucket(shapes, 10 * r + len(shapes), special and r == 1)
               for r in range(n_senders)]
         residual = torch.randn(xs[0].numel()) * 1e-2
         # (a)+(b): the error feedback add, the scales, the codes and the rounding error
-        u, scales = triton_e4m3.amax(xs[0], groups, residual)
-        codes, error = triton_e4m3.encode(u, scales, groups, error=True)
+        u, scales = triton_fp8.amax(xs[0], groups, residual, fmt)
+        codes, error = triton_fp8.encode(u, scales, groups, error=True, fmt=fmt)
         ref_u = xs[0] + residual
-        ref_scales, ref_codes, ref_value = triton_e4m3.reference(ref_u, groups)
+        ref_scales, ref_codes, ref_value = triton_fp8.reference(ref_u, groups, fmt)
         for what, got, want in (("u", u, ref_u), ("scales", scales, ref_scales),
                                 ("codes", codes, ref_codes),
                                 ("error", error, ref_u - ref_value)):
             if not _same(got, want):
                 failures.append(f"{name}: {what}")
         # (d): the decode
-        value = triton_e4m3.decode(torch.empty_like(u), codes, scales, groups)
+        value = triton_fp8.decode(torch.empty_like(u), codes, scales, groups, fmt)
         if not _same(value, ref_value):
             failures.append(f"{name}: decode")
         # (c): the owner's decode of N senders' copies and their FP32 sum in sender order
-        refs = [triton_e4m3.reference(x, groups) for x in xs]
+        refs = [triton_fp8.reference(x, groups, fmt) for x in xs]
         total = torch.zeros_like(xs[0])
         for _, _, v in refs:
             total += v
-        got = triton_e4m3.decode_sum(torch.stack([c for _, c, _ in refs]),
-                                     torch.stack([s for s, _, _ in refs]), groups, n_senders)
+        got = triton_fp8.decode_sum(torch.stack([c for _, c, _ in refs]),
+                                     torch.stack([s for s, _, _ in refs]), groups, n_senders,
+                                     fmt)
         if not _same(got, total):
             failures.append(f"{name}: decode_sum")
         if n_senders <= 4 and not _same(got, torch.stack([v for _, _, v in refs]).sum(0)):
@@ -93,31 +95,32 @@ def check() -> list[str]:
 
 def check_collective() -> list[str]:
     """The exact collective's stages run with the fused kernels (the batched path picks them
-    up on its own: :func:`triton_e4m3.available`) against the CPU's chunked path."""
+    up on its own: :func:`triton_fp8.available`) against the CPU's chunked path."""
 
-    from geofp8.codecs import make_codec, triton_e4m3
+    from geofp8.codecs import make_codec, triton_fp8
     from geofp8.comm import ShardLayout
     from geofp8.comm.stages import simulate_exact_allreduce
 
     calls = []
-    encode = triton_e4m3.encode
-    triton_e4m3.encode = lambda *args, **kwargs: calls.append(1) or encode(*args, **kwargs)
+    encode = triton_fp8.encode
+    triton_fp8.encode = lambda *args, **kwargs: calls.append(1) or encode(*args, **kwargs)
     failures = []
-    for (scaling, block), n in ((c, n) for c in SCALINGS[:3] for n in (1, 3, 4)):
+    for fmt, (scaling, block), n in ((f, c, n) for f in FORMATS for c in SCALINGS[:3]
+                                     for n in ((1, 3, 4) if f == "e4m3" else (4,))):
         shapes = SHAPES[0]
         results = []
         for kernels in ("batched", "chunked"):
-            layout = ShardLayout.build(shapes, make_codec("e4m3", scaling, block), n,
+            layout = ShardLayout.build(shapes, make_codec(fmt, scaling, block), n,
                                        kernels=kernels)
             inputs = [_bucket(shapes, r, special=False) for r in range(n)]
             results.append(simulate_exact_allreduce(inputs, layout))
             inputs[-1][3] = float("nan")
             results.append(simulate_exact_allreduce(inputs, layout))
         if not (_same(results[0], results[2]) and _same(results[1], results[3])):
-            failures.append(f"collective {scaling}/{block} N={n}")
+            failures.append(f"collective {fmt} {scaling}/{block} N={n}")
         if not results[1].isnan().all():
-            failures.append(f"collective {scaling}/{block} N={n}: not poisoned")
-    triton_e4m3.encode = encode
+            failures.append(f"collective {fmt} {scaling}/{block} N={n}: not poisoned")
+    triton_fp8.encode = encode
     if not calls:
         failures.append("the batched path did not run the fused kernels")
     return failures
@@ -134,7 +137,7 @@ def check_gpu_rows() -> list[str]:
     rows = []
     gpu_check.check_fused(rows)
     failures = [f"gpu-check {name}: {detail}" for name, detail, verdict in rows if verdict != "ok"]
-    return failures + ([] if len(rows) == 6 else [f"gpu-check: {len(rows)} fused rows"])
+    return failures + ([] if len(rows) == 12 else [f"gpu-check: {len(rows)} fused rows"])
 
 
 def launches() -> tuple[int, int]:
@@ -144,13 +147,13 @@ def launches() -> tuple[int, int]:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from geofp8.codecs import make_codec, triton_e4m3
+    from geofp8.codecs import make_codec, triton_fp8
     from geofp8.codecs.base import GroupMap
 
     counted = {"triton": 0, "aten": 0, "inside": False}
     for kernel in ("_amax_kernel", "_scales_kernel", "_encode_kernel", "_decode_kernel",
                    "_decode_sum_kernel"):
-        fn = getattr(triton_e4m3, kernel)
+        fn = getattr(triton_fp8, kernel)
         run = fn.run
 
         def counting(*args, _run=run, **kwargs):
@@ -172,21 +175,21 @@ def launches() -> tuple[int, int]:
     codec = make_codec("e4m3", "block", 128)
     groups = GroupMap([[codec.groups((64, 300))]])
     x, residual = torch.randn(64 * 300), torch.zeros(64 * 300)
-    triton_e4m3.tiles(groups, x.device)  # the map, made once per layout
-    received = triton_e4m3.encode(*triton_e4m3.amax(x, groups), groups)[0]
+    triton_fp8.tiles(groups, x.device)  # the map, made once per layout
+    received = triton_fp8.encode(*triton_fp8.amax(x, groups), groups)[0]
     received, scales = torch.stack([received] * 3), torch.stack([x.new_ones(150)] * 3)
     counted["triton"] = 0
     with Aten():  # all four stages (one map for brevity: the kernels do not care)
-        u, s = triton_e4m3.amax(x, groups, residual)  # the sender: EF add, scales
-        triton_e4m3.encode(u, s, groups, error=True)  # its codes and rounding error
-        total = triton_e4m3.decode_sum(received, scales, groups, 3)  # the owner
-        total, s = triton_e4m3.amax(total, groups)
-        codes, _ = triton_e4m3.encode(total, s, groups)
-        triton_e4m3.decode(total, codes, s, groups)  # every rank, the gathered shards
+        u, s = triton_fp8.amax(x, groups, residual)  # the sender: EF add, scales
+        triton_fp8.encode(u, s, groups, error=True)  # its codes and rounding error
+        total = triton_fp8.decode_sum(received, scales, groups, 3)  # the owner
+        total, s = triton_fp8.amax(total, groups)
+        codes, _ = triton_fp8.encode(total, s, groups)
+        triton_fp8.decode(total, codes, s, groups)  # every rank, the gathered shards
     return counted["triton"], counted["aten"]
 
 
-def test_fused_e4m3_kernels_are_bit_identical_to_the_torch_reference_under_the_interpreter():
+def test_fused_fp8_kernels_are_bit_identical_to_the_torch_reference_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                           timeout=600)
