@@ -99,7 +99,7 @@ def check_collective() -> list[str]:
 
     from geofp8.codecs import make_codec, triton_fp8
     from geofp8.comm import ShardLayout
-    from geofp8.comm.stages import simulate_exact_allreduce
+    from geofp8.comm.stages import encode_with_error, simulate_exact_allreduce
 
     calls = []
     encode = triton_fp8.encode
@@ -108,16 +108,20 @@ def check_collective() -> list[str]:
     for fmt, (scaling, block), n in ((f, c, n) for f in FORMATS for c in SCALINGS[:3]
                                      for n in ((1, 3, 4) if f == "e4m3" else (4,))):
         shapes = SHAPES[0]
-        results = []
+        results, sent_and_error = [], []
         for kernels in ("batched", "chunked"):
             layout = ShardLayout.build(shapes, make_codec(fmt, scaling, block), n,
                                        kernels=kernels)
             inputs = [_bucket(shapes, r, special=False) for r in range(n)]
             results.append(simulate_exact_allreduce(inputs, layout))
+            sent_and_error.append(encode_with_error(inputs[0], layout))  # a sender's EF
             inputs[-1][3] = float("nan")
             results.append(simulate_exact_allreduce(inputs, layout))
         if not (_same(results[0], results[2]) and _same(results[1], results[3])):
             failures.append(f"collective {fmt} {scaling}/{block} N={n}")
+        (sent, error), (cpu_sent, cpu_error) = sent_and_error
+        if not (_same(sent, cpu_sent) and _same(error, cpu_error)):
+            failures.append(f"encode with error {fmt} {scaling}/{block} N={n}")
         if not results[1].isnan().all():
             failures.append(f"collective {fmt} {scaling}/{block} N={n}: not poisoned")
     triton_fp8.encode = encode

@@ -287,6 +287,16 @@ class Codec(ABC):
         :meth:`part_bytes`, then shard 1's, …); their concatenation is, shard by shard, the
         payload :meth:`encode_into` writes."""
 
+    def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
+                                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``(parts, error)``: :meth:`encode_shards` (round to nearest, no seeds) and the FP32
+        rounding error ``x − decode(parts)``, a new vector: by decoding the parts back (the
+        same bits), unless a codec's kernels leave it from the encoding pass."""
+        parts = self.encode_shards(x, shards, [None] * len(shards))
+        error = torch.empty_like(x)
+        self.decode_shards(error, parts, shards, check=False)
+        return parts, torch.sub(x, error, out=error)
+
     @abstractmethod
     def decode_shards(self, out: torch.Tensor, parts: Sequence[torch.Tensor],
                       shards: Shards, check: bool = True,

@@ -32,6 +32,7 @@ import torch
 from . import native, triton_fp8
 from .base import (
     Codec,
+    GroupMap,
     Segments,
     Shards,
     exact_div,
@@ -156,9 +157,25 @@ class FP8Codec(Codec):
         else:
             scales = self.scales_from_amax(group_amax(x, groups))
             codes = group_fp8(x, scales, groups, self.dtype)
+        return self._parts(scales, codes, groups)
+
+    def _parts(self, scales: torch.Tensor, codes: torch.Tensor,
+               groups: GroupMap) -> list[torch.Tensor]:
+        """Every shard's ``[scales][codes]`` parts, cut from the whole bucket's."""
         scale_bytes, code_bytes = groups.memo(self, lambda: tuple(
             zip(*(self.part_bytes(s) for s in groups))))
         return interleave(scales.view(torch.uint8).split(scale_bytes), codes.split(code_bytes))
+
+    def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
+                                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """With the fused kernels, the rounding error from the encoding pass (three kernels
+        in all); else decoded back (:meth:`Codec.encode_shards_with_error`)."""
+        groups = group_map(shards)
+        if not (groups.lengths and triton_fp8.available(x)):
+            return super().encode_shards_with_error(x, groups)
+        _, scales = triton_fp8.amax(x, groups, fmt=self.format)
+        codes, error = triton_fp8.encode(x, scales, groups, error=True, fmt=self.format)
+        return self._parts(scales, codes, groups), error
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:

@@ -130,12 +130,10 @@ class ShardCodecs:
             return [parts[bounds[j] : bounds[j + 1]] for j in range(n)], None
         flat_shards, positions, seg_bytes = self._by_segment
         _check_float(flat)
-        if self.batched(flat.device):
+        if self.batched(flat.device) and with_error:
+            parts, error = self.codec.encode_shards_with_error(flat, flat_shards)
+        elif self.batched(flat.device):
             parts = self.codec.encode_shards(flat, flat_shards, [None] * len(flat_shards))
-            if with_error:
-                error = torch.empty_like(flat)
-                self.codec.decode_shards(error, parts, flat_shards, check=False)
-                torch.sub(flat, error, out=error)
         else:
             segments, part_bytes = self._flat_run
             payload = flat.new_empty(sum(part_bytes), dtype=torch.uint8)
