@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from geofp8.codecs import FP8Codec
-from geofp8.codecs.fused import ef_quantize, naive_ef_quantize
+from geofp8.geometry.fused import ef_quantize, naive_ef_quantize
 from geofp8.geometry.statistics import LowRankFactor
 from geofp8.geometry.transforms import LowRankInput
 from geofp8.tools import bench, scaling

@@ -36,6 +36,7 @@ from .comm.group import DeviceGroup
 from .comm.layout import fp32_allreduce_wire_bytes
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
+from .geometry.transforms import IDENTITY
 from .hierarchy import HierarchicalAllReduce, node_size
 
 __all__ = [
@@ -85,6 +86,7 @@ class GeoFP8State:
         self.communicator = Communicator(config.collective, self.engine.group)
         if config.owner_feedback:
             self.communicator.owner = self.engine.add_feedback("owner", "fp32")
+            self.communicator.owner_route = IDENTITY
             self.engine.pipeline.owner = self.communicator.owner
         size = node_size(config, self.engine.group.size)
         if process_group is not None and config.hierarchy == "auto":

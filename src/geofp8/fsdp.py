@@ -411,6 +411,7 @@ class GeoFP8FSDP:
         if key not in self._communicators:
             self._communicators[key] = Communicator("exact", group)
             self._communicators[key].owner = self.engine.feedbacks.get("owner")
+            self._communicators[key].owner_route = IDENTITY
         return self._communicators[key]
 
     def layout(self, unit: _Unit, kind: str, world: int) -> ShardLayout:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..codecs import FP8Codec, make_codec
-from ..codecs.fused import ef_quantize, naive_ef_quantize
+from ..geometry.fused import ef_quantize, naive_ef_quantize
 from ..geometry.statistics import nystrom_factor
 from ..geometry.transforms import LowRankInput
 from ..methods import METHODS
