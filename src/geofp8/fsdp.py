@@ -19,8 +19,8 @@ buffer ``[N, M]`` whose row ``r`` is every parameter's dim-0 chunk ``r`` (see
 * non-finite: a sender whose input is not finite says so in its flag; every receiver then
   sets the whole unit's output to NaN. A sum that overflows on one receiver only, or a NaN
   that FSDP's own reduce-scatter left in one shard (HSDP hook only), is agreed on when the
-  step settles (the engine all-reduces the finite flags): every rank counts the step as
-  skipped, commits nothing, and sets the local gradient shards of the units that were not
+  step settles (the engine all-reduces the finite flags, on the device): every rank counts
+  the step as skipped, resets the residuals it wrote to zero, keeps no statistic, and sets the local gradient shards of the units that were not
   finite on some rank to NaN on every rank, so an optimizer or ``GradScaler`` sees the same
   verdict everywhere.
 
@@ -170,7 +170,7 @@ class GeoFP8ReduceScatter(ReduceScatter):
         for name, shape, (pos, rows, width), route in zip(self.unit.names, self.unit.shapes,
                                                            self.unit.rows(n), routes):
             full = rows2d[:, pos : pos + rows * width].reshape(n * rows, width)
-            feedback.stage(name, full[: shape[0]].reshape(shape).clone(), route)
+            feedback.stage(name, full[: shape[0]].reshape(shape), route)
 
     def _map_back(self, total: torch.Tensor, n: int, routes) -> None:
         """This rank's summed rows of each routed weight, ``Y T⁻¹`` (``T`` acts on columns)."""
@@ -394,16 +394,14 @@ class GeoFP8FSDP:
         self.engine.end_step()
         self._reduced = []
 
-    def _poison_reduced(self, finite: list[bool]) -> None:
-        """A skipped step: NaN in the local gradient shards of its non-finite units (module
-        notes; one flag per :meth:`run_unit`, in order)."""
+    def _poison_reduced(self, finite: list[torch.Tensor]) -> None:
+        """NaN in the local gradient shards of the units not finite on some rank (module
+        notes; one 0-dim device flag per :meth:`run_unit`, in order; on the device)."""
         for unit, ok in zip(self._reduced, finite):
-            if ok:
-                continue
             for fsdp_param in unit.param_group.fsdp_params:
                 grad = fsdp_param.sharded_param.grad
                 if grad is not None:
-                    getattr(grad, "_local_tensor", grad).fill_(float("nan"))
+                    poison_unless(getattr(grad, "_local_tensor", grad), ok)
 
     def communicator(self, group: DeviceGroup) -> Communicator:
         key = id(group)

@@ -111,17 +111,15 @@ class FactorSource:
                 return found
         return None
 
-    def step_flags(self) -> list[torch.Tensor]:
-        """0-dim bool device flags of this step whose values the step's one host read brings
-        back to :meth:`flags_read` (default: none)."""
-        return []
+    def report(self) -> None:
+        """Give the warnings that wait on device flags (a host read, made when the stats are
+        read; default: none)."""
 
-    def flags_read(self, values: list[bool]) -> None:
-        """The values of :meth:`step_flags`, read once the step's collectives are done."""
-
-    def settle(self, finite: bool) -> None:
-        if finite:
-            self.transforms.update(self._step)
+    def settle(self, finite: torch.Tensor) -> None:
+        """Keep this step's maps where the 0-dim ``finite`` holds, else the last ones (on the
+        device)."""
+        for key, made in self._step.items():
+            self.transforms[key] = _chosen(finite, made, self.transforms.get(key))
         self._step = {}
 
     @property
@@ -203,11 +201,10 @@ class RefreshFactors(FactorSource):
         return [(n, s, m) for n, sides in store.items() for s, m in sides.items()
                 if s == "S" or self.shared.of(n) == n]
 
-    def settle(self, finite: bool) -> None:
+    def settle(self, finite: torch.Tensor) -> None:
         for (_, _, p), (_, _, w) in zip(self._moments(self.pending), self._moments(self.window)):
-            if finite:
-                for a, b in zip(w.tensors(), p.tensors()):
-                    a.add_(b)
+            for a, b in zip(w.tensors(), p.tensors()):
+                a.add_(torch.where(finite.to(b.device), b, torch.zeros_like(b)))
             p.reset()
         super().settle(finite)
 
@@ -328,6 +325,7 @@ class FreshFactors(_SketchedFactors):
         self.group = group
         self._works: dict[str, list] = {}
         self._flags: list[tuple[str, torch.Tensor]] = []  # (layer, sketch not finite)
+        self._unsaid: dict[str, torch.Tensor] = {}  # layer: a sketch not finite, since read
         self.warned: set[str] = set()
         self._codec = None if config.sketch_format is None else make_codec(config.sketch_format)
         self._sketches = Communicator("exact", group, kind="factor")
@@ -361,7 +359,7 @@ class FreshFactors(_SketchedFactors):
         """Wait for the owner's reduced sketches (normally long done) and build its map, on
         the device: nothing is read back to the host (a non-finite or empty sketch keeps the
         last map — the identity before the first — chosen by ``torch.where``; the warning
-        waits for the step's one host read, :meth:`flags_read`)."""
+        waits for the stats to be read, :meth:`report`)."""
         self._drain()  # the last sketch's all-gather: issued here, the same point on every rank
         key = self.shared.of(name)
         works = self._works.pop(key, None)
@@ -385,13 +383,11 @@ class FreshFactors(_SketchedFactors):
         self._flags.append((key, ~ok & (tokens > 0)))
         self._timed("transform_s", t0)
 
-    def step_flags(self) -> list[torch.Tensor]:
-        return [bad for _, bad in self._flags]
-
-    def flags_read(self, values: list[bool]) -> None:
-        """Warn once per layer whose sketch was not finite this step."""
-        for (key, _), bad in zip(self._flags, values):
-            if bad and key not in self.warned:  # the same reduced sketch on every rank
+    def report(self) -> None:
+        """Warn once per layer whose sketch was not finite in a step since the last report."""
+        unsaid, self._unsaid = self._unsaid, {}
+        for key, bad in unsaid.items():
+            if bool(bad) and key not in self.warned:  # the same reduced sketch on every rank
                 self.warned.add(key)
                 warnings.warn(f"GeoFP8: this step's input sketch of {key!r} is not finite "
                               "(its activations overflow x xᵀ Ω in FP32); the layer keeps its "
@@ -405,6 +401,8 @@ class FreshFactors(_SketchedFactors):
 
     def settle(self, finite: bool) -> None:
         self._drain()  # every rank at the same point, whether or not a layer read its sketch
+        for key, bad in self._flags:  # folded on the device, read by report()
+            self._unsaid[key] = bad | self._unsaid[key] if key in self._unsaid else bad
         self._works, self._flags = {}, []
         super().settle(finite)
 
