@@ -69,15 +69,14 @@ class LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+        inputs = {_pointer(t) for t in pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)}
         ours = None
         for t in pytree.tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key in inputs or key in self.live or storage.nbytes() == 0:
+            storage, key = t.untyped_storage(), _pointer(t)
+            if key is None or key in inputs or key in self.live or storage.nbytes() == 0:
                 continue
             ours = _called_from_package() if ours is None else ours
             self.live[key] = (weakref.ref(storage), ours)
@@ -99,6 +98,14 @@ class LiveStorages(TorchDispatchMode):
             self.others_at_peak = total - sum(ours.values())
 
 
+def _pointer(t: torch.Tensor) -> int | None:
+    """The data pointer of ``t``'s storage (``None``: a storage FSDP has freed)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
 def _called_from_package() -> bool:
     frame = sys._getframe(3)
     while frame is not None:
@@ -118,9 +125,8 @@ def storages_of(root, skip: set[int] = frozenset()) -> dict[int, int]:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            if obj.device.type != "meta":
-                storage = obj.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
+            if obj.device.type != "meta" and _pointer(obj) is not None:
+                storages[_pointer(obj)] = obj.untyped_storage().nbytes()
         elif isinstance(obj, dict):
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple, set, frozenset)):
@@ -143,10 +149,9 @@ def census() -> dict[int, int]:
             try:
                 if hasattr(obj, "to_local"):  # a DTensor: its local shard is the storage
                     obj = obj.to_local()
-                storage = obj.untyped_storage()
+                found[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
             except (RuntimeError, NotImplementedError):
                 continue
-            found[storage.data_ptr()] = storage.nbytes()
     return found
 
 
@@ -218,9 +223,7 @@ def _build(rank: int, world: int, method: str, fsdp: bool, residual: str | None,
         fully_shard(model)
         state = None
         if spec.kind == "geofp8":
-            config = spec.config(**spec.takes(**{k: v for k, v in settings.items()
-                                                 if k != "residual"}))
-            state = geofp8_fsdp.enable(model, config, residual=residual or "fp32")
+            state = geofp8_fsdp.enable(model, spec.config(**spec.takes(**settings)))
         return model, model, state, params
     state, hook, _ = spec.build(model, **spec.takes(**settings))
     ddp = torch.nn.parallel.DistributedDataParallel(model)

@@ -17,10 +17,12 @@ from dataclasses import asdict, dataclass
 from .codecs import FORMATS, ROUNDINGS, SCALINGS
 from .codecs.base import mix_seed
 from .comm import COLLECTIVES, KERNELS
+from .feedback import STORAGES
 from .geometry.factory import TRANSFORMS
 
 __all__ = ["Candidates", "Collective", "FP8Config", "FactorSource", "Format", "GeoFP8Config",
-           "Hierarchy", "Kernels", "LayerMode", "Rounding", "Scaling", "Statistics", "Transform"]
+           "Hierarchy", "Kernels", "LayerMode", "Residual", "Rounding", "Scaling", "Statistics",
+           "Transform"]
 
 
 def _registry_enum(name: str, values) -> type[enum.StrEnum]:
@@ -34,6 +36,7 @@ Rounding = _registry_enum("Rounding", ROUNDINGS)  # NEAREST, STOCHASTIC
 Collective = _registry_enum("Collective", COLLECTIVES)  # EXACT, ALLGATHER
 Transform = _registry_enum("Transform", TRANSFORMS)  # EUCLIDEAN, LOWRANK, KFAC, ...
 Kernels = _registry_enum("Kernels", KERNELS)  # AUTO, BATCHED, CHUNKED (geofp8.comm.layout)
+Residual = _registry_enum("Residual", STORAGES)  # EF storage: FP32, BF16, FP8, NVFP4
 FP8_FORMATS = (Format.E4M3, Format.E5M2)
 
 
@@ -142,6 +145,7 @@ class GeoFP8Config:
     # -- error feedback, warm-up, seeds
     error_feedback: bool = True  # keep R ← Ũ − deq(Q(Ũ)) in communication coordinates
     owner_feedback: bool = False  # EF on the second rounding too (the reduced shard's owner)
+    residual: Residual = Residual.FP32  # the sender's EF storage (geofp8.feedback)
     warmup_steps: int = 0  # steps communicated in FP32 first
     seed: int = 0  # the sketch's test matrix and the Hadamard signs (shared by all ranks)
     rank: int | None = None  # deprecated name of ``k``
@@ -160,7 +164,7 @@ class GeoFP8Config:
         problems: list[str] = []
         for name, kind in (("format", Format), ("rounding", Rounding),
                            ("collective", Collective), ("hierarchy", Hierarchy),
-                           ("kernels", Kernels),
+                           ("kernels", Kernels), ("residual", Residual),
                            ("transform", Transform),
                            ("factor_source", FactorSource), ("statistics", Statistics)):
             set_(name, _choice(getattr(self, name), kind, name, problems))

@@ -82,7 +82,7 @@ class GeoFP8State:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         config = config if config is not None else GeoFP8Config()
         self.engine = SyncEngine(model, config, DeviceGroup(process_group, device), "ddp",
-                                 grad_scaler=grad_scaler)
+                                 residual_storage=config.residual, grad_scaler=grad_scaler)
         self.communicator = Communicator(config.collective, self.engine.group)
         if config.owner_feedback:
             self.communicator.owner = self.engine.add_feedback("owner", "fp32")

@@ -20,9 +20,9 @@ buffer ``[N, M]`` whose row ``r`` is every parameter's dim-0 chunk ``r`` (see
   sets the whole unit's output to NaN. A sum that overflows on one receiver only, or a NaN
   that FSDP's own reduce-scatter left in one shard (HSDP hook only), is agreed on when the
   step settles (the engine all-reduces the finite flags, on the device): every rank counts
-  the step as skipped, resets the residuals it wrote to zero, keeps no statistic, and sets the local gradient shards of the units that were not
-  finite on some rank to NaN on every rank, so an optimizer or ``GradScaler`` sees the same
-  verdict everywhere.
+  the step as skipped, resets the residuals it wrote to zero, keeps no statistic, and sets
+  the local gradient shards of the units that were not finite on some rank to NaN on every
+  rank, so an optimizer or ``GradScaler`` sees the same verdict everywhere.
 
 :class:`ReplicaAllReduce` (HSDP: ``enable(..., mesh=2-D mesh with dims ("replicate",
 "shard"))``, the model sharded on ``mesh["shard"]``): FSDP's all-reduce hook receives this
@@ -309,16 +309,17 @@ class GeoFP8FSDP:
             mesh: only the replica all-reduce is (the reduce-scatter stays FSDP's FP32 one).
         residual: storage of the error-feedback residuals: ``"fp32"`` (4 bytes per
             parameter and rank), ``"bf16"`` (2), ``"fp8"`` (1, plus 4 per row) or
-            ``"nvfp4"`` (0.5625).
+            ``"nvfp4"`` (0.5625); ``None``: ``config.residual``.
     """
 
     def __init__(self, model: nn.Module, config: GeoFP8Config | FP8Config | None = None,
-                 mesh=None, reduce_scatter: bool = True, residual: str = "fp32") -> None:
+                 mesh=None, reduce_scatter: bool = True, residual: str | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GeoFP8FSDP needs torch.distributed to be initialised first")
         if isinstance(config, FP8Config):
             config = config.to_geofp8()
         cfg = config if config is not None else GeoFP8Config()
+        residual = str(cfg.residual) if residual is None else residual
         if cfg.transform in ("output", "kfac"):
             raise ValueError("GeoFP8 on FSDP: output-side transforms act on rows, which FSDP "
                              "shards; use an input-side transform (lowrank, full, diag, ...)")
@@ -560,7 +561,7 @@ def _poison_unless_flag(values: torch.Tensor, side: torch.Tensor) -> torch.Tenso
 
 
 def enable(model: nn.Module, config: GeoFP8Config | FP8Config | None = None, mesh=None,
-           reduce_scatter: bool = True, residual: str = "fp32") -> GeoFP8FSDP:
+           reduce_scatter: bool = True, residual: str | None = None) -> GeoFP8FSDP:
     """Install GeoFP8 on every ``fully_shard`` unit of ``model`` (see :class:`GeoFP8FSDP`).
 
     FSDP2::

@@ -81,8 +81,8 @@ def _sharded(model, cfg: TrainConfig, world: int, device: torch.device) -> Wrapp
     config = method.config(**method.takes(format=cfg.format, k=cfg.k, budget=cfg.budget,
                                           refresh_every=cfg.refresh_every,
                                           profile_steps=cfg.profile_steps, seed=cfg.seed,
-                                          kernels=cfg.kernels))
-    state = geofp8_fsdp.enable(model, config, mesh=mesh, residual=cfg.residual)
+                                          kernels=cfg.kernels, residual=cfg.residual))
+    state = geofp8_fsdp.enable(model, config, mesh=mesh)
     return Wrapped(model, state, None, None, None)
 
 
