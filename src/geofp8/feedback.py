@@ -73,6 +73,13 @@ def unpack(stored) -> torch.Tensor:
     return stored if stored.dtype == torch.float32 else stored.float()
 
 
+def _shape(stored) -> tuple[int, ...]:
+    """The residual's shape (of a tensor or a :func:`pack` ed dict)."""
+    if isinstance(stored, dict):
+        return tuple(stored["shape"]) if "shape" in stored else tuple(stored["codes"].shape)
+    return tuple(stored.shape)
+
+
 def _nbytes(stored) -> int:
     parts = stored.values() if isinstance(stored, dict) else (stored,)
     return sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
@@ -105,16 +112,21 @@ class ErrorFeedback:
 
     def stage(self, name: str, residual: torch.Tensor, route: Transform) -> None:
         """Write this step's new residual of ``name`` (in ``route``'s coordinates) over the
-        last one: in place for FP32 (``residual`` is copied: it may be a view of a bucket's
-        buffer), else packed into ``storage`` anew. Call :meth:`commit` when the step
-        settles."""
+        last one, in place (FP32 and BF16 are copied from ``residual``, which may be a view
+        of a bucket's buffer; a packed storage is packed, then copied). Call :meth:`commit`
+        when the step settles."""
         stored = self.residuals.get(name)
-        if self.storage == "fp32" and stored is not None and stored.shape == residual.shape:
-            stored.copy_(residual)
-        elif self.storage == "fp32":
-            self.residuals[name] = residual.detach().clone(memory_format=torch.contiguous_format)
+        plain = self.storage in ("fp32", "bf16")
+        packed = None if plain else pack(residual, self.storage)
+        if stored is None or _shape(stored) != tuple(residual.shape):
+            self.residuals[name] = packed if packed is not None else residual.to(
+                torch.float32 if self.storage == "fp32" else torch.bfloat16, copy=True)
+        elif packed is None:
+            stored.copy_(residual)  # rounds to BF16 on the way
         else:
-            self.residuals[name] = pack(residual, self.storage)
+            for key, t in packed.items():
+                if isinstance(t, torch.Tensor):
+                    stored[key].copy_(t)
         self.basis[name] = route
         self.finite.pop(name, None)
         self._written.append(name)
