@@ -116,8 +116,9 @@ def _called_from_package() -> bool:
 
 
 def storages_of(root, skip: set[int] = frozenset()) -> dict[int, int]:
-    """``{data pointer: bytes}`` of the storages reachable from ``root`` through attributes,
-    dicts, lists and tuples, except through the objects whose ``id`` is in ``skip``."""
+    """``{data pointer: bytes}`` of the storages reachable from ``root`` through the attributes
+    of GeoFP8's objects, dicts, lists and tuples, except through the objects whose ``id`` is
+    in ``skip``."""
     seen, storages, stack = set(), {}, [root]
     while stack:
         obj = stack.pop()
@@ -127,12 +128,12 @@ def storages_of(root, skip: set[int] = frozenset()) -> dict[int, int]:
         if isinstance(obj, torch.Tensor):
             if obj.device.type != "meta" and _pointer(obj) is not None:
                 storages[_pointer(obj)] = obj.untyped_storage().nbytes()
-        elif isinstance(obj, dict):
+        elif type(obj) is dict:
             stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
+        elif type(obj) in (list, tuple, set, frozenset):
             stack.extend(obj)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
-            stack.extend(vars(obj).values())
+        elif type(obj).__module__.startswith("geofp8") and hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())  # GeoFP8's own objects (not the model, FSDP's)
     return storages
 
 
