@@ -30,6 +30,7 @@ the model's (FSDP: the rank's shard's) FP32 parameter bytes, the issue's goal be
     python benchmarks/memory.py                                   # DDP, llama-small, 2 ranks
     python benchmarks/memory.py --fsdp --ranks 2 4                # FSDP2 per-rank extra
     python benchmarks/memory.py --methods fp8-ef --residual bf16 nvfp4
+    python benchmarks/memory.py --model smollm-135m     # 100M-class, built from its config
 """
 
 from __future__ import annotations
@@ -54,7 +55,12 @@ from host_syncs import on_ranks  # this folder is on sys.path when run as a scri
 
 PACKAGE = os.path.dirname(geofp8.__file__) + os.sep
 WARMUP = 2  # step 0 checks the ranks' configurations; step 1 is the first ordinary step
-VOCAB, SEQ, BATCH = 2048, 64, 4
+VOCAB, SEQ, BATCH = 2048, 64, 4  # the token ids drawn (below every model's vocabulary)
+# a 100M-class Hugging Face model, by its architecture (SmolLM-135M's: 134.5 M parameters)
+HF_MODELS = {"smollm-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                 num_attention_heads=9, num_key_value_heads=3,
+                                 vocab_size=49152, tie_word_embeddings=True,
+                                 attn_implementation="sdpa")}
 
 
 class LiveStorages(TorchDispatchMode):
@@ -208,7 +214,13 @@ def _build(rank: int, world: int, method: str, fsdp: bool, residual: str | None,
     from geofp8.methods import METHODS
     from geofp8.tools.models import build_preset
 
-    model = build_preset(model_name, VOCAB, seed=0)
+    if model_name in HF_MODELS:  # built from its config: no download
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**HF_MODELS[model_name])).float()
+    else:
+        model = build_preset(model_name, VOCAB, seed=0)
     params = sum(p.numel() for p in model.parameters())
     spec = METHODS[method]
     settings = {"refresh_every": 1000}
