@@ -1015,8 +1015,8 @@ def _memory_worker(rank, world_size):
 def test_stats_report_ef_and_factor_memory():
     k, l = 8, 12
     for out in run_ranks(_memory_worker, 2, timeout=90):
-        # EF: one FP32 copy of every routed gradient
-        assert out["ef_bytes"] == 4 * out["routed_elements"]
+        # EF: one BF16 copy (the default storage) of every routed gradient
+        assert out["ef_bytes"] == 2 * out["routed_elements"]
         # sketched low-rank factor of proj (head has d_in 32: exact, d_in² = 1024 floats):
         # O(d_in·(k+p)), so doubling d_in doubles it (a d_in² term would quadruple it)
         small, big = out[256], out[512]

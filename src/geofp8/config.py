@@ -145,7 +145,7 @@ class GeoFP8Config:
     # -- error feedback, warm-up, seeds
     error_feedback: bool = True  # keep R ← Ũ − deq(Q(Ũ)) in communication coordinates
     owner_feedback: bool = False  # EF on the second rounding too (the reduced shard's owner)
-    residual: Residual = Residual.FP32  # the sender's EF storage (geofp8.feedback)
+    residual: Residual = Residual.BF16  # the sender's EF storage (geofp8.feedback): 2 B/elem
     warmup_steps: int = 0  # steps communicated in FP32 first
     seed: int = 0  # the sketch's test matrix and the Hadamard signs (shared by all ranks)
     rank: int | None = None  # deprecated name of ``k``
