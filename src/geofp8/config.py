@@ -111,7 +111,8 @@ class GeoFP8Config:
     """Everything that decides what goes on the wire. Must be identical on every rank.
 
     The defaults are the README's: E4M3 per-tensor, exact collective, low-rank-32 input-side
-    whitening of the layers ``auto`` chooses among the blocks' Linear layers, error feedback.
+    whitening of the layers ``auto`` chooses among the blocks' Linear layers, error feedback
+    with BF16 residuals.
     """
 
     # -- codec
