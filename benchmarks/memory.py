@@ -84,7 +84,7 @@ class LiveStorages(TorchDispatchMode):
             storage, key = t.untyped_storage(), _pointer(t)
             if key is None or key in inputs or key in self.live or storage.nbytes() == 0:
                 continue
-            ours = _called_from_package() if ours is None else ours
+            ours = called_from_package() if ours is None else ours
             self.live[key] = (weakref.ref(storage), ours)
         self._sample()
         return out
@@ -112,8 +112,10 @@ def _pointer(t: torch.Tensor) -> int | None:
         return None
 
 
-def _called_from_package() -> bool:
-    frame = sys._getframe(3)
+def called_from_package() -> bool:
+    """Whether the op that a ``__torch_dispatch__`` (the caller) handles was called, at any
+    depth, from GeoFP8's code."""
+    frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_filename.startswith(PACKAGE):
             return True
