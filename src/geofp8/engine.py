@@ -7,7 +7,7 @@ DDP's comm hook (:mod:`geofp8.ddp`), FSDP2's reduce-scatter and HSDP's replica a
 * **begin** (the first unit of a step): the cross-rank consistency check (first step only,
   every rank fails with the differing fields named), the loss scale, refreshes and
   selection decisions (collectives on the data-parallel group, :meth:`start_unit`);
-* **route, EF, encode** per unit: :attr:`pipeline` (``Ũ = G T + R``, staged residuals);
+* **route, EF, encode** per unit: :attr:`pipeline` (``Ũ = G T + R``, new residuals written);
 * **finite agreement**: every unit's result gives a device flag (:meth:`observe`, no host
   sync), and the step's verdict stays on the device: nothing is read back in an ordinary
   step. Adapters whose collective does not already give every rank the same verdict (a

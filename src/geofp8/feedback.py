@@ -20,8 +20,8 @@ rounds it to BF16 (2 bytes; relative error ``2⁻⁹``); ``"fp8"`` to E4M3 with 
 per row (``amax/448``; 1 byte per element plus 4 per row; relative error ``2⁻⁴``);
 ``"nvfp4"`` to the NVFP4 wire format (E2M1 codes, an E4M3 scale per 16 elements, one FP32
 scale: 0.5625 bytes per element; relative error about 0.1, which the next step's feedback
-carries on). Arithmetic stays FP32: a compact residual is widened when read and rounded once
-when staged (so a step's staged residuals are as compact as the committed ones).
+carries on). The default (:class:`~geofp8.config.GeoFP8Config` ``residual``) is BF16.
+Arithmetic stays FP32: a compact residual is widened when read and rounded once when written.
 """
 
 from __future__ import annotations
