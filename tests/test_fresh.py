@@ -228,6 +228,7 @@ def _overflow_worker(rank, world_size):
             if all(torch.isfinite(p.grad).all() for p in model.parameters()):
                 opt.step()  # as GradScaler does: skip a step whose gradient is not finite
             opt.zero_grad()
+            state.stats()  # the warning waits for a read of the device flags: here
     said = [str(w.message) for w in caught if "sketch of" in str(w.message)]
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return said, state.stats()["skipped_steps"], params, state.stats()["nonfinite_factors"]

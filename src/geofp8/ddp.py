@@ -17,11 +17,12 @@ Example::
     >>> ddp_model.register_comm_hook(state, geofp8_hook)
 
 A step begins with its first bucket and settles when the last bucket's result is ready —
-before ``backward()`` returns. It is committed (statistics, residuals, selections,
-counters) only if every bucket came back finite; a step whose gradient was non-finite on
-any rank returns NaN for its buckets on every rank (the exact collective poisons the whole
-bucket everywhere, so ``GradScaler`` or the caller skips it) and leaves no trace in the
-state. An exception inside the hook rolls the step back.
+before ``backward()`` returns, with no read back from the device. A step whose gradient
+was non-finite on any rank returns NaN for its buckets on every rank (the exact collective
+poisons the whole bucket everywhere, so ``GradScaler`` or the caller skips it); its
+statistics and selections are not kept and the residuals it wrote are reset to zero (on the
+device: :mod:`geofp8.feedback`); it is counted in ``stats()["skipped_steps"]``. An exception
+inside the hook rolls the step back (its residuals reset likewise).
 """
 
 # No `from __future__ import annotations`: DDP inspects the hooks' annotations at runtime.
@@ -82,7 +83,7 @@ class GeoFP8State:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         config = config if config is not None else GeoFP8Config()
         self.engine = SyncEngine(model, config, DeviceGroup(process_group, device), "ddp",
-                                 grad_scaler=grad_scaler)
+                                 residual_storage=config.residual, grad_scaler=grad_scaler)
         self.communicator = Communicator(config.collective, self.engine.group)
         if config.owner_feedback:
             self.communicator.owner = self.engine.add_feedback("owner", "fp32")
@@ -105,7 +106,8 @@ class GeoFP8State:
     group = property(lambda self: self.engine.group)
     pipeline = property(lambda self: self.engine.pipeline)
     ledger = property(lambda self: self.engine.ledger)
-    step = property(lambda self: self.engine.step, doc="Steps settled as finite so far.")
+    step = property(lambda self: self.engine.step,
+                    doc="Steps settled so far, skipped ones included (the schedule's clock).")
     layers = property(lambda self: self.engine.pipeline.layers,
                       doc="The candidate Linear layers, by weight name.")
     world_size = property(lambda self: self.engine.group.size)

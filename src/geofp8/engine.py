@@ -7,16 +7,22 @@ DDP's comm hook (:mod:`geofp8.ddp`), FSDP2's reduce-scatter and HSDP's replica a
 * **begin** (the first unit of a step): the cross-rank consistency check (first step only,
   every rank fails with the differing fields named), the loss scale, refreshes and
   selection decisions (collectives on the data-parallel group, :meth:`start_unit`);
-* **route, EF, encode** per unit: :attr:`pipeline` (``Ũ = G T + R``, staged residuals);
+* **route, EF, encode** per unit: :attr:`pipeline` (``Ũ = G T + R``, new residuals written);
 * **finite agreement**: every unit's result gives a device flag (:meth:`observe`, no host
-  sync); the step reads them once when it settles. Adapters whose
-  collective does not already give every rank the same verdict (a reduce-scatter leaves each
-  rank its own shard) set ``agree=True``: the flags are then all-reduced at settling;
-* **settle** (every unit of a launched step done): commit (finite) or discard (any rank
-  non-finite) the staged residuals, statistics and selections; take the bytes every
-  :class:`DeviceGroup` counted at the process-group door; advance the step counters;
-* **rollback** (an exception inside a unit): discard the step's staging and forget it, so the
-  next step starts clean;
+  sync), and the step's verdict stays on the device: nothing is read back in an ordinary
+  step. Adapters whose collective does not already give every rank the same verdict (a
+  reduce-scatter leaves each rank its own shard) set ``agree=True``: the flags are then
+  all-reduced at settling;
+* **settle** (every unit of a launched step done): hand the verdict to what the step
+  produced: residuals (those of a skipped step read as zero, :mod:`geofp8.feedback`),
+  statistics and selections (a skipped step's are chosen away by ``torch.where``), the
+  ``on_skip`` callbacks (per unit flags, on the device); take the bytes every
+  :class:`DeviceGroup` counted at the process-group door; advance the step clock (a skipped
+  step counts on the clock too; the skipped steps are counted on the device and read by
+  :meth:`stats`);
+* **rollback** (an exception inside a unit): the residuals the step wrote are reset to zero,
+  its statistics and selections dropped, and the step forgotten, so the next one starts
+  clean;
 * **FP32 warm-up** (:attr:`fp8` is false for the first ``warmup_steps`` steps), stochastic
   rounding seeds, :meth:`stats` (read-only) and a versioned :meth:`state_dict`.
 """
@@ -68,7 +74,7 @@ class SyncEngine:
         self.groups: list[DeviceGroup] = [group]
         self.grad_scaler, self.grad_scale = grad_scaler, 1.0
         self.fingerprint_extra: dict = {}
-        self.on_skip: list = []  # callbacks(finite per observed unit) of a skipped step
+        self.on_skip: list = []  # callbacks(0-dim device flags, finite per observed unit)
         self._parameters = [[n, list(p.shape), str(p.dtype), p.requires_grad]
                             for n, p in model.named_parameters()]
         self._checked = False
@@ -162,19 +168,17 @@ class SyncEngine:
                 self._settle()
 
     def _settle(self) -> None:
-        ok = torch.stack(self._finite) if self._finite else torch.ones(1, dtype=torch.bool)
+        device = self._finite[0].device if self._finite else self.group.device
+        ok = torch.stack(self._finite) if self._finite else torch.ones(1, dtype=torch.bool,
+                                                                        device=device)
         if self.agree:  # per unit, count the ranks whose flag is down
             bad, _ = self.group.all_reduce((~ok).to(torch.float32), "flag")
             ok = bad == 0
-        flags = self.pipeline.step_flags()  # read along: one read for the step
-        read = torch.cat([ok.reshape(-1), *(f.reshape(1).to(ok.device) for f in flags)]).tolist()
-        units_ok = read[: ok.numel()]  # the step's one host read
-        finite = all(units_ok)
-        self.pipeline.flags_read(read[ok.numel():])
+        finite = ok.all()  # on the device: no host read
         self.pipeline.settle(finite)
         for name, feedback in self.feedbacks.items():
             if name != "sender":  # the pipeline settles its own
-                feedback.commit() if finite else feedback.discard()
+                feedback.commit(finite)
         for group in self.groups:
             taken = group.take_bytes()
             for key, kind in BYTE_KINDS:
@@ -186,16 +190,17 @@ class SyncEngine:
         self.pipeline.selection.charged(self.ledger.current["factor_bytes_sent"])
         self.ledger.settle(finite)
         self._finite = []
-        if not finite:
-            for callback in self.on_skip:
-                callback(units_ok)
+        for callback in self.on_skip:
+            callback(list(ok.unbind()))
 
     def rollback(self) -> None:
-        """Forget the step in flight after an exception: nothing it staged is kept."""
+        """Forget the step in flight after an exception: the residuals it wrote are reset to
+        zero, nothing else it produced is kept."""
         with self._lock:
-            self.pipeline.settle(False)
+            failed = torch.zeros((), dtype=torch.bool, device=self.group.device)
+            self.pipeline.settle(failed)
             for feedback in self.feedbacks.values():
-                feedback.discard()
+                feedback.commit(failed)
             for group in self.groups:
                 group.take_bytes()
             self.ledger.reset_phase()
@@ -231,12 +236,16 @@ class SyncEngine:
         """Figures of the last settled step (reading changes nothing); see the adapters.
         ``geometry_layers``: the weights that went through a geometry map;
         ``geometry_since_step``: the first step that sent any that way (``None`` until then:
-        a refreshed factor exists only from the first refresh on)."""
+        a refreshed factor exists only from the first refresh on). ``step`` counts the steps
+        settled as finite, ``skipped_steps`` the others (read from the device here: the one
+        host read they cost); a layer's warning waiting on a device flag is given here too."""
+        skipped = self.ledger.skipped_steps
+        self.pipeline.report()
         last = self.ledger.last
         sent = last["bytes_sent"] + last["factor_bytes_sent"]
         return {
-            "step": self.ledger.step,
-            "skipped_steps": self.ledger.skipped_steps,
+            "step": self.ledger.step - skipped,
+            "skipped_steps": skipped,
             "bytes_sent": int(sent),
             "payload_bytes_sent": int(last["bytes_sent"]),
             "factor_bytes_sent": int(last["factor_bytes_sent"]),

@@ -148,17 +148,15 @@ class FactorSource:
                 return found
         return None
 
-    def step_flags(self) -> list[torch.Tensor]:
-        """0-dim bool device flags of this step whose values the step's one host read brings
-        back to :meth:`flags_read` (default: none)."""
-        return []
+    def report(self) -> None:
+        """Count and give the warnings that wait on device flags (a host read, made when the
+        stats are read; default: none)."""
 
-    def flags_read(self, values: list[bool]) -> None:
-        """The values of :meth:`step_flags`, read once the step's collectives are done."""
-
-    def settle(self, finite: bool) -> None:
-        if finite:
-            self.transforms.update(self._step)
+    def settle(self, finite: torch.Tensor) -> None:
+        """Keep this step's maps where the 0-dim ``finite`` holds, else the last ones (on the
+        device)."""
+        for key, made in self._step.items():
+            self.transforms[key] = _chosen(finite, made, self.transforms.get(key))
         self._step = {}
 
     @property
@@ -262,15 +260,16 @@ class RefreshFactors(FactorSource):
         return [(n, s, m) for n, sides in store.items() for s, m in sides.items()
                 if s == "S" or self.shared.of(n) == n]
 
-    def settle(self, finite: bool) -> None:
+    def settle(self, finite: torch.Tensor) -> None:
         """A finite step's statistics join the window, each moment only if all of it is
-        finite (decided on the device: a non-finite one is dropped, counted at the refresh)."""
+        finite (decided on the device: a non-finite moment of a finite step is dropped,
+        counted at the refresh; a skipped step's are dropped uncounted)."""
         for (n, s, p), (_, _, w) in zip(self._moments(self.pending), self._moments(self.window)):
-            if finite:
-                ok = torch.stack([torch.isfinite(t).all() for t in p.tensors()]).all()
-                for a, b in zip(w.tensors(), p.tensors()):
-                    a.add_(torch.where(ok, b, 0))
-                self._dropped[n, s] = self._dropped.get((n, s), 0) + ~ok
+            ok = torch.stack([torch.isfinite(t).all() for t in p.tensors()]).all()
+            keep = ok & finite.to(ok.device)
+            for a, b in zip(w.tensors(), p.tensors()):
+                a.add_(torch.where(keep, b, 0))
+            self._dropped[n, s] = self._dropped.get((n, s), 0) + (finite.to(ok.device) & ~ok)
             p.reset()
         super().settle(finite)
 
@@ -408,6 +407,7 @@ class FreshFactors(_SketchedFactors):
         self._launched: list[_Reduced] = []  # this step's reductions, one per forward
         self._reduced: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._flags: list[tuple[str, torch.Tensor]] = []  # (layer, sketch not finite)
+        self._unsaid: dict[str, torch.Tensor] = {}  # layer: steps whose sketch was not finite
         self._codec = None if config.sketch_format is None else make_codec(config.sketch_format)
         self._sketches = Communicator("exact", group, kind="factor")
         self._layouts: dict[int, ShardLayout] = {}
@@ -484,8 +484,8 @@ class FreshFactors(_SketchedFactors):
         """Wait for the reduced sketches (normally long done) and build the map of ``name``'s
         unit, on the device: nothing is read back to the host (a non-finite sketch, or one
         that no rank recorded this step, keeps the last map — the identity before the first
-        — chosen by ``torch.where``; the warning waits for the step's one host read,
-        :meth:`flags_read`)."""
+        — chosen by ``torch.where``; the count and warning wait for the stats to be read,
+        :meth:`report`)."""
         self._drain()  # the last sketch's all-gather: issued here, the same point on every rank
         key = self.shared.of(name)
         if key in self._step or not self._launched:
@@ -509,22 +509,23 @@ class FreshFactors(_SketchedFactors):
         self._flags.append((key, ~ok & (tokens > 0)))
         self._timed("transform_s", t0)
 
-    def step_flags(self) -> list[torch.Tensor]:
-        return [bad for _, bad in self._flags]
-
-    def flags_read(self, values: list[bool]) -> None:
-        """Count the layers whose sketch or map was not finite this step; warn once each
-        (the same reduced sketch on every rank: the same verdict)."""
-        self._rejected([key for (key, _), bad in zip(self._flags, values) if bad],
-                       "this step's input sketch")
+    def report(self) -> None:
+        """Count the steps whose sketch or map of a layer was not finite since the last
+        report; warn once per layer (the same reduced sketch on every rank: the same
+        verdict)."""
+        unsaid, self._unsaid = self._unsaid, {}
+        for key, count in unsaid.items():
+            self._rejected([key] * int(count), "this step's input sketch")
 
     def _drain(self) -> None:
         """Issue the pending sketch all-gather and complete every reduced sketch."""
         self._sketches.flush()
         self._sketches.complete(block=True)
 
-    def settle(self, finite: bool) -> None:
+    def settle(self, finite: torch.Tensor) -> None:
         self._drain()  # every rank at the same point, whether or not a layer read its sketch
+        for key, bad in self._flags:  # folded on the device, read by report()
+            self._unsaid[key] = self._unsaid.get(key, 0) + bad.to(torch.int64)
         for reduced in self._launched:  # a step no map read (FP32 warm-up): done all the same
             reduced.work.wait()
         self._launched, self._reduced, self._flags, self._local = [], None, [], {}
@@ -601,7 +602,7 @@ class LocalFactors(_SketchedFactors):
         else:  # this rank's own statistic: it keeps its last map (shipped as ever)
             self._rejected([key], "this rank's input statistic")
 
-    def settle(self, finite: bool) -> None:
+    def settle(self, finite: torch.Tensor) -> None:
         for stats in self.pending.values():
             stats.reset()
         super().settle(finite)

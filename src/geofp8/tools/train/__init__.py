@@ -49,8 +49,8 @@ HELP = {
     "parallel": "ddp (DDP + comm hook), fsdp (fully_shard + FP8 reduce-scatter) or hsdp "
                 "(replicate x shard mesh: FP8 reduce-scatter + FP8 replica all-reduce)",
     "shard_size": "hsdp: ranks per shard group (0: half the ranks)",
-    "residual": "fsdp/hsdp error-feedback storage: fp32 (4 B/param), bf16 (2), fp8 (1 + 4/row), "
-                "nvfp4 (0.5625)",
+    "residual": "error-feedback storage: fp32 (4 B/param), bf16 (2), fp8 (1 + 4/row), "
+                "nvfp4 (0.5625); default: GeoFP8Config's",
     "hierarchy": "ddp: auto (node when >= 2 nodes of >= 2 ranks), flat, or node (FP32 inside "
                  "a node, the exact low-precision collective between nodes)",
     "node_size": "ranks per node (0: torchrun's LOCAL_WORLD_SIZE); with --hierarchy node, "

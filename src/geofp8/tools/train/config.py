@@ -45,7 +45,7 @@ class TrainConfig:
     budget: float | None = None  # method budget: bytes per element per round trip
     parallel: str = "ddp"
     shard_size: int = 0  # hsdp: ranks per shard group (0: half the ranks)
-    residual: str = "fp32"  # fsdp/hsdp error-feedback storage
+    residual: str | None = None  # error-feedback storage (None: GeoFP8Config's default)
     hierarchy: str = "auto"  # ddp: auto | flat | node (FP32 inside a node, FP8 between)
     node_size: int = 0  # ranks per node (0: torchrun's LOCAL_WORLD_SIZE)
     kernels: str = "auto"  # auto | batched | chunked (the stages' kernels; same bits)
@@ -73,7 +73,8 @@ class TrainConfig:
              f"--method {self.method} needs --budget B (bytes per element per round trip)"),
             (self.optimizer in ("muon", "adamw"), "optimizer must be 'muon' or 'adamw'"),
             (self.parallel in ("ddp", "fsdp", "hsdp"), "parallel must be ddp, fsdp or hsdp"),
-            (self.residual in STORAGES, f"residual must be one of {STORAGES}"),
+            (self.residual is None or self.residual in STORAGES,
+             f"residual must be one of {STORAGES}"),
             (self.hierarchy in ("auto", "flat", "node"), "hierarchy must be auto, flat or node"),
             (self.node_size >= 0, "node_size must be >= 0"),
             (self.kernels in KERNELS, f"kernels must be one of {KERNELS}"),
@@ -138,7 +139,7 @@ class TrainConfig:
         return dict(format=self.format, k=self.k, budget=self.budget,
                     refresh_every=self.refresh_every, profile_steps=self.profile_steps,
                     seed=self.seed, hierarchy=self.hierarchy, node_size=self.node_size or None,
-                    kernels=self.kernels)
+                    kernels=self.kernels, residual=self.residual)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -76,7 +76,7 @@ def _sharded(model, cfg: TrainConfig, world: int, device: torch.device) -> Wrapp
     settings = {k: v for k, v in cfg.method_settings().items()
                 if k not in ("hierarchy", "node_size")}  # DDP's node layout
     config = method.config(**method.takes(**settings))
-    state = geofp8_fsdp.enable(model, config, mesh=mesh, residual=cfg.residual)
+    state = geofp8_fsdp.enable(model, config, mesh=mesh)
     return Wrapped(model, state, None, None, None)
 
 
