@@ -32,6 +32,7 @@ from geofp8.comm import (
     simulate_exact_allreduce,
 )
 from geofp8.comm.group import DeviceGroup
+from geofp8.ddp import backend_of
 from geofp8.feedback import ErrorFeedback
 from geofp8.geometry.transforms import Identity
 from toymodels import batch, loss_fn, make_model
@@ -616,8 +617,20 @@ def test_misconfiguration_fails_fast_naming_the_difference():
 def test_unsupported_backend_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "mpi")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "mpi")
     with pytest.raises(ValueError, match=r"supports the \('gloo', 'nccl'\) backends, got 'mpi'"):
         GeoFP8State(make_model(), GeoFP8Config())
+
+
+def test_a_group_made_without_naming_a_backend_uses_the_devices_own(monkeypatch):
+    """``init_process_group()`` with no backend reports ``"undefined"`` (torch 2.13) and
+    keeps one backend per device type: the model's device picks."""
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "undefined")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert backend_of(None, torch.device("cpu")) == "gloo"
+    assert backend_of(None, torch.device("cuda", 0)) == "nccl"
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:mpi")
+    assert backend_of(None, torch.device("cpu")) == "mpi"
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.complex64, torch.bool])

@@ -72,7 +72,8 @@ class GeoFP8State:
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GeoFP8State needs torch.distributed to be initialised first")
-        backend = dist.get_backend(process_group)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        backend = backend_of(process_group, device)
         if backend not in SUPPORTED_BACKENDS:
             raise ValueError(f"GeoFP8 supports the {SUPPORTED_BACKENDS} backends, got {backend!r}")
         unsupported = [f"{n} ({p.dtype})" for n, p in model.named_parameters()
@@ -80,7 +81,6 @@ class GeoFP8State:
         if unsupported:  # complex: DDP's bucket has 2n reals, the hook saw n
             raise TypeError("GeoFP8 communicates real floating-point gradients; "
                             f"unsupported parameters: {unsupported[:3]}")
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
         config = config if config is not None else GeoFP8Config()
         self.engine = SyncEngine(model, config, DeviceGroup(process_group, device), "ddp",
                                  residual_storage=config.residual, grad_scaler=grad_scaler)
@@ -267,3 +267,15 @@ def hadamard_fp8_hook(state: HadamardFP8State,
                       bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: FP8 all-reduce after a fixed Hadamard rotation of each weight."""
     return state.communicate(bucket)
+
+
+def backend_of(process_group: dist.ProcessGroup | None, device: torch.device) -> str:
+    """The backend that carries ``device``'s tensors in ``process_group``: a group made
+    without naming one (``init_process_group()``) reports ``"undefined"`` and keeps one
+    backend per device type (``"cpu:gloo,cuda:nccl"``)."""
+    backend = dist.get_backend(process_group)
+    if backend in SUPPORTED_BACKENDS:
+        return backend
+    per_device = dict(item.split(":", 1) for item in
+                      dist.get_backend_config(process_group).split(",") if ":" in item)
+    return per_device.get(device.type, backend)
