@@ -196,8 +196,9 @@ def _pipeline_steps(method: str, device, steps: int = 3, strict_from: int = 1):
                 mean = pipes[0].decode(encs[0], decode_gathered(gathered, layout))
                 out = [y.view(s) for y, s in zip(mean.split([q.numel() for q in grads[0]]),
                                                  shapes)]
+                finite = torch.ones((), dtype=torch.bool, device=device)
                 for p in pipes:
-                    p.settle(True)
+                    p.settle(finite)
     return [to_host(t).contiguous() for t in out]
 
 

@@ -50,7 +50,7 @@ HELP = {
                 "(replicate x shard mesh: FP8 reduce-scatter + FP8 replica all-reduce)",
     "shard_size": "hsdp: ranks per shard group (0: half the ranks)",
     "residual": "error-feedback storage: fp32 (4 B/param), bf16 (2), fp8 (1 + 4/row), "
-                "nvfp4 (0.5625); default: GeoFP8Config's",
+                "nvfp4 (0.5625); None: the config's own, bf16",
     "hierarchy": "ddp: auto (node when >= 2 nodes of >= 2 ranks), flat, or node (FP32 inside "
                  "a node, the exact low-precision collective between nodes)",
     "node_size": "ranks per node (0: torchrun's LOCAL_WORLD_SIZE); with --hierarchy node, "
