@@ -1,8 +1,17 @@
-# GeoFP8 — set-up, tests and the main job. Every target creates/uses .venv.
+# GeoFP8 — set-up, tests and the main job, in a virtual environment of their own (.venv).
+# To use GeoFP8 in an environment you already have: pip install .   (README, "Install").
+#
+# Which torch: when .venv has none, `make` installs torch==$(TORCH_VERSION) with PyTorch's
+# CPU index added ($(TORCH_INDEX)), i.e. the CPU build 2.13.0+cpu wherever that index or a
+# local wheel offers it. Another build: `TORCH_INDEX=` (only the indexes pip is configured
+# with: PyPI's torch is a CUDA build on Linux), `TORCH_INDEX=<a PyTorch CUDA index>`,
+# `TORCH_VERSION=2.12.0`, or install torch into .venv yourself first: any torch already in
+# .venv is kept as it is.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
 # torchtitan 0.3.0 for geofp8.integrations.torchtitan and its tests, without its own pins
 # (datasets<4.8 would downgrade datasets and huggingface_hub): --no-deps, plus the modules
 # its model, parallelize and config code import (triton: its llama3 package imports Triton
@@ -13,11 +22,22 @@ TORCHTITAN_PACKAGES ?= torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 \
 
 .PHONY: install test lint demo bench gpu-check clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+# the environment and its torch (kept when present)
+$(VENV)/.torch:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# A loose torch requirement pulls a multi-GB CUDA build; pin the local CPU build first.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION) \
+		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(PY) -c "import torch; print('make: using torch', torch.__version__)"
+	touch $@
+
+# what `make demo` needs: the core and its demo extra (transformers, tokenizers, matplotlib)
+$(VENV)/.demo: $(VENV)/.torch pyproject.toml
+	$(PY) -m pip install -q -e ".[demo]"
+	touch $@
+
+# everything the tests need, so that none is skipped: every extra, and torchtitan
+$(VENV)/.installed: $(VENV)/.torch pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[all]"
 	$(PY) -m pip install -q --no-deps $(TORCHTITAN_PACKAGES)
 	touch $@
@@ -25,23 +45,24 @@ $(VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks docs examples
 	$(PY) -m pytest -q
 
 lint: install
-	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks docs examples
 
-demo: install
+demo: $(VENV)/.demo
 	$(PY) -m geofp8.tools.cli demo
 
-bench: install
+bench: $(VENV)/.demo
 	$(PY) -m geofp8.tools.cli bench
 
-# On a machine with one NVIDIA GPU (a CUDA build of torch installed first): correctness on
-# the device, a 1-rank NCCL run of every method, codec/transform throughput vs a D2D copy.
-# Without network: PYTHONPATH=src python3 -m geofp8.tools.gpu_check (README "Check it on a GPU").
-gpu-check: install
+# On a machine with one NVIDIA GPU (`make gpu-check TORCH_INDEX=`, or a CUDA build of torch
+# installed into .venv first): correctness on the device, a 1-rank NCCL run of every method,
+# codec/transform throughput vs a D2D copy. Without network:
+# PYTHONPATH=src python3 -m geofp8.tools.gpu_check (README "Check it on a GPU").
+gpu-check: $(VENV)/.demo
 	$(PY) -m geofp8.tools.gpu_check
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis src/*.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis src/*.egg-info build

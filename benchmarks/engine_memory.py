@@ -7,9 +7,8 @@ gradients, DDP buckets of ~1 MB or ``--bucket-mb``, an ordinary step after a war
   own code created and that are still alive (a dispatch mode sees every op; an output in a
   new storage, from an op called under the ``geofp8`` package, is counted until its storage
   is freed or released to zero bytes). Autograd's and DDP's own tensors are not counted;
-* **staged EF at peak**: the part of that peak held by the step's new EF residuals. They are
-  staged until the whole step is known finite and then replace the committed ones (a
-  skipped step leaves no trace), so during backward an EF method holds two sets;
+* **staged EF at peak**: the part of that peak held by the step's new EF residual storages
+  (none once they exist: they are written in place, see ``benchmarks/memory.py``);
 * **beyond EF**: the peak over the backward of the live bytes less the step's new EF
   residuals alive at that moment, staged or still being computed (the hook peak less the
   staged EF at it is one such moment; the stages' own peak may come at another);
@@ -29,21 +28,17 @@ Goal (issue 20): hook peak + held, beyond the EF residuals, <= 2x the largest bu
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import weakref
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import geofp8
 from host_syncs import ddp_model, on_ranks  # this folder is on sys.path when run as a script
+from memory import called_from_package, storages_of
 
 STEPS = 3  # steps 0 (consistency check) and 1 warm up; step 2 is measured
-PACKAGE = os.path.dirname(geofp8.__file__) + os.sep
 
 
 class HookAllocations(TorchDispatchMode):
@@ -59,7 +54,7 @@ class HookAllocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not _called_from_package():
+        if not called_from_package():
             return out
         inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)}
@@ -102,42 +97,19 @@ class HookAllocations(TorchDispatchMode):
         return peak, staged, beyond
 
 
-def _called_from_package() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(PACKAGE):
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _new_residuals(feedbacks) -> set[int]:
-    """Data pointers of the residuals held after the step (committed by its end, or still
-    staged): the ones created during the measured backward are the step's new set."""
-    held = [list(f.residuals.values()) + list(f._staged.values()) for f in feedbacks]
-    return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(held)
+    """Data pointers of the residuals held after the step: the ones created during the
+    measured backward are the step's new storages (a residual is written in place once it
+    exists, so after the first steps there are none)."""
+    return {t.untyped_storage().data_ptr()
+            for t in pytree.tree_leaves([f.residuals for f in feedbacks])
             if isinstance(t, torch.Tensor)}
 
 
 def tensors_held(root, skip: set[int]) -> int:
-    """Bytes of the distinct storages reachable from ``root`` through attributes, dicts,
-    lists and tuples, except the objects whose ``id`` is in ``skip`` (and what they hold)."""
-    seen_objects, storages, stack = set(), {}, [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen_objects or id(obj) in skip:
-            continue
-        seen_objects.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, nn.Module)):
-            stack.extend(vars(obj).values())
-    return sum(storages.values())
+    """Bytes of the distinct storages reachable from ``root`` (see
+    :func:`memory.storages_of`), except through the objects whose ``id`` is in ``skip``."""
+    return sum(storages_of(root, skip).values())
 
 
 def _worker(rank: int, world: int, port: int, method: str, queue, bucket_mb: float) -> None:

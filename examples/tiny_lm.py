@@ -9,7 +9,7 @@ from geofp8.tools.data import default_text
 
 SEQ = 128
 # refresh (and re-select geometry layers) every 10 steps, so a short run shows it working
-CONFIG = GeoFP8Config(refresh_every=10)
+CONFIG = GeoFP8Config(layers="auto", refresh_every=10)
 
 
 def tiny_llama(seed: int = 0):

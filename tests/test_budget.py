@@ -156,7 +156,7 @@ def test_measured_at_the_first_low_precision_step_and_the_factor_traffic_is_repa
     assert sel.reserve == pytest.approx(per_step)  # planned with more than it took: no debt
 
 
-BUDGET = dict(format="nvfp4", budget=0.85, refresh_every=2, k=4, oversample=4,
+BUDGET = dict(format="nvfp4", budget=0.85, layers="auto", refresh_every=2, k=4, oversample=4,
               statistics="sketch", hierarchy="flat")
 STEPS = 10
 RESUME_AT = 7  # after the measurement of step 6, before its decision

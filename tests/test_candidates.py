@@ -85,7 +85,7 @@ def _train_worker(rank, world, model_name, fields):
 
 
 def test_a_model_without_candidates_runs_euclidean_and_says_so_once():
-    results = run_ranks(_train_worker, 2, args=("cnn", dict(refresh_every=2)))
+    results = run_ranks(_train_worker, 2, args=("cnn", dict(refresh_every=2, layers="auto")))
     for said, params, _ in results:
         assert len(said) == 1 and "plain e4m3 (Euclidean)" in said[0]
         assert torch.isfinite(params).all()

@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from geofp8 import GeoFP8Config
 from geofp8.config import Format, FP8Config, LayerMode, Scaling, Transform
@@ -73,3 +74,55 @@ def test_the_trainer_refuses_a_format_the_method_fixes():
     with pytest.raises(UsageError, match="fixes its own format"):
         TrainConfig(method="nvfp4-ef", format="e5m2")
     assert TrainConfig(method="fp8-ef", format="e5m2").format == "e5m2"
+
+
+def test_the_default_is_fp8_with_error_feedback_and_every_method_is_importable():
+    import geofp8
+
+    assert geofp8.METHODS is METHODS and geofp8.Method is type(METHODS["fp8-ef"])
+    default = GeoFP8Config()
+    assert default.layers is LayerMode.NONE and default.error_feedback
+    assert FP8Config().error_feedback == default.error_feedback  # the two agree
+    assert FP8Config(error_feedback=False).to_geofp8() == METHODS["fp8"].config()
+    assert GeoFP8Config(layers="auto") == METHODS["geofp8-auto"].config()
+    assert GeoFP8Config.from_method("nvfp4-fresh8-ef", k=16) == METHODS[
+        "nvfp4-fresh8-ef"].config(k=16)
+    assert GeoFP8Config.from_method("budget", budget=0.7).budget == 0.7
+    with pytest.raises(ValueError, match="unknown method 'fp9'"):
+        GeoFP8Config.from_method("fp9")
+    with pytest.raises(ValueError, match="PyTorch's own hook"):
+        GeoFP8Config.from_method("bf16")
+    with pytest.raises(ValueError, match="does not take"):
+        GeoFP8Config.from_method("fp8-ef", k=8)
+    with pytest.raises(ValueError, match="set layers='auto'"):
+        GeoFP8Config(format="nvfp4", budget=0.8)
+
+
+def _default_worker(rank, world_size):
+    from torch import nn
+
+    from geofp8 import FP8State, GeoFP8State, fp8_hook, geofp8_hook
+    from toymodels import loss_fn, make_model
+
+    params = []
+    for make in (lambda m: (GeoFP8State(m, GeoFP8Config()), geofp8_hook),
+                 lambda m: (GeoFP8State(m, METHODS["fp8-ef"].config()), geofp8_hook),
+                 lambda m: (FP8State(m, FP8Config()), fp8_hook)):
+        model = make_model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(*make(model))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):  # from step 1 on, error feedback changes what is sent
+            loss_fn(ddp, step, rank).backward()
+            opt.step()
+            opt.zero_grad()
+        params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return params
+
+
+@pytest.mark.distributed
+def test_the_default_trains_bit_identically_to_the_method_fp8_ef():
+    from distributed import run_ranks
+
+    for default, fp8_ef, fp8_config in run_ranks(_default_worker, 2, timeout=120):
+        assert torch.equal(default, fp8_ef) and torch.equal(default, fp8_config)

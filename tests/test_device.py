@@ -147,6 +147,10 @@ class _Rank:
     def charge(self, kind: str, nbytes: float) -> None:
         pass
 
+    def all_gather_json(self, obj, kind: str) -> list:
+        """The shared inputs' agreement (once): every simulated rank ran the same layers."""
+        return [obj] * self.size
+
 
 def _pipeline_steps(method: str, device, steps: int = 3, strict_from: int = 1):
     """``steps`` DDP-like steps of ``WORLD`` :class:`GradientPipeline` s (routes, error

@@ -63,9 +63,10 @@ def test_fresh_factors_identical_across_ranks_and_awaited_under_a_slow_group():
     assert fast[0][0] == fast[1][0] == slow[0][0] == slow[1][0]
     for a, b in zip(fast[0][3], slow[1][3]):
         assert torch.equal(a, b)  # the delayed reduction changed nothing
-    # the factor traffic is the sketches: (d_in·(k+p) + 2) floats per layer per step
+    # the factor traffic is the sketches: (d_in·(k+p) + 2) floats per layer per step, in one
+    # all-reduce
     digests, stats, widths, _ = fast[0]
-    expected = sum(fp32_allreduce_wire_bytes(d * min(8 + 8, d) + 2, 2) for d in widths)
+    expected = fp32_allreduce_wire_bytes(sum(d * min(8 + 8, d) + 2 for d in widths), 2)
     assert stats["factor_bytes_sent"] == expected
     assert stats["bytes_sent"] == stats["payload_bytes_sent"] + expected
 
@@ -93,8 +94,8 @@ def _rounded_sketch_worker(rank, world_size, sketch_format):
 @pytest.mark.parametrize("sketch_format", ["e4m3", "nvfp4"])
 def test_a_rounded_sketch_gives_the_same_maps_on_every_rank_at_its_bytes(sketch_format):
     """3 ranks (uneven shards): the exact collective's reduced sketch is the same everywhere,
-    so are the maps and the parameters; the factor traffic is the sketch's encoded round trip
-    plus two FP32 moments per layer and micro-batch."""
+    so are the maps and the parameters; the factor traffic per forward is one encoded round
+    trip of every layer's sketch, one after the other, plus two FP32 moments per layer."""
     results = run_ranks(_rounded_sketch_worker, 3, (sketch_format,))
     maps, _, sketches, params = results[0]
     assert maps and sketches
@@ -105,8 +106,9 @@ def test_a_rounded_sketch_gives_the_same_maps_on_every_rank_at_its_bytes(sketch_
         assert torch.equal(other[3], params)
     codec = make_codec(sketch_format)
     for rank, (_, stats, _, _) in enumerate(results):
-        per_step = sum(ShardLayout.build([(d * cols,)], codec, 3).wire_bytes(rank)
-                       + fp32_allreduce_wire_bytes(2, 3) for d, cols in sketches)
+        sketch = sum(d * cols for d, cols in sketches)
+        per_step = (ShardLayout.build([(sketch,)], codec, 3).wire_bytes(rank)
+                    + fp32_allreduce_wire_bytes(2 * len(sketches), 3))
         assert stats["factor_bytes_sent"] == per_step  # per step
         fp32 = sum(fp32_allreduce_wire_bytes(d * cols + 2, 3) for d, cols in sketches)
         assert stats["factor_bytes_sent"] < fp32 / (2.5 if sketch_format == "e4m3" else 4)
@@ -150,7 +152,8 @@ def _grads_after_5_steps(rank, world_size, method, sketch_format=None):
                            error_feedback=False, sketch_format=sketch_format)
         ddp.register_comm_hook(GeoFP8State(model, cfg), geofp8_hook)
     elif method == "fp8":
-        ddp.register_comm_hook(FP8State(model, FP8Config(format="e5m2")), fp8_hook)
+        ddp.register_comm_hook(FP8State(model, FP8Config(format="e5m2", error_feedback=False)),
+                               fp8_hook)
     for step in range(5):
         model.zero_grad()
         loss_fn(ddp, step, rank).backward()
@@ -245,17 +248,19 @@ def _overflow_worker(rank, world_size):
             if all(torch.isfinite(p.grad).all() for p in model.parameters()):
                 opt.step()  # as GradScaler does: skip a step whose gradient is not finite
             opt.zero_grad()
+            state.stats()  # the warning waits for a read of the device flags: here
     said = [str(w.message) for w in caught if "sketch of" in str(w.message)]
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return said, state.stats()["skipped_steps"], params
+    return said, state.stats()["skipped_steps"], params, state.stats()["nonfinite_factors"]
 
 
 def test_a_non_finite_fresh_sketch_is_said_once_per_layer_and_the_step_skipped():
     results = run_ranks(_overflow_worker, 2)
-    for said, skipped, params in results:
+    for said, skipped, params, rejected in results:
         # both layers' sketches overflow, at steps 1 and 3: one warning per layer
         layers = {s.split("sketch of ")[1].split()[0] for s in said}
         assert len(said) == 2 and layers == {"'0.weight'", "'2.weight'"}
         assert all("keeps its last map" in s for s in said)
         assert skipped == 2 and torch.isfinite(params).all()
+        assert rejected == 4  # two layers' sketches, twice: counted on every rank
     assert torch.equal(results[0][2], results[1][2])

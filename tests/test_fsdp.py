@@ -9,6 +9,7 @@ import io
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from distributed import run_ranks
 from geofp8 import GeoFP8Config
@@ -271,7 +272,7 @@ def test_wire_bytes_at_most_027_of_fp32_reduce_scatter(two_ranks):
     assert stats["bytes_sent"] > 0.2 * stats["bytes_fp32_equivalent"]
 
 
-def test_nan_on_one_rank_is_seen_by_every_rank_and_leaves_no_trace(two_ranks):
+def test_nan_on_one_rank_is_seen_by_every_rank_and_resets_the_residuals(two_ranks):
     for r in two_ranks:
         grads = r["nan_grads"]
         assert torch.isnan(grads["a.weight"]).all() and torch.isnan(grads["a.bias"]).all()
@@ -282,7 +283,8 @@ def test_nan_on_one_rank_is_seen_by_every_rank_and_leaves_no_trace(two_ranks):
         res0 = before["feedback"]["sender"]["residuals"]
         res1 = after["feedback"]["sender"]["residuals"]
         assert res0.keys() == res1.keys() and len(res0) == 6
-        assert all(torch.equal(res0[n], res1[n]) for n in res0)
+        assert any(res0[n].any() for n in res0)  # the step before left residuals ...
+        assert not any(res1[n].any() for n in res1)  # ... the skipped one wrote zeros
 
 
 @pytest.mark.parametrize("source", ["refresh", "fresh", "fresh-nvfp4"])
@@ -522,10 +524,15 @@ def test_compact_residuals_round_trip():
         row_max = R.abs().amax(dim=1, keepdim=True)
         assert ((back - R).abs() <= rel * row_max + 1e-12).all(), storage
         ef = ErrorFeedback(storage)
-        ef.stage("w", R.clone(), IDENTITY)
-        staged = _nbytes(ef._staged["w"][0])
-        ef.commit()
-        assert staged == ef.nbytes  # a staged residual is as compact as a committed one
+        ef.stage("w", torch.zeros_like(R), IDENTITY)
+        ef.commit(torch.tensor(True))
+        where = {t.data_ptr() for t in pytree.tree_leaves(ef.residuals) if torch.is_tensor(t)}
+        ef.stage("w", R.clone(), IDENTITY)  # one set: the new residual overwrites the last
+        assert where == {t.data_ptr() for t in pytree.tree_leaves(ef.residuals)
+                         if torch.is_tensor(t)}
+        assert _nbytes(ef.residuals["w"]) == ef.nbytes
+        ef.commit(torch.tensor(True))
+        assert torch.equal(ef.residual_in("w", IDENTITY), back)
         per_param = ef.nbytes / R.numel()
         assert per_param == {"fp32": 4, "bf16": 2, "fp8": 1 + 4 / 32,
                              "nvfp4": 0.5 + 1 / 16 + 4 / R.numel()}[storage]
@@ -536,6 +543,11 @@ def test_compact_residuals_round_trip():
         ef2 = ErrorFeedback(storage)
         ef2.load_state_dict(loaded, {})
         assert torch.equal(unpack(ef2.residuals["w"]), back)
+        ef.stage("w", R.clone(), IDENTITY)
+        ef.commit(torch.tensor(False))  # a skipped step: read, saved and loaded as zero
+        assert not ef.residual_in("w", IDENTITY).any()
+        ef2.load_state_dict(ef.state_dict(), {})
+        assert not unpack(ef2.residuals["w"]).any()
     with pytest.raises(ValueError, match="storage"):
         ErrorFeedback("int4")
 

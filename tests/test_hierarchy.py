@@ -35,7 +35,7 @@ def _x(step, rank):
 def _ddp(fields):
     torch.manual_seed(0)
     model = Odd()
-    state = GeoFP8State(model, GeoFP8Config(**fields))
+    state = GeoFP8State(model, GeoFP8Config(**{"layers": "auto", **fields}))  # auto unless told
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.002)  # several buckets
     ddp.register_comm_hook(state, geofp8_hook)
     return model, ddp, state, torch.optim.SGD(model.parameters(), lr=0.05)

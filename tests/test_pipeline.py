@@ -22,7 +22,7 @@ pytestmark = pytest.mark.distributed
 def _digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -13,6 +13,8 @@ import argparse
 import json
 import math
 import os
+import shutil
+import sys
 import warnings
 from dataclasses import replace
 
@@ -103,6 +105,73 @@ def test_methods_send_what_they_claim(all_methods):
     assert kfac[-1]["geometry_layers"] > 0
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_geometry_starts_where_the_method_says(all_methods):
+    """stats()' geometry_since_step, logged, against TrainConfig.geometry_start: the methods
+    that put every chosen layer on the map start exactly there; auto and budget methods
+    there at the earliest (only where geometry measures better)."""
+    out, _ = all_methods
+    started = 0
+    for method in METHODS:
+        step, why = TrainConfig(**{**TINY, "method": method}).geometry_start()
+        records = read_log(run_dir(out, method, 0) / "log.jsonl")
+        since = [r.get("geometry_since_step") for r in records]
+        first_on = next((r["step"] for r in records if r.get("geometry_layers")), None)
+        assert since[-1] == first_on, method  # the library's figure and the logged counts
+        info = json.loads((run_dir(out, method, 0) / "run.json").read_text())
+        assert info["geometry_start"] == {"step": step, "why": why}
+        if step is None:
+            assert first_on is None, method
+        elif "measured better" in why:
+            assert first_on is None or first_on >= step, method
+        else:
+            assert first_on == step, method
+            started += 1
+    assert started >= 10  # rotations, refreshed, fresh and local factors, profile, K-FAC
+
+
+def test_geometry_start_follows_the_methods_schedule():
+    start = {m: TrainConfig(method=m, budget=0.9 if m.startswith("budget") else None,
+                            refresh_every=50, profile_steps=100).geometry_start()[0]
+             for m in METHODS}
+    assert start["fp8-ef"] is None and start["powersgd"] is None and start["nvfp4-ef"] is None
+    assert start["hadamard"] == start["nvfp4-rht-ef"] == 0  # fixed rotations
+    assert start["geofp8-fresh-all"] == start["geofp8-local"] == 0  # this step's factor
+    assert start["geofp8-all"] == start["kfac"] == 50  # the first refresh
+    assert start["geofp8-auto"] == start["budget"] == 51  # measured at it, chosen after
+    assert start["geofp8"] == 100  # the profile decides after 100 steps
+
+
+def test_report_says_from_which_step_geometry_is_on_or_why_not():
+    from geofp8.tools.train.report import _geometry_lines
+
+    def run(method, records, plan_step, why="the first factor comes from the first refresh"):
+        return {"method": method, "seed": 0, "summary": summarize_run(records),
+                "info": {"geometry_start": {"step": plan_step, "why": why},
+                         "config": {"refresh_every": 5}}}
+
+    def rec(step, layers, since=None, sent=100, factor=0):
+        r = _record(step, 5.0, sent)
+        r.update(geometry_layers=layers, factor_bytes_sent=factor)
+        return r if since is None else {**r, "geometry_since_step": since}
+
+    on = run("geofp8-all", [rec(0, 0), rec(1, 3, 1, 400, 300), rec(2, 4, 1), rec(3, 4, 1)], 1)
+    short = run("geofp8-auto", [rec(0, 0), rec(1, 0)], 51)
+    never = run("geofp8-auto", [rec(s, 0) for s in range(60)], 51, "... measured better")
+    plain = run("fp8-ef", [_record(0, 5.0, 100)], None)
+    lines = _geometry_lines([on, short, never, plain])
+    assert lines[0].startswith("* geofp8-all (seed 0): geometry on from step 1, on up to 4 "
+                               "layer(s) (4 at the end). Step 1 sent 400 B, 4.0× a typical "
+                               "step (300 B factor traffic); once every 5 steps, that is "
+                               "+60% bytes a step on average.")
+    assert lines[1].startswith("* geofp8-auto (seed 0): no geometry in these 2 steps: it can "
+                               "start at step 51 at the earliest (the first factor comes")
+    assert "no geometry in 60 steps (possible from step 51): on no layer" in lines[2]
+    assert len([x for x in lines if x.startswith("*")]) == 3  # fp8-ef: nothing to say
+    assert lines[-1].startswith("A step above 1.5× a typical one is a factor refresh")
+
+
 # -- the report comes from the logs ----------------------------------------------------------
 
 @pytest.mark.distributed
@@ -129,6 +198,39 @@ def test_report_numbers_come_from_the_logs(all_methods):
         assert method["final_val_loss"] == pytest.approx(final_val)
         assert method["val_gap_to_fp32"] == pytest.approx(final_val - fp32_val)
         assert f"| {run['method']} | {final_val:.4f}" in report
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compare_without_matplotlib_says_so_first_and_writes_the_report(all_methods, tmp_path,
+                                                                         monkeypatch):
+    out, _ = all_methods
+    for method in ("fp32", "fp8-ef"):  # finished runs: --reuse trains nothing
+        shutil.copytree(run_dir(out, method, 0), run_dir(tmp_path, method, 0))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    said = []
+    results = compare(TrainConfig(**TINY), ["fp32", "fp8-ef"], [0], nproc=2, out=tmp_path,
+                      reuse=True, echo=said.append)
+    assert said[0].startswith("matplotlib is not installed: the report will have no plots "
+                              "(pip install matplotlib (the [report] extra")
+    report = (tmp_path / "report.md").read_text()
+    assert "| fp8-ef |" in report and "No plots: matplotlib was not installed" in report
+    assert "![loss]" not in report and not list(tmp_path.glob("*.png"))
+    assert set(results["methods"]) == {"fp32", "fp8-ef"}
+
+
+def test_compare_names_a_missing_package_before_any_run(tmp_path, monkeypatch):
+    from geofp8.tools.errors import UsageError
+    from geofp8.tools.train import compare as compare_module
+
+    def launch(*args, **kwargs):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(compare_module, "launch", launch)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(UsageError, match="needs tokenizers, not installed here: pip install "
+                       r"tokenizers \(the \[hf\] extra of geofp8\)"):
+        compare(TrainConfig(**TINY), ["fp32"], [0], nproc=2, out=tmp_path)
 
 
 def _record(step, loss, sent, val=None, rel=None):
@@ -177,7 +279,8 @@ def test_resume_continues_the_same_trajectory_bitwise(tmp_path):
     a = read_log(tmp_path / "whole" / "log.jsonl")
     b = read_log(tmp_path / "part" / "log.jsonl")
     assert [r["step"] for r in b] == list(range(6))
-    keys = ("loss", "grad_norm", "lr", "bytes_sent", "val_loss", "geometry_layers")
+    keys = ("loss", "grad_norm", "lr", "bytes_sent", "val_loss", "geometry_layers",
+            "geometry_since_step")
     assert [{k: r.get(k) for k in keys} for r in a] == [{k: r.get(k) for k in keys} for r in b]
     assert b[-1]["elapsed_s"] > b[2]["elapsed_s"]
 
@@ -229,7 +332,10 @@ def test_resume_from_a_checkpoint_without_geofp8_state_warns(tmp_path):
 
 # -- pieces ----------------------------------------------------------------------------------
 
-def test_argv_round_trip():
+def test_argv_round_trip(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("a.txt", "b.txt"):  # --data must name files
+        (tmp_path / name).write_text("text")
     cfg = TrainConfig(model="llama-small", data=["a.txt", "b.txt"], steps=7, lr=3e-4,
                       method="geofp8", resume=True, stop_after=3, shadow_every=5)
     parser = argparse.ArgumentParser()
@@ -273,13 +379,18 @@ def test_demo_runs_compare_and_prints_the_table(tmp_path, capsys):
     from geofp8.tools import cli
 
     out = tmp_path / "demo"
-    assert cli.main(["demo", "--steps", "2", "--methods", "fp32,fp8", "--out", str(out)]) == 0
+    assert cli.main(["demo", "--steps", "2", "--methods", "fp32,geofp8-auto", "--out",
+                     str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "| fp32 |" in printed and "| fp8 |" in printed
+    assert "| fp32 |" in printed and "| geofp8-auto |" in printed
     assert str(out / "report.md") in printed
     assert "Timed" not in printed  # runs no longer than the timing run: no timing run
     saved = json.loads((out / "results.json").read_text())
-    assert [r["method"] for r in saved["runs"]] == ["fp32", "fp8"]
+    assert [r["method"] for r in saved["runs"]] == ["fp32", "geofp8-auto"]
+    # a short run says why it shows no geometry (the demo profiles and refreshes every 50)
+    assert ("* geofp8-auto (seed 0): no geometry in these 2 steps: it can start at step 51 at "
+            "the earliest (the first factor comes from the first refresh, after "
+            "--refresh-every 50 steps;") in (out / "report.md").read_text()
 
 
 class _CollectiveForward(torch.nn.Module):

@@ -2,8 +2,10 @@
 
 Two lines in a DDP script::
 
-    state = GeoFP8State(model, GeoFP8Config())
+    state = GeoFP8State(model, GeoFP8Config())  # FP8 + error feedback (the method "fp8-ef")
     ddp_model.register_comm_hook(state, geofp8_hook)
+
+Every named method (``METHODS``): ``GeoFP8Config.from_method("nvfp4-fresh8-ef")``.
 """
 
 from .codecs import Codec, FP8Codec, Packed, make_codec
@@ -16,6 +18,7 @@ from .ddp import (
     geofp8_hook,
     hadamard_fp8_hook,
 )
+from .methods import METHODS, Method
 
 __all__ = [
     "Codec",
@@ -25,6 +28,8 @@ __all__ = [
     "GeoFP8Config",
     "GeoFP8State",
     "HadamardFP8State",
+    "METHODS",
+    "Method",
     "Packed",
     "fp8_hook",
     "geofp8_hook",

@@ -17,11 +17,12 @@ Example::
     >>> ddp_model.register_comm_hook(state, geofp8_hook)
 
 A step begins with its first bucket and settles when the last bucket's result is ready —
-before ``backward()`` returns. It is committed (statistics, residuals, selections,
-counters) only if every bucket came back finite; a step whose gradient was non-finite on
-any rank returns NaN for its buckets on every rank (the exact collective poisons the whole
-bucket everywhere, so ``GradScaler`` or the caller skips it) and leaves no trace in the
-state. An exception inside the hook rolls the step back.
+before ``backward()`` returns, with no read back from the device. A step whose gradient
+was non-finite on any rank returns NaN for its buckets on every rank (the exact collective
+poisons the whole bucket everywhere, so ``GradScaler`` or the caller skips it); its
+statistics and selections are not kept and the residuals it wrote are reset to zero (on the
+device: :mod:`geofp8.feedback`); it is counted in ``stats()["skipped_steps"]``. An exception
+inside the hook rolls the step back (its residuals reset likewise).
 """
 
 # No `from __future__ import annotations`: DDP inspects the hooks' annotations at runtime.
@@ -36,6 +37,7 @@ from .comm.group import DeviceGroup
 from .comm.layout import fp32_allreduce_wire_bytes
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
+from .geometry.transforms import IDENTITY
 from .hierarchy import HierarchicalAllReduce, node_size
 
 __all__ = [
@@ -70,7 +72,8 @@ class GeoFP8State:
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GeoFP8State needs torch.distributed to be initialised first")
-        backend = dist.get_backend(process_group)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        backend = backend_of(process_group, device)
         if backend not in SUPPORTED_BACKENDS:
             raise ValueError(f"GeoFP8 supports the {SUPPORTED_BACKENDS} backends, got {backend!r}")
         unsupported = [f"{n} ({p.dtype})" for n, p in model.named_parameters()
@@ -78,13 +81,13 @@ class GeoFP8State:
         if unsupported:  # complex: DDP's bucket has 2n reals, the hook saw n
             raise TypeError("GeoFP8 communicates real floating-point gradients; "
                             f"unsupported parameters: {unsupported[:3]}")
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
         config = config if config is not None else GeoFP8Config()
         self.engine = SyncEngine(model, config, DeviceGroup(process_group, device), "ddp",
-                                 grad_scaler=grad_scaler)
+                                 residual_storage=config.residual, grad_scaler=grad_scaler)
         self.communicator = Communicator(config.collective, self.engine.group)
         if config.owner_feedback:
             self.communicator.owner = self.engine.add_feedback("owner", "fp32")
+            self.communicator.owner_route = IDENTITY
             self.engine.pipeline.owner = self.communicator.owner
         size = node_size(config, self.engine.group.size)
         if process_group is not None and config.hierarchy == "auto":
@@ -103,7 +106,8 @@ class GeoFP8State:
     group = property(lambda self: self.engine.group)
     pipeline = property(lambda self: self.engine.pipeline)
     ledger = property(lambda self: self.engine.ledger)
-    step = property(lambda self: self.engine.step, doc="Steps settled as finite so far.")
+    step = property(lambda self: self.engine.step,
+                    doc="Steps settled so far, skipped ones included (the schedule's clock).")
     layers = property(lambda self: self.engine.pipeline.layers,
                       doc="The candidate Linear layers, by weight name.")
     world_size = property(lambda self: self.engine.group.size)
@@ -263,3 +267,15 @@ def hadamard_fp8_hook(state: HadamardFP8State,
                       bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: FP8 all-reduce after a fixed Hadamard rotation of each weight."""
     return state.communicate(bucket)
+
+
+def backend_of(process_group: dist.ProcessGroup | None, device: torch.device) -> str:
+    """The backend that carries ``device``'s tensors in ``process_group``: a group made
+    without naming one (``init_process_group()``) reports ``"undefined"`` and keeps one
+    backend per device type (``"cpu:gloo,cuda:nccl"``)."""
+    backend = dist.get_backend(process_group)
+    if backend in SUPPORTED_BACKENDS:
+        return backend
+    per_device = dict(item.split(":", 1) for item in
+                      dist.get_backend_config(process_group).split(",") if ":" in item)
+    return per_device.get(device.type, backend)

@@ -7,16 +7,22 @@ DDP's comm hook (:mod:`geofp8.ddp`), FSDP2's reduce-scatter and HSDP's replica a
 * **begin** (the first unit of a step): the cross-rank consistency check (first step only,
   every rank fails with the differing fields named), the loss scale, refreshes and
   selection decisions (collectives on the data-parallel group, :meth:`start_unit`);
-* **route, EF, encode** per unit: :attr:`pipeline` (``Ũ = G T + R``, staged residuals);
+* **route, EF, encode** per unit: :attr:`pipeline` (``Ũ = G T + R``, new residuals written);
 * **finite agreement**: every unit's result gives a device flag (:meth:`observe`, no host
-  sync); the step reads them once when it settles. Adapters whose
-  collective does not already give every rank the same verdict (a reduce-scatter leaves each
-  rank its own shard) set ``agree=True``: the flags are then all-reduced at settling;
-* **settle** (every unit of a launched step done): commit (finite) or discard (any rank
-  non-finite) the staged residuals, statistics and selections; take the bytes every
-  :class:`DeviceGroup` counted at the process-group door; advance the step counters;
-* **rollback** (an exception inside a unit): discard the step's staging and forget it, so the
-  next step starts clean;
+  sync), and the step's verdict stays on the device: nothing is read back in an ordinary
+  step. Adapters whose collective does not already give every rank the same verdict (a
+  reduce-scatter leaves each rank its own shard) set ``agree=True``: the flags are then
+  all-reduced at settling;
+* **settle** (every unit of a launched step done): hand the verdict to what the step
+  produced: residuals (those of a skipped step read as zero, :mod:`geofp8.feedback`),
+  statistics and selections (a skipped step's are chosen away by ``torch.where``), the
+  ``on_skip`` callbacks (per unit flags, on the device); take the bytes every
+  :class:`DeviceGroup` counted at the process-group door; advance the step clock (a skipped
+  step counts on the clock too; the skipped steps are counted on the device and read by
+  :meth:`stats`);
+* **rollback** (an exception inside a unit): the residuals the step wrote are reset to zero,
+  its statistics and selections dropped, and the step forgotten, so the next one starts
+  clean;
 * **FP32 warm-up** (:attr:`fp8` is false for the first ``warmup_steps`` steps), stochastic
   rounding seeds, :meth:`stats` (read-only) and a versioned :meth:`state_dict`.
 """
@@ -34,10 +40,11 @@ from .comm.stages import all_finite
 from .feedback import ErrorFeedback
 from .ledger import StepLedger
 from .pipeline import GradientPipeline
+from .verification import checksum, differences, refusal
 
 __all__ = ["STATE_VERSION", "SyncEngine"]
 
-STATE_VERSION = 3
+STATE_VERSION = 4  # 4: rank, parameters, checksum; shared inputs agreed
 BYTE_KINDS = (("bytes_sent", "payload"), ("factor_bytes_sent", "factor"),
               ("bytes_fp32_equivalent", "fp32_equivalent"))
 
@@ -67,14 +74,15 @@ class SyncEngine:
         self.groups: list[DeviceGroup] = [group]
         self.grad_scaler, self.grad_scale = grad_scaler, 1.0
         self.fingerprint_extra: dict = {}
-        self.on_skip: list = []  # callbacks(finite per observed unit) of a skipped step
+        self.on_skip: list = []  # callbacks(0-dim device flags, finite per observed unit)
         self._parameters = [[n, list(p.shape), str(p.dtype), p.requires_grad]
                             for n, p in model.named_parameters()]
         self._checked = False
         self._lock = threading.RLock()
         self._outstanding = 0
         self._finite: list[torch.Tensor] = []  # per observed unit
-        self._hooks = [model.register_forward_pre_hook(self._on_forward), *self.pipeline.hooks]
+        self._hooks = [model.register_forward_pre_hook(self._on_forward),
+                       model.register_forward_hook(self._on_forward_end), *self.pipeline.hooks]
 
     # -- set-up by the adapters --------------------------------------------------------------
 
@@ -102,6 +110,13 @@ class SyncEngine:
 
     def _on_forward(self, *_) -> None:
         self.pipeline.shared.new_forward()
+
+    @torch.compiler.disable
+    def _on_forward_end(self, module: nn.Module, *_) -> None:
+        """Every rank's training forward returns here, whichever layers it ran: the point
+        where the statistics' collectives are launched (:meth:`GradientPipeline.forward_done`)."""
+        if module.training and torch.is_grad_enabled():
+            self.pipeline.forward_done()
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -153,19 +168,17 @@ class SyncEngine:
                 self._settle()
 
     def _settle(self) -> None:
-        ok = torch.stack(self._finite) if self._finite else torch.ones(1, dtype=torch.bool)
+        device = self._finite[0].device if self._finite else self.group.device
+        ok = torch.stack(self._finite) if self._finite else torch.ones(1, dtype=torch.bool,
+                                                                        device=device)
         if self.agree:  # per unit, count the ranks whose flag is down
             bad, _ = self.group.all_reduce((~ok).to(torch.float32), "flag")
             ok = bad == 0
-        flags = self.pipeline.step_flags()  # read along: one read for the step
-        read = torch.cat([ok.reshape(-1), *(f.reshape(1).to(ok.device) for f in flags)]).tolist()
-        units_ok = read[: ok.numel()]  # the step's one host read
-        finite = all(units_ok)
-        self.pipeline.flags_read(read[ok.numel():])
+        finite = ok.all()  # on the device: no host read
         self.pipeline.settle(finite)
         for name, feedback in self.feedbacks.items():
             if name != "sender":  # the pipeline settles its own
-                feedback.commit() if finite else feedback.discard()
+                feedback.commit(finite)
         for group in self.groups:
             taken = group.take_bytes()
             for key, kind in BYTE_KINDS:
@@ -177,16 +190,17 @@ class SyncEngine:
         self.pipeline.selection.charged(self.ledger.current["factor_bytes_sent"])
         self.ledger.settle(finite)
         self._finite = []
-        if not finite:
-            for callback in self.on_skip:
-                callback(units_ok)
+        for callback in self.on_skip:
+            callback(list(ok.unbind()))
 
     def rollback(self) -> None:
-        """Forget the step in flight after an exception: nothing it staged is kept."""
+        """Forget the step in flight after an exception: the residuals it wrote are reset to
+        zero, nothing else it produced is kept."""
         with self._lock:
-            self.pipeline.settle(False)
+            failed = torch.zeros((), dtype=torch.bool, device=self.group.device)
+            self.pipeline.settle(failed)
             for feedback in self.feedbacks.values():
-                feedback.discard()
+                feedback.commit(failed)
             for group in self.groups:
                 group.take_bytes()
             self.ledger.reset_phase()
@@ -202,10 +216,9 @@ class SyncEngine:
     # -- consistency -------------------------------------------------------------------------
 
     def fingerprint(self) -> dict:
-        """What every rank must agree on (JSON-serialisable)."""
-        return {"kind": self.kind, "config": self.config.to_dict(),
-                "world_size": self.group.size, "parameters": self._parameters,
-                **self.pipeline.fingerprint(), **self.fingerprint_extra}
+        """What every rank must agree on (JSON-serialisable): what it has, not what it ran."""
+        mine = {k: v for k, v in self._identity().items() if k not in ("version", "rank")}
+        return {**mine, **self.pipeline.fingerprint(), **self.fingerprint_extra}
 
     def check_consistency(self) -> None:
         """Fail fast, on every rank, when ranks disagree on config or model structure
@@ -220,54 +233,69 @@ class SyncEngine:
     # -- reporting and checkpoints -----------------------------------------------------------
 
     def stats(self) -> dict:
-        """Figures of the last settled step (reading changes nothing); see the adapters."""
+        """Figures of the last settled step (reading changes nothing); see the adapters.
+        ``geometry_layers``: the weights that went through a geometry map;
+        ``geometry_since_step``: the first step that sent any that way (``None`` until then:
+        a refreshed factor exists only from the first refresh on). ``step`` counts the steps
+        settled as finite, ``skipped_steps`` the others (read from the device here: the one
+        host read they cost); a layer's warning waiting on a device flag is given here too."""
+        skipped = self.ledger.skipped_steps
+        self.pipeline.report()
         last = self.ledger.last
         sent = last["bytes_sent"] + last["factor_bytes_sent"]
         return {
-            "step": self.ledger.step,
-            "skipped_steps": self.ledger.skipped_steps,
+            "step": self.ledger.step - skipped,
+            "skipped_steps": skipped,
             "bytes_sent": int(sent),
             "payload_bytes_sent": int(last["bytes_sent"]),
             "factor_bytes_sent": int(last["factor_bytes_sent"]),
             "bytes_fp32_equivalent": int(last["bytes_fp32_equivalent"]),
             "bytes_per_element": sent / last["elements"] if last["elements"] else 0.0,
             "geometry_layers": self.pipeline.geometry_layers(),
+            "geometry_since_step": self.pipeline.geometry_since,
             **self.pipeline.budget_stats(),
             "codec_s": last["codec_s"],
             "transform_s": last["transform_s"],
             "statistics_s": last["statistics_s"],
             "ef_bytes": sum(f.nbytes for f in self.feedbacks.values()),
             "factor_bytes": self.pipeline.factor_nbytes,
+            "nonfinite_factors": self.pipeline.nonfinite_factors,
             **{f"bytes_{g.link}": int(last[f"bytes_{g.link}"]) for g in self.groups if g.link},
         }
 
     def state_dict(self) -> dict:
-        """Everything needed to continue bit-identically: tensors and plain containers only
-        (loads with ``weights_only=True``). Residuals differ per rank: save every rank's."""
-        return {"version": STATE_VERSION, "kind": self.kind, "config": self.config.to_dict(),
-                "world_size": self.group.size, "step": self.ledger.step,
+        """Everything needed to continue bit-identically, tensors and plain containers only
+        (``weights_only=True``), per rank; with who wrote it, for what, and a checksum."""
+        return {**(state := self._state()), "checksum": checksum(state)}
+
+    def _state(self) -> dict:
+        return {**self._identity(), "step": self.ledger.step,
                 "skipped_steps": self.ledger.skipped_steps, "grad_scale": self.grad_scale,
                 **self.pipeline.state_dict(),
                 "feedback": {n: f.state_dict() for n, f in self.feedbacks.items()}}
 
+    def _identity(self) -> dict:
+        """What a state must match to be loaded here (see :func:`refusal`)."""
+        return {"version": STATE_VERSION, "kind": self.kind, "config": self.config.to_dict(),
+                "world_size": self.group.size, "rank": self.group.rank,
+                "parameters": self._parameters}
+
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`; refuses another version, adapter, config or (the
-        residuals being per rank and shaped by the layout) world size."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"GeoFP8 checkpoint version {state.get('version')!r} is not "
-                             f"supported (this version reads {STATE_VERSION})")
-        if state.get("kind") != self.kind:
-            raise ValueError(f"GeoFP8 checkpoint is of a {state.get('kind')!r} state, "
-                             f"not {self.kind!r}")
-        mine, theirs = self.config.to_dict(), state.get("config", {})
-        if theirs != mine:
-            diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
-            raise ValueError("GeoFP8 checkpoint was written with another config: "
-                             f"(checkpoint, current) = {diff}")
-        if state.get("world_size") != self.group.size:
-            raise ValueError(f"GeoFP8 checkpoint was written on {state.get('world_size')} "
-                             f"ranks, this run has {self.group.size}: the error-feedback "
-                             "residuals are per rank and cannot be resharded")
+        """Restore :meth:`state_dict` whole or not at all: a state that
+        :func:`~geofp8.verification.refusal` refuses is a ``ValueError`` naming the field,
+        before anything changes; one that still does not fit is undone."""
+        problem = refusal(state, self._identity())
+        if problem is not None:
+            raise ValueError(f"GeoFP8 checkpoint refused, {problem}. Nothing was loaded.")
+        before = self._state()
+        try:
+            self._load(state)
+        except Exception as error:
+            self._load(before)
+            raise ValueError(f"GeoFP8 checkpoint refused: it does not fit this state "
+                             f"({type(error).__name__}: {error}); nothing was loaded") from error
+
+    def _load(self, state: dict) -> None:
         self.rollback()
         self.ledger.step = int(state["step"])
         self.ledger.skipped_steps = int(state["skipped_steps"])
@@ -292,9 +320,8 @@ def _differences(first: dict, other: dict, rank: int) -> list[str]:
             problems.append(f"rank {rank} vs rank 0: config differs (rank 0, rank {rank}): "
                             f"{detail}")
         elif key == "parameters":
-            diff = [(x, y) for x, y in zip(a, b) if x != y][:3]
-            problems.append(f"rank {rank} vs rank 0: model structure differs ({len(a)} vs "
-                            f"{len(b)} parameters; first differences {diff})")
+            problems.append(f"rank {rank} vs rank 0: model structure differs "
+                            f"({differences('parameters', a, b)})")
         else:
             problems.append(f"rank {rank} vs rank 0: {key} differs: {a!r} vs {b!r}")
     return problems

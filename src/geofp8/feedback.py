@@ -5,18 +5,23 @@ For a parameter routed through ``T`` (identity for Euclidean FP8): the sender en
 coordinates it lives in; when a refresh or a selection change moves them, it is re-based
 ``R ← R T_old⁻¹ T_new`` so its Euclidean meaning is kept (DESIGN rule 3).
 
-A step's residuals are *staged* while its buckets are encoded and *committed* only when the
-whole step came back finite; a non-finite step discards them (it leaves no trace). So is the
+One set of residuals, written in place: a step's new residual of a tensor overwrites the
+last one as soon as its gradient is encoded (:meth:`ErrorFeedback.stage`; a compact storage
+replaces it tensor by tensor), so a step never holds two sets. Whether the step came back
+finite on every rank is known only on the device when it settles: :meth:`ErrorFeedback.commit`
+attaches that 0-dim flag to the residuals the step wrote, and a residual read later is
+``torch.where(flag, R, 0)``: a non-finite (skipped) step *resets* the residuals it wrote to
+zero, on the device, without reading the flag back (nothing else of them is kept). The
 removal of a residual (:meth:`ErrorFeedback.drop`: an owner's residual handed over to the
-sender's, see :meth:`geofp8.pipeline.GradientPipeline.prepare_into`).
+sender's, see :meth:`geofp8.pipeline.GradientPipeline.prepare_into`) happens at once.
 
 Storage (``storage``): ``"fp32"`` keeps ``R`` exactly (4 bytes per element); ``"bf16"``
 rounds it to BF16 (2 bytes; relative error ``2⁻⁹``); ``"fp8"`` to E4M3 with one FP32 scale
 per row (``amax/448``; 1 byte per element plus 4 per row; relative error ``2⁻⁴``);
 ``"nvfp4"`` to the NVFP4 wire format (E2M1 codes, an E4M3 scale per 16 elements, one FP32
 scale: 0.5625 bytes per element; relative error about 0.1, which the next step's feedback
-carries on). Arithmetic stays FP32: a compact residual is widened when read and rounded once
-when staged (so a step's staged residuals are as compact as the committed ones).
+carries on). The default (:class:`~geofp8.config.GeoFP8Config` ``residual``) is BF16.
+Arithmetic stays FP32: a compact residual is widened when read and rounded once when written.
 """
 
 from __future__ import annotations
@@ -68,14 +73,21 @@ def unpack(stored) -> torch.Tensor:
     return stored if stored.dtype == torch.float32 else stored.float()
 
 
+def _shape(stored) -> tuple[int, ...]:
+    """The residual's shape (of a tensor or a :func:`pack` ed dict)."""
+    if isinstance(stored, dict):
+        return tuple(stored["shape"]) if "shape" in stored else tuple(stored["codes"].shape)
+    return tuple(stored.shape)
+
+
 def _nbytes(stored) -> int:
     parts = stored.values() if isinstance(stored, dict) else (stored,)
     return sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
 
 
 class ErrorFeedback:
-    """Per-parameter residuals ``R`` (the gradient's shape, stored as ``storage``) and their
-    coordinates."""
+    """Per-parameter residuals ``R`` (the gradient's shape, stored as ``storage``), their
+    coordinates and the finite flags of the steps that wrote them (module notes)."""
 
     def __init__(self, storage: str = "fp32") -> None:
         if storage not in STORAGES:
@@ -83,38 +95,54 @@ class ErrorFeedback:
         self.storage = storage
         self.residuals: dict = {}
         self.basis: dict[str, Transform] = {}
-        self._staged: dict[str, tuple[object, Transform] | None] = {}  # packed, basis
+        self.finite: dict[str, torch.Tensor] = {}  # 0-dim bool: the writing step's verdict
+        self._written: list[str] = []  # this step's, until it settles
 
     def residual_in(self, name: str, route: Transform) -> torch.Tensor | None:
-        """The committed residual of ``name`` in ``route``'s coordinates (``None``: none yet)."""
+        """The residual of ``name`` in ``route``'s coordinates (``None``: none yet; zero if
+        the step that wrote it was not finite)."""
         stored = self.residuals.get(name)
         if stored is None:
             return None
         residual = unpack(stored)
         basis = self.basis.get(name, IDENTITY)
-        return residual if basis is route else rebase(residual, basis, route)
+        residual = residual if basis is route else rebase(residual, basis, route)
+        flag = self.finite.get(name)
+        return residual if flag is None else torch.where(flag, residual, 0.0)
 
     def stage(self, name: str, residual: torch.Tensor, route: Transform) -> None:
-        """This step's new residual of ``name`` (in ``route``'s coordinates), kept in
-        ``storage`` already: until the commit a step holds two sets of residuals, the
-        committed and the staged, and both are compact."""
-        self._staged[name] = (pack(residual, self.storage), route)
+        """Write this step's new residual of ``name`` (in ``route``'s coordinates) over the
+        last one, in place (FP32 and BF16 are copied from ``residual``, which may be a view
+        of a bucket's buffer; a packed storage is packed, then copied). Call :meth:`commit`
+        when the step settles."""
+        stored = self.residuals.get(name)
+        plain = self.storage in ("fp32", "bf16")
+        packed = None if plain else pack(residual, self.storage)
+        if stored is None or _shape(stored) != tuple(residual.shape):
+            self.residuals[name] = packed if packed is not None else residual.to(
+                torch.float32 if self.storage == "fp32" else torch.bfloat16, copy=True)
+        elif packed is None:
+            stored.copy_(residual)  # rounds to BF16 on the way
+        else:
+            for key, t in packed.items():
+                if isinstance(t, torch.Tensor):
+                    stored[key].copy_(t)
+        self.basis[name] = route
+        self.finite.pop(name, None)
+        self._written.append(name)
 
     def drop(self, name: str) -> None:
-        """Remove the residual of ``name`` when this step commits (kept if it is discarded)."""
-        self._staged[name] = None
+        """Remove the residual of ``name`` (at once)."""
+        for held in (self.residuals, self.basis, self.finite):
+            held.pop(name, None)
 
-    def commit(self) -> None:
-        for name, staged in self._staged.items():
-            if staged is None:
-                self.residuals.pop(name, None)
-                self.basis.pop(name, None)
-                continue
-            self.residuals[name], self.basis[name] = staged
-        self._staged = {}
-
-    def discard(self) -> None:
-        self._staged = {}
+    def commit(self, finite: torch.Tensor) -> None:
+        """The step settled: ``finite`` (0-dim bool, on the device) holds the residuals it
+        wrote, or resets them to zero (read as zero until written again)."""
+        for name in self._written:
+            if name in self.residuals:
+                self.finite[name] = finite
+        self._written = []
 
     def rescale(self, factor: float) -> None:
         """Multiply every residual by ``factor`` (a loss scale changed by that ratio)."""
@@ -129,16 +157,18 @@ class ErrorFeedback:
         return sum(_nbytes(r) for r in self.residuals.values())
 
     def state_dict(self) -> dict:
-        """Residuals and their coordinates as tensors and plain containers."""
-        return {"residuals": {n: _clone(r) for n, r in self.residuals.items()},
+        """Residuals (those of a skipped step as zeros) and their coordinates as tensors and
+        plain containers."""
+        return {"residuals": {n: _zeroed(r, self.finite.get(n))
+                              for n, r in self.residuals.items()},
                 "basis": {n: {"kind": t.name, "state": t.state()}
                           for n, t in self.basis.items()}}
 
     def load_state_dict(self, state: dict, transforms: dict[str, Transform]) -> None:
         """Restore; a basis equal to a live transform of ``transforms`` becomes that object
         again, so the residual is not re-based needlessly."""
-        self.residuals = {n: _clone(r) for n, r in state["residuals"].items()}
-        self.basis, self._staged = {}, {}
+        self.residuals = {n: _zeroed(r, None) for n, r in state["residuals"].items()}
+        self.basis, self.finite, self._written = {}, {}, []
         for name, saved in state["basis"].items():
             live = transforms.get(name)
             if live is not None and _same(live, saved):
@@ -149,11 +179,15 @@ class ErrorFeedback:
                 self.basis[name] = transform_from_state(saved["kind"], saved["state"])
 
 
-def _clone(stored):
+def _zeroed(stored, finite: torch.Tensor | None):
+    """A copy of ``stored``, every tensor zero unless ``finite`` (``None``: kept). An all-zero
+    packed residual reads as zero (zero codes, zero scales)."""
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if finite is None else torch.where(finite, t, torch.zeros_like(t))
     if isinstance(stored, dict):
-        return {k: v.clone() if isinstance(v, torch.Tensor) else list(v)
+        return {k: copy(v) if isinstance(v, torch.Tensor) else list(v)
                 for k, v in stored.items()}
-    return stored.clone()
+    return copy(stored)
 
 
 def _same(t: Transform, saved: dict) -> bool:

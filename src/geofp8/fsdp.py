@@ -19,10 +19,10 @@ buffer ``[N, M]`` whose row ``r`` is every parameter's dim-0 chunk ``r`` (see
 * non-finite: a sender whose input is not finite says so in its flag; every receiver then
   sets the whole unit's output to NaN. A sum that overflows on one receiver only, or a NaN
   that FSDP's own reduce-scatter left in one shard (HSDP hook only), is agreed on when the
-  step settles (the engine all-reduces the finite flags): every rank counts the step as
-  skipped, commits nothing, and sets the local gradient shards of the units that were not
-  finite on some rank to NaN on every rank, so an optimizer or ``GradScaler`` sees the same
-  verdict everywhere.
+  step settles (the engine all-reduces the finite flags, on the device): every rank counts
+  the step as skipped, resets the residuals it wrote to zero, keeps no statistic, and sets
+  the local gradient shards of the units that were not finite on some rank to NaN on every
+  rank, so an optimizer or ``GradScaler`` sees the same verdict everywhere.
 
 :class:`ReplicaAllReduce` (HSDP: ``enable(..., mesh=2-D mesh with dims ("replicate",
 "shard"))``, the model sharded on ``mesh["shard"]``): FSDP's all-reduce hook receives this
@@ -170,7 +170,7 @@ class GeoFP8ReduceScatter(ReduceScatter):
         for name, shape, (pos, rows, width), route in zip(self.unit.names, self.unit.shapes,
                                                            self.unit.rows(n), routes):
             full = rows2d[:, pos : pos + rows * width].reshape(n * rows, width)
-            feedback.stage(name, full[: shape[0]].reshape(shape).clone(), route)
+            feedback.stage(name, full[: shape[0]].reshape(shape), route)
 
     def _map_back(self, total: torch.Tensor, n: int, routes) -> None:
         """This rank's summed rows of each routed weight, ``Y T⁻¹`` (``T`` acts on columns)."""
@@ -204,7 +204,8 @@ class ReplicaAllReduce:
         engine, unit, rep = self.state.engine, self.unit, self.group
         n = rep.size
         rep.charge("fp32_equivalent", fp32_allreduce_wire_bytes(shard.numel(), n))
-        if not self.after_ours:  # FSDP's FP32 reduce-scatter ran before: count it too
+        if not self.after_ours or unit.shard_size == 1:  # FSDP's FP32 reduce-scatter ran
+            # before (none on a shard group of one rank): count it and the elements here
             shard_bytes = (unit.shard_size - 1) * shard.numel() * 4
             engine.ledger.add("elements", unit.shard_size * shard.numel())
             rep.charge("payload", shard_bytes)  # issued by FSDP, not through our door
@@ -309,16 +310,17 @@ class GeoFP8FSDP:
             mesh: only the replica all-reduce is (the reduce-scatter stays FSDP's FP32 one).
         residual: storage of the error-feedback residuals: ``"fp32"`` (4 bytes per
             parameter and rank), ``"bf16"`` (2), ``"fp8"`` (1, plus 4 per row) or
-            ``"nvfp4"`` (0.5625).
+            ``"nvfp4"`` (0.5625); ``None``: ``config.residual``.
     """
 
     def __init__(self, model: nn.Module, config: GeoFP8Config | FP8Config | None = None,
-                 mesh=None, reduce_scatter: bool = True, residual: str = "fp32") -> None:
+                 mesh=None, reduce_scatter: bool = True, residual: str | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GeoFP8FSDP needs torch.distributed to be initialised first")
         if isinstance(config, FP8Config):
             config = config.to_geofp8()
         cfg = config if config is not None else GeoFP8Config()
+        residual = str(cfg.residual) if residual is None else residual
         if cfg.transform in ("output", "kfac"):
             raise ValueError("GeoFP8 on FSDP: output-side transforms act on rows, which FSDP "
                              "shards; use an input-side transform (lowrank, full, diag, ...)")
@@ -394,22 +396,21 @@ class GeoFP8FSDP:
         self.engine.end_step()
         self._reduced = []
 
-    def _poison_reduced(self, finite: list[bool]) -> None:
-        """A skipped step: NaN in the local gradient shards of its non-finite units (module
-        notes; one flag per :meth:`run_unit`, in order)."""
+    def _poison_reduced(self, finite: list[torch.Tensor]) -> None:
+        """NaN in the local gradient shards of the units not finite on some rank (module
+        notes; one 0-dim device flag per :meth:`run_unit`, in order; on the device)."""
         for unit, ok in zip(self._reduced, finite):
-            if ok:
-                continue
             for fsdp_param in unit.param_group.fsdp_params:
                 grad = fsdp_param.sharded_param.grad
                 if grad is not None:
-                    getattr(grad, "_local_tensor", grad).fill_(float("nan"))
+                    poison_unless(getattr(grad, "_local_tensor", grad), ok)
 
     def communicator(self, group: DeviceGroup) -> Communicator:
         key = id(group)
         if key not in self._communicators:
             self._communicators[key] = Communicator("exact", group)
             self._communicators[key].owner = self.engine.feedbacks.get("owner")
+            self._communicators[key].owner_route = IDENTITY
         return self._communicators[key]
 
     def layout(self, unit: _Unit, kind: str, world: int) -> ShardLayout:
@@ -562,7 +563,7 @@ def _poison_unless_flag(values: torch.Tensor, side: torch.Tensor) -> torch.Tenso
 
 
 def enable(model: nn.Module, config: GeoFP8Config | FP8Config | None = None, mesh=None,
-           reduce_scatter: bool = True, residual: str = "fp32") -> GeoFP8FSDP:
+           reduce_scatter: bool = True, residual: str | None = None) -> GeoFP8FSDP:
     """Install GeoFP8 on every ``fully_shard`` unit of ``model`` (see :class:`GeoFP8FSDP`).
 
     FSDP2::

@@ -2,8 +2,10 @@
 
 A step is a sequence of *units* (DDP buckets, FSDP reduce-scatters, HSDP all-reduces); it is
 *launched* once its last unit has been started and *settled* when every unit's result is
-ready: committed if the step came back finite on every rank, discarded otherwise. The ledger
-holds that phase, the step counters and the per-step figures (bytes, seconds);
+ready, finite on every rank or skipped: a verdict that stays on the device. The ledger holds
+that phase, the step clock (every settled step, skipped or not: the schedule of warm-up,
+refreshes and rounding seeds), the skipped steps (a device counter, read when asked) and the
+per-step figures (bytes, seconds);
 :attr:`StepLedger.last` is the last settled step's figures, read without side effects.
 Figures may be added from completion callbacks on other threads: :meth:`StepLedger.add`
 takes a lock.
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import enum
 import threading
+
+import torch
 
 __all__ = ["Phase", "StepLedger"]
 
@@ -27,11 +31,11 @@ class Phase(enum.Enum):
 
 
 class StepLedger:
-    """Step counter, skipped steps, the phase and the per-step figures."""
+    """Step clock, skipped steps, the phase and the per-step figures."""
 
     def __init__(self) -> None:
         self.step = 0
-        self.skipped_steps = 0
+        self._skipped: torch.Tensor | int = 0  # a device counter once a step settled
         self.phase = Phase.IDLE
         self.current = dict.fromkeys(COUNTERS, 0.0)
         self.last = dict.fromkeys(COUNTERS, 0.0)
@@ -51,13 +55,20 @@ class StepLedger:
     def unsettled(self) -> bool:
         return self.phase is Phase.LAUNCHED
 
-    def settle(self, finite: bool) -> None:
-        """Close the launched step: counted if ``finite``, else skipped. Its figures become
-        :attr:`last`."""
-        if finite:
-            self.step += 1
-        else:
-            self.skipped_steps += 1
+    @property
+    def skipped_steps(self) -> int:
+        """Steps settled as not finite (a host read of the device counter)."""
+        return int(self._skipped)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped = int(value)
+
+    def settle(self, finite: torch.Tensor) -> None:
+        """Close the launched step (``finite``: its 0-dim verdict, on the device; counted
+        there when false). Its figures become :attr:`last`."""
+        self.step += 1
+        self._skipped = (~finite).to(torch.int64) + self._skipped
         with self._lock:
             self.last, self.current = self.current, dict.fromkeys(COUNTERS, 0.0)
         self.phase = Phase.IDLE

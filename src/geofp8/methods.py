@@ -24,9 +24,10 @@ __all__ = ["METHODS", "Method"]
 
 # Settings a caller may override on the geometry methods (the low-rank k, K, profile window,
 # and the seed of the sketches). The Euclidean and Hadamard controls take only ``format``.
-# Every GeoFP8 method also takes the node layout of DDP's collective (geofp8.hierarchy) and
-# the kernels its stages run (geofp8.comm.layout: the same bits either way).
-LAYOUT_OVERRIDES = ("hierarchy", "node_size", "kernels")
+# Every GeoFP8 method also takes the node layout of DDP's collective (geofp8.hierarchy),
+# the kernels its stages run (geofp8.comm.layout: the same bits either way) and the storage
+# of its error-feedback residuals (geofp8.feedback).
+LAYOUT_OVERRIDES = ("hierarchy", "node_size", "kernels", "residual")
 GEOMETRY_OVERRIDES = ("format", "k", "refresh_every", "profile_steps", "seed",
                       *LAYOUT_OVERRIDES)
 CONTROL_OVERRIDES = ("format", *LAYOUT_OVERRIDES)

@@ -6,7 +6,7 @@ For a set of gradients ``G_p`` (one bucket, or one FSDP group):
   selection (:mod:`geofp8.selection`) has chosen it, else the identity;
 * error feedback (:mod:`geofp8.feedback`): ``Ũ_p = G_p T_p + R_p``;
 * encode (:mod:`geofp8.comm.stages`) with the layout of the collective; the new residual
-  ``R_p ← Ũ_p − deq(Q(Ũ_p))`` is staged until the step settles;
+  ``R_p ← Ũ_p − deq(Q(Ũ_p))`` is written over the last one (zero if the step is skipped);
 * after the collective's FP32 sum ``Σ``: ``Ĝ_p = (Σ / N) T_p⁻¹``.
 
 The pipeline issues no collective itself: the adapters (:mod:`geofp8.ddp`, FSDP) launch the
@@ -92,33 +92,60 @@ class GradientPipeline:
         # the residuals of the exact collective's second rounding (owner_feedback), set by
         # the DDP adapter: see owner_keys and prepare_into
         self.owner: ErrorFeedback | None = None
+        self.step = 0
+        self.geometry_since: int | None = None  # the first settled step with a layer on a map
+        self._geometry_steps: list[tuple[int, torch.Tensor]] = []  # (step, finite) to resolve
 
     # -- step boundaries ---------------------------------------------------------------------
+
+    def forward_done(self) -> None:
+        """The model's training forward returned: the ranks agree on the shared inputs (the
+        first time) and the factor source launches its reductions (collective)."""
+        if self.source is None:
+            return
+        self._agree()
+        self.source.forward_done()
+
+    def _agree(self) -> None:
+        if not self.shared.agreed:
+            self.shared.agree(list(self.layers), self.group)
 
     def start_step(self, step: int) -> None:
         """Decisions and refreshes due at the start of ``step`` (collective)."""
         self.selection.start_step(step, self.group)
         if self.source is not None:
-            self.source.start_step(step)
+            self._agree()  # already done at the forward's end, unless the model's own
+            self.source.start_step(step)  # forward was never called (its parts were)
         self._observing = self.source is not None and self.selection.wants(step)
+        self.step = step
 
-    def step_flags(self) -> list[torch.Tensor]:
-        """Device flags for the step's one host read (see :meth:`FactorSource.step_flags`)."""
-        return self.source.step_flags() if self.source is not None else []
-
-    def flags_read(self, values: list[bool]) -> None:
+    def report(self) -> None:
+        """Give the warnings that wait on device flags (a host read; see
+        :meth:`FactorSource.report`)."""
         if self.source is not None:
-            self.source.flags_read(values)
+            self.source.report()
+        self._resolve_geometry_since()
 
-    def settle(self, finite: bool) -> None:
-        """Commit (finite step) or discard what the step produced."""
+    def _resolve_geometry_since(self) -> None:
+        """The first of the steps that sent a layer through a map whose verdict was finite
+        (their device flags read here, with the stats, not in the step)."""
+        for step, finite in self._geometry_steps:
+            if bool(finite):
+                self.geometry_since = step
+                break
+        self._geometry_steps = []
+
+    def settle(self, finite: torch.Tensor) -> None:
+        """Hand the step's 0-dim verdict (on the device) to what it produced: kept where
+        true, chosen away (residuals: reset to zero) where false."""
         if self.source is not None:
             self.source.settle(finite)
         self.selection.settle(finite)
-        if finite:
-            self.feedback.commit()
-        else:
-            self.feedback.discard()
+        if self.geometry_since is None and self.geometry_layers():
+            self._geometry_steps.append((self.step, finite))
+            if len(self._geometry_steps) >= 64:  # bounded: one host read per 64 such steps
+                self._resolve_geometry_since()
+        self.feedback.commit(finite)
 
     # -- per tensor --------------------------------------------------------------------------
 
@@ -143,9 +170,9 @@ class GradientPipeline:
         this rank's send instead, ``Ũ = G T + R + O T`` (``O`` zero outside the piece), and
         so reaches the sum whole, its rounding error going on in the sender's residual
         ``R`` (with ``error_feedback``), which is re-based with the route. Every rank does
-        so with the piece it owns. The owner's residual is dropped with the
-        step's commit; a non-finite step keeps both residuals as they were, and the
-        hand-over happens at the next finite step. A change of format alone (``nvfp4`` ↔
+        so with the piece it owns. The owner's residual is dropped at once; a non-finite
+        step resets the sender's residual it wrote to zero, so the handed-over error is
+        then lost, as every residual of a skipped step is. A change of format alone (``nvfp4`` ↔
         ``e4m3``) keeps the owner's residual as it is, as the sender's."""
         candidate = name in self.layers and self.source is not None
         if candidate:
@@ -178,7 +205,7 @@ class GradientPipeline:
 
     def _hand_over(self, name: str, route: Transform, shape) -> torch.Tensor | None:
         """``O T``: this rank's owner residual of ``name`` as a whole tensor in ``route``'s
-        coordinates, its removal staged (:meth:`prepare_into`); ``None`` when it has none or
+        coordinates, removing it (:meth:`prepare_into`); ``None`` when it has none or
         keeps it."""
         owner = self.owner
         if owner is None or name not in owner.residuals or self._owner_keeps(name, route):
@@ -218,7 +245,7 @@ class GradientPipeline:
     def encode(self, names: list[str], grads: list[torch.Tensor],
                seed: int | None = None, flat: torch.Tensor | None = None) -> Encoded:
         """Route, add residuals, encode (``seed``: stochastic rounding's, the same on every
-        rank for this step and bucket); stage the new residuals. ``flat``: where ``Ũ`` is
+        rank for this step and bucket); write the new residuals. ``flat``: where ``Ũ`` is
         written, FP32, one tensor after the other (the buffer that ``grads`` tile in order,
         as a DDP bucket's do: each is read before its place is written); else a new one."""
         shapes = [tuple(g.shape) for g in grads]
@@ -328,8 +355,7 @@ class GradientPipeline:
 
     def fingerprint(self) -> dict:
         """What every rank must agree on (JSON-serialisable)."""
-        return {"candidates": sorted(self.layers),
-                "shared_inputs": sorted(self.shared.owner.items())}
+        return {"candidates": sorted(self.layers)}
 
     def transforms(self) -> dict[str, Transform]:
         """This step's geometry map of every candidate that has one, by weight name."""
@@ -352,15 +378,24 @@ class GradientPipeline:
                 "budget_errors": {n: dict(e) for n, e in selection.last_measurement.items()}}
 
     @property
+    def nonfinite_factors(self) -> int:
+        """Statistics, sketches or maps found non-finite and reset so far (this rank)."""
+        return self.source.rejected if self.source is not None else 0
+
+    @property
     def factor_nbytes(self) -> int:
         return self.source.nbytes if self.source is not None else 0
 
     def state_dict(self) -> dict:
         """Selection and factors (the residuals are the engine's to save)."""
+        self._resolve_geometry_since()
         return {"selection": self.selection.state_dict(),
-                "source": self.source.state_dict() if self.source is not None else None}
+                "source": self.source.state_dict() if self.source is not None else None,
+                "geometry_since": self.geometry_since}
 
     def load_state_dict(self, state: dict) -> None:
+        self.geometry_since = state.get("geometry_since")  # absent in older checkpoints
+        self._geometry_steps = []
         self.selection.load_state_dict(state["selection"])
         if self.source is not None:
             self.source.load_state_dict(state["source"])

@@ -61,8 +61,9 @@ class Selection:
     def start_step(self, step: int, group: DeviceGroup) -> None:
         """Decide, from what earlier settled steps observed (collective on ``group``)."""
 
-    def settle(self, finite: bool) -> None:
-        """Keep (finite step) or drop what this step observed."""
+    def settle(self, finite: torch.Tensor) -> None:
+        """Keep what this step observed if the 0-dim ``finite`` (on the device) holds, else
+        drop it."""
 
     def charged(self, factor_bytes: float) -> None:
         """The factor and selection bytes this rank sent in a step just settled."""
@@ -92,6 +93,7 @@ class ProfileSelection(Selection):
         self.top = top or max(1, len(candidates) // 4)
         self.totals = torch.zeros(len(candidates), dtype=torch.float64)
         self._pending = torch.zeros_like(self.totals)
+        self._seen = False  # scores pending this step
         self.scores: dict[str, float] = {}
 
     def wants(self, step: int) -> bool:
@@ -103,6 +105,7 @@ class ProfileSelection(Selection):
             self.totals, self._pending = self.totals.to(score.device), self._pending.to(
                 score.device)
         self._pending[self.index[name]] += score
+        self._seen = True
 
     def start_step(self, step: int, group: DeviceGroup) -> None:
         if step != self.start + self.steps or not self.candidates:
@@ -113,10 +116,11 @@ class ProfileSelection(Selection):
         self.selected.update(self.candidates[i] for i in order.tolist())
         self.scores = {n: float(scores[i]) / self.steps for i, n in enumerate(self.candidates)}
 
-    def settle(self, finite: bool) -> None:
-        if finite:
-            self.totals += self._pending
-        self._pending.zero_()
+    def settle(self, finite: torch.Tensor) -> None:
+        if self._seen:  # the scores are on the gradients' device, as the verdict is
+            self.totals += torch.where(finite, self._pending, 0.0)
+            self._pending.zero_()
+            self._seen = False
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "totals": self.totals.clone()}
@@ -125,6 +129,7 @@ class ProfileSelection(Selection):
         super().load_state_dict(state)
         self.totals.copy_(state["totals"])
         self._pending.zero_()
+        self._seen = False
 
 
 class AutoSelection(Selection):
@@ -142,10 +147,11 @@ class AutoSelection(Selection):
         return step % self.every == 0 and step >= self.first_step
 
     def observe(self, name, G, geo, residual_in) -> None:
+        if self._pending is None:  # on every rank that observes, with a map or not (local
+            # factors: a rank that did not run a layer has none), so all join the reduction
+            self._pending = torch.zeros(len(self.candidates), 3, dtype=torch.float64)
         if geo is None:
             return
-        if self._pending is None:
-            self._pending = torch.zeros(len(self.candidates), 3, dtype=torch.float64)
         row = self._pending[self.index[name]]
         for col, route in ((0, IDENTITY), (1, geo)):
             residual = residual_in(route)
@@ -172,8 +178,9 @@ class AutoSelection(Selection):
             elif on and not rel_g <= rel_e:
                 self.selected.discard(name)
 
-    def settle(self, finite: bool) -> None:
-        if finite and self._pending is not None:
+    def settle(self, finite: torch.Tensor) -> None:
+        # a measuring step reads its errors back already: its verdict is read with them
+        if self._pending is not None and bool(finite):
             self.measured = self._pending
         self._pending = None
 
@@ -302,8 +309,9 @@ class BudgetSelection(Selection):
             row[col] += float(route.inverse(error).pow(2).sum())
         row[-1] += float(G.pow(2).sum())
 
-    def settle(self, finite: bool) -> None:
-        if finite and self._pending is not None:
+    def settle(self, finite: torch.Tensor) -> None:
+        # a measuring step reads its errors back already: its verdict is read with them
+        if self._pending is not None and bool(finite):
             self.measured = self._pending
         self._pending = None
 

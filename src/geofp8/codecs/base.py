@@ -23,9 +23,11 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Codec", "Segments", "Shards", "device_lengths", "exact_div", "finite_flag",
-           "group_amax", "group_div", "group_fp8", "group_mul_", "group_runs", "interleave",
-           "joined", "mix_seed", "rows_amax", "segment_amax", "shard_lengths"]
+from .groups import GroupMap, group_map
+
+__all__ = ["Codec", "GroupMap", "Segments", "Shards", "exact_div", "finite_flag", "group_amax",
+           "group_div", "group_fp8", "group_map", "group_mul_", "group_runs", "interleave",
+           "joined", "mix_seed", "rows_amax", "segment_amax"]
 
 Segments = Sequence[Sequence[int]]  # per segment of a shard: its scale-group lengths
 Shards = Sequence[Segments]  # several shards, one after the other
@@ -74,27 +76,6 @@ def group_runs(segments: Segments) -> list[tuple[int, int, int, int]]:
     return runs
 
 
-@functools.lru_cache(maxsize=1024)
-def device_lengths(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``lengths`` as an int64 tensor on ``device`` (``segment_reduce`` and
-    ``repeat_interleave`` want them beside the data), copied once per distinct tuple: a
-    host-to-device copy of pageable memory waits for the device, so not on every step."""
-    return torch.tensor(lengths, dtype=torch.long).to(device)
-
-
-def shard_lengths(shards: Shards) -> tuple[int, ...]:
-    """The scale-group lengths of ``shards`` laid one after the other, flattened (remembered
-    for tuples, as layouts hold them)."""
-    if isinstance(shards, tuple):
-        return _shard_lengths(shards)
-    return tuple(n for segments in shards for seg in segments for n in seg)
-
-
-@functools.lru_cache(maxsize=256)
-def _shard_lengths(shards: tuple) -> tuple[int, ...]:
-    return tuple(n for segments in shards for seg in segments for n in seg)
-
-
 def segment_amax(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Max ``|x|`` of every contiguous group of the given (device) ``lengths``; NaN for a
     group holding NaN or ±Inf. Exact, so equal to any other way of taking it."""
@@ -125,56 +106,51 @@ def rows_amax(v: torch.Tensor) -> torch.Tensor:
     return a[:, 0]
 
 
-@functools.lru_cache(maxsize=1024)
-def _common(lengths: tuple[int, ...]) -> int | None:
-    """The common length of ``lengths`` when they are all equal (C-speed check)."""
-    return lengths[0] if lengths and lengths.count(lengths[0]) == len(lengths) else None
-
-
-def group_amax(flat: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
-    """Max ``|x|`` of every contiguous group (exact); non-finite (NaN or +Inf) for a group
-    holding NaN or ±Inf. Equal groups: one ``[G, size]`` reduction; else segmented."""
-    size = _common(lengths)
+def group_amax(flat: torch.Tensor, groups: GroupMap) -> torch.Tensor:
+    """Max ``|x|`` of every contiguous group of ``groups`` (exact); non-finite (NaN or +Inf)
+    for a group holding NaN or ±Inf. Equal groups: one ``[G, size]`` reduction; else
+    segmented."""
+    size = groups.common
     if size is not None:
         return rows_amax(flat.view(-1, size))
-    return segment_amax(flat, device_lengths(lengths, flat.device))
+    return segment_amax(flat, groups.on("lengths", flat.device))
 
 
-def _per_element(values: torch.Tensor, lengths: tuple[int, ...], numel: int) -> torch.Tensor:
-    return torch.repeat_interleave(values, device_lengths(lengths, values.device),
+def _per_element(values: torch.Tensor, groups: GroupMap, numel: int) -> torch.Tensor:
+    return torch.repeat_interleave(values, groups.on("lengths", values.device),
                                    output_size=numel)
 
 
-def group_div(x: torch.Tensor, divisor: torch.Tensor, lengths: tuple[int, ...],
+def group_div(x: torch.Tensor, divisor: torch.Tensor, groups: GroupMap,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """``x_i / divisor_g`` for every element ``i`` of group ``g`` (a new tensor, or ``out``:
     an FP8 ``out`` receives the quotients cast as ``.to()`` casts them, in the same kernel):
     broadcast over ``[G, size]`` when the groups are equal, else through a per-element
     divisor."""
-    size = _common(lengths)
+    size = groups.common
     if size is not None:
         q = None if out is None else out.view(-1, size)
         return torch.div(x.view(-1, size), divisor[:, None], out=q).view(-1)
-    d = _per_element(divisor, lengths, x.numel())
+    d = _per_element(divisor, groups, x.numel())
     return torch.div(x, d, out=d if out is None else out)
 
 
-def group_fp8(x: torch.Tensor, divisor: torch.Tensor, lengths: tuple[int, ...],
+def group_fp8(x: torch.Tensor, divisor: torch.Tensor, groups: GroupMap,
               dtype: torch.dtype) -> torch.Tensor:
     """The FP8 ``dtype`` codes (uint8) of ``x_i / divisor_g`` (:func:`group_div`), cast as
     ``.to(dtype)`` casts them in the division's own kernel: no FP32 quotient."""
     codes = torch.empty(x.numel(), dtype=dtype, device=x.device)
-    group_div(x, divisor, lengths, out=codes)
+    group_div(x, divisor, groups, out=codes)
     return codes.view(torch.uint8)
 
 
-def group_mul_(out: torch.Tensor, scale: torch.Tensor, lengths: tuple[int, ...]) -> None:
+def group_mul_(out: torch.Tensor, scale: torch.Tensor, groups: GroupMap) -> None:
     """``out_i ·= scale_g`` for every element ``i`` of group ``g`` (as :func:`group_div`)."""
-    size = _common(lengths)
+    size = groups.common
     if size is not None:
         out.view(-1, size).mul_(scale[:, None])
     else:
-        out.mul_(_per_element(scale, lengths, out.numel()))
+        out.mul_(_per_element(scale, groups, out.numel()))
 
 
 def joined(parts: Sequence[torch.Tensor], fresh: bool = False, align: int = 1) -> torch.Tensor:
@@ -223,6 +199,13 @@ def scales_flag(scales: torch.Tensor, check: bool = True,
         poison_scales_(scales)
         return None
     return finite_flag(scales) if check else None
+
+
+@functools.lru_cache(maxsize=4096)
+def shape_map(codec: Codec, shape: tuple[int, ...]) -> GroupMap:
+    """The one-shard :class:`GroupMap` of a whole tensor of ``shape`` under ``codec``, made
+    once per shape (keyed by the shape, a few integers: never by group lengths)."""
+    return GroupMap([[codec.groups(shape)]])
 
 
 def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
@@ -298,9 +281,21 @@ class Codec(ABC):
                       seeds: Sequence[int | None]) -> list[torch.Tensor]:
         """Encode the flat FP32 ``x`` holding ``shards`` one after the other, each with its
         own scales and ``seeds[i]``, in a number of kernels that does not grow with the
-        number of shards. Returns every shard's parts in order (shard 0's
+        number of shards (``shards``: a :class:`GroupMap` that a layout keeps, whose derived
+        values are made once, or any nested sequence). Returns every shard's parts in order
+        (shard 0's
         :meth:`part_bytes`, then shard 1's, …); their concatenation is, shard by shard, the
         payload :meth:`encode_into` writes."""
+
+    def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
+                                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``(parts, error)``: :meth:`encode_shards` (round to nearest, no seeds) and the FP32
+        rounding error ``x − decode(parts)``, a new vector: by decoding the parts back (the
+        same bits), unless a codec's kernels leave it from the encoding pass."""
+        parts = self.encode_shards(x, shards, [None] * len(shards))
+        error = torch.empty_like(x)
+        self.decode_shards(error, parts, shards, check=False)
+        return parts, torch.sub(x, error, out=error)
 
     @abstractmethod
     def decode_shards(self, out: torch.Tensor, parts: Sequence[torch.Tensor],
@@ -320,12 +315,18 @@ class Codec(ABC):
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))`` of a whole tensor, shaped like ``x`` (FP32): the codec's
-        error model in one call."""
-        segments = [self.groups(tuple(x.shape))]
+        error model in one call. Off a CPU through the batched kernels and the shape's
+        :class:`GroupMap` (made once per shape: nothing copied to the device per call)."""
         flat = x.detach().reshape(-1).float()
+        out = torch.empty_like(flat)
+        if x.device.type != "cpu":
+            groups = shape_map(self, tuple(x.shape))
+            self.decode_shards(out, self.encode_shards(flat, groups, [None]), groups,
+                               check=False)
+            return out.view(x.shape)
+        segments = [self.groups(tuple(x.shape))]
         buf = torch.empty(self.payload_bytes(segments), dtype=torch.uint8, device=x.device)
         self.encode_into(buf, flat, segments)
-        out = torch.empty_like(flat)
         self.decode_into(out, buf, segments)
         return out.view(x.shape)
 

@@ -45,12 +45,13 @@ import torch
 from . import native
 from .base import (
     Codec,
+    GroupMap,
     Segments,
     Shards,
-    device_lengths,
     exact_div,
     group_amax,
     group_div,
+    group_map,
     group_mul_,
     group_runs,
     interleave,
@@ -58,7 +59,6 @@ from .base import (
     mix_seed,
     rows_amax,
     scales_flag,
-    shard_lengths,
 )
 from .fp8 import e4m3_values, group_lengths, lookup_into
 
@@ -222,17 +222,17 @@ def unpack_shards(out: torch.Tensor, packed: torch.Tensor, numels: list[int]) ->
     torch.cat([p for p, k in zip(pieces, keep) if k], out=out)
 
 
-def shard_uniforms(shards: Shards, seeds, device: torch.device) -> torch.Tensor:
+def shard_uniforms(shards: GroupMap, seeds, device: torch.device) -> torch.Tensor:
     """:func:`segment_uniforms` of every shard with its own seed, one after the other (one
     generator per segment: these kernels grow with the segments)."""
-    return torch.cat([segment_uniforms(s, sum(map(sum, s)), seed, device)
-                      for s, seed in zip(shards, seeds)])
+    return torch.cat([segment_uniforms(s, n, seed, device)
+                      for s, n, seed in zip(shards, shards.numels, seeds)])
 
 
-def block_amax_of(flat: torch.Tensor, shards: Shards) -> torch.Tensor:
+def block_amax_of(flat: torch.Tensor, shards: GroupMap) -> torch.Tensor:
     """Max ``|x|`` of every group of ``shards`` laid one after the other; ``+Inf`` for a
     group holding NaN or ±Inf (as :func:`block_amax`)."""
-    return _inf_unless_finite(group_amax(flat, shard_lengths(shards)))
+    return _inf_unless_finite(group_amax(flat, shards))
 
 
 def _check_rounding(rounding: str) -> None:
@@ -356,15 +356,19 @@ class NVFP4Codec(Codec):
     def _parts(n_seg: int, blocks: Blocks) -> tuple[int, int, int]:
         return 4 * n_seg, blocks.groups, (blocks.numel + 1) // 2
 
-    def _scales(self, amax: torch.Tensor, segments: Segments) -> tuple[torch.Tensor, ...]:
-        """``(segment scales s, block scale codes, block scales β·s per block)``."""
-        per_segment = tuple(len(seg) for seg in segments)  # blocks of each segment
+    def _scales(self, amax: torch.Tensor, segments: Segments,
+                counts: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """``(segment scales s, block scale codes, block scales β·s per block)``; ``counts``:
+        the blocks of each segment as a tensor on ``amax``'s device (made here if not
+        given)."""
         if native.usable(amax):  # two passes of the CPU's native kernels
+            per_segment = tuple(len(seg) for seg in segments)
             seg_amax = native.runs_amax(amax, native.length_runs(per_segment), len(segments),
                                         finite_only=True)
             s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
             return (s, *native.nvfp4_scales(amax, s, per_segment))
-        counts = device_lengths(per_segment, amax.device)
+        if counts is None:
+            counts = torch.tensor([len(seg) for seg in segments]).to(amax.device)
         finite = amax.nan_to_num(posinf=0.0)  # a non-finite block (+Inf) counts as 0
         seg_amax = torch.segment_reduce(finite, "max", lengths=counts, unsafe=True)
         s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
@@ -426,7 +430,7 @@ class NVFP4Codec(Codec):
             scale = torch.empty(n_groups, dtype=torch.float32)
             native.e4m3_decode(scale, code, s, per_segment)
         else:
-            counts = device_lengths(per_segment, buf.device)
+            counts = torch.tensor(per_segment, dtype=torch.long).to(buf.device)
             scale = e4m3_values(code).mul_(
                 torch.repeat_interleave(s, counts, output_size=n_groups))
         finite = scales_flag(scale, poison=poison)
@@ -440,32 +444,31 @@ class NVFP4Codec(Codec):
     def encode_shards(self, x: torch.Tensor, shards: Shards, seeds) -> list[torch.Tensor]:
         """As :meth:`encode_into` shard by shard, every segment's and block's scale from
         segmented reductions, every code from one division by the per-element divisor."""
-        if not shard_lengths(shards):
+        shards = group_map(shards)
+        if not shards.lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (3 * len(shards))
-        s, code, scale = self._scales(block_amax_of(x, shards),
-                                      [seg for segments in shards for seg in segments])
+        s, code, scale = self._scales(block_amax_of(x, shards), shards.segments,
+                                      shards.on("counts", x.device))
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
-        v = group_div(x, divisor, shard_lengths(shards))
-        sizes = [self.part_bytes(segments) for segments in shards]
-        return interleave(s.view(torch.uint8).split([a for a, _, _ in sizes]),
-                          code.split([b for _, b, _ in sizes]),
-                          pack_shards(e2m1_encode(v, u), [sum(map(sum, g)) for g in shards]))
+        v = group_div(x, divisor, shards)
+        sizes = shards.memo(self, lambda: tuple(zip(*(self.part_bytes(g) for g in shards))))
+        return interleave(s.view(torch.uint8).split(sizes[0]), code.split(sizes[1]),
+                          pack_shards(e2m1_encode(v, u), list(shards.numels)))
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
-        lengths = shard_lengths(shards)
-        if not lengths:
+        shards = group_map(shards)
+        if not shards.lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
         s = joined(parts[0::3], align=4).view(torch.float32)
         code = joined(parts[1::3])
-        counts = device_lengths(tuple(len(seg) for g in shards for seg in g), out.device)
-        scale = e4m3_values(code).mul_(torch.repeat_interleave(s, counts,
-                                                               output_size=code.numel()))
+        scale = e4m3_values(code).mul_(torch.repeat_interleave(
+            s, shards.on("counts", out.device), output_size=code.numel()))
         finite = scales_flag(scale, check, poison)
-        unpack_shards(out, joined(parts[2::3]), [sum(map(sum, g)) for g in shards])
-        group_mul_(out, scale, lengths)
+        unpack_shards(out, joined(parts[2::3]), list(shards.numels))
+        group_mul_(out, scale, shards)
         return finite
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:

@@ -29,21 +29,21 @@ from typing import NamedTuple
 
 import torch
 
-from . import native
+from . import native, triton_fp8
 from .base import (
     Codec,
+    GroupMap,
     Segments,
     Shards,
-    device_lengths,
     exact_div,
     group_amax,
     group_fp8,
+    group_map,
     group_mul_,
     interleave,
     joined,
     scales_flag,
     segment_amax,
-    shard_lengths,
 )
 
 __all__ = ["FP8_FORMATS", "SCALINGS", "FP8Codec", "Packed", "e4m3_into", "e4m3_table",
@@ -54,6 +54,7 @@ FP8_FORMATS: dict[str, torch.dtype] = {
     "e5m2": torch.float8_e5m2,
 }
 SCALINGS = ("tensor", "row", "block")
+_FMAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_FORMATS.items()}
 
 
 def group_lengths(shape: tuple[int, ...], scaling: str, block_size: int) -> list[int]:
@@ -111,7 +112,7 @@ class FP8Codec(Codec):
 
     @property
     def fmax(self) -> float:
-        return float(torch.finfo(self.dtype).max)
+        return _FMAX[self.format]
 
     def groups(self, shape: tuple[int, ...]) -> list[int]:
         return group_lengths(tuple(shape), self.scaling, self.block_size)
@@ -147,25 +148,48 @@ class FP8Codec(Codec):
                       seeds=None) -> list[torch.Tensor]:
         """Every group's scale from one segmented amax, every code from one division by the
         per-element scale: the same values as :meth:`encode_into`, shard by shard."""
-        lengths = shard_lengths(shards)
-        if not lengths:
+        groups = group_map(shards)
+        if not groups.lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
-        scales = self.scales_from_amax(group_amax(x, lengths))
-        codes = group_fp8(x, scales, lengths, self.dtype)
-        sizes = [self.part_bytes(s) for s in shards]
-        return interleave(scales.view(torch.uint8).split([a for a, _ in sizes]),
-                          codes.split([b for _, b in sizes]))
+        if triton_fp8.available(x):  # two fused passes
+            _, scales = triton_fp8.amax(x, groups, fmt=self.format)
+            codes = triton_fp8.encode(x, scales, groups, fmt=self.format)[0]
+        else:
+            scales = self.scales_from_amax(group_amax(x, groups))
+            codes = group_fp8(x, scales, groups, self.dtype)
+        return self._parts(scales, codes, groups)
+
+    def _parts(self, scales: torch.Tensor, codes: torch.Tensor,
+               groups: GroupMap) -> list[torch.Tensor]:
+        """Every shard's ``[scales][codes]`` parts, cut from the whole bucket's."""
+        scale_bytes, code_bytes = groups.memo(self, lambda: tuple(
+            zip(*(self.part_bytes(s) for s in groups))))
+        return interleave(scales.view(torch.uint8).split(scale_bytes), codes.split(code_bytes))
+
+    def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
+                                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """With the fused kernels, the rounding error from the encoding pass (three kernels
+        in all); else decoded back (:meth:`Codec.encode_shards_with_error`)."""
+        groups = group_map(shards)
+        if not (groups.lengths and triton_fp8.available(x)):
+            return super().encode_shards_with_error(x, groups)
+        _, scales = triton_fp8.amax(x, groups, fmt=self.format)
+        codes, error = triton_fp8.encode(x, scales, groups, error=True, fmt=self.format)
+        return self._parts(scales, codes, groups), error
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
         scales = joined(parts[0::2], fresh=poison, align=4).view(torch.float32)  # poisoned in place
         codes = joined(parts[1::2])
         finite = scales_flag(scales, check, poison)
+        if triton_fp8.available(out):  # one fused pass
+            triton_fp8.decode(out, codes, scales, group_map(shards), self.format)
+            return finite
         if self.format == "e4m3":
             e4m3_into(out, codes)
         else:
             out.copy_(codes.view(torch.float8_e5m2))
-        group_mul_(out, scales, shard_lengths(shards))
+        group_mul_(out, scales, group_map(shards))
         return finite
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
@@ -332,8 +356,8 @@ LONG_GROUP = 4096
 
 
 def _per_element(scales: torch.Tensor, lengths, numel: int) -> torch.Tensor:
-    return torch.repeat_interleave(scales, device_lengths(tuple(lengths), scales.device),
-                                   output_size=numel)
+    counts = torch.tensor(lengths, dtype=torch.long).to(scales.device)
+    return torch.repeat_interleave(scales, counts, output_size=numel)
 
 
 def _pieces(lengths, info: _Info, scales: torch.Tensor):
@@ -391,7 +415,7 @@ def _group_amax(flat: torch.Tensor, lengths, info: _Info) -> torch.Tensor:
         extremes = [torch.aminmax(v) for v in flat.split(list(lengths))]  # groups are not empty
         lowest = torch.stack([lo for lo, _ in extremes])
         return torch.maximum(torch.stack([hi for _, hi in extremes]), lowest.neg_())
-    return segment_amax(flat, device_lengths(tuple(lengths), flat.device))
+    return segment_amax(flat, torch.tensor(lengths, dtype=torch.long).to(flat.device))
 
 
 def _amax1(x: torch.Tensor) -> torch.Tensor:

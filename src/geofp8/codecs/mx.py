@@ -37,11 +37,11 @@ from .base import (
     Shards,
     group_div,
     group_fp8,
+    group_map,
     group_mul_,
     interleave,
     joined,
     poison_scales_,
-    shard_lengths,
 )
 from .fp4 import (
     Blocks,
@@ -186,33 +186,34 @@ class MXCodec(Codec):
     def encode_shards(self, x: torch.Tensor, shards: Shards, seeds) -> list[torch.Tensor]:
         """As :meth:`encode_into` shard by shard, from one segmented amax and one division by
         the per-element scale."""
-        if not shard_lengths(shards):
+        shards = group_map(shards)
+        if not shards.lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
         byte = e8m0_scales(block_amax_of(x, shards), self.element)
         scale = e8m0_values(byte).nan_to_num_(nan=1.0)  # a NaN block divided by 1
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
-        lengths = shard_lengths(shards)
         if self.packed or u is not None:
-            codes = (e2m1_encode if self.packed else e4m3_encode)(group_div(x, scale, lengths), u)
+            codes = (e2m1_encode if self.packed else e4m3_encode)(group_div(x, scale, shards), u)
         else:  # e4m3_encode's cast, in the division's kernel
-            codes = group_fp8(x, scale, lengths, torch.float8_e4m3fn)
-        numels = [sum(map(sum, g)) for g in shards]
-        return interleave(byte.split([sum(map(len, g)) for g in shards]),
+            codes = group_fp8(x, scale, shards, torch.float8_e4m3fn)
+        numels = list(shards.numels)
+        return interleave(byte.split(shards.memo("groups", lambda: [sum(map(len, g))
+                                                                    for g in shards])),
                           pack_shards(codes, numels) if self.packed else codes.split(numels))
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
-        lengths = shard_lengths(shards)
-        if not lengths:
+        shards = group_map(shards)
+        if not shards.lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
         byte = joined(parts[0::2])
         codes = joined(parts[1::2])
         if self.packed:
-            unpack_shards(out, codes, [sum(map(sum, g)) for g in shards])
+            unpack_shards(out, codes, list(shards.numels))
         else:
             e4m3_into(out, codes)
-        group_mul_(out, _scales(byte, poison), lengths)
+        group_mul_(out, _scales(byte, poison), shards)
         return (byte != 0xFF).all() if check and not poison else None
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:

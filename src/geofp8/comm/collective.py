@@ -10,7 +10,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..geometry.transforms import IDENTITY
 from .group import DeviceGroup, release
 from .layout import ShardLayout
 from .stages import (
@@ -86,6 +85,8 @@ class Communicator:
     ``R ← S + R − deq(Q(S + R))`` per tensor, committed with the step. A tensor's piece
     depends on the tensor alone (:meth:`ShardLayout.build` cuts each tensor by itself), not
     on which bucket carries it: DDP's rebuilt buckets and a resumed run find their residuals.
+    ``owner_route`` is the route of those residuals, the identity transform, which whoever
+    sets ``owner`` hands over with it (this layer does not import the geometry above it).
     A ``None`` key leaves its tensor out (no residual added, none staged): DDP gives one to
     tensors routed through a map, whose reduced shard is not in stable coordinates.
     Nor does it depend on the tensor's codec (a chunk is cut by element count alone), so a
@@ -99,6 +100,7 @@ class Communicator:
     """
 
     owner = None  # ErrorFeedback of the owners' re-quantization, when enabled
+    owner_route = None  # the coordinates its residuals are kept in (the identity transform)
 
     def __init__(self, collective: str, group: DeviceGroup, kind: str = "payload"):
         if collective not in COLLECTIVES:
@@ -190,14 +192,14 @@ class Communicator:
                 return
             pieces = self._pieces(layout, keys) if keys is not None else []
             for key, lo, hi in pieces:
-                residual = self.owner.residual_in(key, IDENTITY)
+                residual = self.owner.residual_in(key, self.owner_route)
                 if residual is not None:
                     reduced[lo:hi] += residual
             shard = encode_reduced(reduced, layout, self.rank, launch.seed)
             if pieces:
                 error = reduced - decode_shard(shard, layout, self.rank)
                 for key, lo, hi in pieces:
-                    self.owner.stage(key, error[lo:hi], IDENTITY)
+                    self.owner.stage(key, error[lo:hi], self.owner_route)
         except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
             result.set_exception(exc)
             return

@@ -11,16 +11,18 @@ before a layer's gradient is encoded), :meth:`~FactorSource.transform`,
   accumulated over ``refresh_every`` settled steps and SUM-reduced; an exact statistic's map
   is computed on one owner rank and broadcast as tensors, a sketched one's by every rank
   from the same reduced sketch with the same deterministic Nyström step (as fresh factors).
-* :class:`FreshFactors` — this step's low-rank factor: each forward sketches
-  ``Σ x xᵀ Ω`` (``d_in × (k+p)`` floats) and all-reduces it at once (in FP32, or through the
-  exact collective in ``sketch_format``), overlapping the rest of the forward and the
-  backward; every rank runs the same deterministic Nyström step, on the device.
+* :class:`FreshFactors` — this step's low-rank factor: each layer's forward sketches
+  ``Σ x xᵀ Ω`` (``d_in × (k+p)`` floats) locally; when the model's forward returns, every
+  rank reduces all layers' sketches in one launch (in FP32, or through the exact collective
+  in ``sketch_format``; zeros for a layer it did not run), overlapping the backward; every
+  rank runs the same deterministic Nyström step, on the device.
 * :class:`LocalFactors` — each rank's own factor of this step, never reduced: shipped with
   the sender's payload and applied by the receiver to that sender's rows (per-sender
   decoding, see :class:`geofp8.pipeline.GradientPipeline`).
 
 Layers that read the *same input tensor* (q/k/v projections; gate/up) share one statistic
-and one map (:class:`SharedInputs`): the statistic is recorded, reduced and factored once.
+and one map (:class:`SharedInputs`, agreed across ranks): the statistic is recorded, reduced
+and factored once. No statistics collective depends on which layers a rank ran.
 """
 
 from __future__ import annotations
@@ -58,18 +60,31 @@ class Layer:
 class SharedInputs:
     """Links layers that read the very same input tensor to the first of them (the owner).
 
-    Decided at a layer's first training forward and fixed afterwards (the model's code
-    decides it, so every rank decides alike; the ranks' fingerprints include it)."""
+    Each rank decides at a layer's first training forward (by the identity of its input);
+    at the end of the first training forward (:meth:`agree`) the ranks merge what they saw,
+    and the map is fixed from then on, complete: a layer shares its owner's statistic only
+    if every rank that ran it decided alike and the owner owns its own; every other
+    candidate (conflicting, or run on no rank yet) owns its own. So the map is identical on
+    every rank whichever layers each rank happened to run."""
 
     def __init__(self) -> None:
         self.owner: dict[str, str] = {}
+        self.agreed = False
         self._seen: dict[int, tuple[torch.Tensor, str]] = {}
 
     def new_forward(self) -> None:
         self._seen.clear()
 
     def records(self, name: str, x: torch.Tensor) -> bool:
-        """Whether ``name`` owns the statistic of input ``x`` (its first sight decides)."""
+        """Whether ``name`` owns the statistic of input ``x`` (its first sight decides,
+        until the ranks agree; afterwards a plain lookup, which ``torch.compile`` traces
+        without guarding on the input's identity)."""
+        if self.agreed:
+            return self.owner.get(name, name) == name
+        return self._first_sight(name, x)
+
+    @torch.compiler.disable  # by input identity: not for a graph (the first forward only)
+    def _first_sight(self, name: str, x: torch.Tensor) -> bool:
         if name not in self.owner:
             seen = self._seen.get(id(x))
             self.owner[name] = seen[1] if seen is not None and seen[0] is x else name
@@ -78,6 +93,23 @@ class SharedInputs:
 
     def of(self, name: str) -> str:
         return self.owner.get(name, name)
+
+    def agree(self, names: list[str], group: DeviceGroup) -> None:
+        """Merge every rank's decisions over the candidates ``names`` and fix the map
+        (collective on ``group``; see the class notes)."""
+        everyone = group.all_gather_json(self.owner, "consistency")
+        merged = {}
+        for name in names:
+            seen = {decided[name] for decided in everyone if name in decided}
+            merged[name] = seen.pop() if len(seen) == 1 else name
+        self.owner = {n: o if merged.get(o) == o else n for n, o in merged.items()}
+        self.agreed = True
+
+    def state_dict(self) -> dict:
+        return {"owner": dict(self.owner), "agreed": self.agreed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.owner, self.agreed = dict(state["owner"]), bool(state["agreed"])
 
 
 def _training(module: nn.Module) -> bool:
@@ -92,12 +124,17 @@ class FactorSource:
         self.shared = SharedInputs()
         self.transforms: dict[str, Transform] = {}
         self._step: dict[str, Transform] = {}  # this step's maps (fresh / local)
+        self.rejected = 0  # statistics or maps found non-finite and reset (stats())
+        self.warned: set[str] = set()
 
     def attach(self, modules: dict[str, nn.Module]) -> list:
         return []
 
     def start_step(self, step: int) -> None:
         """Collectives due at the start of ``step`` (e.g. a refresh)."""
+
+    def forward_done(self) -> None:
+        """The wrapped model's training forward returned (every rank, the same point)."""
 
     def prepare(self, name: str) -> None:
         """Called before ``name``'s gradient is encoded (this step's maps are built here)."""
@@ -111,33 +148,54 @@ class FactorSource:
                 return found
         return None
 
-    def step_flags(self) -> list[torch.Tensor]:
-        """0-dim bool device flags of this step whose values the step's one host read brings
-        back to :meth:`flags_read` (default: none)."""
-        return []
+    def report(self) -> None:
+        """Count and give the warnings that wait on device flags (a host read, made when the
+        stats are read; default: none)."""
 
-    def flags_read(self, values: list[bool]) -> None:
-        """The values of :meth:`step_flags`, read once the step's collectives are done."""
-
-    def settle(self, finite: bool) -> None:
-        if finite:
-            self.transforms.update(self._step)
+    def settle(self, finite: torch.Tensor) -> None:
+        """Keep this step's maps where the 0-dim ``finite`` holds, else the last ones (on the
+        device)."""
+        for key, made in self._step.items():
+            self.transforms[key] = _chosen(finite, made, self.transforms.get(key))
         self._step = {}
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in {id(t): t for t in self.transforms.values()}.values())
 
+    def _rejected(self, names: list[str], what: str) -> None:
+        """Count non-finite statistics or maps of ``names`` that were reset; warn once per
+        layer."""
+        self.rejected += len(names)
+        for name in names:
+            if name not in self.warned:
+                self.warned.add(name)
+                warnings.warn(f"GeoFP8: {what} of {name!r} is not finite (its activations "
+                              "overflow x xᵀ in FP32); it was reset: the layer keeps its last "
+                              "map, the identity before its first (warned once per layer; "
+                              "stats()['nonfinite_factors'] counts them)", RuntimeWarning,
+                              stacklevel=3)
+
     def _timed(self, key: str, t0: float) -> None:
         self.ledger.add(key, time.perf_counter() - t0)
 
+    def _measured(self, key: str, work, *args) -> None:
+        """``work(*args)``, its host time added to ``key``; untimed under ``torch.compile``
+        (the hooks it runs in are traced: no clock read in a graph)."""
+        if torch.compiler.is_compiling():
+            work(*args)
+            return
+        t0 = time.perf_counter()
+        work(*args)
+        self._timed(key, t0)
+
     def state_dict(self) -> dict:
-        return {"owner": dict(self.shared.owner),
+        return {"shared": self.shared.state_dict(),
                 "transforms": {n: {"kind": t.name, "state": t.state()}
                                for n, t in self.transforms.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.shared.owner = dict(state["owner"])
+        self.shared.load_state_dict(state["shared"])
         self.transforms = {n: transform_from_state(s["kind"], s["state"])
                            for n, s in state["transforms"].items()}
         self._step = {}
@@ -162,6 +220,7 @@ class RefreshFactors(FactorSource):
         self.config, self.group, self.kind = config, group, str(config.transform)
         self.pending: dict[str, dict[str, SecondMoment]] = {}
         self.window: dict[str, dict[str, SecondMoment]] = {}
+        self._dropped: dict[tuple[str, str], torch.Tensor] = {}  # non-finite, per moment
         for name, layer in layers.items():
             mode = config.statistics
             if mode == "auto":
@@ -187,9 +246,7 @@ class RefreshFactors(FactorSource):
     def _input_recorder(self, name: str):
         def record(module, args):
             if _training(module) and self.shared.records(name, args[0]):
-                t0 = time.perf_counter()
-                self.pending[name]["A"].update(args[0])
-                self._timed("statistics_s", t0)
+                self._measured("statistics_s", self.pending[name]["A"].update, args[0])
         return record
 
     def _output_recorder(self, name: str):
@@ -203,11 +260,16 @@ class RefreshFactors(FactorSource):
         return [(n, s, m) for n, sides in store.items() for s, m in sides.items()
                 if s == "S" or self.shared.of(n) == n]
 
-    def settle(self, finite: bool) -> None:
-        for (_, _, p), (_, _, w) in zip(self._moments(self.pending), self._moments(self.window)):
-            if finite:
-                for a, b in zip(w.tensors(), p.tensors()):
-                    a.add_(b)
+    def settle(self, finite: torch.Tensor) -> None:
+        """A finite step's statistics join the window, each moment only if all of it is
+        finite (decided on the device: a non-finite moment of a finite step is dropped,
+        counted at the refresh; a skipped step's are dropped uncounted)."""
+        for (n, s, p), (_, _, w) in zip(self._moments(self.pending), self._moments(self.window)):
+            ok = torch.stack([torch.isfinite(t).all() for t in p.tensors()]).all()
+            keep = ok & finite.to(ok.device)
+            for a, b in zip(w.tensors(), p.tensors()):
+                a.add_(torch.where(keep, b, 0))
+            self._dropped[n, s] = self._dropped.get((n, s), 0) + (finite.to(ok.device) & ~ok)
             p.reset()
         super().settle(finite)
 
@@ -228,15 +290,17 @@ class RefreshFactors(FactorSource):
         # one map per owner of a statistic (per layer when the output side is needed too)
         units = [n for n in self.layers if "S" in needs(self.kind) or self.shared.of(n) == n]
         world, rank = self.group.size, self.group.rank
+        usable = self._usable(units)  # the same reduced window everywhere: the same verdict
         mine = {}
         for i, name in enumerate(units):
             A = self.window[self.shared.of(name)]["A"]
-            if float(A.weight) <= 0:
+            if not usable[name] or float(A.weight) <= 0:
                 continue
             if A.mode == "sketch":  # every rank factors the same reduced sketch alike
-                self._assign(name, self._build(name))
-            elif i % world == rank:
-                mine.update({f"{name}|{k}": v for k, v in self._build(name).state().items()})
+                if _finite(built := self._build(name), name, self):
+                    self._assign(name, built)
+            elif i % world == rank and _finite(built := self._build(name), name, self):
+                mine.update({f"{name}|{k}": v for k, v in built.state().items()})
         for src in range(world):
             named = self.group.broadcast_tensors(mine if src == rank else None, src, "factor")
             by_layer: dict[str, dict[str, torch.Tensor]] = {}
@@ -248,6 +312,21 @@ class RefreshFactors(FactorSource):
         for m in moments:
             m.reset()
         self._timed("transform_s", t0)
+
+    def _usable(self, units: list[str]) -> dict[str, bool]:
+        """Whether each unit's reduced window is finite (the same window everywhere: the same
+        verdict); the others keep their last map. Counted and warned, with the statistics
+        dropped at settling."""
+        windows = [[self.window[self.shared.of(n)]["A"], *([self.window[n]["S"]]
+                    if "S" in self.window[n] else [])] for n in units]
+        flags = [torch.stack([torch.isfinite(t).all() for m in ms for t in m.tensors()]).all()
+                 for ms in windows]
+        usable = dict(zip(units, torch.stack(flags).tolist() if flags else []))
+        dropped = [n for (n, _), count in self._dropped.items() for _ in range(int(count))]
+        self._dropped = {}
+        self._rejected(dropped, "a step's input statistic")
+        self._rejected([n for n, ok in usable.items() if not ok], "the refresh's statistic")
+        return usable
 
     def _assign(self, unit: str, built: Transform) -> None:
         """``built`` is the map of ``unit`` and of every layer sharing its statistic."""
@@ -305,9 +384,7 @@ class _SketchedFactors(FactorSource):
     def _recorder(self, name: str):
         def record(module, args):
             if _training(module) and self.shared.records(name, args[0]):
-                t0 = time.perf_counter()
-                self.record(name, args[0].detach())
-                self._timed("statistics_s", t0)
+                self._measured("statistics_s", self.record, name, args[0].detach())
         return record
 
 
@@ -326,9 +403,11 @@ class FreshFactors(_SketchedFactors):
     def __init__(self, layers, ledger, config, group: DeviceGroup) -> None:
         super().__init__(layers, ledger, config)
         self.group = group
-        self._works: dict[str, list] = {}
+        self._local: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # this forward's sums
+        self._launched: list[_Reduced] = []  # this step's reductions, one per forward
+        self._reduced: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._flags: list[tuple[str, torch.Tensor]] = []  # (layer, sketch not finite)
-        self.warned: set[str] = set()
+        self._unsaid: dict[str, torch.Tensor] = {}  # layer: steps whose sketch was not finite
         self._codec = None if config.sketch_format is None else make_codec(config.sketch_format)
         self._sketches = Communicator("exact", group, kind="factor")
         self._layouts: dict[int, ShardLayout] = {}
@@ -339,39 +418,82 @@ class FreshFactors(_SketchedFactors):
                                                      kernels=self.config.kernels)
         return self._layouts[numel]
 
+    def units(self) -> list[str]:
+        """The layers that own a statistic (:class:`SharedInputs`), in candidate order."""
+        return [n for n in self.layers if self.shared.of(n) == n]
+
+    def _width(self, name: str) -> int:
+        d = self.layers[name].d_in
+        return d * min(self.config.k + self.config.oversample, d)
+
     def record(self, name: str, x: torch.Tensor) -> None:
-        """Launch the SUM all-reduces of ``Σ x xᵀ Ω`` and ``[Σ‖x‖², tokens]`` of this
-        micro-batch (one FP32 buffer, or the sketch through the exact collective)."""
+        """Add this micro-batch's ``Σ x xᵀ Ω`` and ``[Σ‖x‖², tokens]`` to the forward's local
+        sums (no collective: :meth:`forward_done` reduces every layer's at once)."""
         x = x.reshape(-1, self.layers[name].d_in).float()
         omega = self.omega(x.shape[1], x.device)
         sketch = (x.T @ (x @ omega)).reshape(-1)
         moments = torch.cat([x.pow(2).sum().reshape(1), x.new_full((1,), float(x.shape[0]))])
+        if name in self._local:  # the layer ran twice in this forward
+            sketch, moments = sketch + self._local[name][0], moments + self._local[name][1]
+        self._local[name] = (sketch, moments)
+
+    def forward_done(self) -> None:
+        """Launch one SUM reduction of every unit's sketch and moments, in candidate order,
+        zeros for the units this rank did not run (one FP32 all-reduce, or the sketches
+        through the exact collective and the moments in FP32). Every rank launches it at the
+        same point, so which layers a rank ran never decides who joins a collective; it
+        overlaps the loss and the backward up to the first map's :meth:`prepare`."""
+        device, sketches, moments = self.group.device, [], []
+        for name in self.units():
+            sketch, moment = self._local.get(name) or (
+                torch.zeros(self._width(name), device=device), torch.zeros(2, device=device))
+            sketches.append(sketch.to(device))
+            moments.append(moment.to(device))
+        self._local = {}
+        if not sketches:
+            return
+        sketch, moment = torch.cat(sketches), torch.cat(moments)
         if self._codec is None:
-            buf, work = self.group.all_reduce(torch.cat([sketch, moments]), "factor",
+            buf, work = self.group.all_reduce(torch.cat([sketch, moment]), "factor",
                                               async_op=True)
-            self._works.setdefault(name, []).append(_Reduced(work, buf))
+            self._launched.append(_Reduced(work, buf, sketch.numel()))
             return
         layout = self._layout(sketch.numel())
         reduced = self._sketches.launch(encode(sketch, layout, sender=self.group.rank),
                                         layout, last=False)  # its all-gather: next launch
-        moments, work = self.group.all_reduce(moments, "factor", async_op=True)
-        self._works.setdefault(name, []).append(_Reduced(work, moments, reduced))
+        moment, work = self.group.all_reduce(moment, "factor", async_op=True)
+        self._launched.append(_Reduced(work, moment, sketch.numel(), reduced))
 
-    def prepare(self, name: str) -> None:
-        """Wait for the owner's reduced sketches (normally long done) and build its map, on
-        the device: nothing is read back to the host (a non-finite or empty sketch keeps the
-        last map — the identity before the first — chosen by ``torch.where``; the warning
-        waits for the step's one host read, :meth:`flags_read`)."""
-        self._drain()  # the last sketch's all-gather: issued here, the same point on every rank
-        key = self.shared.of(name)
-        works = self._works.pop(key, None)
-        if not works:
-            return
-        t0 = time.perf_counter()
-        sketch, moments = works[0].wait()
-        for reduced in works[1:]:
+    def start_step(self, step: int) -> None:
+        """A model whose own forward was not called (its submodules were): reduce now."""
+        if not self._launched:
+            self.forward_done()
+
+    def _await(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Every unit's reduced ``(sketch, [Σ‖x‖², tokens])``, summed over the step's
+        forwards."""
+        sketch, moments = self._launched[0].wait()
+        for reduced in self._launched[1:]:
             more_sketch, more_moments = reduced.wait()
             sketch, moments = sketch + more_sketch, moments + more_moments
+        units = self.units()
+        sketches = sketch.split([self._width(n) for n in units])
+        return {n: (s, m) for n, s, m in zip(units, sketches, moments.view(-1, 2))}
+
+    def prepare(self, name: str) -> None:
+        """Wait for the reduced sketches (normally long done) and build the map of ``name``'s
+        unit, on the device: nothing is read back to the host (a non-finite sketch, or one
+        that no rank recorded this step, keeps the last map — the identity before the first
+        — chosen by ``torch.where``; the count and warning wait for the stats to be read,
+        :meth:`report`)."""
+        self._drain()  # the last sketch's all-gather: issued here, the same point on every rank
+        key = self.shared.of(name)
+        if key in self._step or not self._launched:
+            return
+        t0 = time.perf_counter()
+        if self._reduced is None:
+            self._reduced = self._await()
+        sketch, moments = self._reduced[key]
         d, cfg = self.layers[key].d_in, self.config
         omega = self.omega(d, sketch.device)
         tokens = moments[1]
@@ -381,32 +503,42 @@ class FreshFactors(_SketchedFactors):
         Y = torch.where(ok, sketch.view(d, omega.shape[1]) / count, omega)
         trace = torch.where(ok, moments[0] / count, float(d)).double()
         fresh = LowRankInput(nystrom_factor(Y, omega, min(cfg.k, d), trace), cfg.damping)
+        ok = ok & torch.stack([torch.isfinite(torch.as_tensor(getattr(fresh, f))).all()
+                               for f in LowRankInput.fields]).all()
         self._step[key] = _chosen(ok, fresh, self.transforms.get(key))
         self._flags.append((key, ~ok & (tokens > 0)))
         self._timed("transform_s", t0)
 
-    def step_flags(self) -> list[torch.Tensor]:
-        return [bad for _, bad in self._flags]
-
-    def flags_read(self, values: list[bool]) -> None:
-        """Warn once per layer whose sketch was not finite this step."""
-        for (key, _), bad in zip(self._flags, values):
-            if bad and key not in self.warned:  # the same reduced sketch on every rank
-                self.warned.add(key)
-                warnings.warn(f"GeoFP8: this step's input sketch of {key!r} is not finite "
-                              "(its activations overflow x xᵀ Ω in FP32); the layer keeps its "
-                              "last map for this step, the identity before its first (warned "
-                              "once per layer)", RuntimeWarning, stacklevel=2)
+    def report(self) -> None:
+        """Count the steps whose sketch or map of a layer was not finite since the last
+        report; warn once per layer (the same reduced sketch on every rank: the same
+        verdict)."""
+        unsaid, self._unsaid = self._unsaid, {}
+        for key, count in unsaid.items():
+            self._rejected([key] * int(count), "this step's input sketch")
 
     def _drain(self) -> None:
         """Issue the pending sketch all-gather and complete every reduced sketch."""
         self._sketches.flush()
         self._sketches.complete(block=True)
 
-    def settle(self, finite: bool) -> None:
+    def settle(self, finite: torch.Tensor) -> None:
         self._drain()  # every rank at the same point, whether or not a layer read its sketch
-        self._works, self._flags = {}, []
+        for key, bad in self._flags:  # folded on the device, read by report()
+            self._unsaid[key] = self._unsaid.get(key, 0) + bad.to(torch.int64)
+        for reduced in self._launched:  # a step no map read (FP32 warm-up): done all the same
+            reduced.work.wait()
+        self._launched, self._reduced, self._flags, self._local = [], None, [], {}
         super().settle(finite)
+
+
+def _finite(built: Transform, name: str, source: FactorSource) -> bool:
+    """Whether the map ``built`` of ``name`` is finite (else counted and warned by
+    ``source``; the layer keeps its last map)."""
+    if all(bool(torch.isfinite(t).all()) for t in built.state().values()):
+        return True
+    source._rejected([name], "the refreshed map")
+    return False
 
 
 def _chosen(ok: torch.Tensor, fresh: LowRankInput, last: Transform | None) -> LowRankInput:
@@ -423,18 +555,20 @@ def _chosen(ok: torch.Tensor, fresh: LowRankInput, last: Transform | None) -> Lo
 
 @dataclass
 class _Reduced:
-    """One micro-batch's reduced ``(Σ_r Y_r, [Σ‖x‖², tokens])``, once :meth:`wait` returns:
-    both views of ``values`` after the FP32 all-reduce ``work``, or the ``sketch`` the exact
-    collective reduced and ``values`` the two moments alone."""
+    """One forward's reduced ``(Σ_r Y_r, [Σ‖x‖², tokens] per unit)``, once :meth:`wait`
+    returns: both parts of ``values`` (the first ``split`` elements the sketches) after the
+    FP32 all-reduce ``work``, or the ``sketch`` the exact collective reduced and ``values``
+    the moments alone."""
 
     work: object
     values: torch.Tensor
+    split: int
     sketch: torch.futures.Future | None = None
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.work.wait()
         if self.sketch is None:
-            return self.values[:-2], self.values[-2:]
+            return self.values[: self.split], self.values[self.split :]
         return self.sketch.wait(), self.values
 
 
@@ -461,10 +595,14 @@ class LocalFactors(_SketchedFactors):
             return
         k = self.rank_of(self.layers[key].d_in)
         factor = stats.factor(k)
-        if factor.rank == k and bool(torch.isfinite(factor.U).all()):
+        if factor.rank < k:
+            return
+        if bool(torch.isfinite(factor.U).all() & torch.isfinite(factor.eigvals).all()):
             self._step[key] = LowRankInput(factor, self.config.damping)
+        else:  # this rank's own statistic: it keeps its last map (shipped as ever)
+            self._rejected([key], "this rank's input statistic")
 
-    def settle(self, finite: bool) -> None:
+    def settle(self, finite: torch.Tensor) -> None:
         for stats in self.pending.values():
             stats.reset()
         super().settle(finite)

@@ -81,7 +81,8 @@ def metrics(state: GeoFP8State, totals: dict | None = None,
     ``bytes_fp32_equivalent``: a ring FP32 all-reduce of the same gradients;
     ``bytes_per_element``: ``bytes_per_step`` per gradient element (FP32 ring: ``8(N−1)/N``;
     steps that refresh factors carry their traffic too); ``geometry_layers``: how many
-    layers took the geometry branch; ``step``: GeoFP8's completed steps. With a ``totals``
+    layers took the geometry branch, and from the first step that routed any,
+    ``geometry_since_step``; ``step``: GeoFP8's completed steps. With a ``totals``
     dict (kept by the caller, updated in place; call once per step), also
     ``run_bytes_per_element``: all bytes sent so far over all elements communicated.
     """
@@ -92,6 +93,8 @@ def metrics(state: GeoFP8State, totals: dict | None = None,
         ("bytes_per_element", s["bytes_per_element"]),
         ("geometry_layers", len(s["geometry_layers"])),
         ("step", s["step"]))}
+    if s.get("geometry_since_step") is not None:
+        out[f"{prefix}geometry_since_step"] = float(s["geometry_since_step"])
     if totals is not None:
         if s["bytes_per_element"] > 0:
             totals["bytes"] = totals.get("bytes", 0.0) + s["bytes_sent"]

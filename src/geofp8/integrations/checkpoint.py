@@ -10,7 +10,9 @@ selections, step) differs per rank, so a checkpoint holds every rank's, in one o
   rank 0 writes: :func:`gather` (a collective; rank 0 briefly holds all ``N`` states) /
   :func:`restore` (Lightning).
 
-Everything is tensors and plain containers, read with ``weights_only=True``. A checkpoint
+Everything is tensors and plain containers, read with ``weights_only=True``; the state is
+verified before anything is loaded from it (:mod:`geofp8.verification`: the rank that wrote
+it, the world size, the model, the config, a checksum, finiteness). A checkpoint
 without GeoFP8 state resumes with a :class:`UserWarning` (residuals start at zero, factors and
 selections are recomputed: the run is no longer the one that never stopped). One written on
 another number of ranks is refused with a ``ValueError`` naming both: residuals are per rank and
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["FILE", "gather", "load_files", "other_world", "restore", "save_files",
+__all__ = ["FILE", "gather", "load_files", "other_world", "read", "restore", "save_files",
            "warn_missing"]
 
 FILE = "geofp8-rank{rank}.pt"
@@ -51,13 +53,24 @@ def load_files(state, directory: str | os.PathLike) -> bool:
     """
     path = Path(directory) / FILE.format(rank=dist.get_rank())
     if path.exists():
-        state.load_state_dict(torch.load(path, map_location=_device(state), weights_only=True))
+        state.load_state_dict(read(path, _device(state)))
         return True
     written = len(list(Path(directory).glob(FILE.format(rank="*"))))
     if written:
         raise ValueError(other_world(written))
     warn_missing(str(directory))
     return False
+
+
+def read(path: str | os.PathLike, device: torch.device | str = "cpu"):
+    """``torch.load(path, weights_only=True)`` onto ``device``; a file that cannot be read
+    (truncated, damaged) is one clear ``ValueError``."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as error:
+        raise ValueError(f"GeoFP8 checkpoint refused: {path} cannot be read ({error}); it is "
+                         "damaged or not a checkpoint: use another one. Nothing was "
+                         "loaded.") from error
 
 
 def gather(state) -> dict | None:

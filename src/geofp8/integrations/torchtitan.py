@@ -89,7 +89,7 @@ def _check_parallelism(parallel_dims) -> None:
 
 
 def post_optimizer_build_fn(config: GeoFP8Config | FP8Config | None = None,
-                            then: Callable | None = None, *, residual: str = "fp32",
+                            then: Callable | None = None, *, residual: str | None = None,
                             log_every: int = 0) -> Callable:
     """A ``ModelSpec.post_optimizer_build_fn`` that switches GeoFP8 on.
 

@@ -40,12 +40,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..codecs import FORMATS, Codec, FP8Codec, make_codec
+from ..codecs import FORMATS, SCALINGS, Codec, FP8Codec, make_codec
 from ..comm import ShardLayout, simulate_exact_allreduce
 from ..geometry.factory import make_transform
 from ..geometry.statistics import LowRankFactor, SecondMoment
 from ..geometry.transforms import Transform
 from .data import get_batch
+from .errors import UsageError
+from .flags import at_least, choice_list, comma_list, text_file
+from .models import check_model_spec
+from .needs import require
 
 __all__ = [
     "FidelityConfig",
@@ -98,8 +102,8 @@ class FidelityConfig:
             raise ValueError(f"factor_source must be 'same' or 'previous', "
                              f"got {self.factor_source!r}")
         if self.ranks < 1 or self.batch_size % self.ranks:
-            raise ValueError(f"batch size {self.batch_size} must be a positive multiple of "
-                             f"ranks {self.ranks}")
+            raise UsageError(f"--batch-size {self.batch_size} must be a positive multiple of "
+                             f"--ranks {self.ranks}")
         unknown = [f for f in self.formats if f not in FORMATS]
         if unknown:
             raise ValueError(f"unknown format(s) {unknown}; expected some of {list(FORMATS)}")
@@ -416,44 +420,54 @@ def format_report(report: dict, table: str = "full") -> str:
 
 # -- command line ---------------------------------------------------------------------------
 
-def _list(kind):
-    def parse(text: str) -> list:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = FidelityConfig()
     a = parser.add_argument
+    count, counts = at_least(1), comma_list(at_least(1))
     a("--model", default=d.model,
       help="preset (llama-tiny, llama-small, llama-300m, llama-600m), a Hugging Face model "
            "directory or a .gguf file (default: %(default)s)")
-    a("--data", nargs="*", default=[], metavar="FILE",
+    a("--data", nargs="*", default=[], metavar="FILE", type=text_file,
       help="UTF-8 text files (default: the Python language reference from pydoc_data)")
-    a("--seq-len", type=int, default=d.seq_len)
-    a("--batch-size", type=int, default=d.batch_size,
-      help="sequences in the measured batch, split evenly over the ranks")
-    a("--ranks", type=int, default=d.ranks, help="simulated data-parallel ranks R")
+    a("--seq-len", type=count, default=d.seq_len, help="tokens per sequence "
+      "(default: %(default)s)")
+    a("--batch-size", type=count, default=d.batch_size,
+      help="sequences in the measured batch, split evenly over the ranks "
+           "(default: %(default)s)")
+    a("--ranks", type=count, default=d.ranks,
+      help="simulated data-parallel ranks R (default: %(default)s)")
     a("--factor-source", choices=["same", "previous"], default=d.factor_source,
-      help="factors from the measured batch, or from earlier batches")
-    a("--previous-batches", type=int, default=d.previous_batches,
-      help="batches the 'previous' factors are built from")
-    a("--formats", type=_list(str), default=d.formats, help=f"comma list of {list(FORMATS)}")
-    a("--scalings", type=_list(str), default=d.scalings, help="comma list of tensor,row,block")
-    a("--block-size", type=int, default=d.block_size,
-      help="elements per FP8 scale block (the block formats fix their own)")
-    a("--transforms", type=_list(str), default=d.transforms,
-      help=f"comma list of {', '.join(FAMILIES)} (default: %(default)s)")
-    a("--ranks-k", type=_list(int), default=d.ks, help="k list of 'lowrank'")
-    a("--a-blocks", type=_list(int), default=d.a_blocks, help="block sizes of 'block'")
-    a("--dampings", type=_list(float), default=d.dampings, help="relative damping list")
-    a("--vocab-size", type=int, default=d.vocab_size, help="BPE vocabulary when trained")
-    a("--seed", type=int, default=d.seed, help="model initialisation and data order")
-    a("--table", choices=["full", "summary"], default="full")
+      help="factors from the measured batch, or from earlier batches (default: %(default)s)")
+    a("--previous-batches", type=count, default=d.previous_batches,
+      help="batches the 'previous' factors are built from (default: %(default)s)")
+    a("--formats", type=choice_list(FORMATS), default=d.formats,
+      help=f"comma list of {', '.join(FORMATS)} (default: {','.join(d.formats)})")
+    a("--scalings", type=choice_list(SCALINGS), default=d.scalings,
+      help=f"comma list of {', '.join(SCALINGS)} (default: {','.join(d.scalings)})")
+    a("--block-size", type=count, default=d.block_size,
+      help="elements per FP8 scale block (the block formats fix their own; "
+           "default: %(default)s)")
+    a("--transforms", type=choice_list(FAMILIES, accept=lambda n: _family(n) in FAMILIES),
+      default=d.transforms, help=f"comma list of {', '.join(FAMILIES)}; lowrank, block and rht "
+      f"optionally with a size, e.g. lowrank16 (default: {','.join(d.transforms)})")
+    a("--ranks-k", type=counts, default=d.ks,
+      help=f"k list of 'lowrank' (default: {','.join(map(str, d.ks))})")
+    a("--a-blocks", type=counts, default=d.a_blocks,
+      help=f"block sizes of 'block' (default: {','.join(map(str, d.a_blocks))})")
+    a("--dampings", type=comma_list(at_least(0, float)), default=d.dampings,
+      help=f"relative damping list (default: {','.join(map(str, d.dampings))})")
+    a("--vocab-size", type=count, default=d.vocab_size,
+      help="BPE vocabulary when trained (default: %(default)s)")
+    a("--seed", type=at_least(0), default=d.seed,
+      help="model initialisation and data order (default: %(default)s)")
+    a("--table", choices=["full", "summary"], default="full",
+      help="every layer, or the summary tables only (default: %(default)s)")
     a("--json", type=Path, default=None, metavar="PATH", help="write the report as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
+    check_model_spec(args.model)
+    require("geofp8 fidelity", "transformers", "tokenizers")
     config = FidelityConfig(
         model=args.model, data=[str(p) for p in args.data], seq_len=args.seq_len,
         batch_size=args.batch_size, ranks=args.ranks, factor_source=args.factor_source,

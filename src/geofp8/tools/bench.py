@@ -31,10 +31,14 @@ from pathlib import Path
 import torch
 
 from ..codecs import FP8Codec, make_codec
-from ..codecs.fused import ef_quantize, naive_ef_quantize
+from ..geometry.fused import ef_quantize, naive_ef_quantize
 from ..geometry.statistics import nystrom_factor
 from ..geometry.transforms import LowRankInput
+from ..methods import METHODS
 from . import scaling
+from .flags import at_least, choice_list, comma_list
+from .models import PRESETS
+from .needs import require
 
 MiB = 2**20
 GB = 1e9
@@ -586,55 +590,51 @@ def to_markdown(results: dict, command: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parts", default="1,2,3,4,5",
-                        help="comma list of parts (1,2,3,4,5)")
-    parser.add_argument("--sizes", default=None,
-                        help="codec tensor sizes in MB, comma list (default 4,64,256)")
+    from .ddp_bench import DDPBenchConfig
+
+    count, ddp = at_least(1), DDPBenchConfig()
+    parser.add_argument("--parts", type=choice_list("12345"), default=list("12345"),
+                        help="comma list of parts (default: 1,2,3,4,5)")
+    parser.add_argument("--sizes", type=comma_list(at_least(0, float, above=True)),
+                        default=None, help="codec tensor sizes in MB, comma list "
+                        f"(default: {','.join(f'{s:g}' for s in DEFAULT_SIZES)})")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=count, default=None,
                         help="torch threads (default: torch's; a torchrun rank runs 1)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per figure")
+    parser.add_argument("--repeats", type=count, default=None,
+                        help="timed repeats per figure (default: 3, --quick 2)")
     parser.add_argument("--compile", action="store_true",
                         help="also time torch.compile of the obvious codec (slow warm-up)")
-    parser.add_argument("--ddp-world-sizes", default=None,
-                        help="part 3: comma list of rank counts (default 2,4)")
-    parser.add_argument("--ddp-methods", default=None,
-                        help="part 3: comma list of methods (see geofp8.tools.ddp_bench)")
-    parser.add_argument("--ddp-model", default=None, help="part 3: model preset (llama-tiny)")
-    parser.add_argument("--ddp-seq-len", type=int, default=None, help="part 3: tokens/sequence")
-    parser.add_argument("--ddp-batch-size", type=int, default=None,
-                        help="part 3: sequences per rank")
-    parser.add_argument("--ddp-steps", type=int, default=None,
-                        help="part 3: timed steps per method (default 10; a few percent "
-                             "needs more)")
+    parser.add_argument("--ddp-world-sizes", type=comma_list(count), default=None,
+                        help="part 3: comma list of rank counts (default: 2,4)")
+    parser.add_argument("--ddp-methods", type=choice_list(METHODS), default=None,
+                        help=f"part 3: comma list of methods (default: {','.join(ddp.methods)})")
+    parser.add_argument("--ddp-model", choices=list(PRESETS), default=None,
+                        help=f"part 3: model preset (default: {ddp.model})")
+    parser.add_argument("--ddp-seq-len", type=count, default=None,
+                        help=f"part 3: tokens per sequence (default: {ddp.seq_len})")
+    parser.add_argument("--ddp-batch-size", type=count, default=None,
+                        help=f"part 3: sequences per rank (default: {ddp.batch_size})")
+    parser.add_argument("--ddp-steps", type=count, default=None,
+                        help=f"part 3: timed steps per method (default: {ddp.steps}; a few "
+                             "percent needs more)")
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     parser.add_argument("--markdown", type=Path, default=None,
                         help="write the Performance section here (e.g. docs/performance.md)")
 
 
 def run(args: argparse.Namespace) -> int:
-    parts = [int(p) for p in str(args.parts).split(",") if p.strip()]
-    unknown = set(parts) - {1, 2, 3, 4, 5}
-    if unknown:
-        raise SystemExit(f"unknown bench part(s) {sorted(unknown)}; available: 1, 2, 3, 4, 5")
-    if args.sizes:
-        sizes = [float(s) for s in args.sizes.split(",")]
-    else:
-        sizes = [0.25, 1.0] if args.quick else DEFAULT_SIZES
+    parts = [int(p) for p in args.parts]
+    if {3, 5} & set(parts):
+        require("bench parts 3 and 5 (Llama steps)", "transformers", "tokenizers")
+    sizes = args.sizes or ([0.25, 1.0] if args.quick else DEFAULT_SIZES)
     repeats = args.repeats or (2 if args.quick else 3)
     if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads takes a positive count, got {args.threads}")
         torch.set_num_threads(args.threads)
-    if args.ddp_steps is not None and args.ddp_steps < 1:
-        raise SystemExit(f"--ddp-steps takes a positive count, got {args.ddp_steps}")
-    ddp = {
-        "world_sizes": [int(w) for w in args.ddp_world_sizes.split(",")]
-        if args.ddp_world_sizes else None,
-        "methods": tuple(args.ddp_methods.split(",")) if args.ddp_methods else None,
-        "model": args.ddp_model, "seq_len": args.ddp_seq_len,
-        "batch_size": args.ddp_batch_size, "steps": args.ddp_steps,
-    }
+    ddp = {"world_sizes": args.ddp_world_sizes,
+           "methods": tuple(args.ddp_methods) if args.ddp_methods else None,
+           "model": args.ddp_model, "seq_len": args.ddp_seq_len,
+           "batch_size": args.ddp_batch_size, "steps": args.ddp_steps}
     results = run_bench(parts, sizes, args.quick, repeats, args.compile, ddp=ddp)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

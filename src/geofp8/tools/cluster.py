@@ -39,8 +39,11 @@ from functools import partial
 from pathlib import Path
 
 from . import netem, scaling
-from .train import add_train_arguments, config_from_args, to_argv
-from .train.compare import _complete, split_list
+from .errors import UsageError
+from .flags import at_least, choice_list, comma_list, flatten
+from .needs import require
+from .train import add_train_arguments, check_inputs, check_world, config_from_args, to_argv
+from .train.compare import _complete
 from .train.config import METHODS, TrainConfig
 from .train.launch import launch
 from .train.report import _bytes, read_log
@@ -55,26 +58,32 @@ MASTER_PORT = 29500  # inside rank 0's own namespace: nothing else listens there
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, metavar="METHOD",
-                        help="methods, space- or comma-separated (default: %(default)s)")
-    parser.add_argument("--rates", nargs="+", default=DEFAULT_RATES, metavar="RATE",
+    positive = at_least(0, float, above=True)
+    parser.add_argument("--methods", nargs="+", type=choice_list(METHODS),
+                        default=DEFAULT_METHODS, metavar="METHOD",
+                        help="methods, space- or comma-separated (default: "
+                        f"{' '.join(DEFAULT_METHODS)})")
+    parser.add_argument("--rates", nargs="+", type=comma_list(_rate), default=DEFAULT_RATES,
+                        metavar="RATE",
                         help="link rates, space- or comma-separated: Gbit/s (1, 10), with a "
                         "unit (500m, 25g), or 'loopback' (the plain local launch, needed for "
-                        "the overlap and the model; default: %(default)s)")
-    parser.add_argument("--nproc", type=int, default=4, help="ranks in all, "
+                        f"the overlap and the model; default: {' '.join(DEFAULT_RATES)})")
+    parser.add_argument("--nproc", type=at_least(2), default=4, help="ranks in all, "
                         f"2..{netem.MAX_RANKS} (default: %(default)s)")
-    parser.add_argument("--ranks-per-node", type=int, default=1,
+    parser.add_argument("--ranks-per-node", type=at_least(1), default=1,
                         help="ranks sharing a node's namespace and link (default: 1)")
-    parser.add_argument("--nodes", type=int, default=None,
+    parser.add_argument("--nodes", type=at_least(2), default=None,
                         help="nodes; sets --nproc to nodes × ranks-per-node")
-    parser.add_argument("--queue-ms", type=float, default=20.0,
-                        help="token-bucket queue bound in ms (tbf latency; not a delay)")
-    parser.add_argument("--burst", type=int, default=None,
+    parser.add_argument("--queue-ms", type=positive, default=20.0,
+                        help="token-bucket queue bound in ms (tbf latency; not a delay; "
+                        "default: %(default)s)")
+    parser.add_argument("--burst", type=at_least(1), default=None,
                         help="token-bucket burst in bytes (default: max(128 KiB, 1 ms of rate))")
-    parser.add_argument("--mtu", type=int, default=1500, help="MTU of the links")
-    parser.add_argument("--run-timeout", type=float, default=3600.0,
+    parser.add_argument("--mtu", type=at_least(68), default=1500,
+                        help="MTU of the links (default: %(default)s)")
+    parser.add_argument("--run-timeout", type=positive, default=3600.0,
                         help="seconds before one run is stopped (default: %(default)s)")
-    parser.add_argument("--loss-slack", type=float, default=1e-3,
+    parser.add_argument("--loss-slack", type=at_least(0, float), default=1e-3,
                         help="a method has reached fp32's final validation loss when it is "
                         "within this much above it (default: %(default)s; seed spreads are "
                         "≈1e-2)")
@@ -83,6 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_train_arguments(parser, skip=("method", "resume", "stop_after"))
     parser.set_defaults(out="reports/cluster", model="llama-small", eval_every=25,
                         log_every=1, quiet=True)
+
+
+def _rate(text: str) -> str:
+    """A ``--rates`` item, checked (argparse type)."""
+    try:
+        rate_label(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def rate_label(rate: str) -> str:
@@ -402,26 +420,21 @@ def _interrupt(signum, frame):
 
 
 def run(args: argparse.Namespace) -> int:
-    methods, rates = split_list(args.methods), split_list(args.rates)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise SystemExit(f"geofp8 cluster: unknown method(s) {unknown}; choose from "
-                         f"{', '.join(METHODS)}")
+    methods, rates = flatten(args.methods), flatten(args.rates)
     if args.nodes is not None:
         args.nproc = args.nodes * args.ranks_per_node
     if not 2 <= args.nproc <= netem.MAX_RANKS:
-        raise SystemExit(f"geofp8 cluster: --nproc must be in 2..{netem.MAX_RANKS}")
-    if args.ranks_per_node < 1 or args.nproc % args.ranks_per_node or \
-            args.nproc // args.ranks_per_node < 2:
-        raise SystemExit(f"geofp8 cluster: --ranks-per-node {args.ranks_per_node} must "
-                         f"divide the {args.nproc} ranks into at least 2 nodes")
-    try:
-        labels = [rate_label(r) for r in rates]
-    except ValueError as e:
-        raise SystemExit(f"geofp8 cluster: {e}") from None
+        raise UsageError(f"--nproc must be in 2..{netem.MAX_RANKS}, got {args.nproc}")
+    if args.nproc % args.ranks_per_node or args.nproc // args.ranks_per_node < 2:
+        raise UsageError(f"--ranks-per-node {args.ranks_per_node} must divide the "
+                         f"{args.nproc} ranks into at least 2 nodes")
+    labels = [rate_label(r) for r in rates]
     if len(set(labels)) != len(labels):
-        raise SystemExit(f"geofp8 cluster: repeated rate in {rates}")
+        raise UsageError(f"--rates: a rate is repeated in {' '.join(rates)}")
     base = config_from_args(args)
+    check_inputs(base)
+    check_world(base, args.nproc)
+    require("geofp8 cluster's report (time_to_loss.png)", "matplotlib")
     # the command that produces these runs (--reuse only skips finished ones)
     command = "geofp8 cluster " + shlex.join(a for a in getattr(args, "_argv", [])[1:]
                                              if a != "--reuse")

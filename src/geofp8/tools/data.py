@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from .errors import UsageError
+
 __all__ = [
     "TokenData",
     "bpe_tokenizer",
@@ -156,8 +158,10 @@ def load_token_data(paths: Sequence[str | os.PathLike] | None = None, seq_len: i
     n = ids.numel() // (seq_len + 1)
     n_val = math.ceil(val_fraction * n)
     if n - n_val < 1:
-        raise ValueError(f"corpus of {ids.numel()} tokens is too short for blocks of "
-                         f"{seq_len + 1} tokens with a {val_fraction:.0%} validation split")
+        raise UsageError(f"the corpus ({ids.numel()} tokens) is too short for one training "
+                         f"block of {seq_len + 1} tokens (--seq-len {seq_len}) with a "
+                         f"{val_fraction:.0%} validation split: give a longer text or a "
+                         "shorter --seq-len")
     blocks = ids[: n * (seq_len + 1)].view(n, seq_len + 1)
     return TokenData(blocks[: n - n_val], blocks[n - n_val :], tokenizer,
                      vocab_size_of(tokenizer))

@@ -23,8 +23,12 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .train import TrainConfig, to_argv
-from .train.compare import check_methods, compare, split_list
+from .errors import RunFailed
+from .flags import at_least, choice_list, flatten
+from .needs import available
+from .train import TrainConfig, check_inputs, to_argv
+from .train.compare import compare
+from .train.config import METHODS as ALL_METHODS
 from .train.launch import launch
 from .train.report import format_table, read_log
 
@@ -78,7 +82,7 @@ def probe(base: TrainConfig, method: str, nproc: int) -> RunCost:
     rc = launch(nproc, to_argv(cfg))
     wall = time.perf_counter() - t0
     if rc != 0:
-        raise RuntimeError(f"the timing run of {method} failed (exit status {rc})")
+        raise RunFailed(f"the timing run of {method} failed (exit status {rc})")
     try:
         return cost_from_log(read_log(folder / "log.jsonl"), wall)
     finally:
@@ -138,20 +142,21 @@ class _Clock:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="reports/demo",
                         help="report folder (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=SETTINGS["steps"],
+    parser.add_argument("--steps", type=at_least(1), default=SETTINGS["steps"],
                         help="steps per run (default: %(default)s)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (default: %(default)s)")
-    parser.add_argument("--methods", nargs="+", default=METHODS,
-                        help="methods (default: %(default)s)")
+    parser.add_argument("--nproc", type=at_least(1), default=2,
+                        help="ranks (default: %(default)s)")
+    parser.add_argument("--methods", nargs="+", type=choice_list(ALL_METHODS), default=METHODS,
+                        help=f"methods, space- or comma-separated (default: {' '.join(METHODS)})")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs")
 
 
 def run(args: argparse.Namespace) -> int:
-    methods = split_list(args.methods)
-    check_methods(methods)  # before the timing run
+    methods = flatten(args.methods)
     settings = {**SETTINGS, "steps": args.steps,
                 "warmup": min(SETTINGS["warmup"], max(1, args.steps // 10))}
     base = TrainConfig(**settings, out=args.out)
+    check_inputs(base)  # before the timing run
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
     command = (f"geofp8 compare --methods {' '.join(methods)} --nproc {args.nproc} "
                f"{flags} --out {args.out}")
@@ -173,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
                       on_run=_Clock(methods, run_s, args.nproc) if run_s else None)
     print()
     print(format_table(results["methods"]))
+    figures = "loss.png, fidelity.png, " if available("matplotlib") else ""
     print(f"\n{time.perf_counter() - t0:.0f} s. Report: {Path(args.out) / 'report.md'} "
-          "(with loss.png, fidelity.png, results.json)")
+          f"(with {figures}results.json)")
     return 0

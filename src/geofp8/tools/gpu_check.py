@@ -9,6 +9,8 @@ Run it where a CUDA build of torch is installed (no network needed)::
    runs) on the device against the CPU, bitwise (stochastic rounding too: its uniforms are
    drawn on the host for both runs, since CUDA's generator draws other numbers; with the
    same numbers the codec's arithmetic must agree to the bit).
+   The fused Triton kernels (:mod:`geofp8.codecs.triton_fp8`), kernel by kernel against
+   the torch reference on the device, and one 25 MB bucket's fused stages timed.
 2. Transforms: every kind maps back (``T⁻¹(T(G)) ≈ G``) on the device.
 3. Methods: every geofp8 row of :data:`geofp8.methods.METHODS`, one ordinary step simulated
    at ``N = 4`` (map, encode, all-to-all stages, FP32 sum, re-encode, decode, map back) on
@@ -309,6 +311,73 @@ def check_training(rows: list) -> None:
         _row(rows, f"train {method}", train)
 
 
+def _bits_equal(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bitwise equal, any NaN where the other has one (which NaN a product of two keeps is
+    the kernel's choice)."""
+    if got.dtype == torch.uint8:
+        return torch.equal(got, want)
+    nan = got.isnan()
+    return torch.equal(nan, want.isnan()) and torch.equal(
+        got.masked_fill(nan, 0).view(torch.int32), want.masked_fill(nan, 0).view(torch.int32))
+
+
+def check_fused(rows: list) -> None:
+    """Every fused Triton kernel (:mod:`geofp8.codecs.triton_fp8`) against the torch
+    reference on the device, bitwise, for E4M3 and E5M2 and each scaling; then one 25 MB
+    bucket's fused stages timed against a device-to-device copy (the HBM's reach)."""
+    from ..codecs import make_codec, triton_fp8
+    from ..codecs.groups import GroupMap
+
+    if not triton_fp8.available(torch.zeros(1, device=DEVICE)):
+        rows.append(("fused kernels", "triton does not import: pip install geofp8[gpu]",
+                     "FAIL"))
+        return
+    inputs = [bucket(r, SHAPES).to(DEVICE) for r in range(WORLD)]
+    inputs[1][5] = float("nan")  # a non-finite group on one sender
+    for fmt, scaling in ((f, s) for f in ("e4m3", "e5m2") for s in ("tensor", "row", "block")):
+        groups = GroupMap([[make_codec(fmt, scaling, 32).groups(s) for s in SHAPES]])
+        residual = torch.randn_like(inputs[0]) * 1e-2
+
+        def encode(groups=groups, residual=residual, fmt=fmt):
+            u, scales = triton_fp8.amax(inputs[0], groups, residual, fmt)
+            codes, error = triton_fp8.encode(u, scales, groups, error=True, fmt=fmt)
+            ref_scales, ref_codes, ref_values = triton_fp8.reference(u, groups, fmt)
+            ok = [_bits_equal(u, inputs[0] + residual), _bits_equal(scales, ref_scales),
+                  _bits_equal(codes, ref_codes), _bits_equal(error, u - ref_values)]
+            return f"EF add, scales, codes, error: {ok}", all(ok)
+
+        def decode(groups=groups, fmt=fmt):
+            refs = [triton_fp8.reference(x, groups, fmt) for x in inputs]
+            value = triton_fp8.decode(torch.empty_like(inputs[0]), refs[0][1], refs[0][0],
+                                      groups, fmt)
+            total = triton_fp8.decode_sum(torch.stack([c for _, c, _ in refs]),
+                                          torch.stack([s for s, _, _ in refs]), groups, WORLD,
+                                          fmt)
+            want = torch.zeros_like(total)
+            for _, _, v in refs:
+                want += v
+            ok = [_bits_equal(value, refs[0][2]), _bits_equal(total, want)]
+            return f"decode, decode-and-sum N={WORLD}: {ok}", all(ok)
+
+        _row(rows, f"fused {fmt}/{scaling} encode with EF", encode)
+        _row(rows, f"fused {fmt}/{scaling} decode", decode)
+    if DEVICE.type != "cuda":  # the interpreter's stand-in run checks the bits only
+        return
+    x = torch.randn(25 << 20 >> 2, device=DEVICE)  # 25 MiB of FP32
+    groups = GroupMap([[make_codec("e4m3").groups(tuple(x.shape))]])
+    r = torch.zeros_like(x)
+
+    def stages():
+        u, scales = triton_fp8.amax(x, groups, r)
+        codes, _ = triton_fp8.encode(u, scales, groups, error=True)
+        triton_fp8.decode(u, codes, scales, groups)
+
+    t, copy = _timed(stages), _timed(lambda: x.clone())
+    moved = 22 * x.numel()  # bytes: x, r read, u written; u read twice, codes, error; decode
+    rows.append(("fused e4m3 q+EF+d 25 MiB", f"{1e6 * t:.0f} µs, "
+                 f"{moved / t / (8 * x.numel() / copy):.0%} of D2D copy bandwidth", "ok"))
+
+
 def check_throughput(rows: list) -> None:
     from ..codecs import FORMATS, make_codec
     from ..geometry.statistics import LowRankFactor
@@ -336,7 +405,7 @@ def main() -> int:
         return 2
     t0 = time.perf_counter()
     rows: list[tuple[str, str, str]] = []
-    for check in (check_codecs, check_transforms, check_methods, check_training,
+    for check in (check_codecs, check_fused, check_transforms, check_methods, check_training,
                   check_throughput):
         try:
             check(rows)

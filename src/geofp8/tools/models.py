@@ -72,10 +72,13 @@ def build_preset(name: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
 
 
 def check_model_spec(spec: str | os.PathLike) -> None:
-    """Raise :class:`~geofp8.tools.errors.UsageError` unless ``spec`` is a preset, an existing
-    directory or an existing ``.gguf`` file."""
+    """Raise :class:`~geofp8.tools.errors.UsageError` unless ``spec`` is a preset, a
+    directory with a ``config.json`` (a Hugging Face model) or an existing ``.gguf`` file."""
     spec = str(spec)
     path = Path(spec)
+    if spec not in PRESETS and path.is_dir() and not (path / "config.json").is_file():
+        raise UsageError(f"--model {spec}: the directory has no config.json (a Hugging Face "
+                         "model directory, as save_pretrained writes it)")
     if spec in PRESETS or path.is_dir() or (path.suffix == ".gguf" and path.is_file()):
         return
     if path.suffix == ".gguf":

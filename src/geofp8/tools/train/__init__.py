@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, fields
-from pathlib import Path
 
 from ...comm import KERNELS
 from ...feedback import STORAGES
+from ..flags import at_least, fraction, text_file
 from .config import METHODS, TrainConfig, make_comm_hook
 
-__all__ = ["METHODS", "TrainConfig", "add_arguments", "check_inputs", "config_from_args",
-           "make_comm_hook", "run", "to_argv"]
+__all__ = ["METHODS", "TrainConfig", "add_arguments", "check_inputs", "check_world",
+           "config_from_args", "make_comm_hook", "run", "to_argv"]
 
 HELP = {
     "model": "preset (llama-tiny, llama-small: CPU; llama-300m, llama-600m: paper scale) "
@@ -42,15 +42,15 @@ HELP = {
                                                      for k, v in METHODS.items()),
     "format": "FP8 format of the fp8/hadamard/geofp8 methods: e4m3 or e5m2",
     "refresh_every": "GeoFP8 factor refresh period K (paper: 50)",
-    "profile_steps": "steps of the geofp8 profile before its layers are fixed (default 100)",
+    "profile_steps": "steps of the geofp8 profile before its layers are fixed",
     "k": "GeoFP8 low-rank factor k (paper: 32)",
     "budget": "methods budget and budget-ef2: bytes per element per round trip (e4m3 1.0, "
               "nvfp4 0.5625); formats chosen per layer within it",
     "parallel": "ddp (DDP + comm hook), fsdp (fully_shard + FP8 reduce-scatter) or hsdp "
                 "(replicate x shard mesh: FP8 reduce-scatter + FP8 replica all-reduce)",
     "shard_size": "hsdp: ranks per shard group (0: half the ranks)",
-    "residual": "fsdp/hsdp error-feedback storage: fp32 (4 B/param), bf16 (2), fp8 (1 + 4/row), "
-                "nvfp4 (0.5625)",
+    "residual": "error-feedback storage: fp32 (4 B/param), bf16 (2), fp8 (1 + 4/row), "
+                "nvfp4 (0.5625); default: GeoFP8Config's",
     "hierarchy": "ddp: auto (node when >= 2 nodes of >= 2 ranks), flat, or node (FP32 inside "
                  "a node, the exact low-precision collective between nodes)",
     "node_size": "ranks per node (0: torchrun's LOCAL_WORLD_SIZE); with --hierarchy node, "
@@ -77,6 +77,24 @@ def _default(f):
     return f.default_factory() if f.default is MISSING else f.default
 
 
+# The value each numeric flag accepts (argparse refuses the rest before any work).
+_COUNT, _SOME = at_least(1), at_least(0)
+_POSITIVE, _NONNEGATIVE = at_least(0, float, above=True), at_least(0, float)
+VALUE_TYPES = {
+    **dict.fromkeys(("vocab_size", "seq_len", "batch_size", "steps", "stop_after",
+                     "refresh_every", "profile_steps", "k", "eval_batches", "log_every",
+                     "dataset_max_chars"), _COUNT),
+    **dict.fromkeys(("warmup", "shard_size", "node_size", "eval_every", "shadow_every",
+                     "checkpoint_every", "seed", "threads"), _SOME),
+    **dict.fromkeys(("lr", "lr_min", "budget", "timeout_s"), _POSITIVE),
+    **dict.fromkeys(("weight_decay", "grad_clip"), _NONNEGATIVE),
+    "val_fraction": fraction,
+}
+CHOICES = {"method": list(METHODS), "optimizer": ["muon", "adamw"], "format": ["e4m3", "e5m2"],
+           "parallel": ["ddp", "fsdp", "hsdp"], "residual": list(STORAGES),
+           "hierarchy": ["auto", "flat", "node"], "kernels": list(KERNELS)}
+
+
 def add_train_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One flag per :class:`TrainConfig` field (``--seq-len`` for ``seq_len``)."""
     for f in fields(TrainConfig):
@@ -87,22 +105,18 @@ def add_train_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] =
             parser.add_argument(flag, action="store_true", help=HELP[f.name])
         elif isinstance(default, list):
             parser.add_argument(flag, nargs="*", default=default, metavar="PATH",
-                                help=HELP[f.name])
+                                type=text_file, help=HELP[f.name])
         else:
-            kind = {"stop_after": int, "dataset": str, "budget": float}.get(f.name, type(default))
-            choices = {"method": list(METHODS), "optimizer": ["muon", "adamw"],
-                       "format": ["e4m3", "e5m2"], "parallel": ["ddp", "fsdp", "hsdp"],
-                       "residual": list(STORAGES),
-                       "hierarchy": ["auto", "flat", "node"],
-                       "kernels": list(KERNELS)}.get(f.name)
-            parser.add_argument(flag, type=kind, default=default, choices=choices,
+            parser.add_argument(flag, type=VALUE_TYPES.get(f.name, str), default=default,
+                                choices=CHOICES.get(f.name),
                                 help=f"{HELP[f.name]} (default: %(default)s)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_train_arguments(parser)
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="launch torchrun with this many local processes")
+    parser.add_argument("--nproc", type=_COUNT, default=None,
+                        help="launch torchrun with this many local processes (default: none, "
+                        "this process trains alone or as the rank torchrun started)")
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
@@ -111,16 +125,38 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    """The user's mistakes that can be found before any rank starts: a ``--model`` that is
-    neither a preset nor an existing directory or ``.gguf`` file, ``--data`` files that do
-    not exist (:class:`~geofp8.tools.errors.UsageError`)."""
+    """What can be found wrong before any rank starts: a ``--model`` that is neither a
+    preset nor a model directory or ``.gguf`` file, ``--data`` that names no file, a package
+    the run needs and does not find (:class:`~geofp8.tools.errors.UsageError`)."""
     from ..errors import UsageError
     from ..models import check_model_spec
+    from ..needs import require
 
     check_model_spec(cfg.model)
-    missing = [p for p in cfg.data if not Path(p).is_file()]
-    if missing:
-        raise UsageError(f"--data: no such file: {', '.join(missing)}")
+    require("training a Hugging Face Llama", "transformers", "tokenizers")
+    if cfg.dataset:
+        require("--dataset", "datasets")
+    for path in cfg.data:
+        try:
+            text_file(path)
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"--data: {e}") from None
+
+
+def check_world(cfg: TrainConfig, world: int) -> None:
+    """What a launch on ``world`` ranks can be refused for before it starts: a
+    ``--shard-size`` or ``--node-size`` that does not split them, a ``--resume`` from a
+    checkpoint of another number of ranks (:class:`~geofp8.tools.errors.UsageError`)."""
+    from ..errors import UsageError
+    from . import checkpoint
+    from .parallel import shard_size
+
+    if cfg.parallel != "ddp":
+        shard_size(cfg, world)
+    if cfg.node_size and world % cfg.node_size:
+        raise UsageError(f"--node-size {cfg.node_size} must divide the {world} ranks")
+    if cfg.resume and (step := checkpoint.latest_step(cfg.out)) is not None:
+        checkpoint.check_world(cfg.out, step, world)
 
 
 def to_argv(cfg: TrainConfig) -> list[str]:
@@ -147,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     check_inputs(cfg)
     if args.nproc and not in_launched_process():
+        check_world(cfg, args.nproc)
         return launch(args.nproc, to_argv(cfg))
     from .loop import train
 

@@ -19,7 +19,9 @@ Each ``.pt`` file goes to a temporary name in the same directory and is renamed 
 :func:`os.replace`, so a crash mid-write never leaves a half file under the real name, and
 a crash anywhere while writing step ``s`` leaves the previous checkpoint whole and named
 by ``meta.json``. Everything is read with ``weights_only=True`` (DCP's pickled values too:
-:class:`~geofp8.integrations.dcp.SafeLoadPlanner`).
+:class:`~geofp8.integrations.dcp.SafeLoadPlanner`); a file that cannot be read is one clear
+``ValueError``, and GeoFP8's state is verified before it is loaded (another rank's, another
+model's, a damaged or non-finite one is refused: :mod:`geofp8.verification`).
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["atomic_save", "checkpoint_dir", "latest_step", "load_rank", "load_shared",
-           "load_sharded", "save_sharded", "step_dir", "write_meta"]
+from ...integrations.checkpoint import read
+from ..errors import UsageError
+
+__all__ = ["atomic_save", "check_world", "checkpoint_dir", "latest_step", "load_rank",
+           "load_shared", "load_sharded", "save_sharded", "step_dir", "write_meta"]
 
 
 def checkpoint_dir(out: str | os.PathLike) -> Path:
@@ -81,7 +86,7 @@ def latest_step(out: str | os.PathLike) -> int | None:
 
 
 def _load(path: Path, step: int) -> dict:
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    obj = read(path)  # a file torch cannot read is one clear error
     if obj["step"] != step:
         raise RuntimeError(f"{path.name} holds step {obj['step']}, meta.json says {step}: "
                            "the checkpoint is incomplete")
@@ -99,13 +104,19 @@ def load_rank(out: str | os.PathLike, rank: int, step: int, world: int) -> dict:
         ValueError: the checkpoint was written on another number of ranks than ``world``
             (the RNG and GeoFP8 states are per rank: they are not resharded).
     """
+    check_world(out, step, world)
+    return _load(step_dir(out, step) / f"rank{rank}.pt", step)
+
+
+def check_world(out: str | os.PathLike, step: int, world: int) -> None:
+    """Raise :class:`~geofp8.tools.errors.UsageError` (a ``ValueError``) unless the
+    checkpoint of ``step`` was written on ``world`` ranks."""
     written = len(list(step_dir(out, step).glob("rank*.pt")))
     if written != world:
-        raise ValueError(f"the checkpoint {step_dir(out, step).name} was written on {written} "
+        raise UsageError(f"the checkpoint {step_dir(out, step).name} was written on {written} "
                          f"ranks, this run has {world}: the error-feedback residuals and RNG "
                          f"states are per rank and cannot be resharded; resume on {written} "
                          "ranks")
-    return _load(step_dir(out, step) / f"rank{rank}.pt", step)
 
 
 def _sharded_states(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],

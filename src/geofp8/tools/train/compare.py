@@ -15,8 +15,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import UsageError
-from . import add_train_arguments, check_inputs, config_from_args, to_argv
+from ..errors import RunFailed, UsageError
+from ..flags import at_least, choice_list, comma_list, flatten
+from ..needs import available, install_hint
+from . import add_train_arguments, check_inputs, check_world, config_from_args, to_argv
 from .config import METHODS, TrainConfig
 from .launch import launch
 from .report import build_report, format_table, read_log
@@ -25,16 +27,18 @@ DEFAULT_METHODS = ["fp32", "fp8", "fp8-ef", "geofp8-auto"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, metavar="METHOD",
+    parser.add_argument("--methods", nargs="+", type=choice_list(METHODS),
+                        default=DEFAULT_METHODS, metavar="METHOD",
                         help=f"methods to run, space- or comma-separated (default: "
-                        f"%(default)s; all: {' '.join(METHODS)})")
-    parser.add_argument("--seeds", nargs="+", default=["0"],
+                        f"{' '.join(DEFAULT_METHODS)}; all: {' '.join(METHODS)})")
+    parser.add_argument("--seeds", nargs="+", type=comma_list(at_least(0)), default=[0],
                         help="seeds, space- or comma-separated (model initialisation and data "
                         "order; default: 0)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per run (default: 2)")
+    parser.add_argument("--nproc", type=at_least(1), default=2,
+                        help="ranks per run (default: %(default)s)")
     parser.add_argument("--reuse", action="store_true",
                         help="keep runs whose log already reaches the last step")
-    parser.add_argument("--run-timeout", type=float, default=None,
+    parser.add_argument("--run-timeout", type=at_least(0, float, above=True), default=None,
                         help="seconds before one run is stopped (default: none)")
     add_train_arguments(parser, skip=("method", "seed", "resume", "stop_after"))
     parser.set_defaults(out="reports/compare", shadow_every=10)
@@ -56,10 +60,19 @@ def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
             out: str | Path, reuse: bool = False, run_timeout: float | None = None,
             command: str | None = None, echo=print, on_run=None) -> dict:
     """Run every method for every seed, then write the report under ``out``;
-    ``on_run(method, seed, seconds)`` is called after each run that was not reused."""
-    check_methods(methods)  # before any run starts
-    for method in methods:  # and each method's settings (e.g. a budget method's --budget)
+    ``on_run(method, seed, seconds)`` is called after each run that was not reused. What
+    is missing is said before any run starts: an unknown method, a method's settings (e.g.
+    a budget method's --budget), a package the runs need; without matplotlib the report
+    has no plots."""
+    check_methods(methods)
+    for method in methods:  # each method's own settings (e.g. a budget method's --budget)
         replace(base, method=method)
+    check_inputs(base)
+    check_world(base, nproc)
+    plots = available("matplotlib")
+    if not plots:
+        echo(f"matplotlib is not installed: the report will have no plots "
+             f"({install_hint(['matplotlib'])}, then rerun with --reuse to draw them).")
     runs = []
     total, done = len(methods) * len(seeds), 0
     for seed in seeds:
@@ -75,7 +88,7 @@ def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
             echo(f"[{done}/{total}] {method} seed {seed} ({nproc} ranks) ...")
             rc = launch(nproc, to_argv(cfg), timeout=run_timeout)
             if rc != 0:
-                raise RuntimeError(f"{method} seed {seed} failed (exit status {rc}); "
+                raise RunFailed(f"{method} seed {seed} failed (exit status {rc}); "
                                    f"rerun: geofp8 train --nproc {nproc} "
                                    + shlex.join(to_argv(cfg)))
             seconds = time.perf_counter() - t0
@@ -85,7 +98,7 @@ def compare(base: TrainConfig, methods: list[str], seeds: list[int], nproc: int,
                  f"{records[-1]['loss']:.4f}" + (f", validation {val[-1]:.4f}" if val else ""))
             if on_run is not None:
                 on_run(method, seed, seconds)
-    return build_report(out, runs, command=command)
+    return build_report(out, runs, command=command, plots=plots)
 
 
 def check_methods(methods: list[str]) -> None:
@@ -96,16 +109,9 @@ def check_methods(methods: list[str]) -> None:
                          f"{', '.join(METHODS)}")
 
 
-def split_list(values: list[str]) -> list[str]:
-    """``["a,b", "c"]`` → ``["a", "b", "c"]``."""
-    return [v for item in values for v in item.split(",") if v]
-
-
 def run(args: argparse.Namespace) -> int:
-    args.methods = split_list(args.methods)
-    args.seeds = [int(s) for s in split_list(args.seeds)]
+    args.methods, args.seeds = flatten(args.methods), flatten(args.seeds)
     base = config_from_args(args)
-    check_inputs(base)
     command = "geofp8 compare " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 else None
     results = compare(base, args.methods, args.seeds, args.nproc, args.out, args.reuse,
                       args.run_timeout, command)

@@ -45,7 +45,7 @@ class TrainConfig:
     budget: float | None = None  # method budget: bytes per element per round trip
     parallel: str = "ddp"
     shard_size: int = 0  # hsdp: ranks per shard group (0: half the ranks)
-    residual: str = "fp32"  # fsdp/hsdp error-feedback storage
+    residual: str | None = None  # error-feedback storage (None: GeoFP8Config's default)
     hierarchy: str = "auto"  # ddp: auto | flat | node (FP32 inside a node, FP8 between)
     node_size: int = 0  # ranks per node (0: torchrun's LOCAL_WORLD_SIZE)
     kernels: str = "auto"  # auto | batched | chunked (the stages' kernels; same bits)
@@ -73,12 +73,21 @@ class TrainConfig:
              f"--method {self.method} needs --budget B (bytes per element per round trip)"),
             (self.optimizer in ("muon", "adamw"), "optimizer must be 'muon' or 'adamw'"),
             (self.parallel in ("ddp", "fsdp", "hsdp"), "parallel must be ddp, fsdp or hsdp"),
-            (self.residual in STORAGES, f"residual must be one of {STORAGES}"),
+            (self.residual is None or self.residual in STORAGES,
+             f"residual must be one of {STORAGES}"),
             (self.hierarchy in ("auto", "flat", "node"), "hierarchy must be auto, flat or node"),
             (self.node_size >= 0, "node_size must be >= 0"),
             (self.kernels in KERNELS, f"kernels must be one of {KERNELS}"),
             (self.parallel == "ddp" or self.optimizer == "adamw",
              "--parallel fsdp/hsdp needs --optimizer adamw (Muon needs whole matrices)"),
+            (self.parallel == "ddp" or self.method not in METHODS
+             or METHODS[self.method].kind in ("allreduce", "geofp8"),
+             f"--parallel {self.parallel} runs the fp32 and GeoFP8 methods, not "
+             f"{self.method!r} (a DDP comm hook)"),
+            (self.parallel == "ddp" or self.method not in METHODS
+             or "budget" not in METHODS[self.method].overrides,
+             f"--method {self.method} chooses formats per layer within a byte budget, which "
+             f"is DDP-only for now: use --parallel ddp, or one format (e.g. --method nvfp4-ef)"),
             (self.steps >= 1 and self.seq_len >= 1 and self.batch_size >= 1,
              "steps, seq_len and batch_size must be >= 1"),
             (self.warmup >= 0, "warmup must be >= 0"),
@@ -89,6 +98,48 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UsageError(f"TrainConfig: {message}")
+        try:  # the method's own settings (k, refresh period, budget ...), before any rank
+            self.method_config()
+        except ValueError as e:
+            raise UsageError(f"--method {self.method}: {e}") from None
+
+    def method_config(self):
+        """The :class:`~geofp8.config.GeoFP8Config` of ``--method`` with this run's settings
+        (``None`` for PyTorch's own hooks)."""
+        spec = METHODS[self.method]
+        return spec.config(**spec.takes(**self.method_settings()))
+
+    def geometry_start(self) -> tuple[int | None, str]:
+        """The first step at which ``--method`` can send a layer through a geometry map
+        (``None``: it never does) and why then. :meth:`geofp8.GeoFP8State.stats` tells the
+        step it did (``geometry_since_step``); an ``auto`` or budget method may start later,
+        or never, when geometry measures no better than plain coordinates."""
+        c = self.method_config()
+        if c is None or c.transform == "euclidean" or (c.layers == "none" and c.budget is None):
+            return None, "it sends every gradient in plain coordinates"
+        if c.transform in ("hadamard", "rht"):
+            return c.warmup_steps, "a fixed rotation, on from the first step"
+        if c.factor_source == "refresh":
+            ready, why = c.refresh_every, (f"the first factor comes from the first refresh, "
+                                           f"after --refresh-every {c.refresh_every} steps")
+        else:
+            ready, why = 0, "this step's factor, built during the backward"
+        if c.budget is not None or c.layers == "auto":
+            return max(ready + 1, c.warmup_steps), (
+                f"{why}; the paths' errors are measured on that step and a layer switches to "
+                "geometry on the next one, only where geometry measured better")
+        if c.layers == "profile":
+            fixed = c.warmup_steps + c.profile_steps
+            return max(ready, fixed), (f"{why}; the profile fixes the layers after "
+                                       f"--profile-steps {c.profile_steps}")
+        return max(ready, c.warmup_steps), why
+
+    def method_settings(self) -> dict[str, Any]:
+        """The run-wide settings a method may take (:meth:`geofp8.methods.Method.takes`)."""
+        return dict(format=self.format, k=self.k, budget=self.budget,
+                    refresh_every=self.refresh_every, profile_steps=self.profile_steps,
+                    seed=self.seed, hierarchy=self.hierarchy, node_size=self.node_size or None,
+                    kernels=self.kernels, residual=self.residual)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,9 +154,4 @@ def make_comm_hook(method: str, model, cfg: TrainConfig):
     """``(state, hook, bytes_per_element)`` of ``method`` with this run's settings
     (see :meth:`geofp8.methods.Method.build`)."""
     spec = METHODS[method]
-    return spec.build(model, **spec.takes(format=cfg.format, k=cfg.k, budget=cfg.budget,
-                                          refresh_every=cfg.refresh_every,
-                                          profile_steps=cfg.profile_steps, seed=cfg.seed,
-                                          hierarchy=cfg.hierarchy,
-                                          node_size=cfg.node_size or None,
-                                          kernels=cfg.kernels))
+    return spec.build(model, **spec.takes(**cfg.method_settings()))

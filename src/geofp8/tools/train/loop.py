@@ -132,7 +132,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
     bar = _progress(cfg, rank, start)
     tokens_per_step = world * cfg.batch_size * data.seq_len
-    last, formats = None, None
+    last, formats, geometry = None, None, 0
 
     # -- 5. the step loop -------------------------------------------------------------------
     for step in range(start, end):
@@ -172,9 +172,18 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
         if hasattr(state, "stats"):
             stats = state.stats()
             record["geometry_layers"] = len(stats["geometry_layers"])
+            if stats.get("geometry_since_step") is not None:
+                record["geometry_since_step"] = stats["geometry_since_step"]
             if stats.get("formats") and stats["formats"] != formats:  # a budget's new choice
                 formats = record["formats"] = stats["formats"]
                 record["budget_planned"] = stats["budget_planned"]
+        changed = record.get("geometry_layers", 0) != geometry  # logged and said, always
+        geometry = record.get("geometry_layers", 0)
+        if changed and rank == 0 and not cfg.quiet:
+            (bar.write if bar is not None else print)(
+                f"step {step}: geometry on {geometry} layer(s) (first on at step "
+                f"{record['geometry_since_step']})" if geometry else
+                f"step {step}: geometry off on every layer")
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             t_eval = time.perf_counter()
             record["val_loss"] = evaluate(model, data.val, cfg, rank, world, device)
@@ -183,7 +192,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, out: P
         elapsed += dt
         record.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt, elapsed_s=elapsed)
         if log is not None and (step % cfg.log_every == 0 or "val_loss" in record
-                                or "formats" in record or step + 1 == end):
+                                or "formats" in record or changed or step + 1 == end):
             log.write(record)
         if bar is not None:
             bar.update(1)
@@ -258,10 +267,11 @@ def _bytes(state, width: int | None, counter: ByteCounter | None, n_params: int,
     Python hook (PowerSGD), or the ring all-reduce of a fixed width (FP32, bf16)."""
     if hasattr(state, "stats"):
         st = state.stats()
-        per_link = {k: st[k] for k in ("bytes_inter_node", "bytes_intra_node") if k in st}
+        parts = {k: st[k] for k in ("factor_bytes_sent", "bytes_inter_node",
+                                    "bytes_intra_node") if k in st}
         return {"bytes_sent": st["bytes_sent"],
                 "bytes_fp32_equivalent": st["bytes_fp32_equivalent"],
-                "bytes_per_element": st["bytes_per_element"], **per_link}
+                "bytes_per_element": st["bytes_per_element"], **parts}
     if counter is not None:
         sent, counter.bytes = counter.bytes, 0
     else:
@@ -335,8 +345,10 @@ def save_checkpoint(out: Path, step: int, model, optimizers, schedulers, state, 
 def _write_run_info(out: Path, cfg: TrainConfig, world: int, n_params: int, data,
                     device: torch.device, optimizers: list[torch.optim.Optimizer]) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    starts, why = cfg.geometry_start()
     info = {"config": cfg.to_dict(), "world_size": world, "parameters": n_params,
             "method_description": METHODS[cfg.method].description,
+            "geometry_start": {"step": starts, "why": why},
             "train_blocks": int(data.train.shape[0]), "val_blocks": int(data.val.shape[0]),
             "device": str(device), "torch": torch.__version__, **optimizer_info(optimizers)}
     (out / "run.json").write_text(json.dumps(info, indent=1))

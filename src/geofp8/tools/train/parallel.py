@@ -14,11 +14,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...comm import fp32_allreduce_wire_bytes
+from ..errors import UsageError
 from ..shadow import ShadowState, shadow_hook
 from ..wire import ByteCounter
 from .config import METHODS, TrainConfig, make_comm_hook
 
-__all__ = ["PARALLEL", "Wrapped", "wrap"]
+__all__ = ["PARALLEL", "Wrapped", "shard_size", "wrap"]
 
 PARALLEL = ("ddp", "fsdp", "hsdp")
 
@@ -55,15 +56,9 @@ def _sharded(model, cfg: TrainConfig, world: int, device: torch.device) -> Wrapp
 
     from ... import fsdp as geofp8_fsdp
 
-    method = METHODS[cfg.method]
-    if method.kind not in ("allreduce", "geofp8"):
-        raise ValueError(f"--parallel {cfg.parallel} runs the fp32 and GeoFP8 methods, not "
-                         f"{cfg.method!r} (a DDP comm hook)")
+    method = METHODS[cfg.method]  # a DDP-only method is refused by TrainConfig
     hsdp = cfg.parallel == "hsdp"
-    shard = cfg.shard_size or (world // 2 if hsdp else world)
-    if world % shard or (hsdp and world // shard < 2):
-        raise ValueError(f"--shard-size {shard} must divide the {world} ranks"
-                         + (" into at least 2 replicas" if hsdp else ""))
+    shard = shard_size(cfg, world)
     mesh = init_device_mesh(device.type, (world // shard, shard),
                             mesh_dim_names=("replicate", "shard")) if hsdp else None
     native = method.kind == "allreduce"
@@ -78,12 +73,23 @@ def _sharded(model, cfg: TrainConfig, world: int, device: torch.device) -> Wrapp
     fully_shard(model, **kw)
     if native:
         return Wrapped(model, FP32Sharded(model, world, shard), None, None, None)
-    config = method.config(**method.takes(format=cfg.format, k=cfg.k, budget=cfg.budget,
-                                          refresh_every=cfg.refresh_every,
-                                          profile_steps=cfg.profile_steps, seed=cfg.seed,
-                                          kernels=cfg.kernels))
-    state = geofp8_fsdp.enable(model, config, mesh=mesh, residual=cfg.residual)
+    settings = {k: v for k, v in cfg.method_settings().items()
+                if k not in ("hierarchy", "node_size")}  # DDP's node layout
+    config = method.config(**method.takes(**settings))
+    state = geofp8_fsdp.enable(model, config, mesh=mesh)
     return Wrapped(model, state, None, None, None)
+
+
+def shard_size(cfg: TrainConfig, world: int) -> int:
+    """Ranks per shard group of ``--parallel fsdp|hsdp`` on ``world`` ranks; a
+    ``--shard-size`` that does not split them is refused (by the launcher before any rank
+    starts, by each rank of a launch by hand)."""
+    hsdp = cfg.parallel == "hsdp"
+    shard = cfg.shard_size or (world // 2 if hsdp else world)
+    if shard < 1 or world % shard or (hsdp and world // shard < 2):
+        raise UsageError(f"--shard-size {shard} must divide the {world} ranks"
+                         + (" into at least 2 replicas" if hsdp else ""))
+    return shard
 
 
 class FP32Sharded:

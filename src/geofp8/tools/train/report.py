@@ -40,7 +40,33 @@ def summarize_run(records: list[dict]) -> dict:
         "mean_cos": _mean(r["cos"] for r in shadow),
         "wall_s": records[-1]["elapsed_s"] if records else None,
         "tokens_per_s": _mean(r["tokens_per_s"] for r in records),
+        **_geometry(records),
+        **_peak_bytes(records),
     }
+
+
+def _geometry(records: list[dict]) -> dict:
+    """From which step geometry was on (``stats()``'s ``geometry_since_step``) and on how
+    many layers at most and at the end (``None`` for a method without geometry)."""
+    counts = [r["geometry_layers"] for r in records if "geometry_layers" in r]
+    if not counts:
+        return {}
+    since = [r["geometry_since_step"] for r in records if "geometry_since_step" in r]
+    return {"geometry_since_step": since[-1] if since else None,
+            "geometry_layers_max": max(counts), "geometry_layers_final": counts[-1]}
+
+
+def _peak_bytes(records: list[dict]) -> dict:
+    """The step that sent the most (a factor refresh) against a typical step (the median):
+    ``peak_bytes_ratio``, and how much of the peak was factor traffic."""
+    sent = [r["bytes_sent"] for r in records]
+    if not sent:
+        return {}
+    peak = max(records, key=lambda r: r["bytes_sent"])
+    typical = statistics.median(sent)
+    return {"peak_bytes_step": peak["step"], "peak_bytes": peak["bytes_sent"],
+            "peak_factor_bytes": peak.get("factor_bytes_sent"),
+            "peak_bytes_ratio": peak["bytes_sent"] / typical if typical else None}
 
 
 def _spread(xs):
@@ -175,6 +201,52 @@ def _verdict(methods: dict[str, dict], runs: list[dict]) -> list[str]:
     return lines
 
 
+PEAK_NOTED = 1.5  # a step sending more than this many typical steps' bytes is explained
+
+
+def _geometry_lines(runs: list[dict]) -> list[str]:
+    """Per run of a geometry method: from which step and on how many layers geometry was on,
+    or why it never was (the run ended before the method could start it, or it measured
+    no better than plain coordinates); and what its refresh steps sent, when they stand
+    out."""
+    lines, peaks = [], False
+    for r in runs:
+        plan, m = r["info"].get("geometry_start"), r["summary"]
+        if not plan or plan["step"] is None or "geometry_layers_max" not in m:
+            continue
+        name = f"{r['method']} (seed {r['seed']})"
+        if m["geometry_since_step"] is not None:
+            line = (f"* {name}: geometry on from step {m['geometry_since_step']}, on up to "
+                    f"{m['geometry_layers_max']} layer(s) ({m['geometry_layers_final']} at "
+                    "the end).")
+        elif m["steps"] <= plan["step"]:
+            line = (f"* {name}: no geometry in these {m['steps']} steps: it can start at "
+                    f"step {plan['step']} at the earliest ({plan['why']}); until then it "
+                    "sends every gradient in plain coordinates. More steps, or smaller "
+                    "values of the settings named, show it.")
+        else:
+            line = (f"* {name}: no geometry in {m['steps']} steps (possible from step "
+                    f"{plan['step']}): on no layer did it measure better than plain "
+                    "coordinates.")
+        ratio = m.get("peak_bytes_ratio")
+        if ratio and ratio > PEAK_NOTED:
+            peaks, factor = True, m.get("peak_factor_bytes")
+            every = r["info"]["config"]["refresh_every"]
+            line += (f" Step {m['peak_bytes_step']} sent {_bytes(m['peak_bytes'])}, "
+                     f"{ratio:.1f}× a typical step"
+                     + (f" ({_bytes(factor)} factor traffic)" if factor else "")
+                     + f"; once every {every} steps, that is +{(ratio - 1) / every:.0%} bytes "
+                     "a step on average.")
+        lines.append(line)
+    if peaks:
+        lines += ["", f"A step above {PEAK_NOTED}× a typical one is a factor refresh: the FP32 "
+                  "statistics of the candidate layers' inputs (a d_in × d_in second moment "
+                  "where a layer is narrow, a d_in × (k+p) sketch where it is wide) are reduced "
+                  "once a refresh, and the maps built from them sent; on narrow layers that "
+                  "is more than their FP8 gradients, so small models see the largest ratio."]
+    return lines
+
+
 def _markdown(results: dict, methods: dict[str, dict], runs: list[dict], plots: bool) -> str:
     s = results["setup"]
     parts = ["# GeoFP8 training comparison", ""]
@@ -197,8 +269,15 @@ def _markdown(results: dict, methods: dict[str, dict], runs: list[dict], plots: 
     verdict = _verdict(methods, runs)
     if verdict:
         parts += ["## At a glance", "", *verdict, ""]
+    geometry = _geometry_lines(runs)
+    if geometry:
+        parts += ["## Geometry", "", *geometry, ""]
     if plots:
         parts += ["![loss](loss.png)", "", "![fidelity](fidelity.png)", ""]
+    else:
+        parts += ["No plots: matplotlib was not installed when this report was written "
+                  "(`pip install matplotlib`, the [report] extra of geofp8; then the same "
+                  "command with `--reuse` draws them without training again).", ""]
     return "\n".join(parts)
 
 

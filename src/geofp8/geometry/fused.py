@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from ..geometry.transforms import Identity, LowRankInput, Transform
-from .fp8 import CHUNK, FP8Codec, Packed, _decode_into, _encode_into, _info, _pieces
+from ..codecs.fp8 import CHUNK, FP8Codec, Packed, _decode_into, _encode_into, _info, _pieces
+from .transforms import Identity, LowRankInput, Transform
 
 __all__ = ["ef_quantize", "naive_ef_quantize"]
 

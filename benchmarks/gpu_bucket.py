@@ -1,0 +1,170 @@
+"""Kernel launches and host time per bucket of the exact collective's stages, on the GPU path.
+
+One rank's share of one bucket, as the batched (accelerator) path runs it: the encode with
+its rounding error (error feedback), the decode-and-sum of the ``N`` copies of its shard,
+the re-encode and the decode of the gathered shards (``stage_ops.rank_share``, this
+folder's). Everything runs on the ``meta`` device, which has no data: what is left is the
+host's work, the same Python and dispatch a CUDA device sees.
+
+* **launches**: aten ops that are neither views nor bare allocations, counted by a dispatch
+  mode (deterministic);
+* **host µs**: the wall time of the stages on ``meta`` under the counting mode, minus the
+  time spent inside the meta ops and the mode's own cost per op, plus :data:`LAUNCH_US` per
+  launch (what a CUDA launch costs the host thread): the Python of the stages plus the
+  launches. Best of ``--repeats``; a model of the host cost, not a GPU measurement;
+* **wire ms**: the bytes this rank sends for the bucket at 100 and 400 Gbit/s.
+
+``--layouts K`` also models the host µs of ``K`` distinct layouts run one after the other
+(a model with ``K`` buckets, each bucket's layout built once): a first pass over them all,
+then a second: the host µs of a bucket must not grow with the number of buckets the model
+has (no cache keyed by layouts that ``K`` of them overflow).
+
+    python benchmarks/gpu_bucket.py                            # the default table
+    python benchmarks/gpu_bucket.py --sizes 25 --ranks 8 --methods fp8-ef nvfp4-ef
+    python benchmarks/gpu_bucket.py --sizes 1 --layouts 1000   # 1000 distinct buckets
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from geofp8.codecs import make_codec
+from geofp8.comm import ShardLayout
+from stage_ops import rank_share  # one rank's four stages of a bucket (this folder)
+
+LAUNCH_US = 8.0  # host cost of one eager CUDA launch (torch dispatch + cudaLaunchKernel)
+ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+               torch.ops.aten.new_empty.default, torch.ops.aten.empty_like.default}
+METHODS = {"fp8-ef": "e4m3", "nvfp4-ef": "nvfp4", "geofp8-auto": "e4m3"}  # the codec each sends
+LLAMA_LAYER = [(768, 768), (192, 768), (192, 768), (768, 768), (2048, 768), (2048, 768),
+               (768, 2048), (768,), (768,)]  # q k v o gate up down, two norms: 24.8 MB
+
+
+def shapes(mb: float, kind: str) -> list[tuple[int, ...]]:
+    """The tensors of a bucket of about ``mb`` MB: ``equal`` 512×512 matrices (1 MiB each),
+    or ``unequal`` Llama-layer tensors in order, the last one cut to fit."""
+    target = int(mb * (1 << 20)) // 4
+    if kind == "equal":
+        return [(512, 512)] * max(1, target // (512 * 512))
+    out, total = [], 0
+    for shape in itertools.cycle(LLAMA_LAYER):
+        numel = torch.Size(shape).numel()
+        if total + numel > target:
+            if target - total >= 768:
+                out.append(((target - total) // 768, 768))
+            return out or [(target,)]
+        out.append(shape)
+        total += numel
+
+
+class Launches(TorchDispatchMode):
+    """Counts launches and the seconds spent inside the ops' own dispatch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches = self.views = 0
+        self.inside = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.inside += time.perf_counter() - t
+        if not func.is_view and func not in ALLOCATIONS:
+            self.launches += 1
+        else:
+            self.views += 1
+        return out
+
+
+def _mode_cost(mode: Launches) -> float:
+    """Seconds the dispatch mode itself adds to one op outside the op (its Python)."""
+    t = torch.zeros(1, device="meta")
+    best = float("inf")
+    for _ in range(3):
+        inside, start = mode.inside, time.perf_counter()
+        with mode:
+            for _ in range(200):
+                t.add_(1)
+        best = min(best, (time.perf_counter() - start - (mode.inside - inside)) / 200)
+    return best
+
+
+def host_us(run, repeats: int) -> tuple[int, float]:
+    """``(launches, modelled host µs)`` of ``run`` (module notes): the wall time under the
+    counting mode, less the time inside the ops and the mode's own cost per op."""
+    run()  # the first call: tables, caches
+    cost = _mode_cost(Launches())
+    best, launches = float("inf"), 0
+    for _ in range(repeats):
+        mode = Launches()
+        start = time.perf_counter()
+        with mode:
+            run()
+        wall = time.perf_counter() - start
+        ops = mode.launches + mode.views
+        best = min(best, wall - mode.inside - ops * cost)
+        launches = mode.launches
+    return launches, 1e6 * best + LAUNCH_US * launches
+
+
+def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int) -> tuple[float, float]:
+    """Modelled host µs per bucket over ``count`` distinct layouts (the buckets of a model,
+    each layout built once): the first pass over them all (each layout's first call, what a
+    model's first step pays) and the second (an ordinary step, every layout seen before)."""
+    base = shapes(mb, kind)
+    layouts = [ShardLayout.build([*base, (k + 1,)], make_codec(fmt), n, kernels="batched")
+               for k in range(count)]
+    runs = [rank_share(layout, torch.zeros(layout.numel, device="meta")) for layout in layouts]
+    cost = _mode_cost(Launches())
+    passes = []
+    for _ in range(2):
+        mode = Launches()
+        start = time.perf_counter()
+        with mode:
+            for run in runs:
+                run()
+        wall = time.perf_counter() - start
+        host = wall - mode.inside - (mode.launches + mode.views) * cost
+        passes.append((1e6 * host + LAUNCH_US * mode.launches) / count)
+    return passes[0], passes[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--sizes", nargs="+", type=float, default=[1, 25, 100], help="MB")
+    parser.add_argument("--kinds", nargs="+", default=["equal", "unequal"])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[2, 8, 64])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layouts", type=int, default=0,
+                        help="also time this many distinct layouts (module notes)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print("| method | bucket MB | tensors | ranks | launches | host µs | "
+          "wire ms at 100 / 400 Gbit/s |")
+    print("|---|---|---|---|---|---|---|")
+    for method, mb, kind, n in itertools.product(args.methods, args.sizes, args.kinds,
+                                                 args.ranks):
+        layout = ShardLayout.build(shapes(mb, kind), make_codec(METHODS[method]), n,
+                                   kernels="batched")
+        x = torch.zeros(layout.numel, device="meta")
+        launches, us = host_us(rank_share(layout, x), args.repeats)
+        wire = [8 * layout.wire_bytes(0) / bits * 1e3 for bits in (100e9, 400e9)]
+        print(f"| {method} | {mb:g} | {kind} | {n} | {launches} | {us:.0f} | "
+              f"{wire[0]:.2f} / {wire[1]:.2f} |", flush=True)
+    if args.layouts:
+        print(f"\n{args.layouts} distinct layouts, modelled host µs per bucket: first pass "
+              "/ second pass")
+        for method, mb, kind, n in itertools.product(args.methods, args.sizes, args.kinds,
+                                                     args.ranks):
+            first, second = many_layouts(METHODS[method], mb, kind, n, args.layouts)
+            print(f"{method} {mb:g} MB {kind} N={n}: {first:.0f} / {second:.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

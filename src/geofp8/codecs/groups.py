@@ -1,0 +1,84 @@
+"""The scale groups of some shards, with what the batched kernels need about them, made once.
+
+A :class:`GroupMap` is the shards themselves (a tuple: per shard, per segment, the lengths
+of its scale groups) plus everything derived from them that a codec's batched kernels
+(:meth:`~.base.Codec.encode_shards`, :meth:`~.base.Codec.decode_shards`) read: the group
+lengths laid end to end, whether they are all equal, each shard's element count, each
+segment's group count, and those lengths as small int64 tensors on a device. Each is
+computed on first use and kept by the map, so a layout that hands the same map to every
+step (:meth:`geofp8.comm.ShardLayout.group_map`) pays the ``O(groups)`` walk once, not on
+every call, and nothing is hashed or looked up by value: a model with any number of
+buckets keeps one map per bucket stage, as long as the bucket lives.
+
+A plain nested tuple or list of shards works wherever a map does (:func:`group_map` wraps
+it), at the price of that walk on each call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cached_property
+from typing import Any
+
+import torch
+
+__all__ = ["GroupMap", "group_map"]
+
+
+class GroupMap(tuple):
+    """Shards as a tuple (per shard, per segment, a tuple of group lengths) and their derived
+    metadata (module notes). Immutable; derived values are built on first use."""
+
+    def __new__(cls, shards) -> GroupMap:
+        return super().__new__(cls, (tuple(tuple(seg) for seg in segments)
+                                     for segments in shards))
+
+    @cached_property
+    def lengths(self) -> tuple[int, ...]:
+        """Every group's length, shard after shard, segment after segment."""
+        return tuple(n for segments in self for seg in segments for n in seg)
+
+    @cached_property
+    def common(self) -> int | None:
+        """The common length when every group has it (``None`` if they differ or for none)."""
+        lengths = self.lengths
+        return lengths[0] if lengths and lengths.count(lengths[0]) == len(lengths) else None
+
+    @cached_property
+    def numels(self) -> tuple[int, ...]:
+        """Elements of each shard."""
+        return tuple(sum(map(sum, segments)) for segments in self)
+
+    @cached_property
+    def counts(self) -> tuple[int, ...]:
+        """Groups of each segment, shard after shard."""
+        return tuple(len(seg) for segments in self for seg in segments)
+
+    @cached_property
+    def segments(self) -> tuple[tuple[int, ...], ...]:
+        """Every segment's groups, shard after shard (the shards' segments as one list)."""
+        return tuple(seg for segments in self for seg in segments)
+
+    @cached_property
+    def _memo(self) -> dict:
+        return {}
+
+    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, made once per ``key`` for this map (a codec's own derived values, e.g.
+        its parts' bytes per shard)."""
+        memo = self._memo
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
+
+    def on(self, name: str, device: torch.device) -> torch.Tensor:
+        """``lengths`` or ``counts`` as an int64 tensor on ``device`` (what ``segment_reduce``
+        and ``repeat_interleave`` take), copied there once: a host-to-device copy of
+        pageable memory waits for the device, so never per call."""
+        return self.memo((name, torch.device(device)),
+                         lambda: torch.tensor(getattr(self, name), dtype=torch.long).to(device))
+
+
+def group_map(shards) -> GroupMap:
+    """``shards`` as a :class:`GroupMap` (itself when it is one)."""
+    return shards if isinstance(shards, GroupMap) else GroupMap(shards)

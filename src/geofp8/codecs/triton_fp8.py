@@ -1,0 +1,287 @@
+"""Fused Triton kernels of the FP8 codec's batched path, bit for bit the torch reference's.
+
+The torch reference (:meth:`~.fp8.FP8Codec.encode_shards` / ``decode_shards`` and the
+stages around them) takes a dozen kernels per stage; these take one pass each:
+
+* :func:`amax` — ``u = x (+ r)`` (the error feedback add, ``u`` written when ``r`` is given)
+  and the max ``|u|`` of every scale group, one pass; then the groups' FP32 scales
+  ``s = amax / fmax`` (448 for E4M3, 57344 for E5M2) with the reference's policies
+  (:meth:`~.fp8.FP8Codec.scales_from_amax`), one tiny pass over the groups;
+* :func:`encode` — ``code = fp8(u / s_g)`` and, optionally, the sender's rounding error
+  ``u − value(code)·s_g``, one pass;
+* :func:`decode` — ``value(code)·s_g``, one pass; :func:`decode_sum` — the ``N`` senders'
+  copies of a shard decoded and summed in FP32 in sender order, one pass.
+
+The groups come as a *tile map* (:func:`tiles`), an int64 ``[T, 5]`` device tensor made
+once per :class:`~.groups.GroupMap`: each tile is at most ``TILE`` elements of one run of
+equal-length groups, ``(first element, end, first group of the run, group length, first
+element of the run)``, so an element's group is ``g₀ + (i − run start) // length``. The
+kernels import nothing above ``codecs`` and take every map as a tensor.
+
+Bit-exactness: the rounding to E4M3 / E5M2 and the code's value are integer arithmetic on
+the FP32 bits (as :mod:`.native`'s C kernels do; c10's conversions: nearest even, E4M3
+saturating at 448 with NaN to ``0x7F``, E5M2 to Inf past 57344), divisions are ``div_rn``
+(IEEE, as torch divides two tensors) and the kernels are compiled without FMA contraction,
+so every byte and every FP32 value equals the reference's on a GPU and under Triton's
+interpreter (``TRITON_INTERPRET=1``, whose own FP8 casts round differently).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .base import group_runs
+from .groups import GroupMap
+
+try:  # an optional dependency (geofp8[gpu])
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+
+__all__ = ["TILE", "amax", "available", "decode", "decode_sum", "encode", "reference", "tiles"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+TILE = 1024  # elements per program
+FMAX = {"e4m3": 448.0, "e5m2": 57344.0}  # the largest finite value of each format
+_NO_FUSION = {"enable_fp_fusion": False}  # x − v·s rounds twice, as the reference does
+
+
+def available(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels run on these tensors: Triton imports and they are on a CUDA
+    device, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` when this
+    module was imported: the tests' way to run them without a GPU)."""
+    if triton is None:
+        return False
+    if _INTERPRET:
+        return all(t.device.type == "cpu" for t in tensors)
+    return all(t.is_cuda for t in tensors)
+
+
+def tiles(groups: GroupMap, device: torch.device) -> torch.Tensor:
+    """The tile map of ``groups`` (module notes) on ``device``, made once per map."""
+    def make() -> torch.Tensor:
+        rows = []
+        for first, g0, count, size in group_runs(groups.segments):
+            if size >= TILE:  # every group cut into tiles: a tile lies in one group
+                for k in range(count):
+                    lo = first + k * size
+                    rows += [(a, min(a + TILE, lo + size), g0, size, first)
+                             for a in range(lo, lo + size, TILE)]
+            elif size:
+                per = TILE // size * size  # whole groups per tile
+                end = first + count * size
+                rows += [(a, min(a + per, end), g0, size, first) for a in range(first, end, per)]
+        return torch.tensor(rows or [(0, 0, 0, 1, 0)], dtype=torch.int64).to(device)
+    return groups.memo(("triton-tiles", TILE, torch.device(device)), make)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile(tiles_ptr, TILE: tl.constexpr):
+        t = tl.program_id(0)
+        start = tl.load(tiles_ptr + 5 * t)
+        stop = tl.load(tiles_ptr + 5 * t + 1)
+        g0 = tl.load(tiles_ptr + 5 * t + 2)
+        size = tl.load(tiles_ptr + 5 * t + 3)
+        run0 = tl.load(tiles_ptr + 5 * t + 4)
+        offs = start + tl.arange(0, TILE).to(tl.int64)
+        return offs, offs < stop, g0 + (offs - run0) // size, start, size, g0, run0
+
+    @triton.jit
+    def _e4m3_round(q):
+        """``(code, value)``: the E4M3 code of the FP32 ``q`` (c10's conversion) and its FP32
+        value, from the bits (:mod:`.native`'s ``e4m3_round``)."""
+        b = q.to(tl.uint32, bitcast=True)
+        mag = b & 0x7FFFFFFF
+        sign = b & 0x80000000
+        nan = mag > 0x7F800000
+        m = tl.minimum(mag, 0x43E00000)
+        below = (m.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True)
+        rounded = (m + 0x7FFFF + ((m >> 20) & 1)) & 0xFFF00000
+        subnormal = m < (121 << 23)
+        sub_value = (below.to(tl.float32, bitcast=True) - 16384.0).to(tl.uint32, bitcast=True)
+        v = tl.where(subnormal, sub_value, rounded)
+        value = (tl.where(nan, 0x7FF00000, v) | sign).to(tl.float32, bitcast=True)
+        code = tl.where(subnormal, below - (141 << 23), (rounded - (120 << 23)) >> 20)
+        code = code | tl.where(nan, 0x7F, 0) | (sign >> 24)
+        return code, value
+
+    @triton.jit
+    def _e5m2_round(q):
+        """``(code, value)`` of the FP32 ``q`` in E5M2 (c10's conversion: nearest even; from
+        the largest finite value up, Inf; NaN stays NaN) and its FP32 value, from the bits."""
+        b = q.to(tl.uint32, bitcast=True)
+        sign = b & 0x80000000
+        mag = b ^ sign
+        big = mag >= (143 << 23)  # rounds past 57344: Inf, or NaN
+        small = mag < (113 << 23)  # an E5M2 subnormal: a magic add rounds to 2^-16
+        denorm = (mag.to(tl.float32, bitcast=True) + 128.0).to(tl.uint32, bitcast=True)
+        # rebias the exponent (−112 << 23, wrapping) and round the mantissa to 2 bits
+        normal = ((mag + 0xC80FFFFF + ((mag >> 21) & 1)) >> 21) & 0xFF
+        code = tl.where(small, denorm - (134 << 23), normal)
+        code = tl.where(big, tl.where(mag > 0x7F800000, 0x7F, 0x7C), code) | (sign >> 24)
+        return code, _e5m2_value(code)
+
+    @triton.jit
+    def _e5m2_value(c):
+        """The FP32 value of the E5M2 bytes ``c`` (uint32): the top byte of an IEEE half."""
+        return (c << 8).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _fp8_round(q, E5M2: tl.constexpr):
+        if E5M2:
+            return _e5m2_round(q)
+        return _e4m3_round(q)
+
+    @triton.jit
+    def _fp8_value(c, E5M2: tl.constexpr):
+        if E5M2:
+            return _e5m2_value(c)
+        return _e4m3_value(c)
+
+    @triton.jit
+    def _e4m3_value(c):
+        """torch's FP32 value of the E4M3 bytes ``c`` (uint32), from the bits."""
+        m = c & 0x7F
+        normal = (m << 20) + (120 << 23)
+        sub = ((m & 7).to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
+        v = tl.where((m >> 3) == 0, sub, normal)
+        v = tl.where(m == 0x7F, 0x7FF00000, v)
+        return (v | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _amax_kernel(x_ptr, r_ptr, u_ptr, tiles_ptr, bits_ptr, HAS_R: tl.constexpr,
+                     TILE: tl.constexpr):
+        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if HAS_R:
+            x = x + tl.load(r_ptr + offs, mask=mask, other=0.0)
+            tl.store(u_ptr + offs, x, mask=mask)
+        # |x| as int bits: their order is the magnitudes' (NaN above +Inf), max is exact
+        bits = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+        if size >= TILE:  # the tile lies in one group
+            tl.atomic_max(bits_ptr + g0 + (start - run0) // size, tl.max(bits, 0))
+        else:
+            tl.atomic_max(bits_ptr + g, bits, mask=mask)
+
+    @triton.jit
+    def _scales_kernel(bits_ptr, scales_ptr, n, FMAX: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        bits = tl.load(bits_ptr + offs, mask=mask, other=0)
+        a = bits.to(tl.float32, bitcast=True)
+        s = tl.math.div_rn(a, tl.full(a.shape, FMAX, tl.float32))
+        over = tl.math.div_rn(a, s) > FMAX  # s rounded down: one ulp up, towards amax
+        s = tl.where(over, (s.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True), s)
+        s = tl.where(s == 0.0, 1.0, s)
+        s = tl.where(bits < 0x7F800000, s, float("nan"))  # +Inf or NaN: a NaN scale
+        tl.store(scales_ptr + offs, s, mask=mask)
+
+    @triton.jit
+    def _encode_kernel(u_ptr, scales_ptr, codes_ptr, err_ptr, tiles_ptr,
+                       HAS_ERR: tl.constexpr, E5M2: tl.constexpr, TILE: tl.constexpr):
+        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
+        s = tl.load(scales_ptr + g, mask=mask, other=1.0)
+        x = tl.load(u_ptr + offs, mask=mask, other=0.0)
+        code, value = _fp8_round(tl.math.div_rn(x, s), E5M2)
+        tl.store(codes_ptr + offs, code.to(tl.uint8), mask=mask)
+        if HAS_ERR:
+            tl.store(err_ptr + offs, x - value * s, mask=mask)
+
+    @triton.jit
+    def _decode_kernel(codes_ptr, scales_ptr, out_ptr, tiles_ptr, E5M2: tl.constexpr,
+                       TILE: tl.constexpr):
+        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
+        c = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.uint32)
+        s = tl.load(scales_ptr + g, mask=mask, other=1.0)
+        tl.store(out_ptr + offs, _fp8_value(c, E5M2) * s, mask=mask)
+
+    @triton.jit
+    def _decode_sum_kernel(codes_ptr, scales_ptr, out_ptr, tiles_ptr, n_senders, numel,
+                           groups, E5M2: tl.constexpr, TILE: tl.constexpr):
+        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
+        acc = tl.zeros((TILE,), tl.float32)  # from +0, as torch's sum starts (-0 + 0 = +0)
+        for r in range(0, n_senders):
+            c = tl.load(codes_ptr + r * numel + offs, mask=mask, other=0).to(tl.uint32)
+            acc += _fp8_value(c, E5M2) * tl.load(scales_ptr + r * groups + g, mask=mask, other=1.0)
+        tl.store(out_ptr + offs, acc, mask=mask)
+
+
+def _grid(map_: torch.Tensor) -> tuple[int]:
+    return (map_.shape[0],)
+
+
+def amax(x: torch.Tensor, groups: GroupMap, residual: torch.Tensor | None = None,
+         fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(u, scales)``: ``u = x + residual`` (``x`` itself without one) and the FP32 scale of
+    every group of ``u`` for ``fmt`` (module notes); two kernels and a zeroed ``[G]``
+    buffer."""
+    t = tiles(groups, x.device)
+    bits = torch.zeros(len(groups.lengths), dtype=torch.int32, device=x.device)
+    u = x if residual is None else torch.empty_like(x)
+    _amax_kernel[_grid(t)](x, x if residual is None else residual, u, t, bits,
+                           HAS_R=residual is not None, TILE=TILE)
+    scales = torch.empty(bits.numel(), dtype=torch.float32, device=x.device)
+    block = 1024
+    _scales_kernel[(triton.cdiv(bits.numel(), block),)](bits, scales, bits.numel(),
+                                                         FMAX=FMAX[fmt], BLOCK=block)
+    return u, scales
+
+
+def encode(u: torch.Tensor, scales: torch.Tensor, groups: GroupMap, error: bool = False,
+           fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(codes, error)``: the ``fmt`` codes (uint8) of ``u`` under the groups' ``scales``
+    and, with ``error``, ``u − value(code)·s`` (a new FP32 vector), one kernel."""
+    t = tiles(groups, u.device)
+    codes = torch.empty(u.numel(), dtype=torch.uint8, device=u.device)
+    err = torch.empty_like(u) if error else None
+    _encode_kernel[_grid(t)](u, scales, codes, u if err is None else err, t, HAS_ERR=error,
+                             E5M2=fmt == "e5m2", TILE=TILE, **_NO_FUSION)
+    return codes, err
+
+
+def decode(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, groups: GroupMap,
+           fmt: str = "e4m3") -> torch.Tensor:
+    """``out = value(code)·s_g`` (FP32), one kernel."""
+    t = tiles(groups, out.device)
+    _decode_kernel[_grid(t)](codes, scales, out, t, E5M2=fmt == "e5m2", TILE=TILE,
+                             **_NO_FUSION)
+    return out
+
+
+def decode_sum(codes: torch.Tensor, scales: torch.Tensor, groups: GroupMap,
+               n_senders: int, fmt: str = "e4m3") -> torch.Tensor:
+    """``0 + Σ_r value(code_r)·s_{r,g}`` in sender order (FP32; torch's sum over ``N ≤ 4``
+    rows adds in that order too, beyond that its order depends on the shape and the
+    device): the ``N`` senders' copies of a
+    shard of ``groups`` (``codes``: ``[N, numel]`` uint8, ``scales``: ``[N, G]``), decoded and
+    summed in one kernel."""
+    numel, n_groups = sum(groups.numels), len(groups.lengths)
+    t = tiles(groups, codes.device)
+    out = torch.empty(numel, dtype=torch.float32, device=codes.device)
+    _decode_sum_kernel[_grid(t)](codes, scales, out, t, n_senders, numel, n_groups,
+                                 E5M2=fmt == "e5m2", TILE=TILE, **_NO_FUSION)
+    return out
+
+
+def reference(x: torch.Tensor, groups: GroupMap, fmt: str = "e4m3") -> tuple[torch.Tensor, ...]:
+    """``(scales, codes, values)`` of ``x`` in ``fmt`` by the torch batched path these kernels
+    replace (:meth:`~.fp8.FP8Codec.encode_shards`' ops, then the decode): what the checks
+    compare them with, on any device."""
+    from .base import group_amax, group_fp8, group_mul_
+    from .fp8 import FP8Codec, e4m3_into
+
+    codec = FP8Codec(fmt)
+    scales = codec.scales_from_amax(group_amax(x, groups))
+    codes = group_fp8(x, scales, groups, codec.dtype)
+    values = torch.empty_like(x)
+    if fmt == "e4m3":
+        e4m3_into(values, codes)
+    else:
+        values.copy_(codes.view(codec.dtype))
+    group_mul_(values, scales, groups)
+    return scales, codes, values

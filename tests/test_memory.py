@@ -1,0 +1,22 @@
+"""The memory accounting of ``benchmarks/memory.py`` holds: the parts found apart (GeoFP8's
+state by a walk of its objects, the buffers its code created, the framework's tensors) add
+up to the measured peak, and the error-feedback residuals are one set in their storage."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+
+import memory  # noqa: E402  (benchmarks/memory.py)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("storage, per_param", [("bf16", 2), ("fp32", 4)])
+def test_the_parts_add_up_to_the_peak_and_the_residuals_are_one_set(storage, per_param):
+    params, peak, _, parts = memory.measure("fp8-ef", 2, residual=storage, model="llama-tiny")
+    assert abs(parts.framework + parts.geofp8 - peak) <= 0.05 * peak, (parts, peak)
+    # every parameter has a gradient: one residual each, in the storage's bytes
+    assert parts.residuals == {"sender": per_param * params}
+    assert parts.staged == 0  # written in place: no second set at any moment
