@@ -33,12 +33,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# what the server imports once: torch (2 s of CPU a process here, most of a short test's time)
+# and transformers' Llama, which every trainer and framework rank builds (another 2 s); a
+# module that is not installed is skipped. Their import-time settings are the server's.
+PRELOAD = ["torch", "torch.distributed", "transformers.models.llama.modeling_llama"]
+
+
 def _context():
-    """Ranks are forked from a server that has imported torch once (2 s of CPU a process
-    here, most of a short test's time), not spawned afresh; each still starts from a clean
-    single-threaded process, and takes the caller's environment as it is now (_entry)."""
+    """Ranks are forked from a server that has imported ``PRELOAD`` once, not spawned
+    afresh; each still starts from a clean single-threaded process, and takes the caller's
+    environment as it is now (_entry)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 

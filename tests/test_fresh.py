@@ -160,12 +160,28 @@ def _grads_after_5_steps(rank, world_size, method, sketch_format=None):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("sketch_format", [None, "e4m3", "nvfp4"])
-def test_fresh_factor_beats_plain_fp8_on_the_mlp_down_projection(sketch_format):
+SKETCH_FORMATS = [None, "e4m3", "nvfp4"]
+
+
+def _grads_of_every_method(rank, world_size):
+    """``_grads_after_5_steps`` of FP32, plain FP8 and fresh factors from each sketch format,
+    one after the other on the same ranks (each builds its own seeded model)."""
+    runs = [("fp32", None), ("fp8", None)] + [("fresh", f) for f in SKETCH_FORMATS]
+    return {run: _grads_after_5_steps(rank, world_size, *run) for run in runs}
+
+
+@pytest.fixture(scope="module")
+def grads_after_5_steps():
+    return run_ranks(_grads_of_every_method, 2)[0]
+
+
+@pytest.mark.parametrize("sketch_format", SKETCH_FORMATS)
+def test_fresh_factor_beats_plain_fp8_on_the_mlp_down_projection(grads_after_5_steps,
+                                                                 sketch_format):
     """The premise of this issue on a model from scratch: this step's factor helps, also
     from a sketch rounded to E4M3 or NVFP4 on the wire."""
-    exact, fresh, fp8 = (run_ranks(_grads_after_5_steps, 2, (m, sketch_format))[0]
-                         for m in ("fp32", "fresh", "fp8"))
+    exact, fresh, fp8 = (grads_after_5_steps[run] for run in
+                         [("fp32", None), ("fresh", sketch_format), ("fp8", None)])
     name = "blocks.0.down.weight"
     rel = {k: float((v[name] - exact[name]).norm() / exact[name].norm())
            for k, v in (("fresh", fresh), ("fp8", fp8))}
@@ -187,10 +203,14 @@ def _local_worker(rank, world_size, source):
     return local, [p.grad.clone() for p in model.parameters()], stats
 
 
+def _local_and_plain_worker(rank, world_size):
+    return _local_worker(rank, world_size, "local"), _local_worker(rank, world_size, "refresh")
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_local_factors_decoded_per_sender(world_size):
-    out = run_ranks(_local_worker, world_size, ("local",))
-    plain = run_ranks(_local_worker, world_size, ("refresh",))  # no factor yet: Euclidean
+    # "refresh" before its first refresh has no factor yet: Euclidean
+    out, plain = zip(*run_ranks(_local_and_plain_worker, world_size))
     mean = [torch.stack([o[0][i] for o in out]).mean(0) for i in range(3)]
     for i, m in enumerate(mean):
         got = out[0][1][i]

@@ -62,13 +62,16 @@ def _one_step_worker(rank, world_size, kind, kw):
     return _grads(local), _grads(model), state.stats() if state else None
 
 
+def _default_and_warmup_worker(rank, world_size):
+    return (_one_step_worker(rank, world_size, "fp32", {}),
+            _one_step_worker(rank, world_size, "fp8", {"warmup_steps": 5}))
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_warmup_passthrough_equals_default_allreduce(world_size):
-    ref = run_ranks(_one_step_worker, world_size, ("fp32", {}))
-    fp32 = run_ranks(_one_step_worker, world_size, ("fp8", {"warmup_steps": 5}))
-    for r in range(world_size):
-        for name, g in ref[r][1].items():
-            torch.testing.assert_close(fp32[r][1][name], g, rtol=0, atol=0)
+    for ref, fp32 in run_ranks(_default_and_warmup_worker, world_size):
+        for name, g in ref[1].items():
+            torch.testing.assert_close(fp32[1][name], g, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -15,12 +15,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils import _pytree as pytree
 
-from distributed import _free_port, run_ranks
+from distributed import _context, _free_port, run_ranks
 from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
 from geofp8.codecs import FP8Codec
 from geofp8.comm import (
@@ -645,8 +644,10 @@ def test_codec_rejects_non_real_floating_input(dtype):
 # == 4. A killed rank ======================================================================
 
 
-def _bounded_entry(rank, world_size, port, pg_timeout_s, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+def _bounded_entry(rank, world_size, port, pg_timeout_s, fn, args, queue, environ):
+    os.environ.clear()  # the caller's, not the pre-forked server's
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
@@ -665,11 +666,13 @@ def _spawn_bounded(fn, world_size, args, pg_timeout_s, wall_s, wait_for=None):
     seconds, or once the ranks in ``wait_for`` (default: all) reported: a hang shows up as a
     missing report, never as a stuck test."""
     wait_for = set(range(world_size)) if wait_for is None else set(wait_for)
-    ctx = mp.get_context("spawn")
+    ctx = _context()  # forked from the server that has imported torch, as run_ranks' ranks
     queue = ctx.Queue()
     port = _free_port()
+    environ = dict(os.environ)
     procs = [ctx.Process(target=_bounded_entry,
-                         args=(r, world_size, port, pg_timeout_s, fn, args, queue), daemon=True)
+                         args=(r, world_size, port, pg_timeout_s, fn, args, queue, environ),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

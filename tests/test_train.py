@@ -4,7 +4,9 @@ One `compare` of every method (3 steps of llama-tiny, 32-token sequences) is sha
 tests that check the per-method logs and the report; resume is checked bitwise on its own.
 Every method trains through the trainer on 2 real processes; all but ``LAUNCHED`` do so in one
 pair of processes (``train`` in a loop: most of a launch is importing torch and transformers),
-and ``compare`` launches ``LAUNCHED`` with torchrun and reuses the rest.
+and ``compare`` launches ``LAUNCHED`` with torchrun and reuses the rest. The resume tests
+train in pre-forked ranks too, the resumed run in fresh processes; `geofp8 train --resume` on
+torchrun is tests/test_reliability.py's killed-training test.
 """
 
 import argparse
@@ -13,6 +15,7 @@ import math
 import os
 import shutil
 import sys
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -22,7 +25,6 @@ from distributed import run_ranks
 from geofp8.tools.train import METHODS, TrainConfig, add_arguments, config_from_args, to_argv
 from geofp8.tools.train.checkpoint import atomic_save, latest_step, load_rank, step_dir
 from geofp8.tools.train.compare import compare, run_dir
-from geofp8.tools.train.launch import launch
 from geofp8.tools.train.loop import lr_factor, train
 from geofp8.tools.train.optim import orthogonalization_dtype
 from geofp8.tools.train.report import aggregate, read_log, summarize_run
@@ -33,21 +35,26 @@ TINY = dict(model="llama-tiny", seq_len=32, batch_size=2, steps=3, warmup=1, eva
 RUN_TIMEOUT = 120
 
 
-LAUNCHED = ("fp32", "geofp8-auto")  # compare's own torchrun launches
+LAUNCHED = ("geofp8-auto",)  # compare's own torchrun launch (the others reused)
 
 
-def _train_in_process(rank, world_size, methods, out):
+def _train_in_process(rank, world_size, configs):
+    """``geofp8 train`` of each config in turn on this rank; the messages of its warnings."""
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))  # as torchrun
-    for method in methods:
-        train(replace(TrainConfig(**TINY), method=method, seed=0,
-                      out=str(run_dir(out, method, 0))))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for cfg in configs:
+            train(cfg)
+    return [str(w.message) for w in caught]
 
 
 @pytest.fixture(scope="module")
 def all_methods(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
     rest = [m for m in METHODS if m not in LAUNCHED]
-    run_ranks(_train_in_process, 2, (rest, out), timeout=RUN_TIMEOUT * 3)
+    configs = [replace(TrainConfig(**TINY), method=m, seed=0, out=str(run_dir(out, m, 0)))
+               for m in rest]
+    run_ranks(_train_in_process, 2, (configs,), timeout=RUN_TIMEOUT * 3)
     launched = []
     results = compare(TrainConfig(**TINY), list(METHODS), [0], nproc=2, out=out, reuse=True,
                       run_timeout=RUN_TIMEOUT, command="test", echo=lambda *a: None,
@@ -262,13 +269,12 @@ def test_resume_continues_the_same_trajectory_bitwise(tmp_path):
                           "refresh_every": 2, "checkpoint_every": 3},
                        method="geofp8-auto")
     whole = replace(base, out=str(tmp_path / "whole"))
-    assert launch(2, to_argv(whole), timeout=RUN_TIMEOUT) == 0
     part = replace(base, out=str(tmp_path / "part"), stop_after=3)
-    assert launch(2, to_argv(part), timeout=RUN_TIMEOUT) == 0
+    run_ranks(_train_in_process, 2, ([whole, part],), timeout=RUN_TIMEOUT * 2)
     assert latest_step(part.out) == 3
     assert len(read_log(tmp_path / "part" / "log.jsonl")) == 3
     resumed = replace(base, out=str(tmp_path / "part"), resume=True)
-    assert launch(2, to_argv(resumed), timeout=RUN_TIMEOUT) == 0
+    run_ranks(_train_in_process, 2, ([resumed],), timeout=RUN_TIMEOUT)  # fresh processes
 
     a = read_log(tmp_path / "whole" / "log.jsonl")
     b = read_log(tmp_path / "part" / "log.jsonl")
@@ -289,9 +295,8 @@ def test_resume_fsdp_hsdp_continues_the_same_trajectory_bitwise(tmp_path, parall
                           "refresh_every": 2, "checkpoint_every": 2},
                        method="geofp8", optimizer="adamw", parallel=parallel)
     whole = replace(base, out=str(tmp_path / "whole"))
-    assert launch(2, to_argv(whole), timeout=RUN_TIMEOUT) == 0
     part = replace(base, out=str(tmp_path / "part"), stop_after=2)
-    assert launch(2, to_argv(part), timeout=RUN_TIMEOUT) == 0
+    run_ranks(_train_in_process, 2, ([whole, part],), timeout=RUN_TIMEOUT * 2)
     assert latest_step(part.out) == 2
     # sharded through DCP: no rank holds the whole model; each rank's GeoFP8 state its own
     from torch.distributed.checkpoint import FileSystemReader
@@ -300,7 +305,7 @@ def test_resume_fsdp_hsdp_continues_the_same_trajectory_bitwise(tmp_path, parall
     assert {k.split("/")[0] for k in saved.state_dict_metadata if k.startswith("geofp8.")} \
         == {"geofp8.rank0", "geofp8.rank1"}
     resumed = replace(base, out=str(tmp_path / "part"), resume=True)
-    assert launch(2, to_argv(resumed), timeout=RUN_TIMEOUT) == 0
+    run_ranks(_train_in_process, 2, ([resumed],), timeout=RUN_TIMEOUT)  # fresh processes
 
     a = read_log(tmp_path / "whole" / "log.jsonl")
     b = read_log(tmp_path / "part" / "log.jsonl")
@@ -312,15 +317,16 @@ def test_resume_fsdp_hsdp_continues_the_same_trajectory_bitwise(tmp_path, parall
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_resume_from_a_checkpoint_without_geofp8_state_warns(tmp_path, capfd):
+def test_resume_from_a_checkpoint_without_geofp8_state_warns(tmp_path):
     # an fp32 run's checkpoint (no hook state) resumed by a GeoFP8 method: a warning, no crash
     base = TrainConfig(**{**TINY, "steps": 2, "eval_every": 0, "shadow_every": 0,
                           "checkpoint_every": 1, "out": str(tmp_path)}, method="fp32")
-    assert launch(2, to_argv(replace(base, stop_after=1)), timeout=RUN_TIMEOUT) == 0
-    capfd.readouterr()
-    assert launch(2, to_argv(replace(base, method="geofp8", resume=True)),
-                  timeout=RUN_TIMEOUT) == 0
-    assert "holds no GeoFP8 state" in capfd.readouterr().err
+    first = run_ranks(_train_in_process, 2, ([replace(base, stop_after=1)],),
+                      timeout=RUN_TIMEOUT)
+    assert not any("holds no GeoFP8 state" in w for w in first[0])
+    warned = run_ranks(_train_in_process, 2, ([replace(base, method="geofp8", resume=True)],),
+                       timeout=RUN_TIMEOUT)
+    assert all(any("holds no GeoFP8 state" in w for w in rank) for rank in warned), warned
     assert [r["step"] for r in read_log(tmp_path / "log.jsonl")] == [0, 1]
 
 
