@@ -44,9 +44,10 @@ ddp.register_comm_hook(state, geofp8_hook)
 ddp(x).pow(2).mean().backward()
 got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 ref = torch.cat([g.reshape(-1) for g in mean])
-print(json.dumps({"rank": rank, "file": geofp8.__file__, "grad": got.tolist(),
-                  "rel": ((got - ref).norm() / ref.norm()).item(),
-                  "bytes": state.stats()["bytes_sent"]}))
+with open(f"rank{rank}.json", "w") as f:  # one file a rank: stdout lines could interleave
+    json.dump({"rank": rank, "file": geofp8.__file__, "grad": got.tolist(),
+               "rel": ((got - ref).norm() / ref.norm()).item(),
+               "bytes": state.stats()["bytes_sent"]}, f)
 dist.destroy_process_group()
 """
 
@@ -136,10 +137,9 @@ def test_the_wheel_installs_into_an_environment_with_torch_and_runs_a_ddp_step(w
          "--no-index", "-q", str(wheel))
     script = tmp_path / "step.py"
     script.write_text(DDP_STEP)
-    out = _run(str(python), "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "2", str(script), env=env, cwd=tmp_path)
-    ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")),
-                   key=lambda r: r["rank"])
+    _run(str(python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(script), env=env, cwd=tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:
         assert Path(r["file"]).is_relative_to(env_dir), r["file"]  # the wheel's, not src/
