@@ -17,7 +17,11 @@ Example::
     >>> ddp_model.register_comm_hook(state, geofp8_hook)
 
 A step begins with its first bucket and settles when the last bucket's result is ready —
-before ``backward()`` returns, with no read back from the device. A step whose gradient
+before ``backward()`` returns, with no read back from the device. On CUDA each bucket's work
+runs on a side stream (:mod:`geofp8.comm.streams`): ordered after its gradients, waiting
+for its collectives there, and completing its future there (mapping back, the finite flag,
+and at the last bucket the step's settling included), so backward's stream never waits for
+the network and DDP's read of the bucket is ordered after it. A step whose gradient
 was non-finite on any rank returns NaN for its buckets on every rank (the exact collective
 poisons the whole bucket everywhere, so ``GradScaler`` or the caller skips it); its
 statistics and selections are not kept and the residuals it wrote are reset to zero (on the
@@ -32,9 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm.collective import Communicator, device_future
+from .comm.collective import Communicator
 from .comm.group import DeviceGroup
 from .comm.layout import fp32_allreduce_wire_bytes
+from .comm.streams import SideStream
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
 from .geometry.transforms import IDENTITY
@@ -84,7 +89,9 @@ class GeoFP8State:
         config = config if config is not None else GeoFP8Config()
         self.engine = SyncEngine(model, config, DeviceGroup(process_group, device), "ddp",
                                  residual_storage=config.residual, grad_scaler=grad_scaler)
-        self.communicator = Communicator(config.collective, self.engine.group)
+        self.stream = SideStream(device)
+        self.communicator = Communicator(config.collective, self.engine.group,
+                                         stream=self.stream)
         if config.owner_feedback:
             self.communicator.owner = self.engine.add_feedback("owner", "fp32")
             self.communicator.owner_route = IDENTITY
@@ -97,7 +104,8 @@ class GeoFP8State:
             raise ValueError(f"GeoFP8: a byte budget needs the flat collective, but "
                              f"hierarchy={config.hierarchy!r} resolves to nodes of {size} "
                              "ranks here; set hierarchy='flat'")
-        self.hierarchy = HierarchicalAllReduce(self.engine, size, device) if size else None
+        self.hierarchy = (HierarchicalAllReduce(self.engine, size, device, self.stream)
+                          if size else None)
         self.engine.fingerprint_extra = {"node_size": size}
 
     # -- what the engine holds, by its usual names ------------------------------------------
@@ -127,33 +135,41 @@ class GeoFP8State:
         """Launch this bucket's all-reduce; the future's value is the averaged gradient."""
         engine = self.engine
         try:
-            engine.start_unit(bucket.is_last())
-            buffer = bucket.buffer()
-            self.group.charge("fp32_equivalent",
-                              fp32_allreduce_wire_bytes(buffer.numel(), self.world_size))
-            engine.ledger.add("elements", buffer.numel())
-            if engine.fp8:
-                future = self._fp8_allreduce(bucket, buffer, bucket.is_last())
-            else:
-                future = self._fp32_allreduce(buffer, bucket.is_last())
+            with self.stream.after_current():  # the gradients are written: read them there
+                buffer = bucket.buffer()
+                self.stream.hand_over(buffer)
+                engine.start_unit(bucket.is_last())
+                self.group.charge("fp32_equivalent",
+                                  fp32_allreduce_wire_bytes(buffer.numel(), self.world_size))
+                engine.ledger.add("elements", buffer.numel())
+                if engine.fp8:
+                    future = self._fp8_allreduce(bucket, buffer, bucket.is_last())
+                else:
+                    future = self._fp32_allreduce(buffer, bucket.is_last())
         except BaseException:
             self._rollback()
             raise
-        return future.then(self._bucket_done)
+        return future.then(self._failed)
 
-    def _bucket_done(self, fut: torch.futures.Future) -> torch.Tensor:
-        """Fold the bucket into the step's finite flag; the last one settles the step."""
+    def _bucket_done(self, value: torch.Tensor) -> torch.Tensor:
+        """Fold the bucket into the step's finite flag (on the side stream, where the flags
+        are stacked too); the last one settles the step."""
+        self.engine.observe(value)
+        self.engine.finish_unit()
+        return value
+
+    def _failed(self, fut: torch.futures.Future) -> torch.Tensor:
+        """The bucket's value; a failure anywhere in its collective rolls the step back."""
         try:
-            value = fut.value()
-            self.engine.observe(value)
-            self.engine.finish_unit()
+            return fut.value()
         except BaseException:
             self._rollback()
             raise
-        return value
 
     def _rollback(self) -> None:
         self.communicator.reset()
+        if self.hierarchy is not None:
+            self.hierarchy.reset()
         self.engine.rollback()
 
     def _fp32_allreduce(self, buffer: torch.Tensor, last: bool) -> torch.futures.Future:
@@ -162,7 +178,7 @@ class GeoFP8State:
         communicator = self.communicator
         communicator.flush()
         _, work = self.group.all_reduce(buffer.div_(self.world_size), "payload", async_op=True)
-        future = communicator.track(work, lambda: buffer, buffer.device)
+        future = communicator.track(work, lambda: self._bucket_done(buffer), buffer.device)
         communicator.complete(block=last)
         return future
 
@@ -176,10 +192,9 @@ class GeoFP8State:
             grads.append(g)
         seed = self.engine.seed(bucket.index())
         offsets = [(g.data_ptr() - buffer.data_ptr()) // g.element_size() for g in grads]
-        if self.hierarchy is not None:  # runs to completion (see geofp8.hierarchy)
-            done = device_future(buffer.device)
-            done.set_result(self.hierarchy(names, grads, buffer, offsets, seed))
-            return done
+        if self.hierarchy is not None:  # several buckets in flight (see geofp8.hierarchy)
+            return self.hierarchy.launch(names, grads, buffer, offsets, seed, last,
+                                         then=self._bucket_done)
         # An FP32 bucket that its gradients tile in order (DDP's) is the hook's own working
         # memory: Ũ is written over the gradients and the sum decoded into it, so the hook
         # allocates no bucket-sized FP32 vector of its own.
@@ -190,8 +205,8 @@ class GeoFP8State:
         encoded = pipeline.encode(names, grads, seed, flat=buffer if in_place else None)
         self.ledger.add("codec_s", time.perf_counter() - t0)
 
-        def map_back(fut: torch.futures.Future) -> torch.Tensor:
-            total = fut.value()  # all NaN on every rank if any rank sent a non-finite value
+        def map_back(total: torch.Tensor) -> torch.Tensor:
+            # `total` is all NaN on every rank if any rank sent a non-finite value
             t1 = time.perf_counter()
             mean = pipeline.decode(encoded, total)  # the buffer itself when in place
             if not in_place:
@@ -205,10 +220,11 @@ class GeoFP8State:
         future = self.communicator.launch(encoded.sent, encoded.layout, last,
                                           pipeline.unmap(encoded), seed=seed,
                                           owner_keys=pipeline.owner_keys(encoded),
-                                          out=buffer if in_place else None)
+                                          out=buffer if in_place else None,
+                                          then=lambda total: self._bucket_done(map_back(total)))
         self.group.charge("payload", -encoded.side_bytes)  # sender factors are factor bytes
         self.group.charge("factor", encoded.side_bytes)
-        return future.then(map_back)
+        return future
 
     # -- reporting and checkpoints -----------------------------------------------------------
 
@@ -232,6 +248,8 @@ class GeoFP8State:
 
     def load_state_dict(self, state: dict) -> None:
         self.communicator.reset()
+        if self.hierarchy is not None:
+            self.hierarchy.reset()
         self.engine.load_state_dict(state)
 
 

@@ -13,6 +13,14 @@ bucket holding gradients ``G_p``:
    ``N``. Input-side maps act on columns, so a row chunk is routed like the whole matrix;
 3. **inside the node**, FP32: an all-gather of the chunks into the bucket.
 
+The hops of a bucket run asynchronously, like the flat collective's
+(:class:`~geofp8.comm.lagged.Lagged`): each DDP hook advances every bucket in flight by one
+stage — reduce-scatter issued; chunk encoded and its all-to-all issued; its all-gather
+issued; the inter-node sum decoded, mapped back and the node all-gather issued; the chunks
+copied into the bucket — so bucket ``i``'s stage ``s`` is issued at hook ``i + s`` on every
+rank (the same order everywhere), and the last bucket's hook finishes them all. Every stage
+runs on the DDP hook's side stream (:mod:`geofp8.comm.streams`).
+
 Per element and rank that is ``2(M−1)/M`` encoded bytes on the link between nodes (against
 ``2(N−1)/N`` of them for the flat collective, each node's link carrying ``R`` ranks'
 share), and ``2·4(R−1)/R`` FP32 bytes inside the node. ``stats()`` counts both
@@ -34,6 +42,8 @@ import torch.distributed as dist
 
 from .codecs.base import exact_div
 from .comm.collective import Communicator
+from .comm.group import release
+from .comm.lagged import Lagged
 from .comm.layout import ShardLayout
 from .comm.stages import encode, encode_with_error
 
@@ -80,9 +90,9 @@ def _node_groups(size: int, device, engine):
 
 
 class HierarchicalAllReduce:
-    """The three hops above for one DDP bucket, run to completion (module notes)."""
+    """The three hops above for DDP's buckets, several in flight (module notes)."""
 
-    def __init__(self, engine, size: int, device) -> None:
+    def __init__(self, engine, size: int, device, stream=None) -> None:
         if dist.get_world_size(engine.group.group) != dist.get_world_size():
             raise ValueError("GeoFP8's hierarchical collective runs on the default (world) "
                              "process group")
@@ -91,13 +101,26 @@ class HierarchicalAllReduce:
                              "hierarchical collective; use hierarchy='flat'")
         self.engine, self.size = engine, size
         self.intra, self.inter = _node_groups(size, device, engine)
-        self.communicator = Communicator("exact", self.inter)
+        self.communicator = Communicator("exact", self.inter, stream=stream)
+        self.runs = Lagged(stream)
         self._layouts: dict[tuple, ShardLayout] = {}
 
-    def __call__(self, names: list[str], grads: list[torch.Tensor], buffer: torch.Tensor,
-                 offsets: list[int], seed: int | None) -> torch.Tensor:
-        """Average ``grads`` (views of ``buffer`` at ``offsets``) over every rank into
-        ``buffer``; returns it."""
+    def launch(self, names: list[str], grads: list[torch.Tensor], buffer: torch.Tensor,
+               offsets: list[int], seed: int | None, last: bool,
+               then) -> torch.futures.Future:
+        """Start averaging ``grads`` (views of ``buffer`` at ``offsets``) over every rank
+        into ``buffer``; the future's value is ``then(buffer)``. ``last`` finishes every
+        bucket in flight."""
+        return self.runs.start(self._run(names, grads, buffer, offsets, seed),
+                               buffer.device, last, then)
+
+    def reset(self) -> None:
+        """Drop the buckets in flight (after a failed step)."""
+        self.runs.reset()
+        self.communicator.reset()
+
+    def _run(self, names, grads, buffer, offsets, seed):
+        """One bucket's stages (a :class:`Lagged` run: each ``yield`` waits for a hook)."""
         shapes = [tuple(g.shape) for g in grads]
         chunks = row_chunks(shapes, self.size)
         span = sum(rows * width for _, rows, width in chunks)
@@ -110,16 +133,23 @@ class HierarchicalAllReduce:
             if rest:
                 block[whole, :rest].copy_(x[whole * rows :])
         mine = torch.empty(span, dtype=torch.float32, device=buffer.device)
-        self.intra.reduce_scatter(mine, rows2d.view(-1), dist.ReduceOp.SUM, "payload")
-        reduced = self._between_nodes(names, shapes, chunks, mine, seed)
-        full, _ = self.intra.all_gather(reduced, "payload")
+        work = self.intra.reduce_scatter(mine, rows2d.view(-1), dist.ReduceOp.SUM, "payload",
+                                         async_op=True)
+        yield
+        work.wait()
+        release(rows2d)
+        reduced = yield from self._between_nodes(names, shapes, chunks, mine, seed)
+        full, work = self.intra.all_gather(reduced, "payload", async_op=True)
+        yield
+        work.wait()
         for off, g, (pos, rows, width) in zip(offsets, grads, chunks):
             block = full[:, pos : pos + rows * width].reshape(self.size * rows, width)
             buffer[off : off + g.numel()].copy_(block[: g.numel() // width].reshape(-1))
         return buffer
 
-    def _between_nodes(self, names, shapes, chunks, mine: torch.Tensor, seed) -> torch.Tensor:
-        """The exact collective of this rank's node-sum chunk among the nodes; ``Σ/N``."""
+    def _between_nodes(self, names, shapes, chunks, mine: torch.Tensor, seed):
+        """The exact collective of this rank's node-sum chunk among the nodes; ``Σ/N``
+        (stages of a run: all-to-all, then all-gather, then the sum)."""
         engine, pipeline = self.engine, self.engine.pipeline
         t0 = time.perf_counter()
         chunk_shapes = [(rows, *shape[1:]) if shape else (1,)
@@ -138,7 +168,12 @@ class HierarchicalAllReduce:
         else:
             sent = encode(mine, layout, seed=seed, sender=self.inter.rank)
         engine.ledger.add("codec_s", time.perf_counter() - t0)
-        total = self.communicator.launch(sent, layout, seed=seed, out=mine).wait()
+        future = self.communicator.launch(sent, layout, last=False, seed=seed, out=mine)
+        yield
+        self.communicator.flush()  # this bucket's all-gather (the next launch comes later)
+        yield
+        self.communicator.complete(block=True)
+        total = future.value()
         t1 = time.perf_counter()
         for shape, (pos, rows, width), route in zip(chunk_shapes, chunks, routes):
             y = total[pos : pos + rows * width].view(shape)

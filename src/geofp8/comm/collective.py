@@ -5,6 +5,8 @@ re-encode, all-gather (see :mod:`geofp8.comm.stages`). Per rank and element that
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -22,6 +24,7 @@ from .stages import (
     encode_reduced,
     poison_unless,
 )
+from .streams import SideStream
 
 __all__ = ["COLLECTIVES", "Communicator", "device_future", "exact_allreduce", "wire_bytes"]
 
@@ -42,6 +45,7 @@ class _AllToAll(NamedTuple):
     seed: int | None
     keys: list[str | None] | None  # owner residual keys, None without owner feedback
     out: torch.Tensor | None
+    then: Callable[[torch.Tensor], torch.Tensor]  # applied before the result is set
 
 
 def wire_bytes(layout: ShardLayout, rank: int, collective: str) -> int:
@@ -79,6 +83,12 @@ class Communicator:
     ``kind``: the :class:`DeviceGroup` byte counter its traffic is charged to (``payload``
     for gradients, ``factor`` for fresh factors' sketches).
 
+    ``stream``: a :class:`~geofp8.comm.streams.SideStream` that every wait on a collective,
+    every stage after it and every completion (``then`` included) runs under, so that on
+    CUDA only that stream waits for the network and the futures record it (see
+    :mod:`geofp8.comm.streams`); the caller orders it after its gradients and runs
+    :func:`encode` on it. ``None``: the current stream.
+
     ``owner``: an :class:`~geofp8.feedback.ErrorFeedback` for the second rounding (``exact``):
     a launch with ``owner_keys`` (one per tensor of the layout) adds each tensor's residual
     to its piece of the reduced shard before re-encoding it and stages
@@ -102,10 +112,12 @@ class Communicator:
     owner = None  # ErrorFeedback of the owners' re-quantization, when enabled
     owner_route = None  # the coordinates its residuals are kept in (the identity transform)
 
-    def __init__(self, collective: str, group: DeviceGroup, kind: str = "payload"):
+    def __init__(self, collective: str, group: DeviceGroup, kind: str = "payload",
+                 stream: SideStream | None = None):
         if collective not in COLLECTIVES:
             raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
         self.collective, self.group, self.kind = collective, group, kind
+        self.stream = stream
         self.rank = group.rank
         self._previous: _AllToAll | None = None
         self._pending: list = []  # (work, finish, result): results this thread completes
@@ -113,7 +125,9 @@ class Communicator:
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
                unmap=None, gather: bool = True, seed: int | None = None,
                owner_keys: list[str | None] | None = None,
-               out: torch.Tensor | None = None) -> torch.futures.Future:
+               out: torch.Tensor | None = None,
+               then: Callable[[torch.Tensor], torch.Tensor] | None = None
+               ) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
         (mapped back per sender by ``unmap(rows, sides)`` first, see :func:`decode_sum`).
         ``gather=False`` stops after the FP32 sum (a reduce-scatter): the value is this
@@ -125,16 +139,26 @@ class Communicator:
         ``sent`` came from, not read again: the senders' decoded copies of this rank's shard
         are summed there (see :func:`decode_sum`) and, with ``gather``, the sum is decoded
         into it and it is the future's value.
+        ``then``: a function of that value whose result is the future's value instead, run
+        by this thread under :attr:`stream` before the future is completed.
         ``sent`` is the communicator's from here: its memory is freed once it is sent."""
-        self.flush()
-        self.complete(block=False)
-        if self.collective == "allgather":
-            if unmap is not None or not gather:
-                raise ValueError("per-sender decoding and reduce-scatter need collective='exact'")
-            result = self._allgather(sent, layout, out)
-            if last:
-                self.complete(block=True)
-            return result
+        then = then if then is not None else _same
+        with self._side():
+            self.flush()
+            self.complete(block=False)
+            if self.collective == "allgather":
+                if unmap is not None or not gather:
+                    raise ValueError("per-sender decoding and reduce-scatter need "
+                                     "collective='exact'")
+                result = self._allgather(sent, layout, out, then)
+                if last:
+                    self.complete(block=True)
+                return result
+            return self._all_to_all(sent, layout, last, unmap, gather, seed, owner_keys, out,
+                                    then)
+
+    def _all_to_all(self, sent, layout, last, unmap, gather, seed, owner_keys, out, then):
+        """The exact collective's first hop; its all-gather is issued by the next launch."""
         result = device_future(sent.device)
         n = layout.world_size
         recv = torch.empty(n * layout.send_bytes(self.rank), dtype=torch.uint8,
@@ -142,7 +166,7 @@ class Communicator:
         work = self.group.all_to_all(recv, sent, [layout.send_bytes(self.rank)] * n,
                                      [layout.send_bytes(j) for j in range(n)], self.kind)
         self._previous = _AllToAll(work, sent, recv, layout, result, unmap, gather, seed,
-                                   owner_keys if self.owner is not None else None, out)
+                                   owner_keys if self.owner is not None else None, out, then)
         if last:
             self.flush()  # issue the all-gather now, from this thread (see the class notes)
             self.complete(block=True)
@@ -157,14 +181,15 @@ class Communicator:
 
     def complete(self, block: bool) -> None:
         """Complete the tracked results whose collectives are done, in launch order (all of
-        them, waiting, when ``block``)."""
-        while self._pending and (block or self._pending[0][0].is_completed()):
-            work, finish, result = self._pending.pop(0)
-            try:
-                work.wait()
-                result.set_result(finish())
-            except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-                result.set_exception(exc)
+        them, waiting, when ``block``), under :attr:`stream`."""
+        with self._side():
+            while self._pending and (block or self._pending[0][0].is_completed()):
+                work, finish, result = self._pending.pop(0)
+                try:
+                    work.wait()
+                    result.set_result(finish())
+                except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
+                    result.set_exception(exc)
 
     def reset(self) -> None:
         """Drop unfinished launches (after a failed step): their collectives' results are
@@ -175,8 +200,12 @@ class Communicator:
         """Finish the previous launch's all-to-all and issue its all-gather, if any."""
         if self._previous is not None:
             launch, self._previous = self._previous, None
-            launch.work.wait()
-            self._gather(launch)
+            with self._side():
+                launch.work.wait()
+                self._gather(launch)
+
+    def _side(self):
+        return self.stream.use() if self.stream is not None else contextlib.nullcontext()
 
     def _gather(self, launch: _AllToAll) -> None:
         layout, result, keys = launch.layout, launch.result, launch.keys
@@ -188,7 +217,7 @@ class Communicator:
                                  scratch=launch.out)
             release(launch.recv)
             if not launch.gather:
-                result.set_result(reduced)
+                result.set_result(launch.then(reduced))
                 return
             pieces = self._pieces(layout, keys) if keys is not None else []
             for key, lo, hi in pieces:
@@ -208,7 +237,7 @@ class Communicator:
         def finish() -> torch.Tensor:
             total = decode_gathered(gathered, layout, launch.out)
             release(shard, gathered)
-            return total
+            return launch.then(total)
 
         self._pending.append((work, finish, result))
 
@@ -222,8 +251,8 @@ class Communicator:
             pos += hi - lo
         return out
 
-    def _allgather(self, sent: torch.Tensor, layout: ShardLayout,
-                   out: torch.Tensor | None) -> torch.futures.Future:
+    def _allgather(self, sent: torch.Tensor, layout: ShardLayout, out: torch.Tensor | None,
+                   then: Callable[[torch.Tensor], torch.Tensor]) -> torch.futures.Future:
 
         def decode_all() -> torch.Tensor:
             total = out.zero_() if out is not None else torch.zeros(
@@ -232,10 +261,14 @@ class Communicator:
                 total += decode(buf, layout)
             release(sent, gathered)
             # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
-            return poison_unless(total, all_finite(total))
+            return then(poison_unless(total, all_finite(total)))
 
         gathered, work = self.group.all_gather(sent, self.kind, async_op=True)
         return self.track(work, decode_all, sent.device)
+
+
+def _same(value: torch.Tensor) -> torch.Tensor:
+    return value
 
 
 def device_future(device: torch.device) -> torch.futures.Future:

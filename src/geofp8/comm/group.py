@@ -109,11 +109,14 @@ class DeviceGroup:
         work = dist.all_gather_single(out, t, group=self.group, async_op=True)
         return out.view(self.size, *t.shape), self._keep(work, async_op)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, kind: str) -> None:
-        """Blocking ``reduce_scatter_single`` (the ``N − 1`` shards for others are sent)."""
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, kind: str,
+                       async_op: bool = False):
+        """``reduce_scatter_single`` (the ``N − 1`` shards for others are sent); its work
+        when ``async_op``, else it is waited for here."""
         self.charge(kind, (self.size - 1) * out.numel() * out.element_size())
-        self._keep(dist.reduce_scatter_single(self.on_device(out), self.on_device(inp), op=op,
-                                              group=self.group, async_op=True), async_op=False)
+        return self._keep(dist.reduce_scatter_single(self.on_device(out), self.on_device(inp),
+                                                     op=op, group=self.group, async_op=True),
+                          async_op)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
                    in_splits: list[int], kind: str):
