@@ -215,16 +215,16 @@ class GeoFP8State:
             self.ledger.add("transform_s", time.perf_counter() - t1)
             return buffer
 
-        # the owners' residuals are in communication coordinates, which stay put only for
-        # tensors sent without a map (refreshes change maps): see GradientPipeline.owner_keys
-        future = self.communicator.launch(encoded.sent, encoded.layout, last,
-                                          pipeline.unmap(encoded), seed=seed,
-                                          owner_keys=pipeline.owner_keys(encoded),
-                                          out=buffer if in_place else None,
-                                          then=lambda total: self._bucket_done(map_back(total)))
+        # before the launch: the last one settles the step, bytes charged included
         self.group.charge("payload", -encoded.side_bytes)  # sender factors are factor bytes
         self.group.charge("factor", encoded.side_bytes)
-        return future
+        # the owners' residuals are in communication coordinates, which stay put only for
+        # tensors sent without a map (refreshes change maps): see GradientPipeline.owner_keys
+        return self.communicator.launch(encoded.sent, encoded.layout, last,
+                                        pipeline.unmap(encoded), seed=seed,
+                                        owner_keys=pipeline.owner_keys(encoded),
+                                        out=buffer if in_place else None,
+                                        then=lambda total: self._bucket_done(map_back(total)))
 
     # -- reporting and checkpoints -----------------------------------------------------------
 
