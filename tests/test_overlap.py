@@ -97,7 +97,8 @@ def _protocol_worker(rank, world, fields):
     group.DeviceGroup._keep = logged_keep
     def logged_issue(op, original):
         def issue(self, *args, **kw):
-            log.append(("issue", op, self.link))
+            kind = kw.get("kind", next((a for a in args if isinstance(a, str)), None))
+            log.append(("issue", op, self.link, kind))
             return original(self, *args, **kw)
         return issue
 
@@ -162,16 +163,22 @@ def test_bucket_work_runs_on_the_side_stream_in_the_same_order_on_every_rank(wor
         assert torch.equal(params, results[0][1]) and skipped == 0
         for log in steps[1:]:  # the first step also runs the consistency check
             hooks = [i for i, e in enumerate(log) if e[0] == "hook"]
-            assert len(hooks) >= 3, "several buckets"
+            assert len(hooks) >= 4, "several buckets"
             returned = [e for e in log if e[0] == "returned"]
             assert returned[-1] == ("returned", True, True)  # the last bucket drains all
             # buckets before the last are still in flight when their hook returns
             assert [done for _, last, done in returned[:-1]] == [False] * (len(returned) - 1)
-            if "node_size" in fields:  # bucket 0's later hops are issued in later hooks
-                first = log[hooks[0]:hooks[1]]
-                assert ("issue", "reduce_scatter", "intra_node") in first
-                assert ("issue", "all_to_all", "inter_node") not in first
-                assert ("issue", "all_gather", "intra_node") not in first
+            # bucket 0's later hops are issued in later hooks (the lag), none in its own
+            first, second, third = (log[a:b] for a, b in zip(hooks[:3], hooks[1:4]))
+            if "node_size" in fields:
+                assert ("issue", "reduce_scatter", "intra_node", "payload") in first
+                assert ("issue", "all_to_all", "inter_node", "payload") in second
+                assert ("issue", "all_gather", "inter_node", "payload") in third
+                assert ("issue", "all_gather", "intra_node", "payload") not in first + second
+            else:  # the flat collective's all-gather of bucket 0 two hooks later
+                assert ("issue", "all_to_all", None, "payload") in first
+                assert ("issue", "all_gather", None, "payload") not in first + second
+                assert ("issue", "all_gather", None, "payload") in third
             for begin, end in zip(hooks, [*hooks[1:], len(log)]):
                 bucket = log[begin:end]
                 ordered = bucket.index(("wait_stream", "side", "default"))

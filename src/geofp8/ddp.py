@@ -72,6 +72,8 @@ class GeoFP8State:
             scaler object, call :meth:`set_grad_scale` before each backward instead.
     """
 
+    lag = 2  # hooks between a bucket's all-to-all and its all-gather (Communicator's notes)
+
     def __init__(self, model: nn.Module, config: GeoFP8Config | None = None,
                  process_group: dist.ProcessGroup | None = None,
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
@@ -91,7 +93,7 @@ class GeoFP8State:
                                  residual_storage=config.residual, grad_scaler=grad_scaler)
         self.stream = SideStream(device)
         self.communicator = Communicator(config.collective, self.engine.group,
-                                         stream=self.stream)
+                                         stream=self.stream, lag=self.lag)
         if config.owner_feedback:
             self.communicator.owner = self.engine.add_feedback("owner", "fp32")
             self.communicator.owner_route = IDENTITY

@@ -66,12 +66,12 @@ class Communicator:
 
     Ordering: every rank must issue collectives in the same order, but completion callbacks
     fire in different orders on different ranks. So the all-gather of launch ``i`` is issued
-    from the caller's thread at launch ``i + 1`` (after waiting for all-to-all ``i``, which
-    has been overlapping the caller's work since); the launch marked ``last`` waits for its
-    own all-to-all and issues its all-gather before it returns. No collective is ever issued
-    from a callback: DDP itself issues one right after the last bucket's hook when
-    ``find_unused_parameters=True`` (the used-parameter map), and a callback's all-gather
-    raced it into a different order on different ranks (a deadlock).
+    from the caller's thread at launch ``i + lag`` (after waiting for all-to-all ``i``, which
+    has been overlapping the caller's work since); the launch marked ``last`` waits for the
+    all-to-alls in flight and issues their all-gathers, in launch order, before it returns.
+    No collective is ever issued from a callback: DDP itself issues one right after the last
+    bucket's hook when ``find_unused_parameters=True`` (the used-parameter map), and a
+    callback's all-gather raced it into a different order on different ranks (a deadlock).
 
     Completion: no Python runs on the backend's threads. A launch's future is completed by
     this (the caller's) thread — at a later launch once its all-gather is done, or at the end
@@ -113,13 +113,15 @@ class Communicator:
     owner_route = None  # the coordinates its residuals are kept in (the identity transform)
 
     def __init__(self, collective: str, group: DeviceGroup, kind: str = "payload",
-                 stream: SideStream | None = None):
+                 stream: SideStream | None = None, lag: int = 1):
         if collective not in COLLECTIVES:
             raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
         self.collective, self.group, self.kind = collective, group, kind
-        self.stream = stream
+        if lag < 1:
+            raise ValueError(f"lag must be >= 1, got {lag}")
+        self.stream, self.lag = stream, lag
         self.rank = group.rank
-        self._previous: _AllToAll | None = None
+        self._in_flight: list[_AllToAll] = []  # all-to-alls whose all-gather is not issued
         self._pending: list = []  # (work, finish, result): results this thread completes
 
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
@@ -144,7 +146,7 @@ class Communicator:
         ``sent`` is the communicator's from here: its memory is freed once it is sent."""
         then = then if then is not None else _same
         with self._side():
-            self.flush()
+            self.flush(keep=self.lag - 1)
             self.complete(block=False)
             if self.collective == "allgather":
                 if unmap is not None or not gather:
@@ -158,15 +160,17 @@ class Communicator:
                                     then)
 
     def _all_to_all(self, sent, layout, last, unmap, gather, seed, owner_keys, out, then):
-        """The exact collective's first hop; its all-gather is issued by the next launch."""
+        """The exact collective's first hop; its all-gather is issued ``lag`` launches
+        later."""
         result = device_future(sent.device)
         n = layout.world_size
         recv = torch.empty(n * layout.send_bytes(self.rank), dtype=torch.uint8,
                            device=sent.device)
         work = self.group.all_to_all(recv, sent, [layout.send_bytes(self.rank)] * n,
                                      [layout.send_bytes(j) for j in range(n)], self.kind)
-        self._previous = _AllToAll(work, sent, recv, layout, result, unmap, gather, seed,
-                                   owner_keys if self.owner is not None else None, out, then)
+        self._in_flight.append(_AllToAll(work, sent, recv, layout, result, unmap, gather, seed,
+                                         owner_keys if self.owner is not None else None, out,
+                                         then))
         if last:
             self.flush()  # issue the all-gather now, from this thread (see the class notes)
             self.complete(block=True)
@@ -194,13 +198,14 @@ class Communicator:
     def reset(self) -> None:
         """Drop unfinished launches (after a failed step): their collectives' results are
         never read."""
-        self._previous, self._pending = None, []
+        self._in_flight, self._pending = [], []
 
-    def flush(self) -> None:
-        """Finish the previous launch's all-to-all and issue its all-gather, if any."""
-        if self._previous is not None:
-            launch, self._previous = self._previous, None
-            with self._side():
+    def flush(self, keep: int = 0) -> None:
+        """Finish the oldest all-to-alls in flight and issue their all-gathers, in launch
+        order, until ``keep`` are left."""
+        with self._side():
+            while len(self._in_flight) > keep:
+                launch = self._in_flight.pop(0)
                 launch.work.wait()
                 self._gather(launch)
 
