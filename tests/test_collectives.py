@@ -98,16 +98,19 @@ def _release_worker(rank, world_size):
     layout = ShardLayout.build(SHAPES, FP8Codec(), world_size)
     inputs = [x * (k + 1) for k, x in enumerate(_inputs(world_size))]
     results = {}
-    for collective in ("exact", "allgather"):
+    for collective, lag in (("exact", 1), ("allgather", 1), ("exact", 2)):
         group = Recording(None, torch.device("cpu"))
         group.buffers = []
-        communicator = Communicator(collective, group)
-        # two launches: the first one's all-gather is issued by the second (`last`)
-        futures = [communicator.launch(encode(x, layout, sender=rank), layout, last=last)
-                   for x, last in ((inputs[rank], False), (2 * inputs[rank], True))]
-        results[collective] = ([f.wait() for f in futures],
-                               [b.untyped_storage().nbytes() for b in group.buffers])
+        communicator = Communicator(collective, group, lag=lag)
+        # launch i's all-gather is issued by launch i + lag, the rest by the last one
+        futures = [communicator.launch(encode(k * inputs[rank], layout, sender=rank), layout,
+                                       last=k == LAUNCHES) for k in range(1, LAUNCHES + 1)]
+        results[collective, lag] = ([f.wait() for f in futures],
+                                    [b.untyped_storage().nbytes() for b in group.buffers])
     return results
+
+
+LAUNCHES = 4
 
 
 @pytest.mark.distributed
@@ -118,13 +121,23 @@ def test_the_collective_frees_its_buffers_once_read():
     world_size = 2
     layout = ShardLayout.build(SHAPES, FP8Codec(), world_size)
     inputs = [x * (k + 1) for k, x in enumerate(_inputs(world_size))]
-    expected = [simulate_exact_allreduce(inputs, layout),
-                simulate_exact_allreduce([2 * x for x in inputs], layout)]
+    expected = [simulate_exact_allreduce([k * x for x in inputs], layout)
+                for k in range(1, LAUNCHES + 1)]
     for ranks in run_ranks(_release_worker, world_size):
-        for collective, (sums, sizes) in ranks.items():
+        for (collective, lag), (sums, sizes) in ranks.items():
             assert len(sizes) >= 4 and sizes == [0] * len(sizes), (collective, sizes)
-            if collective == "exact":
-                assert all(torch.equal(s, e) for s, e in zip(sums, expected))
+            if collective == "exact":  # the same sums whatever the lag
+                assert len(sums) == LAUNCHES
+                assert all(torch.equal(s, e) for s, e in zip(sums, expected)), lag
+
+
+def test_a_lag_below_one_is_refused():
+    from types import SimpleNamespace
+
+    from geofp8.comm import Communicator
+
+    with pytest.raises(ValueError, match="lag"):
+        Communicator("exact", SimpleNamespace(rank=0), lag=0)
 
 
 def test_wire_bytes_close_to_a_quarter_of_fp32():
