@@ -42,7 +42,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from . import native
+from . import native, triton_fp4
 from .base import (
     Codec,
     GroupMap,
@@ -447,6 +447,8 @@ class NVFP4Codec(Codec):
         shards = group_map(shards)
         if not shards.lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (3 * len(shards))
+        if (fused := triton_fp4.encode_shards(self, x, shards)) is not None:
+            return fused
         s, code, scale = self._scales(block_amax_of(x, shards), shards.segments,
                                       shards.on("counts", x.device))
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -457,11 +459,20 @@ class NVFP4Codec(Codec):
         return interleave(s.view(torch.uint8).split(sizes[0]), code.split(sizes[1]),
                           pack_shards(e2m1_encode(v, u), list(shards.numels)))
 
+    def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
+                                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """With the fused kernels, the rounding error from the encoding pass."""
+        fused = triton_fp4.encode_shards(self, x, shards, error=True)
+        return fused if fused is not None else super().encode_shards_with_error(x, shards)
+
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
         shards = group_map(shards)
         if not shards.lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
+        ran, finite = triton_fp4.decode_shards(self, out, parts, shards, check, poison)
+        if ran:
+            return finite
         s = joined(parts[0::3], align=4).view(torch.float32)
         code = joined(parts[1::3])
         scale = e4m3_values(code).mul_(torch.repeat_interleave(

@@ -1,0 +1,183 @@
+"""The fused Triton kernels of NVFP4, MXFP4 and MXFP8 against the torch reference, interpreted.
+
+As ``test_triton_fp8.py``: ``TRITON_INTERPRET=1`` must be set before the kernels are
+decorated, so the checks run in a child process (this file run as a script). The child
+compares every output bitwise (NaN where NaN) with the codecs' torch path
+(:func:`triton_fp4.torch_only`) and prints the failures; the test asserts there are none
+and counts the kernels launched.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+FORMATS = ("nvfp4", "mxfp4", "mxfp8")
+# odd and unequal tensors (blocks cut short, segments of odd length), one element
+SHAPES = ([(3, 37), (5,), (16, 4)], [(7, 9), (1,), (40,)])
+
+
+def _same(a, b) -> bool:
+    """Bitwise equal, any NaN where the other has a NaN."""
+    import torch
+
+    if a.dtype == torch.uint8:
+        return torch.equal(a, b)
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(
+        a.masked_fill(nan, 0).view(torch.int32), b.masked_fill(nan, 0).view(torch.int32))
+
+
+def _bucket(n: int, seed: int, special: bool):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-30, 30, n).flip(0)
+    x[n // 3 : n // 3 + 40] = 0  # zero blocks
+    x[n // 2] = 1e-40  # a subnormal
+    x[n // 4 : n // 4 + 8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0])
+    if special:
+        x[5], x[n - 2], x[n // 2 + 1] = float("nan"), float("-inf"), float("inf")
+    return x
+
+
+def _shards(codec, shapes, n_shards: int):
+    """Every tensor cut into ``n_shards`` chunks at block boundaries, chunk ``j`` of every
+    tensor in shard ``j`` (odd chunks: the last one short)."""
+    from geofp8.codecs.base import GroupMap
+
+    shards = [[] for _ in range(n_shards)]
+    for shape in shapes:
+        blocks = codec.groups(shape)
+        per = -(-len(blocks) // n_shards)
+        for j in range(n_shards):
+            shards[j].append(blocks[j * per : (j + 1) * per])
+    return GroupMap(shards)
+
+
+def check() -> list[str]:
+    import torch
+
+    from geofp8.codecs import make_codec, triton_fp4
+
+    failures = []
+    for fmt in FORMATS:
+        codec = make_codec(fmt)
+        for shapes, n_shards in ((SHAPES[0], 1), (SHAPES[0], 3), (SHAPES[1], 3)):
+            groups = _shards(codec, shapes, n_shards)
+            numel = sum(groups.numels)
+            for special in (False, True):
+                name = f"{fmt} {shapes} shards={n_shards} special={special}"
+                x = _bucket(numel, numel + n_shards, special)
+                # (a)+(b) through the codec: scales, codes, the sender's rounding error
+                parts, error = codec.encode_shards_with_error(x, groups)
+                with triton_fp4.torch_only():
+                    want, want_error = codec.encode_shards_with_error(x, groups)
+                if not all(_same(a, b) for a, b in zip(parts, want, strict=True)):
+                    failures.append(f"{name}: payload")
+                if not _same(error, want_error):
+                    failures.append(f"{name}: error")
+                # (d): decode, its finite flag, poison
+                for poison in (False, True) if special else (False,):
+                    out = torch.empty(numel)
+                    flag = codec.decode_shards(out, parts, groups, poison=poison)
+                    with triton_fp4.torch_only():
+                        ref = torch.empty(numel)
+                        want_flag = codec.decode_shards(ref, want, groups, poison=poison)
+                    if not (_same(out, ref) and (flag is None) == (want_flag is None)
+                            and (flag is None or bool(flag) == bool(want_flag) != special)):
+                        failures.append(f"{name}: decode poison={poison}")
+        # the error feedback add in the amax pass, the rounding error in the encoding pass
+        r = torch.randn(numel) * 1e-3
+        enc = triton_fp4.encode(x, groups, fmt, residual=r, error=True)
+        with triton_fp4.torch_only():
+            want, want_error = codec.encode_shards_with_error(x + r, groups)
+        k = len(want) // len(groups)  # parts per shard: the codes are the last
+        if not (_same(enc.u, x + r) and _same(enc.error, want_error)
+                and _same(enc.codes, torch.cat(want[k - 1 :: k]))):
+            failures.append(f"{fmt}: encode with the residual")
+        failures += _check_sum(codec, groups, fmt, f"{fmt} {shapes} shards={n_shards}")
+    return failures
+
+
+def _check_sum(codec, groups, fmt, name) -> list[str]:
+    """(c): ``N`` senders' payloads of one shard map decoded and summed, with poison."""
+    import torch
+
+    from geofp8.codecs import triton_fp4
+
+    failures = []
+    numel = sum(groups.numels)
+    for n_senders, poison in ((1, False), (3, False), (3, True), (4, False)):
+        xs = [_bucket(numel, 7 * r + 1, special=r == 2) for r in range(n_senders)]
+        with triton_fp4.torch_only():
+            payloads = [codec.encode_shards(x, groups, [None] * len(groups)) for x in xs]
+        k = 3 if fmt == "nvfp4" else 2
+        rows = [torch.stack([torch.cat(p[i::k]) for p in payloads]) for i in range(k)]
+        if k == 3:
+            rows[0] = rows[0].view(torch.float32)
+        else:
+            rows.insert(0, None)
+        got, bad = triton_fp4.decode_sum(groups, fmt, rows[1], rows[2], rows[0], poison)
+        want = torch.zeros(numel)
+        with triton_fp4.torch_only():
+            for p in payloads:  # the torch path's decode, then the sum in sender order
+                values = torch.empty(numel)
+                codec.decode_shards(values, p, groups, check=False)
+                want += values
+        if poison:  # the batch's scales poisoned: every value NaN
+            want.fill_(float("nan"))
+        if not (_same(got, want) and bool(bad) == (n_senders > 2)):
+            failures.append(f"{name}: decode_sum N={n_senders} poison={poison}")
+    return failures
+
+
+def check_codecs() -> list[str]:
+    """Round trips and the exact collective through the codecs' batched path (which takes
+    the kernels on its own) against the CPU's chunked path; stochastic rounding stays on
+    torch."""
+    from geofp8.codecs import make_codec, triton_fp4
+    from geofp8.comm import ShardLayout
+    from geofp8.comm.stages import simulate_exact_allreduce
+
+    calls, encode = [], triton_fp4.encode
+    triton_fp4.encode = lambda *args, **kwargs: calls.append(1) or encode(*args, **kwargs)
+    failures = []
+    shapes = SHAPES[0]
+    numel = sum(math.prod(s) for s in shapes)
+    for fmt, n in (("nvfp4", 1), ("nvfp4", 4), ("mxfp4", 3), ("mxfp8", 3)):
+        inputs = [_bucket(numel, r, special=False) for r in range(n)]
+        results = [simulate_exact_allreduce(inputs, ShardLayout.build(
+            shapes, make_codec(fmt), n, kernels=kernels)) for kernels in ("batched", "chunked")]
+        if not _same(*results):
+            failures.append(f"collective {fmt} N={n}")
+    triton_fp4.encode = encode
+    if not calls:
+        failures.append("the batched path did not run the fused kernels")
+    stochastic = make_codec("nvfp4", rounding="stochastic")
+    triton_fp4.encode = lambda *args, **kwargs: failures.append("stochastic ran the kernels")
+    stochastic.encode_shards(_bucket(64, 0, False), _shards(stochastic, [(64,)], 1), [3])
+    triton_fp4.encode = encode
+    return failures
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    for failure in check() + check_codecs():
+        print(failure)
+    print("done")
+
+
+def test_fused_block_kernels_are_bit_identical_to_the_torch_reference_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines == ["done"], "\n".join(lines)
