@@ -29,8 +29,9 @@ high nibble (a zero nibble pads an odd ``n``). Bytes per element: ``1/2 + 1/16``
 Rounding: to nearest even by default; ``rounding="stochastic"`` rounds ``|v|`` up to the
 next grid point with probability equal to its distance from the one below, which is
 unbiased (``E[q] = v``). Its uniforms come from :func:`segment_uniforms`: one stream per
-segment, seeded from the caller's ``seed`` and the segment's index, so every rank that
-encodes the same values with the same seed gets the same codes.
+segment, keyed by the caller's ``seed`` and the segment's index (a counter-based hash,
+:mod:`.uniforms`), so every rank that encodes the same values with the same seed gets the
+same codes, on any device.
 """
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ from .base import (
     group_runs,
     interleave,
     joined,
-    mix_seed,
     rows_amax,
     scales_flag,
 )
 from .fp8 import e4m3_values, group_lengths, lookup_into
+from .uniforms import key_halves, uniforms
 
 __all__ = ["E2M1_VALUES", "NVFP4Codec", "ROUNDINGS", "e2m1_encode", "e2m1_values",
            "segment_uniforms"]
@@ -74,14 +75,14 @@ NVFP4_BLOCK = 16
 
 def segment_uniforms(segments: Segments, numel: int, seed: int | None,
                      device: torch.device) -> torch.Tensor:
-    """Uniforms in ``[0, 1)`` for a shard: segment ``i`` draws from its own generator seeded
-    with ``mix_seed(seed, i)`` (``seed=None`` counts as 0)."""
+    """Uniforms in ``[0, 1)`` for a shard: segment ``i`` draws its own counter-based stream
+    keyed by ``mix_seed(seed, i)`` (``seed=None`` counts as 0; :mod:`.uniforms`: the same
+    bits on every device and in the Triton kernels)."""
     u = torch.empty(numel, dtype=torch.float32, device=device)
     lo = 0
     for i, seg in enumerate(segments):
         n = sum(seg)
-        gen = torch.Generator(device=device).manual_seed(mix_seed(seed or 0, i))
-        u[lo : lo + n].uniform_(generator=gen)
+        u[lo : lo + n] = uniforms(key_halves(seed, i), n, device)
         lo += n
     return u
 
@@ -447,7 +448,7 @@ class NVFP4Codec(Codec):
         shards = group_map(shards)
         if not shards.lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (3 * len(shards))
-        if (fused := triton_fp4.encode_shards(self, x, shards)) is not None:
+        if (fused := triton_fp4.encode_shards(self, x, shards, seeds)) is not None:
             return fused
         s, code, scale = self._scales(block_amax_of(x, shards), shards.segments,
                                       shards.on("counts", x.device))

@@ -190,7 +190,7 @@ class MXCodec(Codec):
         shards = group_map(shards)
         if not shards.lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
-        if (fused := triton_fp4.encode_shards(self, x, shards)) is not None:
+        if (fused := triton_fp4.encode_shards(self, x, shards, seeds)) is not None:
             return fused
         byte = e8m0_scales(block_amax_of(x, shards), self.element)
         scale = e8m0_values(byte).nan_to_num_(nan=1.0)  # a NaN block divided by 1

@@ -3,8 +3,9 @@ for bit the torch reference's.
 
 The formats are :mod:`.fp4`'s (NVFP4: E2M1 codes, an E4M3 scale ``β_b`` per block of 16,
 an FP32 scale ``s`` per segment) and :mod:`.mx`'s (MXFP4 / MXFP8: E2M1 / E4M3 codes, an
-E8M0 scale ``2^e`` per block of 32). Round to nearest only (stochastic rounding stays on the
-torch path). Each stage is one pass over the elements:
+E8M0 scale ``2^e`` per block of 32), rounding to nearest even or stochastically (with
+:mod:`.uniforms`' counter-based draw, which the kernels compute from the seeds, the segment
+and the element's index). Each stage is one pass over the elements:
 
 * :func:`encode` — ``u = x (+ r)`` and every block's max ``|u|`` (:mod:`.triton_fp8`'s amax
   kernel, atomic max on the bits); the scales, one pass over the blocks (NVFP4: one more
@@ -45,6 +46,7 @@ from . import triton_fp8
 from .base import group_runs, interleave, joined
 from .groups import GroupMap, group_map
 from .triton_fp8 import _INTERPRET, _NO_FUSION, TILE, triton
+from .uniforms import key_halves
 
 if triton is not None:
     import triton.language as tl
@@ -133,6 +135,14 @@ def _segment_of(groups: GroupMap, device: torch.device) -> torch.Tensor:
         torch.tensor(groups.counts, dtype=torch.long)).to(device))
 
 
+def _segment_starts(groups: GroupMap, device: torch.device) -> torch.Tensor:
+    """The first element of every segment (int64, on ``device``), made once per map."""
+    def make() -> torch.Tensor:
+        sizes = torch.tensor([sum(seg) for seg in groups.segments], dtype=torch.int64)
+        return (torch.cumsum(sizes, 0) - sizes).to(device)
+    return groups.memo(("triton-segment-starts", torch.device(device)), make)
+
+
 if triton is not None:
 
     @triton.jit
@@ -179,29 +189,80 @@ if triton is not None:
         return _e4m3_value(c)
 
     @triton.jit
-    def _encode_lanes(x_ptr, scale_ptr, err_ptr, offs, g, mask, HAS_ERR: tl.constexpr,
-                      FMT: tl.constexpr):
+    def _mix32(x):
+        """``lowbias32`` of the int64 ``x`` holding 32-bit values (:mod:`.uniforms`)."""
+        m32 = tl.full(x.shape, 0xFFFFFFFF, tl.int64)
+        x = x ^ (x >> 16)
+        x = (x * tl.full(x.shape, 0x7FEB352D, tl.int64)) & m32
+        x = x ^ (x >> 15)
+        x = (x * tl.full(x.shape, 0x846CA68B, tl.int64)) & m32
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _uniform(offs, g, mask, seg_ptr, start_ptr, keys_ptr):
+        """:func:`.uniforms.uniforms`' draw for elements ``offs`` of blocks ``g``."""
+        seg = tl.load(seg_ptr + g, mask=mask, other=0).to(tl.int64)
+        j = offs - tl.load(start_ptr + seg, mask=mask, other=0)
+        lo = tl.load(keys_ptr + 2 * seg, mask=mask, other=0)
+        hi = tl.load(keys_ptr + 2 * seg + 1, mask=mask, other=0)
+        h = _mix32(_mix32((j + lo) & tl.full(j.shape, 0xFFFFFFFF, tl.int64)) ^ hi)
+        return (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+    @triton.jit
+    def _round_stochastic(q, u, FMT: tl.constexpr):
+        """The code of FP32 ``q`` rounded ``⌊|q|/2^e + u⌋·2^e`` on the element grid (``2^e``
+        its spacing at ``|q|``), as :func:`.fp4.grid_round` and its callers round."""
+        b = q.to(tl.uint32, bitcast=True)
+        a = tl.abs(q)
+        top = (a.to(tl.int32, bitcast=True) >> 23)
+        if FMT == 0:
+            e = tl.minimum(tl.maximum(top - 128, -1), 1)
+        else:
+            e = tl.minimum(tl.maximum(top - 130, -9), 5)
+        n = tl.floor(a * ((127 - e) << 23).to(tl.float32, bitcast=True) + u)
+        if FMT == 0:
+            code = tl.minimum(tl.maximum(tl.minimum(n, 8.0).to(tl.int32) + 2 * e + 2, 0), 7)
+            code = tl.where(n != n, 0, code)  # NaN: code 0, as the CPU's conversion gives
+            return code.to(tl.uint32) | ((b >> 28) & 8)
+        v = n * ((e + 127) << 23).to(tl.float32, bitcast=True)
+        v = tl.where(v > 448.0, 448.0, v)
+        v = (v.to(tl.uint32, bitcast=True) | (b & 0x80000000)).to(tl.float32, bitcast=True)
+        return _e4m3_round(v)[0]
+
+    @triton.jit
+    def _encode_lanes(x_ptr, scale_ptr, err_ptr, offs, g, mask, seg_ptr, start_ptr, keys_ptr,
+                      HAS_ERR: tl.constexpr, STOCHASTIC: tl.constexpr, FMT: tl.constexpr):
         """The codes (uint32) of elements ``offs`` of blocks ``g``; their errors stored."""
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         s = tl.load(scale_ptr + g, mask=mask, other=1.0)
-        code = _round(tl.math.div_rn(x, tl.where(s > 0.0, s, 1.0)), FMT)
+        q = tl.math.div_rn(x, tl.where(s > 0.0, s, 1.0))
+        if STOCHASTIC:
+            code = _round_stochastic(
+                q, _uniform(offs, g, mask, seg_ptr, start_ptr, keys_ptr), FMT)
+        else:
+            code = _round(q, FMT)
         if HAS_ERR:
             tl.store(err_ptr + offs, x - _value(code, FMT) * s, mask=mask)
         return code
 
     @triton.jit
-    def _encode_packed_kernel(x_ptr, scale_ptr, codes_ptr, err_ptr, tiles_ptr,
-                              HAS_ERR: tl.constexpr, BYTES: tl.constexpr):
+    def _encode_packed_kernel(x_ptr, scale_ptr, codes_ptr, err_ptr, tiles_ptr, seg_ptr,
+                              start_ptr, keys_ptr, HAS_ERR: tl.constexpr,
+                              STOCHASTIC: tl.constexpr, BYTES: tl.constexpr):
         offs, mask, lo, hi, mask_hi, g_lo, g_hi = _byte_tile(tiles_ptr, BYTES)
-        low = _encode_lanes(x_ptr, scale_ptr, err_ptr, lo, g_lo, mask, HAS_ERR, 0)
-        high = _encode_lanes(x_ptr, scale_ptr, err_ptr, hi, g_hi, mask_hi, HAS_ERR, 0)
+        low = _encode_lanes(x_ptr, scale_ptr, err_ptr, lo, g_lo, mask, seg_ptr, start_ptr,
+                            keys_ptr, HAS_ERR, STOCHASTIC, 0)
+        high = _encode_lanes(x_ptr, scale_ptr, err_ptr, hi, g_hi, mask_hi, seg_ptr, start_ptr,
+                             keys_ptr, HAS_ERR, STOCHASTIC, 0)
         tl.store(codes_ptr + offs, (low | (high << 4)).to(tl.uint8), mask=mask)
 
     @triton.jit
-    def _encode_bytes_kernel(x_ptr, scale_ptr, codes_ptr, err_ptr, tiles_ptr,
-                             HAS_ERR: tl.constexpr, TILE: tl.constexpr):
+    def _encode_bytes_kernel(x_ptr, scale_ptr, codes_ptr, err_ptr, tiles_ptr, seg_ptr,
+                             start_ptr, keys_ptr, HAS_ERR: tl.constexpr,
+                             STOCHASTIC: tl.constexpr, TILE: tl.constexpr):
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
-        code = _encode_lanes(x_ptr, scale_ptr, err_ptr, offs, g, mask, HAS_ERR, 1)
+        code = _encode_lanes(x_ptr, scale_ptr, err_ptr, offs, g, mask, seg_ptr, start_ptr,
+                             keys_ptr, HAS_ERR, STOCHASTIC, 1)
         tl.store(codes_ptr + offs, code.to(tl.uint8), mask=mask)
 
     @triton.jit
@@ -342,9 +403,10 @@ def _tiles(groups: GroupMap, fmt: str, device: torch.device) -> torch.Tensor:
 
 
 def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor | None = None,
-           error: bool = False) -> Encoded:
+           error: bool = False, seeds=None) -> Encoded:
     """``fmt``'s payload of ``u = x (+ residual)`` over ``groups`` (module notes): the amax
-    pass, one or two per-block passes, the encoding pass."""
+    pass, one or two per-block passes, the encoding pass. ``seeds`` (one per shard, ``None``
+    counting as 0): round stochastically with :mod:`.uniforms`' draws, else to nearest."""
     element, device = _element(fmt), x.device
     n_groups, n_seg = len(groups.lengths), len(groups.counts)
     bits = torch.zeros(n_groups + (n_seg if fmt == "nvfp4" else 0), dtype=torch.int32,
@@ -375,8 +437,13 @@ def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor |
     tiles = _tiles(groups, fmt, device)
     kernel = _encode_packed_kernel if element == E2M1 else _encode_bytes_kernel
     size = {"BYTES": TILE // 2} if element == E2M1 else {"TILE": TILE}
+    keys = None if seeds is None else torch.tensor(  # O(segments) on the host, per call
+        [key_halves(seed, i) for shard, seed in zip(groups, seeds) for i in range(len(shard))],
+        dtype=torch.int64).to(device)
     kernel[(tiles.shape[0],)](u, scale, codes, u if err is None else err, tiles,
-                              HAS_ERR=error, **size, **_NO_FUSION)
+                              _segment_of(groups, device), _segment_starts(groups, device),
+                              codes if keys is None else keys, HAS_ERR=error,
+                              STOCHASTIC=keys is not None, **size, **_NO_FUSION)
     return Encoded(u, s, block_bytes, codes, err)
 
 
@@ -427,16 +494,18 @@ def _parts_of(codec, groups: GroupMap, enc: Encoded) -> list[torch.Tensor]:
     return interleave(*(kind.split(size) for kind, size in zip(kinds, sizes)))
 
 
-def encode_shards(codec, x: torch.Tensor, shards, error: bool = False):
-    """``codec.encode_shards(x, shards)``'s parts (``(parts, error)`` with ``error``) from
-    the kernels, or ``None`` where they do not run (not available, stochastic rounding, no
-    groups, or a failure on CUDA): the caller's torch path then."""
+def encode_shards(codec, x: torch.Tensor, shards, seeds=None, error: bool = False):
+    """``codec.encode_shards(x, shards, seeds)``'s parts (``(parts, error)`` with ``error``)
+    from the kernels, or ``None`` where they do not run (not available, no groups, or a
+    failure on CUDA): the caller's torch path then."""
     groups = group_map(shards)
-    if not (codec.rounding == "nearest" and groups.lengths and available(x)):
+    if not (groups.lengths and available(x)):
         return None
+    stochastic = codec.rounding == "stochastic"
 
     def run():
-        enc = encode(x, groups, codec.format, error=error)
+        enc = encode(x, groups, codec.format, error=error,
+                     seeds=(seeds or [None] * len(groups)) if stochastic else None)
         parts = _parts_of(codec, groups, enc)
         return (parts, enc.error) if error else parts
     return _guarded(run)
