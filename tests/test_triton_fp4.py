@@ -182,20 +182,65 @@ def check_gpu_rows() -> list[str]:
     from geofp8.codecs import triton_fp4
     from geofp8.tools import gpu_check
 
-    triton_fp4.FORMATS = ("nvfp4",)
     gpu_check.DEVICE = torch.device("cpu")
     gpu_check.SHAPES = [(9, 65), (31,), (4, 16)]  # small: the interpreter is slow
     rows = []
-    gpu_check.check_fused_blocks(rows)
+    triton_fp4.FORMATS = ("nvfp4",)
+    try:
+        gpu_check.check_fused_blocks(rows)
+    finally:
+        triton_fp4.FORMATS = FORMATS
     failures = [f"gpu-check {name}: {detail}" for name, detail, verdict in rows if verdict != "ok"]
     return failures + ([] if len(rows) == 3 else [f"gpu-check: {len(rows)} block rows"])
+
+
+def launches(fmt: str) -> tuple[int, int]:
+    """``(Triton kernels, torch kernels)`` of a bucket's four stages at the kernel level (a
+    sender's encode with error feedback, the owner's decode-and-sum of 3 senders and
+    re-encode, the decode of the gathered shards), counted without running them (no count
+    depends on the data)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from geofp8.codecs import make_codec, triton_fp4, triton_fp8
+
+    counted = {"triton": 0, "aten": 0}
+    for module, names in ((triton_fp8, ["_amax_kernel"]), (triton_fp4, [
+            n for n in dir(triton_fp4) if n.endswith("_kernel")])):
+        for name in names:
+            getattr(module, name).run = lambda *a, **k: counted.__setitem__(
+                "triton", counted["triton"] + 1)
+
+    class Aten(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not (func.is_view or func._schema.name in (
+                    "aten::empty", "aten::empty_like", "aten::empty_strided")):
+                counted["aten"] += 1
+            return func(*args, **(kwargs or {}))
+
+    groups = _shards(make_codec(fmt), [(64, 300), (5,)], 3)
+    x = torch.randn(sum(groups.numels))
+    enc = triton_fp4.encode(x, groups, fmt)  # the map's tiles, made once per layout
+    received = [None if t is None else torch.stack([t] * 3) for t in enc[1:4]]  # 3 senders
+
+    def stages():
+        triton_fp4.encode(x, groups, fmt, residual=x, error=True)  # the sender
+        total, _ = triton_fp4.decode_sum(groups, fmt, *received[1:], received[0])  # the owner
+        enc = triton_fp4.encode(total, groups, fmt)
+        triton_fp4.decode(total, groups, fmt, enc.block_bytes, enc.codes, enc.segment_scales)
+
+    stages()
+    counted["triton"] = 0
+    with Aten():
+        stages()
+    return counted["triton"], counted["aten"]
 
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for failure in check() + check_codecs() + check_gpu_rows():
         print(failure)
-    print("done")
+    print("launches", *(launches(fmt) for fmt in FORMATS))
 
 
 def test_fused_block_kernels_are_bit_identical_to_the_torch_reference_under_the_interpreter():
@@ -204,4 +249,7 @@ def test_fused_block_kernels_are_bit_identical_to_the_torch_reference_under_the_
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
-    assert lines == ["done"], "\n".join(lines)
+    assert lines[:-1] == [], "\n".join(lines)
+    # (Triton, torch) per format: NVFP4 4 + 2 + 4 + 2 kernels, MX 3 + 2 + 3 + 2, each stage
+    # with one zeroed buffer; whatever the number of tensors, shards or senders
+    assert lines[-1] == "launches (12, 4) (10, 4) (10, 4)"
