@@ -7,11 +7,11 @@ E8M0 scale ``2^e`` per block of 32), rounding to nearest even or stochastically 
 :mod:`.uniforms`' counter-based draw, which the kernels compute from the seeds, the segment
 and the element's index). Each stage is one pass over the elements:
 
-* :func:`encode` — ``u = x (+ r)`` and every block's max ``|u|`` (:mod:`.triton_fp8`'s amax
-  kernel, atomic max on the bits); the scales, one pass over the blocks (NVFP4: one more
-  for the segments' amax over their finite blocks); then the codes of ``u / d_b`` (``d_b``
-  the block's scale, 1 where that is 0 or NaN), packed two per byte for E2M1, and,
-  optionally, the sender's rounding error ``u − value(code)·scale_b``;
+* :func:`encode` — ``u = x (+ r)`` and every block's max ``|u|`` (whole blocks reduced in
+  registers, one atomic max on the bits per block); the scales, one pass over the blocks
+  (NVFP4: one more for the segments' amax over their finite blocks); then the codes of
+  ``u / d_b`` (``d_b`` the block's scale, 1 where that is 0 or NaN), packed two per byte
+  for E2M1, and, optionally, the sender's rounding error ``u − value(code)·scale_b``;
 * :func:`decode` — ``value(code)·scale_b``; :func:`decode_sum` — the ``N`` senders' copies
   of a shard decoded and summed in FP32 in sender order. Both first take the blocks' FP32
   scales from the payload in a pass over the blocks, counting the non-finite ones: the
@@ -51,7 +51,7 @@ from .uniforms import key_halves
 if triton is not None:
     import triton.language as tl
 
-    from .triton_fp8 import _amax_kernel, _e4m3_round, _e4m3_value, _tile
+    from .triton_fp8 import _e4m3_round, _e4m3_value, _tile
 
 __all__ = ["FORMATS", "Encoded", "available", "byte_tiles", "decode", "decode_shards",
            "decode_sum", "encode", "encode_shards", "torch_only"]
@@ -266,6 +266,26 @@ if triton is not None:
         tl.store(codes_ptr + offs, code.to(tl.uint8), mask=mask)
 
     @triton.jit
+    def _block_amax_kernel(x_ptr, r_ptr, u_ptr, tiles_ptr, bits_ptr, HAS_R: tl.constexpr,
+                           B: tl.constexpr, TILE: tl.constexpr):
+        """``u = x (+ r)`` and every block's max ``|u|`` (bits, atomic max): a tile of whole
+        blocks of the format's length ``B`` reduces them in registers, one atomic per block;
+        the short blocks (a tensor's last) take one per element (:mod:`.triton_fp8`)."""
+        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if HAS_R:
+            x = x + tl.load(r_ptr + offs, mask=mask, other=0.0)
+            tl.store(u_ptr + offs, x, mask=mask)
+        bits = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+        if size == B:  # whole blocks (a tile holds whole groups)
+            rows = tl.arange(0, TILE // B)
+            tl.atomic_max(bits_ptr + g0 + (start - run0) // B + rows,
+                          tl.max(tl.reshape(bits, (TILE // B, B)), axis=1),
+                          mask=rows * B < tl.sum(mask.to(tl.int32), axis=0))
+        else:
+            tl.atomic_max(bits_ptr + g, bits, mask=mask)
+
+    @triton.jit
     def _segment_amax_kernel(bits_ptr, seg_ptr, seg_bits_ptr, n, BLOCK: tl.constexpr):
         """Every segment's max over its finite blocks' amax (bits, atomic)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -413,8 +433,9 @@ def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor |
                        device=device)
     u = x if residual is None else torch.empty_like(x)
     tiles = triton_fp8.tiles(groups, device)
-    _amax_kernel[(tiles.shape[0],)](x, x if residual is None else residual, u, tiles, bits,
-                                    HAS_R=residual is not None, TILE=TILE)
+    _block_amax_kernel[(tiles.shape[0],)](x, x if residual is None else residual, u, tiles,
+                                          bits, HAS_R=residual is not None,
+                                          B=16 if fmt == "nvfp4" else 32, TILE=TILE)
     block_bytes = torch.empty(n_groups, dtype=torch.uint8, device=device)
     scale = torch.empty(n_groups, dtype=torch.float32, device=device)
     s = None
