@@ -252,3 +252,38 @@ def test_fused_block_kernels_are_bit_identical_to_the_torch_reference_under_the_
     # (Triton, torch) per format: NVFP4 4 + 2 + 4 + 2 kernels, MX 3 + 2 + 3 + 2, each stage
     # with one zeroed buffer; whatever the number of tensors, shards or senders
     assert lines[-1] == "launches (12, 4) (10, 4) (10, 4)"
+
+
+def test_a_kernel_failure_on_the_device_falls_back_to_torch_once_and_warns_once(monkeypatch):
+    import warnings
+
+    import torch
+
+    from geofp8.codecs import make_codec, triton_fp4, triton_fp8
+
+    codec = make_codec("nvfp4")
+    groups = _shards(codec, SHAPES[0], 2)
+    x = _bucket(sum(groups.numels), 0, special=False)
+    want = codec.encode_shards(x, groups, [None, None])  # the torch path (no device here)
+    tries = []
+
+    def failing(*args, **kwargs):
+        tries.append(1)
+        raise RuntimeError("triton.compiler.errors.CompilationError: stand-in")
+
+    # a CUDA device where the kernels fail to compile: its stand-in, the CPU
+    monkeypatch.setattr(triton_fp8, "available", lambda *tensors: True)
+    monkeypatch.setattr(triton_fp4, "_INTERPRET", False)
+    monkeypatch.setattr(triton_fp4, "encode", failing)
+    monkeypatch.setitem(triton_fp4._STATE, "broken", False)
+    assert triton_fp4.available(x)
+    with pytest.warns(RuntimeWarning, match="torch path runs from now on"):
+        got = codec.encode_shards(x, groups, [None, None])
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert not triton_fp4.available(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, no second try
+        got = codec.encode_shards(x, groups, [None, None])
+        out = torch.empty_like(x)
+        assert codec.decode_shards(out, got, groups)
+    assert tries == [1]

@@ -362,19 +362,25 @@ if triton is not None:
         tl.atomic_max(bad_ptr, tl.max(bad, 0))
 
     @triton.jit
+    def _code_at(ptr, mask, shift, FMT: tl.constexpr):
+        """The codes at ``ptr`` (uint32): a byte, or its nibble at ``shift`` for E2M1."""
+        c = tl.load(ptr, mask=mask, other=0).to(tl.uint32)
+        if FMT == 0:
+            c = (c >> shift) & 15
+        return c
+
+    @triton.jit
     def _sum_lanes(codes_ptr, code_stride, byte, shift, scale_ptr, g, n_groups, mask,
                    n_senders, FMT: tl.constexpr, SUM: tl.constexpr):
         """``Σ_r value(code_r)·scale_{r,g}`` from +0 (``SUM``), or sender 0's value."""
         if SUM:
             acc = tl.zeros(byte.shape, tl.float32)
             for r in range(0, n_senders):
-                c = (tl.load(codes_ptr + r * code_stride + byte, mask=mask, other=0)
-                     .to(tl.uint32) >> shift) & (15 if FMT == 0 else 255)
+                c = _code_at(codes_ptr + r * code_stride + byte, mask, shift, FMT)
                 acc += _value(c, FMT) * tl.load(scale_ptr + r * n_groups + g, mask=mask,
                                                 other=1.0)
             return acc
-        c = (tl.load(codes_ptr + byte, mask=mask, other=0).to(tl.uint32) >> shift) & (
-            15 if FMT == 0 else 255)
+        c = _code_at(codes_ptr + byte, mask, shift, FMT)
         return _value(c, FMT) * tl.load(scale_ptr + g, mask=mask, other=1.0)
 
     @triton.jit
