@@ -384,7 +384,7 @@ def check_fused_blocks(rows: list) -> None:
                 ref = codec.encode_shards_with_error(inputs[0], groups)
             ok = [all(map(_bits_equal, g, w)) for g, w in zip(got, want)]
             ok += [all(map(_bits_equal, fused[0], ref[0])), _bits_equal(fused[1], ref[1])]
-            return f"payloads (finite, NaN), nearest's payload and error: {ok}", all(ok)
+            return f"payloads (finite, NaN), the EF encode's payload and error: {ok}", all(ok)
 
         def decode(codec=codec, groups=groups, fmt=fmt):
             with triton_fp4.torch_only():
