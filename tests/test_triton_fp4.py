@@ -287,3 +287,23 @@ def test_a_kernel_failure_on_the_device_falls_back_to_torch_once_and_warns_once(
         out = torch.empty_like(x)
         assert codec.decode_shards(out, got, groups)
     assert tries == [1]
+
+
+def test_stochastic_uniforms_are_the_same_bits_from_the_native_kernel_and_torch(monkeypatch):
+    """The counter-based draw (:mod:`geofp8.codecs.uniforms`): the CPU's native kernel and
+    the torch ops (what CUDA's fallback runs; the Triton kernels compute the same formula,
+    checked in the interpreter run above) give the same bits, past the 2³² wrap of the
+    counter; the first values are pinned, so neither can drift alone."""
+    import torch
+
+    from geofp8.codecs import native, uniforms
+
+    keys = [(0, 0), (0xFFFFFFFF, 123), uniforms.key_halves(2**62 + 5, 7)]
+    got = [uniforms.uniforms_into(torch.empty(n), k) for k in keys for n in (1, 1001, 300_001)]
+    monkeypatch.setattr(native, "usable", lambda *tensors: False)
+    want = [uniforms.uniforms_into(torch.empty(n), k) for k in keys for n in (1, 1001, 300_001)]
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, want))
+    assert got[2][:3].tolist() == [0.0, 0.3474927544593811, 0.21226495504379272]
+    assert got[8][:3].tolist() == [0.17684894800186157, 0.2809346318244934, 0.8421403765678406]
+    u = torch.cat(got)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0 and abs(float(u.mean()) - 0.5) < 0.01

@@ -61,7 +61,7 @@ from .base import (
     scales_flag,
 )
 from .fp8 import e4m3_values, group_lengths, lookup_into
-from .uniforms import key_halves, uniforms
+from .uniforms import key_halves, uniforms_into
 
 __all__ = ["E2M1_VALUES", "NVFP4Codec", "ROUNDINGS", "e2m1_encode", "e2m1_values",
            "segment_uniforms"]
@@ -82,7 +82,7 @@ def segment_uniforms(segments: Segments, numel: int, seed: int | None,
     lo = 0
     for i, seg in enumerate(segments):
         n = sum(seg)
-        u[lo : lo + n] = uniforms(key_halves(seed, i), n, device)
+        uniforms_into(u[lo : lo + n], key_halves(seed, i))
         lo += n
     return u
 

@@ -9,16 +9,18 @@ index in the shard) draws, for its element ``j``,
 hash (C. Wellons: xor-shift 16, multiply ``0x7FEB352D``, xor-shift 15, multiply
 ``0x846CA68B``, xor-shift 16, all modulo 2³²). Integer arithmetic only, so the CPU, a GPU
 and the Triton kernels (:mod:`.triton_fp4`, which compute the same formula on the device)
-draw identical numbers; torch's generators draw different streams on the CPU and on CUDA.
+draw identical numbers (and the CPU's native kernel, :func:`.native.hash_uniforms`); torch's
+generators draw different streams on the CPU and on CUDA.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import native
 from .base import mix_seed
 
-__all__ = ["M32", "key_halves", "mix32", "uniforms"]
+__all__ = ["M32", "key_halves", "mix32", "uniforms_into"]
 
 M32 = 0xFFFFFFFF
 
@@ -39,9 +41,14 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniforms(key: tuple[int, int], n: int, device: torch.device) -> torch.Tensor:
-    """``u_0 … u_{n−1}`` (FP32) of a segment with key halves ``key`` (module notes)."""
+def uniforms_into(out: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
+    """``out = u_0 … u_{n−1}`` (a contiguous FP32 vector) of a segment with key halves
+    ``key`` (module notes): one pass of the CPU's native kernel where it is built, else a
+    dozen torch ops."""
+    if native.usable(out):
+        native.hash_uniforms(out, key)
+        return out
     lo, hi = key
-    j = torch.arange(n, dtype=torch.int64, device=device)
+    j = torch.arange(out.numel(), dtype=torch.int64, device=out.device)
     h = mix32(mix32((j + lo) & M32) ^ hi)
-    return (h >> 8).float().mul_(2.0**-24)
+    return torch.mul((h >> 8).float(), 2.0**-24, out=out)
