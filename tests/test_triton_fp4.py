@@ -307,3 +307,48 @@ def test_stochastic_uniforms_are_the_same_bits_from_the_native_kernel_and_torch(
     assert got[8][:3].tolist() == [0.17684894800186157, 0.2809346318244934, 0.8421403765678406]
     u = torch.cat(got)
     assert 0.0 <= float(u.min()) and float(u.max()) < 1.0 and abs(float(u.mean()) - 0.5) < 0.01
+
+
+# every kernel's pointer and integer arguments, by name (the compile check below)
+_ARGS = {"tiles_ptr": "*i64", "bits_ptr": "*i32", "seg_ptr": "*i32", "start_ptr": "*i64",
+         "keys_ptr": "*i64", "seg_bits_ptr": "*i32", "codes_ptr": "*u8", "code_ptr": "*u8",
+         "byte_ptr": "*u8", "bad_ptr": "*i32", "code_stride": "i64", "s_stride": "i64"}
+_VARIANTS = [
+    ("_block_amax_kernel", dict(HAS_R=True, B=16, TILE=1024)),
+    ("_segment_amax_kernel", dict(BLOCK=1024)),
+    ("_nvfp4_scales_kernel", dict(BLOCK=1024)),
+    ("_mx_scales_kernel", dict(EMAX=8, THRESHOLD=0x600000, BLOCK=1024)),
+    ("_encode_packed_kernel", dict(HAS_ERR=True, STOCHASTIC=True, BYTES=512)),
+    ("_encode_bytes_kernel", dict(HAS_ERR=True, STOCHASTIC=True, TILE=1024)),
+    ("_payload_scales_kernel", dict(NVFP4=True, BLOCK=1024)),
+    ("_decode_kernel", dict(FMT=0, SUM=True, POISON=True, TILE=1024)),
+    ("_decode_kernel", dict(FMT=1, SUM=False, POISON=False, TILE=1024)),
+]
+
+
+def test_every_block_kernel_compiles_for_an_h100_without_fma_and_with_ieee_division():
+    """What the interpreter cannot show: each kernel compiles to an sm_90 cubin (Triton's
+    own ptxas, no GPU needed), with no fused multiply-add and every FP32 division
+    ``div.rn`` (the bits of the torch reference depend on both)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from geofp8.codecs import triton_fp4
+
+    for name, constexprs in _VARIANTS:
+        fn = getattr(triton_fp4, name)
+        signature = {a: "constexpr" if a in constexprs else _ARGS.get(
+            a, "*fp32" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
+        try:
+            kernel = triton.compile(ASTSource(fn, signature, {
+                (fn.arg_names.index(a),): v for a, v in constexprs.items()}),
+                target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+        except FileNotFoundError as exc:  # a Triton without its CUDA toolchain
+            pytest.skip(f"no CUDA toolchain in this Triton: {exc}")
+        ptx = kernel.asm["ptx"]
+        assert "cubin" in kernel.asm, name
+        assert not re.search(r"\bfma\.", ptx), name
+        assert set(re.findall(r"\bdiv\.\w+\.f32", ptx)) <= {"div.rn.f32"}, name
