@@ -29,8 +29,9 @@ high nibble (a zero nibble pads an odd ``n``). Bytes per element: ``1/2 + 1/16``
 Rounding: to nearest even by default; ``rounding="stochastic"`` rounds ``|v|`` up to the
 next grid point with probability equal to its distance from the one below, which is
 unbiased (``E[q] = v``). Its uniforms come from :func:`segment_uniforms`: one stream per
-segment, seeded from the caller's ``seed`` and the segment's index, so every rank that
-encodes the same values with the same seed gets the same codes.
+segment, keyed by the caller's ``seed`` and the segment's index (a counter-based hash,
+:mod:`.uniforms`), so every rank that encodes the same values with the same seed gets the
+same codes, on any device.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from . import native
+from . import native, triton_fp4
 from .base import (
     Codec,
     GroupMap,
@@ -56,11 +57,11 @@ from .base import (
     group_runs,
     interleave,
     joined,
-    mix_seed,
     rows_amax,
     scales_flag,
 )
 from .fp8 import e4m3_values, group_lengths, lookup_into
+from .uniforms import key_halves, uniforms_into
 
 __all__ = ["E2M1_VALUES", "NVFP4Codec", "ROUNDINGS", "e2m1_encode", "e2m1_values",
            "segment_uniforms"]
@@ -74,14 +75,14 @@ NVFP4_BLOCK = 16
 
 def segment_uniforms(segments: Segments, numel: int, seed: int | None,
                      device: torch.device) -> torch.Tensor:
-    """Uniforms in ``[0, 1)`` for a shard: segment ``i`` draws from its own generator seeded
-    with ``mix_seed(seed, i)`` (``seed=None`` counts as 0)."""
+    """Uniforms in ``[0, 1)`` for a shard: segment ``i`` draws its own counter-based stream
+    keyed by ``mix_seed(seed, i)`` (``seed=None`` counts as 0; :mod:`.uniforms`: the same
+    bits on every device and in the Triton kernels)."""
     u = torch.empty(numel, dtype=torch.float32, device=device)
     lo = 0
     for i, seg in enumerate(segments):
         n = sum(seg)
-        gen = torch.Generator(device=device).manual_seed(mix_seed(seed or 0, i))
-        u[lo : lo + n].uniform_(generator=gen)
+        uniforms_into(u[lo : lo + n], key_halves(seed, i))
         lo += n
     return u
 
@@ -447,6 +448,8 @@ class NVFP4Codec(Codec):
         shards = group_map(shards)
         if not shards.lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (3 * len(shards))
+        if (fused := triton_fp4.encode_shards(self, x, shards, seeds)) is not None:
+            return fused
         s, code, scale = self._scales(block_amax_of(x, shards), shards.segments,
                                       shards.on("counts", x.device))
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -457,11 +460,20 @@ class NVFP4Codec(Codec):
         return interleave(s.view(torch.uint8).split(sizes[0]), code.split(sizes[1]),
                           pack_shards(e2m1_encode(v, u), list(shards.numels)))
 
+    def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
+                                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """With the fused kernels, the rounding error from the encoding pass."""
+        fused = triton_fp4.encode_shards(self, x, shards, error=True)
+        return fused if fused is not None else super().encode_shards_with_error(x, shards)
+
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
         shards = group_map(shards)
         if not shards.lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
+        ran, finite = triton_fp4.decode_shards(self, out, parts, shards, check, poison)
+        if ran:
+            return finite
         s = joined(parts[0::3], align=4).view(torch.float32)
         code = joined(parts[1::3])
         scale = e4m3_values(code).mul_(torch.repeat_interleave(

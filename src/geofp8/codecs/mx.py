@@ -31,6 +31,7 @@ from typing import ClassVar
 
 import torch
 
+from . import triton_fp4
 from .base import (
     Codec,
     Segments,
@@ -189,6 +190,8 @@ class MXCodec(Codec):
         shards = group_map(shards)
         if not shards.lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
+        if (fused := triton_fp4.encode_shards(self, x, shards, seeds)) is not None:
+            return fused
         byte = e8m0_scales(block_amax_of(x, shards), self.element)
         scale = e8m0_values(byte).nan_to_num_(nan=1.0)  # a NaN block divided by 1
         u = (shard_uniforms(shards, seeds, x.device)
@@ -202,11 +205,20 @@ class MXCodec(Codec):
                                                                     for g in shards])),
                           pack_shards(codes, numels) if self.packed else codes.split(numels))
 
+    def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
+                                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """With the fused kernels, the rounding error from the encoding pass."""
+        fused = triton_fp4.encode_shards(self, x, shards, error=True)
+        return fused if fused is not None else super().encode_shards_with_error(x, shards)
+
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
         shards = group_map(shards)
         if not shards.lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
+        ran, finite = triton_fp4.decode_shards(self, out, parts, shards, check, poison)
+        if ran:
+            return finite
         byte = joined(parts[0::2])
         codes = joined(parts[1::2])
         if self.packed:

@@ -272,3 +272,22 @@ void geofp8_nvfp4_scales(const float *restrict amax, uint8_t *restrict code,
         }
     })
 }
+
+/* Stochastic rounding's uniforms (codecs/uniforms.py), elements [lo, hi) of a segment with
+ * key halves (k_lo, k_hi): u_j = floor(h_j / 2^8) * 2^-24, h_j = mix32(mix32(j + k_lo) ^ k_hi),
+ * mix32 the lowbias32 hash, all modulo 2^32. */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= UINT32_C(0x7FEB352D);
+    x ^= x >> 15;
+    x *= UINT32_C(0x846CA68B);
+    return x ^ (x >> 16);
+}
+
+void geofp8_hash_uniforms(float *restrict u, int64_t k_lo, int64_t k_hi, int64_t lo,
+                          int64_t hi) {
+    for (int64_t j = lo; j < hi; j++) {
+        uint32_t h = mix32(mix32((uint32_t)j + (uint32_t)k_lo) ^ (uint32_t)k_hi);
+        u[j] = (float)(h >> 8) * 0x1p-24f;
+    }
+}

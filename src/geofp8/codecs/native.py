@@ -40,6 +40,7 @@ import torch
 from .base import group_runs
 
 __all__ = ["PARALLEL_MIN", "e2m1_decode", "e2m1_encode", "e4m3_decode", "e4m3_encode",
+           "hash_uniforms",
            "kernels", "length_runs", "nvfp4_scales", "runs_amax", "usable"]
 
 SOURCE = Path(__file__).with_name("native.c")
@@ -117,6 +118,8 @@ def kernels() -> ctypes.CDLL | None:
     lib.geofp8_runs_amax.argtypes = [p, p, p, i64, i64, i64, i64]
     lib.geofp8_nvfp4_scales.argtypes = [p, p, p, p, p, i64, i64, i64]
     lib.geofp8_runs_amax.restype = lib.geofp8_nvfp4_scales.restype = None
+    lib.geofp8_hash_uniforms.argtypes, lib.geofp8_hash_uniforms.restype = [p, i64, i64, i64,
+                                                                            i64], None
     return lib
 
 
@@ -273,6 +276,15 @@ def e2m1_decode(out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     r = _runs(runs, scales.numel(), out.numel(), scales, out, packed)
     _call(kernels().geofp8_e2m1_decode, _cuts(out.numel()), packed.data_ptr(), out.data_ptr(),
           scales.data_ptr(), r.data_ptr(), r.shape[0])
+
+
+def hash_uniforms(u: torch.Tensor, key: tuple[int, int]) -> None:
+    """``u`` (a contiguous FP32 CPU vector) = a segment's uniforms under ``key``, in one pass
+    (:func:`.uniforms.uniforms`' formula, the same bits)."""
+    if u.dtype != torch.float32:
+        raise ValueError("the native uniforms are FP32")
+    _require_cpu(u)
+    _call(kernels().geofp8_hash_uniforms, _cuts(u.numel()), u.data_ptr(), *key)
 
 
 def runs_amax(x: torch.Tensor, runs: Runs, groups: int, finite_only: bool = False

@@ -7,10 +7,10 @@ Run it where a CUDA build of torch is installed (no network needed)::
 1. Codecs: every format, scaling and rounding; the round trip and the single-process
    simulation of the exact collective at ``N = 4`` (the same stage code the real collective
    runs) on the device against the CPU, bitwise (stochastic rounding too: its uniforms are
-   drawn on the host for both runs, since CUDA's generator draws other numbers; with the
-   same numbers the codec's arithmetic must agree to the bit).
-   The fused Triton kernels (:mod:`geofp8.codecs.triton_fp8`), kernel by kernel against
-   the torch reference on the device, and one 25 MB bucket's fused stages timed.
+   a counter-based hash, :mod:`geofp8.codecs.uniforms`, the same numbers on every device).
+   The fused Triton kernels (:mod:`geofp8.codecs.triton_fp8`, :mod:`~geofp8.codecs.triton_fp4`),
+   kernel by kernel against the torch reference on the device, and one 25 MB bucket's
+   fused stages timed for E4M3 and for NVFP4.
 2. Transforms: every kind maps back (``T⁻¹(T(G)) ≈ G``) on the device.
 3. Methods: every geofp8 row of :data:`geofp8.methods.METHODS`, one ordinary step simulated
    at ``N = 4`` (map, encode, all-to-all stages, FP32 sum, re-encode, decode, map back) on
@@ -28,7 +28,6 @@ passed, 1 if any failed, 2 if no CUDA device is visible.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import socket
@@ -78,24 +77,6 @@ def bucket(rank: int, shapes) -> torch.Tensor:
                       for i, s in enumerate(shapes)])
 
 
-@contextlib.contextmanager
-def _host_uniforms():
-    """Stochastic rounding's uniforms drawn on the CPU and copied to the device, so a device
-    run and a CPU run round with the same numbers (CUDA's generator draws others)."""
-    from ..codecs import fp4, mx
-
-    draw = fp4.segment_uniforms
-
-    def on_host(segments, numel, seed, device):
-        return draw(segments, numel, seed, torch.device("cpu")).to(device)
-
-    fp4.segment_uniforms = mx.segment_uniforms = on_host
-    try:
-        yield
-    finally:
-        fp4.segment_uniforms = mx.segment_uniforms = draw
-
-
 def _compare(got: torch.Tensor, cpu: torch.Tensor, exact: torch.Tensor,
              bitwise: bool) -> tuple[str, bool]:
     """``(detail, ok)`` of a device result against the CPU's and the exact FP32 value."""
@@ -130,9 +111,8 @@ def check_codecs(rows: list) -> None:
                                     whole, True)
 
                 def sim(layout=layout):
-                    with _host_uniforms():
-                        got = simulate_exact_allreduce([x.to(DEVICE) for x in inputs], layout,
-                                                       seed=7)
+                    got = simulate_exact_allreduce([x.to(DEVICE) for x in inputs], layout,
+                                                   seed=7)
                     cpu = simulate_exact_allreduce(inputs, layout, seed=7)
                     return _compare(got, cpu, exact, True)
 
@@ -250,9 +230,8 @@ def check_methods(rows: list) -> None:
             maps = method_maps(config, layers, "cpu", codec.block_size)
             cpu = method_step(maps, shapes, grads, layout, 3)
             on_dev = {n: _moved(t, DEVICE) for n, t in maps.items()}
-            with _host_uniforms():
-                got = method_step(on_dev, shapes, [[g.to(DEVICE) for g in r] for r in grads],
-                                  layout, 3)
+            got = method_step(on_dev, shapes, [[g.to(DEVICE) for g in r] for r in grads],
+                              layout, 3)
             flat = [torch.cat([t.reshape(-1) for t in out]) for out in (got, cpu)]
             identity = all(t is IDENTITY for t in maps.values())
             return _compare(flat[0], flat[1], exact, identity)
@@ -378,6 +357,80 @@ def check_fused(rows: list) -> None:
                  f"{moved / t / (8 * x.numel() / copy):.0%} of D2D copy bandwidth", "ok"))
 
 
+def check_fused_blocks(rows: list) -> None:
+    """The fused NVFP4 / MXFP4 / MXFP8 kernels (:mod:`geofp8.codecs.triton_fp4`) through the
+    codecs' batched path against its torch path on the device, bitwise: the encode (with
+    the rounding error; seeded for stochastic rounding), the decode with its finite flag and
+    poison, and the decode-and-sum of ``N`` senders; then a 25 MB NVFP4 bucket timed."""
+    from ..codecs import make_codec, triton_fp4
+    from ..comm import ShardLayout
+
+    if not triton_fp4.available(torch.zeros(1, device=DEVICE)):
+        rows.append(("fused block kernels", "triton does not import: pip install geofp8[gpu]",
+                     "FAIL"))
+        return
+    inputs = [bucket(r, SHAPES).to(DEVICE) for r in range(WORLD)]
+    inputs[1][5] = float("nan")  # a non-finite block on one sender
+    for fmt, rounding in ((f, r) for f in triton_fp4.FORMATS for r in ("nearest", "stochastic")):
+        codec = make_codec(fmt, rounding=rounding)
+        groups = ShardLayout.build(SHAPES, codec, WORLD).group_map(list(range(WORLD)))
+        seeds = [11 * j for j in range(WORLD)]
+
+        def encode(codec=codec, groups=groups, seeds=seeds):
+            got = [codec.encode_shards(x, groups, seeds) for x in inputs[:2]]
+            fused = codec.encode_shards_with_error(inputs[0], groups)
+            with triton_fp4.torch_only():
+                want = [codec.encode_shards(x, groups, seeds) for x in inputs[:2]]
+                ref = codec.encode_shards_with_error(inputs[0], groups)
+            ok = [all(map(_bits_equal, g, w)) for g, w in zip(got, want)]
+            ok += [all(map(_bits_equal, fused[0], ref[0])), _bits_equal(fused[1], ref[1])]
+            return f"payloads (finite, NaN), the EF encode's payload and error: {ok}", all(ok)
+
+        def decode(codec=codec, groups=groups, fmt=fmt):
+            with triton_fp4.torch_only():
+                payloads = [codec.encode_shards(x, groups, [None] * WORLD) for x in inputs]
+            ok = []
+            for parts, poison in ((payloads[0], False), (payloads[1], False),
+                                  (payloads[1], True)):
+                got, want = torch.empty_like(inputs[0]), torch.empty_like(inputs[0])
+                flag = codec.decode_shards(got, parts, groups, poison=poison)
+                with triton_fp4.torch_only():
+                    want_flag = codec.decode_shards(want, parts, groups, poison=poison)
+                ok.append(_bits_equal(got, want) and (flag is None) == (want_flag is None)
+                          and (flag is None or bool(flag) == bool(want_flag)))
+            k = len(payloads[0]) // WORLD  # parts per shard
+            rows_ = [torch.stack([torch.cat(p[i::k]) for p in payloads]) for i in range(k)]
+            s = rows_.pop(0).view(torch.float32) if k == 3 else None
+            total, bad = triton_fp4.decode_sum(groups, fmt, *rows_, s)
+            want = torch.zeros_like(inputs[0])
+            with triton_fp4.torch_only():
+                for parts in payloads:
+                    values = torch.empty_like(want)
+                    codec.decode_shards(values, parts, groups, check=False)
+                    want += values
+            ok.append(_bits_equal(total, want) and bool(bad))
+            return f"decode (finite, NaN, poisoned), decode-and-sum N={WORLD}: {ok}", all(ok)
+
+        _row(rows, f"fused {fmt}/{rounding} encode", encode)
+        if rounding == "nearest":
+            _row(rows, f"fused {fmt} decode", decode)
+    if DEVICE.type != "cuda":  # the interpreter's stand-in run checks the bits only
+        return
+    x = torch.randn(25 << 20 >> 2, device=DEVICE)  # 25 MiB of FP32
+    groups = ShardLayout.build([tuple(x.shape)], make_codec("nvfp4"), 1).group_map([0])
+    r = torch.zeros_like(x)
+
+    def stages():
+        enc = triton_fp4.encode(x, groups, "nvfp4", residual=r, error=True)
+        triton_fp4.decode(enc.u, groups, "nvfp4", enc.block_bytes, enc.codes,
+                          enc.segment_scales)
+
+    t, copy = _timed(stages), _timed(lambda: x.clone())
+    moved = 25 * x.numel()  # bytes: x, r read, u written; u read, codes, error; decode
+    rows.append(("fused nvfp4 q+EF+d 25 MiB", f"{1e6 * t:.0f} µs, "
+                 f"{moved / t / (8 * x.numel() / copy):.0%} of D2D copy bandwidth", "ok"))
+
+
 def check_throughput(rows: list) -> None:
     from ..codecs import FORMATS, make_codec
     from ..geometry.statistics import LowRankFactor
@@ -405,8 +458,8 @@ def main() -> int:
         return 2
     t0 = time.perf_counter()
     rows: list[tuple[str, str, str]] = []
-    for check in (check_codecs, check_fused, check_transforms, check_methods, check_training,
-                  check_throughput):
+    for check in (check_codecs, check_fused, check_fused_blocks, check_transforms,
+                  check_methods, check_training, check_throughput):
         try:
             check(rows)
         except Exception:  # noqa: BLE001 - a section's set-up failed: its rows so far stand

@@ -1,0 +1,354 @@
+"""The fused Triton kernels of NVFP4, MXFP4 and MXFP8 against the torch reference, interpreted.
+
+As ``test_triton_fp8.py``: ``TRITON_INTERPRET=1`` must be set before the kernels are
+decorated, so the checks run in a child process (this file run as a script). The child
+compares every output bitwise (NaN where NaN) with the codecs' torch path
+(:func:`triton_fp4.torch_only`) and prints the failures; the test asserts there are none
+and counts the kernels launched.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+FORMATS = ("nvfp4", "mxfp4", "mxfp8")
+# odd and unequal tensors (blocks cut short, segments of odd length), one element
+SHAPES = ([(3, 37), (5,), (16, 4)], [(7, 9), (1,), (40,)])
+
+
+def _same(a, b) -> bool:
+    """Bitwise equal, any NaN where the other has a NaN."""
+    import torch
+
+    if a.dtype == torch.uint8:
+        return torch.equal(a, b)
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(
+        a.masked_fill(nan, 0).view(torch.int32), b.masked_fill(nan, 0).view(torch.int32))
+
+
+def _bucket(n: int, seed: int, special: bool):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-30, 30, n).flip(0)
+    x[n // 3 : n // 3 + 40] = 0  # zero blocks
+    x[n // 2] = 1e-40  # a subnormal
+    x[n // 4 : n // 4 + 8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0])
+    if special:
+        x[5], x[n - 2], x[n // 2 + 1] = float("nan"), float("-inf"), float("inf")
+    return x
+
+
+def _shards(codec, shapes, n_shards: int):
+    """Every tensor cut into ``n_shards`` chunks at block boundaries, chunk ``j`` of every
+    tensor in shard ``j`` (odd chunks: the last one short)."""
+    from geofp8.codecs.base import GroupMap
+
+    shards = [[] for _ in range(n_shards)]
+    for shape in shapes:
+        blocks = codec.groups(shape)
+        per = -(-len(blocks) // n_shards)
+        for j in range(n_shards):
+            shards[j].append(blocks[j * per : (j + 1) * per])
+    return GroupMap(shards)
+
+
+def check() -> list[str]:
+    import torch
+
+    from geofp8.codecs import make_codec, triton_fp4
+
+    failures = []
+    for fmt, rounding in ((f, r) for f in FORMATS for r in ("nearest", "stochastic")):
+        codec = make_codec(fmt, rounding=rounding)
+        for shapes, n_shards in ((SHAPES[0], 1), (SHAPES[1], 3)):
+            if rounding == "stochastic" and n_shards == 1:
+                continue
+            groups = _shards(codec, shapes, n_shards)
+            numel = sum(groups.numels)
+            for special in (False, True):
+                name = f"{fmt}/{rounding} {shapes} shards={n_shards} special={special}"
+                x = _bucket(numel, numel + n_shards, special)
+                # (a)+(b) through the codec: scales, codes, the sender's rounding error
+                if rounding == "stochastic":  # the seeded draw (the error is nearest's)
+                    seeds = [7, None, 2**62 + 5][:n_shards]
+                    parts = codec.encode_shards(x, groups, seeds)
+                    with triton_fp4.torch_only():
+                        want = codec.encode_shards(x, groups, seeds)
+                else:
+                    parts, error = codec.encode_shards_with_error(x, groups)
+                    with triton_fp4.torch_only():
+                        want, want_error = codec.encode_shards_with_error(x, groups)
+                    if not _same(error, want_error):
+                        failures.append(f"{name}: error")
+                if not all(_same(a, b) for a, b in zip(parts, want, strict=True)):
+                    failures.append(f"{name}: payload")
+                # (d): decode, its finite flag, poison (the same kernels for either rounding)
+                for poison in () if rounding == "stochastic" else (False, True)[: 1 + special]:
+                    out = torch.empty(numel)
+                    flag = codec.decode_shards(out, parts, groups, poison=poison)
+                    with triton_fp4.torch_only():
+                        ref = torch.empty(numel)
+                        want_flag = codec.decode_shards(ref, want, groups, poison=poison)
+                    if not (_same(out, ref) and (flag is None) == (want_flag is None)
+                            and (flag is None or bool(flag) == bool(want_flag) != special)):
+                        failures.append(f"{name}: decode poison={poison}")
+        if rounding == "stochastic":
+            continue
+        # the error feedback add in the amax pass, the rounding error in the encoding pass
+        r = torch.randn(numel) * 1e-3
+        enc = triton_fp4.encode(x, groups, fmt, residual=r, error=True)
+        with triton_fp4.torch_only():
+            want, want_error = codec.encode_shards_with_error(x + r, groups)
+        k = len(want) // len(groups)  # parts per shard: the codes are the last
+        if not (_same(enc.u, x + r) and _same(enc.error, want_error)
+                and _same(enc.codes, torch.cat(want[k - 1 :: k]))):
+            failures.append(f"{fmt}: encode with the residual")
+        failures += _check_sum(codec, groups, fmt, f"{fmt} {shapes} shards={n_shards}")
+    return failures
+
+
+def _check_sum(codec, groups, fmt, name) -> list[str]:
+    """(c): ``N`` senders' payloads of one shard map decoded and summed, with poison."""
+    import torch
+
+    from geofp8.codecs import triton_fp4
+
+    failures = []
+    numel = sum(groups.numels)
+    for n_senders, poison in ((1, False), (3, False), (3, True), (4, False)):
+        xs = [_bucket(numel, 7 * r + 1, special=r == 2) for r in range(n_senders)]
+        with triton_fp4.torch_only():
+            payloads = [codec.encode_shards(x, groups, [None] * len(groups)) for x in xs]
+        k = 3 if fmt == "nvfp4" else 2
+        rows = [torch.stack([torch.cat(p[i::k]) for p in payloads]) for i in range(k)]
+        if k == 3:
+            rows[0] = rows[0].view(torch.float32)
+        else:
+            rows.insert(0, None)
+        got, bad = triton_fp4.decode_sum(groups, fmt, rows[1], rows[2], rows[0], poison)
+        want = torch.zeros(numel)
+        with triton_fp4.torch_only():
+            for p in payloads:  # the torch path's decode, then the sum in sender order
+                values = torch.empty(numel)
+                codec.decode_shards(values, p, groups, check=False)
+                want += values
+        if poison:  # the batch's scales poisoned: every value NaN
+            want.fill_(float("nan"))
+        if not (_same(got, want) and bool(bad) == (n_senders > 2)):
+            failures.append(f"{name}: decode_sum N={n_senders} poison={poison}")
+    return failures
+
+
+def check_codecs() -> list[str]:
+    """The exact collective through the codecs' batched path (which takes the kernels on its
+    own) against the CPU's chunked path, both roundings (a seeded step)."""
+    from geofp8.codecs import make_codec, triton_fp4
+    from geofp8.comm import ShardLayout
+    from geofp8.comm.stages import simulate_exact_allreduce
+
+    calls, encode = [], triton_fp4.encode
+    triton_fp4.encode = lambda *args, **kwargs: calls.append(1) or encode(*args, **kwargs)
+    failures = []
+    shapes = SHAPES[0]
+    numel = sum(math.prod(s) for s in shapes)
+    for fmt, n, rounding in (("nvfp4", 4, "nearest"), ("mxfp4", 3, "nearest"),
+                             ("mxfp8", 3, "stochastic")):
+        inputs = [_bucket(numel, r, special=False) for r in range(n)]
+        codec = make_codec(fmt, rounding=rounding)
+        results = [simulate_exact_allreduce(inputs, ShardLayout.build(
+            shapes, codec, n, kernels=kernels), seed=11) for kernels in ("batched", "chunked")]
+        if not _same(*results):
+            failures.append(f"collective {fmt}/{rounding} N={n}")
+    triton_fp4.encode = encode
+    if not calls:
+        failures.append("the batched path did not run the fused kernels")
+    return failures
+
+
+def check_gpu_rows() -> list[str]:
+    """``make gpu-check``'s block-kernel rows, run on the CPU under the interpreter (NVFP4's:
+    the rows of every format run the same code)."""
+    import torch
+
+    from geofp8.codecs import triton_fp4
+    from geofp8.tools import gpu_check
+
+    gpu_check.DEVICE = torch.device("cpu")
+    gpu_check.SHAPES = [(3, 40), (21,)]  # small: the interpreter is slow
+    rows = []
+    triton_fp4.FORMATS = ("nvfp4",)
+    try:
+        gpu_check.check_fused_blocks(rows)
+    finally:
+        triton_fp4.FORMATS = FORMATS
+    failures = [f"gpu-check {name}: {detail}" for name, detail, verdict in rows if verdict != "ok"]
+    return failures + ([] if len(rows) == 3 else [f"gpu-check: {len(rows)} block rows"])
+
+
+def launches(fmt: str) -> tuple[int, int]:
+    """``(Triton kernels, torch kernels)`` of a bucket's four stages at the kernel level (a
+    sender's encode with error feedback, the owner's decode-and-sum of 3 senders and
+    re-encode, the decode of the gathered shards), counted without running them (no count
+    depends on the data)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from geofp8.codecs import make_codec, triton_fp4
+
+    counted = {"triton": 0, "aten": 0}
+    for name in dir(triton_fp4):
+        if name.endswith("_kernel"):
+            getattr(triton_fp4, name).run = lambda *a, **k: counted.__setitem__(
+                "triton", counted["triton"] + 1)
+
+    class Aten(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not (func.is_view or func._schema.name in (
+                    "aten::empty", "aten::empty_like", "aten::empty_strided")):
+                counted["aten"] += 1
+            return func(*args, **(kwargs or {}))
+
+    groups = _shards(make_codec(fmt), [(64, 300), (5,)], 3)
+    x = torch.randn(sum(groups.numels))
+    enc = triton_fp4.encode(x, groups, fmt)  # the map's tiles, made once per layout
+    received = [None if t is None else torch.stack([t] * 3) for t in enc[1:4]]  # 3 senders
+
+    def stages():
+        triton_fp4.encode(x, groups, fmt, residual=x, error=True)  # the sender
+        total, _ = triton_fp4.decode_sum(groups, fmt, *received[1:], received[0])  # the owner
+        enc = triton_fp4.encode(total, groups, fmt)
+        triton_fp4.decode(total, groups, fmt, enc.block_bytes, enc.codes, enc.segment_scales)
+
+    stages()
+    counted["triton"] = 0
+    with Aten():
+        stages()
+    return counted["triton"], counted["aten"]
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    for failure in check() + check_codecs() + check_gpu_rows():
+        print(failure)
+    print("launches", *(launches(fmt) for fmt in FORMATS))
+
+
+def test_fused_block_kernels_are_bit_identical_to_the_torch_reference_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[:-1] == [], "\n".join(lines)
+    # (Triton, torch) per format: NVFP4 4 + 2 + 4 + 2 kernels, MX 3 + 2 + 3 + 2, each stage
+    # with one zeroed buffer; whatever the number of tensors, shards or senders
+    assert lines[-1] == "launches (12, 4) (10, 4) (10, 4)"
+
+
+def test_a_kernel_failure_on_the_device_falls_back_to_torch_once_and_warns_once(monkeypatch):
+    import warnings
+
+    import torch
+
+    from geofp8.codecs import make_codec, triton_fp4, triton_fp8
+
+    codec = make_codec("nvfp4")
+    groups = _shards(codec, SHAPES[0], 2)
+    x = _bucket(sum(groups.numels), 0, special=False)
+    want = codec.encode_shards(x, groups, [None, None])  # the torch path (no device here)
+    tries = []
+
+    def failing(*args, **kwargs):
+        tries.append(1)
+        raise RuntimeError("triton.compiler.errors.CompilationError: stand-in")
+
+    # a CUDA device where the kernels fail to compile: its stand-in, the CPU
+    monkeypatch.setattr(triton_fp8, "available", lambda *tensors: True)
+    monkeypatch.setattr(triton_fp4, "_INTERPRET", False)
+    monkeypatch.setattr(triton_fp4, "encode", failing)
+    monkeypatch.setitem(triton_fp4._STATE, "broken", False)
+    assert triton_fp4.available(x)
+    with pytest.warns(RuntimeWarning, match="torch path runs from now on"):
+        got = codec.encode_shards(x, groups, [None, None])
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert not triton_fp4.available(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, no second try
+        got = codec.encode_shards(x, groups, [None, None])
+        out = torch.empty_like(x)
+        assert codec.decode_shards(out, got, groups)
+    assert tries == [1]
+
+
+def test_stochastic_uniforms_are_the_same_bits_from_the_native_kernel_and_torch(monkeypatch):
+    """The counter-based draw (:mod:`geofp8.codecs.uniforms`): the CPU's native kernel and
+    the torch ops (what CUDA's fallback runs; the Triton kernels compute the same formula,
+    checked in the interpreter run above) give the same bits, past the 2³² wrap of the
+    counter; the first values are pinned, so neither can drift alone."""
+    import torch
+
+    from geofp8.codecs import native, uniforms
+
+    keys = [(0, 0), (0xFFFFFFFF, 123), uniforms.key_halves(2**62 + 5, 7)]
+    got = [uniforms.uniforms_into(torch.empty(n), k) for k in keys for n in (1, 1001, 300_001)]
+    monkeypatch.setattr(native, "usable", lambda *tensors: False)
+    want = [uniforms.uniforms_into(torch.empty(n), k) for k in keys for n in (1, 1001, 300_001)]
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, want))
+    assert got[2][:3].tolist() == [0.0, 0.3474927544593811, 0.21226495504379272]
+    assert got[8][:3].tolist() == [0.17684894800186157, 0.2809346318244934, 0.8421403765678406]
+    u = torch.cat(got)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0 and abs(float(u.mean()) - 0.5) < 0.01
+
+
+# every kernel's pointer and integer arguments, by name (the compile check below)
+_ARGS = {"tiles_ptr": "*i64", "bits_ptr": "*i32", "seg_ptr": "*i32", "start_ptr": "*i64",
+         "keys_ptr": "*i64", "seg_bits_ptr": "*i32", "codes_ptr": "*u8", "code_ptr": "*u8",
+         "byte_ptr": "*u8", "bad_ptr": "*i32", "code_stride": "i64", "s_stride": "i64"}
+_VARIANTS = [
+    ("_block_amax_kernel", dict(HAS_R=True, B=16, TILE=1024)),
+    ("_segment_amax_kernel", dict(BLOCK=1024)),
+    ("_nvfp4_scales_kernel", dict(BLOCK=1024)),
+    ("_mx_scales_kernel", dict(EMAX=8, THRESHOLD=0x600000, BLOCK=1024)),
+    ("_encode_packed_kernel", dict(HAS_ERR=True, STOCHASTIC=True, BYTES=512)),
+    ("_encode_bytes_kernel", dict(HAS_ERR=True, STOCHASTIC=True, TILE=1024)),
+    ("_payload_scales_kernel", dict(NVFP4=True, BLOCK=1024)),
+    ("_decode_kernel", dict(FMT=0, SUM=True, POISON=True, TILE=1024)),
+    ("_decode_kernel", dict(FMT=1, SUM=False, POISON=False, TILE=1024)),
+]
+
+
+def test_every_block_kernel_compiles_for_an_h100_without_fma_and_with_ieee_division():
+    """What the interpreter cannot show: each kernel compiles to an sm_90 cubin (Triton's
+    own ptxas, no GPU needed), with no fused multiply-add and every FP32 division
+    ``div.rn`` (the bits of the torch reference depend on both)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from geofp8.codecs import triton_fp4
+
+    for name, constexprs in _VARIANTS:
+        fn = getattr(triton_fp4, name)
+        signature = {a: "constexpr" if a in constexprs else _ARGS.get(
+            a, "*fp32" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
+        try:
+            kernel = triton.compile(ASTSource(fn, signature, {
+                (fn.arg_names.index(a),): v for a, v in constexprs.items()}),
+                target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+        except FileNotFoundError as exc:  # a Triton without its CUDA toolchain
+            pytest.skip(f"no CUDA toolchain in this Triton: {exc}")
+        ptx = kernel.asm["ptx"]
+        assert "cubin" in kernel.asm, name
+        assert not re.search(r"\bfma\.", ptx), name
+        assert set(re.findall(r"\bdiv\.\w+\.f32", ptx)) <= {"div.rn.f32"}, name
