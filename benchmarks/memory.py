@@ -29,6 +29,7 @@ the model's (FSDP: the rank's shard's) FP32 parameter bytes, the issue's goal be
 
     python benchmarks/memory.py                                   # DDP, llama-small, 2 ranks
     python benchmarks/memory.py --fsdp --ranks 2 4                # FSDP2 per-rank extra
+    python benchmarks/memory.py --fsdp --ranks 2 4 --sender-feedback on off
     python benchmarks/memory.py --methods fp8-ef --residual bf16 nvfp4
     python benchmarks/memory.py --model smollm-135m     # 100M-class, built from its config
 """
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import os
 import resource
 import sys
@@ -56,6 +58,7 @@ from host_syncs import on_ranks  # this folder is on sys.path when run as a scri
 PACKAGE = os.path.dirname(geofp8.__file__) + os.sep
 WARMUP = 2  # step 0 checks the ranks' configurations; step 1 is the first ordinary step
 VOCAB, SEQ, BATCH = 2048, 64, 4  # the token ids drawn (below every model's vocabulary)
+SENDER = {"default": None, "on": True, "off": False}  # --sender-feedback
 # a 100M-class Hugging Face model, by its architecture (SmolLM-135M's: 134.5 M parameters)
 HF_MODELS = {"smollm-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                  num_attention_heads=9, num_key_value_heads=3,
@@ -212,7 +215,8 @@ def staged_pointers(engine) -> set[int]:
             if isinstance(t, torch.Tensor)}
 
 
-def _build(rank: int, world: int, method: str, fsdp: bool, residual: str | None, model_name):
+def _build(rank: int, world: int, method: str, fsdp: bool, residual: str | None, model_name,
+           sender: bool | None = None):
     from geofp8.methods import METHODS
     from geofp8.tools.models import build_preset
 
@@ -238,7 +242,8 @@ def _build(rank: int, world: int, method: str, fsdp: bool, residual: str | None,
         fully_shard(model)
         state = None
         if spec.kind == "geofp8":
-            state = geofp8_fsdp.enable(model, spec.config(**spec.takes(**settings)))
+            state = geofp8_fsdp.enable(model, spec.config(**spec.takes(**settings)),
+                                       sender_feedback=sender)
         return model, model, state, params
     state, hook, _ = spec.build(model, **spec.takes(**settings))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -247,12 +252,13 @@ def _build(rank: int, world: int, method: str, fsdp: bool, residual: str | None,
     return model, ddp, state, params
 
 
-def _worker(rank, world, port, method, queue, fsdp, residual, model_name) -> None:
+def _worker(rank, world, port, method, queue, fsdp, residual, model_name, sender) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
-    model, wrapped, state, params = _build(rank, world, method, fsdp, residual, model_name)
+    model, wrapped, state, params = _build(rank, world, method, fsdp, residual, model_name,
+                                           sender)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
 
@@ -293,9 +299,11 @@ def _worker(rank, world, port, method, queue, fsdp, residual, model_name) -> Non
 
 
 def measure(method: str, world: int, fsdp: bool = False, residual: str | None = None,
-            model: str = "llama-small") -> tuple[int, int, int, Parts]:
-    """``(parameters, peak bytes, process peak resident bytes, the parts)`` of rank 0."""
-    return on_ranks(_worker, world, method, fsdp, residual, model)
+            model: str = "llama-small", sender: bool | None = None
+            ) -> tuple[int, int, int, Parts]:
+    """``(parameters, peak bytes, process peak resident bytes, the parts)`` of rank 0;
+    ``sender``: FSDP's ``sender_feedback`` (``None``: its default)."""
+    return on_ranks(_worker, world, method, fsdp, residual, model, sender)
 
 
 def main() -> None:
@@ -306,21 +314,26 @@ def main() -> None:
                         help="residual storages (fp32 bf16 fp8 nvfp4; default: the method's)")
     parser.add_argument("--ranks", nargs="+", type=int, default=[2])
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
+    parser.add_argument("--sender-feedback", nargs="+", default=["default"],
+                        choices=list(SENDER), help="FSDP: the reduce-scatter's sender "
+                        "residual (geofp8.fsdp.enable's sender_feedback)")
     args = parser.parse_args()
     print(f"{'fsdp2' if args.fsdp else 'ddp'}, {args.model}, rank 0 of N: bytes per model "
           "parameter; extra / fp32: the extra over the rank's FP32 parameter bytes")
-    print("| N | method | residual | peak | extra | extra / fp32 | GeoFP8 at peak: residuals"
-          " | staged | factors | statistics | selection | other state | in flight | "
+    print("| N | method | residual | sender EF | peak | extra | extra / fp32 | GeoFP8 at peak: "
+          "residuals | staged | factors | statistics | selection | other state | in flight | "
           "framework at peak | parts / peak | process peak (fp32's) |")
-    print("|" + "---|" * 16)
+    print("|" + "---|" * 17)
     for world in args.ranks:
         params, reference, rss_fp32, _ = measure("fp32", world, args.fsdp, None, args.model)
         fp32_bytes = 4 * params / (world if args.fsdp else 1)
         for method in args.methods:
-            for residual in args.residual:
-                _, peak, rss, p = measure(method, world, args.fsdp, residual, args.model)
+            for residual, sender in itertools.product(args.residual, args.sender_feedback):
+                _, peak, rss, p = measure(method, world, args.fsdp, residual, args.model,
+                                          SENDER[sender])
                 extra, n = peak - reference, params
-                print(f"| {world} | {method} | {residual or 'default'} | {peak / n:.2f} | "
+                print(f"| {world} | {method} | {residual or 'default'} | {sender} | "
+                      f"{peak / n:.2f} | "
                       f"{extra / n:.2f} | {extra / fp32_bytes:.2f} | "
                       f"{sum(p.residuals.values()) / n:.2f} | {p.staged / n:.2f} | "
                       f"{p.factors / n:.3f} | {p.statistics / n:.3f} | "
