@@ -68,12 +68,15 @@ HF_MODELS = {"smollm-135m": dict(hidden_size=576, intermediate_size=1536, num_hi
 
 class LiveStorages(TorchDispatchMode):
     """Bytes of the storages that ops create, alive after each op; those created under the
-    ``geofp8`` package are told apart (by the Python frames of the call)."""
+    ``geofp8`` package are told apart (by the Python frames of the call), with the function
+    of the package that created them (its innermost frame there)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, tuple[weakref.ref, bool]] = {}  # data pointer -> storage, ours
+        # data pointer -> (storage, creating function of ours or None)
+        self.live: dict[int, tuple[weakref.ref, str | None]] = {}
         self.peak, self.ours_at_peak, self.others_at_peak = 0, {}, 0
+        self.where_at_peak: dict[int, str] = {}  # data pointer -> creating function
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -87,13 +90,13 @@ class LiveStorages(TorchDispatchMode):
             storage, key = t.untyped_storage(), _pointer(t)
             if key is None or key in inputs or key in self.live or storage.nbytes() == 0:
                 continue
-            ours = called_from_package() if ours is None else ours
-            self.live[key] = (weakref.ref(storage), ours)
+            ours = package_function() if ours is None else ours
+            self.live[key] = (weakref.ref(storage), ours or None)
         self._sample()
         return out
 
     def _sample(self) -> None:
-        total, ours = 0, {}
+        total, ours, where = 0, {}, {}
         for key, (ref, mine) in list(self.live.items()):
             storage = ref()
             if storage is None or storage.nbytes() == 0:
@@ -102,8 +105,9 @@ class LiveStorages(TorchDispatchMode):
             total += storage.nbytes()
             if mine:
                 ours[key] = storage.nbytes()
+                where[key] = mine
         if total > self.peak:
-            self.peak, self.ours_at_peak = total, ours
+            self.peak, self.ours_at_peak, self.where_at_peak = total, ours, where
             self.others_at_peak = total - sum(ours.values())
 
 
@@ -118,12 +122,20 @@ def _pointer(t: torch.Tensor) -> int | None:
 def called_from_package() -> bool:
     """Whether the op that a ``__torch_dispatch__`` (the caller) handles was called, at any
     depth, from GeoFP8's code."""
-    frame = sys._getframe(2)
+    return package_function(3) != ""
+
+
+def package_function(depth: int = 2) -> str:
+    """``module.function`` of GeoFP8's innermost frame in the call of the op that a
+    ``__torch_dispatch__`` (the caller) handles; ``""``: not called from GeoFP8."""
+    frame = sys._getframe(depth)
     while frame is not None:
-        if frame.f_code.co_filename.startswith(PACKAGE):
-            return True
+        name = frame.f_code.co_filename
+        if name.startswith(PACKAGE):
+            module = name[len(PACKAGE):-3].replace(os.sep, ".")
+            return f"{module}.{frame.f_code.co_name}"
         frame = frame.f_back
-    return False
+    return ""
 
 
 def storages_of(root, skip: set[int] = frozenset()) -> dict[int, int]:
@@ -179,6 +191,7 @@ class Parts:
     staged: int = 0  # the step's new residuals alive at the peak
     in_flight: int = 0  # codec and collective buffers alive at the peak
     framework: int = 0  # everything else at the peak: model, optimizer, activations, DDP
+    creators: dict[str, int] = field(default_factory=dict)  # staged + in flight, by function
 
     @property
     def geofp8(self) -> int:
@@ -213,6 +226,16 @@ def staged_pointers(engine) -> set[int]:
     held = [[f.residuals, getattr(f, "_staged", {})] for f in engine.feedbacks.values()]
     return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(held)
             if isinstance(t, torch.Tensor)}
+
+
+def creators_of(mode: LiveStorages, ours: dict[int, int]) -> dict[str, int]:
+    """Bytes of ``ours`` (storages alive at the peak, GeoFP8's state left out) by the
+    function of GeoFP8 that created them, largest first."""
+    out: dict[str, int] = {}
+    for key, n in ours.items():
+        name = mode.where_at_peak[key]
+        out[name] = out.get(name, 0) + n
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def _build(rank: int, world: int, method: str, fsdp: bool, residual: str | None, model_name,
@@ -291,6 +314,7 @@ def _worker(rank, world, port, method, queue, fsdp, residual, model_name, sender
         ours = {k: n for k, n in mode.ours_at_peak.items() if k not in held}
         parts.staged = sum(n for k, n in ours.items() if k in residual_now)
         parts.in_flight = sum(ours.values()) - parts.staged
+        parts.creators = creators_of(mode, ours)
     parts.framework = (sum(n for k, n in base.items() if k not in held) + buckets
                        + mode.others_at_peak)
     queue.put((rank, params, sum(base.values()) + buckets + mode.peak, rss, parts))
@@ -314,6 +338,9 @@ def main() -> None:
                         help="residual storages (fp32 bf16 fp8 nvfp4; default: the method's)")
     parser.add_argument("--ranks", nargs="+", type=int, default=[2])
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
+    parser.add_argument("--where", action="store_true", help="after each row, GeoFP8's "
+                        "bytes alive at the peak (staged and in flight) by the function "
+                        "that created them")
     parser.add_argument("--sender-feedback", nargs="+", default=["default"],
                         choices=list(SENDER), help="FSDP: the reduce-scatter's sender "
                         "residual (geofp8.fsdp.enable's sender_feedback)")
@@ -341,6 +368,9 @@ def main() -> None:
                       f"{p.in_flight / n:.2f} | {p.framework / n:.2f} | "
                       f"{(p.geofp8 + p.framework) / peak:.3f} | "
                       f"{rss / 2**20:.0f} MB ({rss_fp32 / 2**20:.0f} MB) |", flush=True)
+                if args.where and p.creators:
+                    print("  at the peak: " + ", ".join(f"{name} {size / n:.2f}" for name, size
+                                                       in p.creators.items()))
 
 
 if __name__ == "__main__":
