@@ -108,7 +108,12 @@ class ErrorFeedback:
         basis = self.basis.get(name, IDENTITY)
         residual = residual if basis is route else rebase(residual, basis, route)
         flag = self.finite.get(name)
-        return residual if flag is None else torch.where(flag, residual, 0.0)
+        if flag is None:
+            return residual
+        if residual is stored:
+            return torch.where(flag, residual, 0.0)
+        # a widened or re-based residual is a temporary of its own: zeroed in it
+        return torch.where(flag, residual, residual.new_zeros(()), out=residual)
 
     def stage(self, name: str, residual: torch.Tensor, route: Transform) -> None:
         """Write this step's new residual of ``name`` (in ``route``'s coordinates) over the
