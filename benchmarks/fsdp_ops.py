@@ -13,7 +13,7 @@ ops that GeoFP8's code calls (at any depth; the end-of-backward settle included)
 The native C kernels of the chunked codec run outside the dispatcher (not counted here);
 what this measures is the adapter's own work around them.
 
-    python benchmarks/fsdp_ops.py                         # fp8-ef, nvfp4-ef; llama-small
+    python benchmarks/fsdp_ops.py --sender-feedback on    # fp8-ef, nvfp4-ef; llama-small
     PYTHONPATH=<other checkout>/src python benchmarks/fsdp_ops.py   # another version
 """
 
@@ -61,7 +61,7 @@ class OursOps(TorchDispatchMode):
         return out
 
 
-def _worker(rank, world, port, method, queue, residual) -> None:
+def _worker(rank, world, port, method, queue, residual, sender) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from geofp8 import fsdp
@@ -78,7 +78,7 @@ def _worker(rank, world, port, method, queue, residual) -> None:
     fully_shard(model)
     spec = METHODS[method]
     settings = {} if residual is None else {"residual": residual}
-    state = fsdp.enable(model, spec.config(**spec.takes(**settings)))
+    state = fsdp.enable(model, spec.config(**spec.takes(**settings)), **sender)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
     mode = OursOps()
@@ -107,13 +107,19 @@ def main() -> None:
     parser.add_argument("--residual", default=None, help="residual storage (default: the "
                         "method's)")
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--sender-feedback", choices=["default", "on", "off"],
+                        default="default", help="fsdp.enable's sender_feedback (on, off; "
+                        "default: leave it out, e.g. for a version without it)")
     args = parser.parse_args()
+    print(f"sender_feedback: {args.sender_feedback}")
     print("| method | ranks | units | ops / unit | written / elem | peak / param | "
           "most frequent ops |")
     print("|---|---|---|---|---|---|---|")
     for method in args.methods:
+        sender = {} if args.sender_feedback == "default" else {
+            "sender_feedback": args.sender_feedback == "on"}
         units, ops, written, peak, common = on_ranks(_worker, args.ranks, method,
-                                                     args.residual)
+                                                     args.residual, sender)
         top = ", ".join(f"{name} {count / units:.1f}" for name, count in common)
         print(f"| {method} | {args.ranks} | {units} | {ops:.1f} | {written:.2f} | "
               f"{peak:.2f} | {top} |", flush=True)
