@@ -7,8 +7,9 @@ ops that GeoFP8's code calls (at any depth; the end-of-backward settle included)
 * **ops / unit**: those ops per ``fully_shard`` unit (views included);
 * **written / elem**: the elements their outputs hold (in place too; views not), per
   element of the units' unsharded gradients (the passes that write, roughly);
-* **peak / param**: the most bytes of the storages GeoFP8's code created that were alive at
-  once during the backward, per model parameter (FP32 weights are 4).
+* **peak / param**: the most bytes of the storages GeoFP8's code created (not those it
+  wrote into, nor the reduce-scatter input it allocates for FSDP) that were alive at once
+  during the backward, per model parameter (FP32 weights are 4).
 
 The native C kernels of the chunked codec run outside the dispatcher (not counted here);
 what this measures is the adapter's own work around them.
@@ -31,7 +32,11 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from host_syncs import on_ranks  # this folder is on sys.path when run as a script
-from memory import VOCAB, called_from_package
+from memory import VOCAB, called_from_package, package_function
+
+# the reduce-scatter's input, which FSDP asks the custom reduce-scatter to allocate (its own
+# default allocates the same): FSDP's buffer, not GeoFP8's
+FSDP_BUFFER = "fsdp.allocate"
 
 SEQ, BATCH = 64, 4
 
@@ -51,10 +56,14 @@ class OursOps(TorchDispatchMode):
         if not called_from_package():
             return out
         self.ops[func.__name__] += 1
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and not func.is_view:
                 self.written += t.numel()  # in place too
-                self.live[t.untyped_storage().data_ptr()] = weakref.ref(t.untyped_storage())
+                key = t.untyped_storage().data_ptr()
+                if key not in inputs and package_function() != FSDP_BUFFER:
+                    self.live[key] = weakref.ref(t.untyped_storage())
         sizes = {k: s.nbytes() for k, ref in self.live.items() if (s := ref()) is not None}
         self.live = {k: self.live[k] for k, n in sizes.items() if n}
         self.peak = max(self.peak, sum(sizes.values()))
