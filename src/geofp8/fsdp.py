@@ -52,7 +52,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .comm import Communicator, ShardLayout, encode, encode_with_error, fp32_allreduce_wire_bytes
 from .comm.group import DeviceGroup
-from .comm.stages import all_finite, poison_unless
+from .comm.stages import all_finite
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
 from .feedback import STORAGES
@@ -429,12 +429,14 @@ class GeoFP8FSDP:
 
     def _poison_reduced(self, finite: list[torch.Tensor]) -> None:
         """NaN in the local gradient shards of the units not finite on some rank (module
-        notes; one 0-dim device flag per :meth:`run_unit`, in order; on the device)."""
+        notes; one 0-dim device flag per :meth:`run_unit`, in order; on the device): each
+        unit's shards multiplied by 1 or NaN in one foreach op (as
+        :func:`~geofp8.comm.stages.poison_unless` does one tensor)."""
         for unit, ok in zip(self._reduced, finite):
-            for fsdp_param in unit.param_group.fsdp_params:
-                grad = fsdp_param.sharded_param.grad
-                if grad is not None:
-                    poison_unless(getattr(grad, "_local_tensor", grad), ok)
+            shards = [getattr(g, "_local_tensor", g) for fp in unit.param_group.fsdp_params
+                      if (g := fp.sharded_param.grad) is not None]
+            if shards:
+                torch._foreach_mul_(shards, torch.where(ok, 1.0, float("nan")))
 
     def communicator(self, group: DeviceGroup) -> Communicator:
         key = id(group)
