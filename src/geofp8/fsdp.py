@@ -10,7 +10,11 @@ buffer ``[N, M]`` whose row ``r`` is every parameter's dim-0 chunk ``r`` (see
 :meth:`ShardLayout.for_rows`). Rank ``s`` holds its whole unsharded gradient ``G_{p,s}``:
 
 * route and error feedback per parameter, ``Ũ_{p,s} = G_{p,s} T_p + R_{p,s}`` (the engine's
-  pipeline, as DDP; ``T_p`` acts on columns, so it commutes with the row chunks);
+  pipeline, as DDP; ``T_p`` acts on columns, so it commutes with the row chunks), written
+  over the parameter's row chunks in place. The sender's residual ``R_{p,s}`` covers the
+  whole unsharded gradient, so it is kept only with ``sender_feedback=True``; by default
+  ``R = 0`` (no error feedback on this rounding: measured without loss, see
+  :class:`GeoFP8FSDP`);
 * every row chunk quantized with this sender's own scales, plus one flag byte ("my input
   was finite"); all-to-all; receiver ``r`` decodes the ``N`` copies of row ``r`` and sums in
   FP32, then maps its rows back by ``T_p⁻¹`` and applies FSDP's ``op`` (``AVG``: ``/N``;
