@@ -155,7 +155,10 @@ class GeoFP8ReduceScatter(ReduceScatter):
             sent, layout, unmap=lambda rows, side: _note_senders(rows, side, senders),
             gather=False, out=flat).wait()
         self._map_back(total, n, routes)
-        torch.div(total, divisor, out=out) if divisor != 1 else out.copy_(total)
+        if divisor != 1:
+            torch.div(total, divisor, out=out)  # the division is the copy into FSDP's output
+        else:
+            out.copy_(total)
         engine.observe(out, also=senders[0])
         if self.state.mesh is None:
             self.state.probe.compare(unit, out.float(), n)
