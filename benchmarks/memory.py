@@ -29,6 +29,7 @@ the model's (FSDP: the rank's shard's) FP32 parameter bytes, the issue's goal be
 
     python benchmarks/memory.py                                   # DDP, llama-small, 2 ranks
     python benchmarks/memory.py --fsdp --ranks 2 4                # FSDP2 per-rank extra
+    python benchmarks/memory.py --fsdp --ranks 2 4 --sender-feedback on off
     python benchmarks/memory.py --methods fp8-ef --residual bf16 nvfp4
     python benchmarks/memory.py --model smollm-135m     # 100M-class, built from its config
 """
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import os
 import resource
 import sys
@@ -56,6 +58,7 @@ from host_syncs import on_ranks  # this folder is on sys.path when run as a scri
 PACKAGE = os.path.dirname(geofp8.__file__) + os.sep
 WARMUP = 2  # step 0 checks the ranks' configurations; step 1 is the first ordinary step
 VOCAB, SEQ, BATCH = 2048, 64, 4  # the token ids drawn (below every model's vocabulary)
+SENDER = {"default": None, "on": True, "off": False}  # --sender-feedback
 # a 100M-class Hugging Face model, by its architecture (SmolLM-135M's: 134.5 M parameters)
 HF_MODELS = {"smollm-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                  num_attention_heads=9, num_key_value_heads=3,
@@ -65,12 +68,15 @@ HF_MODELS = {"smollm-135m": dict(hidden_size=576, intermediate_size=1536, num_hi
 
 class LiveStorages(TorchDispatchMode):
     """Bytes of the storages that ops create, alive after each op; those created under the
-    ``geofp8`` package are told apart (by the Python frames of the call)."""
+    ``geofp8`` package are told apart (by the Python frames of the call), with the function
+    of the package that created them (its innermost frame there)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, tuple[weakref.ref, bool]] = {}  # data pointer -> storage, ours
+        # data pointer -> (storage, creating function of ours or None)
+        self.live: dict[int, tuple[weakref.ref, str | None]] = {}
         self.peak, self.ours_at_peak, self.others_at_peak = 0, {}, 0
+        self.where_at_peak: dict[int, str] = {}  # data pointer -> creating function
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -84,13 +90,13 @@ class LiveStorages(TorchDispatchMode):
             storage, key = t.untyped_storage(), _pointer(t)
             if key is None or key in inputs or key in self.live or storage.nbytes() == 0:
                 continue
-            ours = called_from_package() if ours is None else ours
-            self.live[key] = (weakref.ref(storage), ours)
+            ours = package_function() if ours is None else ours
+            self.live[key] = (weakref.ref(storage), ours or None)
         self._sample()
         return out
 
     def _sample(self) -> None:
-        total, ours = 0, {}
+        total, ours, where = 0, {}, {}
         for key, (ref, mine) in list(self.live.items()):
             storage = ref()
             if storage is None or storage.nbytes() == 0:
@@ -99,8 +105,9 @@ class LiveStorages(TorchDispatchMode):
             total += storage.nbytes()
             if mine:
                 ours[key] = storage.nbytes()
+                where[key] = mine
         if total > self.peak:
-            self.peak, self.ours_at_peak = total, ours
+            self.peak, self.ours_at_peak, self.where_at_peak = total, ours, where
             self.others_at_peak = total - sum(ours.values())
 
 
@@ -115,12 +122,20 @@ def _pointer(t: torch.Tensor) -> int | None:
 def called_from_package() -> bool:
     """Whether the op that a ``__torch_dispatch__`` (the caller) handles was called, at any
     depth, from GeoFP8's code."""
-    frame = sys._getframe(2)
+    return package_function(3) != ""
+
+
+def package_function(depth: int = 2) -> str:
+    """``module.function`` of GeoFP8's innermost frame in the call of the op that a
+    ``__torch_dispatch__`` (the caller) handles; ``""``: not called from GeoFP8."""
+    frame = sys._getframe(depth)
     while frame is not None:
-        if frame.f_code.co_filename.startswith(PACKAGE):
-            return True
+        name = frame.f_code.co_filename
+        if name.startswith(PACKAGE):
+            module = name[len(PACKAGE):-3].replace(os.sep, ".")
+            return f"{module}.{frame.f_code.co_name}"
         frame = frame.f_back
-    return False
+    return ""
 
 
 def storages_of(root, skip: set[int] = frozenset()) -> dict[int, int]:
@@ -176,6 +191,7 @@ class Parts:
     staged: int = 0  # the step's new residuals alive at the peak
     in_flight: int = 0  # codec and collective buffers alive at the peak
     framework: int = 0  # everything else at the peak: model, optimizer, activations, DDP
+    creators: dict[str, int] = field(default_factory=dict)  # staged + in flight, by function
 
     @property
     def geofp8(self) -> int:
@@ -212,7 +228,18 @@ def staged_pointers(engine) -> set[int]:
             if isinstance(t, torch.Tensor)}
 
 
-def _build(rank: int, world: int, method: str, fsdp: bool, residual: str | None, model_name):
+def creators_of(mode: LiveStorages, ours: dict[int, int]) -> dict[str, int]:
+    """Bytes of ``ours`` (storages alive at the peak, GeoFP8's state left out) by the
+    function of GeoFP8 that created them, largest first."""
+    out: dict[str, int] = {}
+    for key, n in ours.items():
+        name = mode.where_at_peak[key]
+        out[name] = out.get(name, 0) + n
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _build(rank: int, world: int, method: str, fsdp: bool, residual: str | None, model_name,
+           sender: bool | None = None):
     from geofp8.methods import METHODS
     from geofp8.tools.models import build_preset
 
@@ -238,7 +265,8 @@ def _build(rank: int, world: int, method: str, fsdp: bool, residual: str | None,
         fully_shard(model)
         state = None
         if spec.kind == "geofp8":
-            state = geofp8_fsdp.enable(model, spec.config(**spec.takes(**settings)))
+            state = geofp8_fsdp.enable(model, spec.config(**spec.takes(**settings)),
+                                       sender_feedback=sender)
         return model, model, state, params
     state, hook, _ = spec.build(model, **spec.takes(**settings))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -247,12 +275,13 @@ def _build(rank: int, world: int, method: str, fsdp: bool, residual: str | None,
     return model, ddp, state, params
 
 
-def _worker(rank, world, port, method, queue, fsdp, residual, model_name) -> None:
+def _worker(rank, world, port, method, queue, fsdp, residual, model_name, sender) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
-    model, wrapped, state, params = _build(rank, world, method, fsdp, residual, model_name)
+    model, wrapped, state, params = _build(rank, world, method, fsdp, residual, model_name,
+                                           sender)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
 
@@ -285,6 +314,7 @@ def _worker(rank, world, port, method, queue, fsdp, residual, model_name) -> Non
         ours = {k: n for k, n in mode.ours_at_peak.items() if k not in held}
         parts.staged = sum(n for k, n in ours.items() if k in residual_now)
         parts.in_flight = sum(ours.values()) - parts.staged
+        parts.creators = creators_of(mode, ours)
     parts.framework = (sum(n for k, n in base.items() if k not in held) + buckets
                        + mode.others_at_peak)
     queue.put((rank, params, sum(base.values()) + buckets + mode.peak, rss, parts))
@@ -293,9 +323,11 @@ def _worker(rank, world, port, method, queue, fsdp, residual, model_name) -> Non
 
 
 def measure(method: str, world: int, fsdp: bool = False, residual: str | None = None,
-            model: str = "llama-small") -> tuple[int, int, int, Parts]:
-    """``(parameters, peak bytes, process peak resident bytes, the parts)`` of rank 0."""
-    return on_ranks(_worker, world, method, fsdp, residual, model)
+            model: str = "llama-small", sender: bool | None = None
+            ) -> tuple[int, int, int, Parts]:
+    """``(parameters, peak bytes, process peak resident bytes, the parts)`` of rank 0;
+    ``sender``: FSDP's ``sender_feedback`` (``None``: its default)."""
+    return on_ranks(_worker, world, method, fsdp, residual, model, sender)
 
 
 def main() -> None:
@@ -306,21 +338,29 @@ def main() -> None:
                         help="residual storages (fp32 bf16 fp8 nvfp4; default: the method's)")
     parser.add_argument("--ranks", nargs="+", type=int, default=[2])
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
+    parser.add_argument("--where", action="store_true", help="after each row, GeoFP8's "
+                        "bytes alive at the peak (staged and in flight) by the function "
+                        "that created them")
+    parser.add_argument("--sender-feedback", nargs="+", default=["default"],
+                        choices=list(SENDER), help="FSDP: the reduce-scatter's sender "
+                        "residual (geofp8.fsdp.enable's sender_feedback)")
     args = parser.parse_args()
     print(f"{'fsdp2' if args.fsdp else 'ddp'}, {args.model}, rank 0 of N: bytes per model "
           "parameter; extra / fp32: the extra over the rank's FP32 parameter bytes")
-    print("| N | method | residual | peak | extra | extra / fp32 | GeoFP8 at peak: residuals"
-          " | staged | factors | statistics | selection | other state | in flight | "
+    print("| N | method | residual | sender EF | peak | extra | extra / fp32 | GeoFP8 at peak: "
+          "residuals | staged | factors | statistics | selection | other state | in flight | "
           "framework at peak | parts / peak | process peak (fp32's) |")
-    print("|" + "---|" * 16)
+    print("|" + "---|" * 17)
     for world in args.ranks:
         params, reference, rss_fp32, _ = measure("fp32", world, args.fsdp, None, args.model)
         fp32_bytes = 4 * params / (world if args.fsdp else 1)
         for method in args.methods:
-            for residual in args.residual:
-                _, peak, rss, p = measure(method, world, args.fsdp, residual, args.model)
+            for residual, sender in itertools.product(args.residual, args.sender_feedback):
+                _, peak, rss, p = measure(method, world, args.fsdp, residual, args.model,
+                                          SENDER[sender])
                 extra, n = peak - reference, params
-                print(f"| {world} | {method} | {residual or 'default'} | {peak / n:.2f} | "
+                print(f"| {world} | {method} | {residual or 'default'} | {sender} | "
+                      f"{peak / n:.2f} | "
                       f"{extra / n:.2f} | {extra / fp32_bytes:.2f} | "
                       f"{sum(p.residuals.values()) / n:.2f} | {p.staged / n:.2f} | "
                       f"{p.factors / n:.3f} | {p.statistics / n:.3f} | "
@@ -328,6 +368,9 @@ def main() -> None:
                       f"{p.in_flight / n:.2f} | {p.framework / n:.2f} | "
                       f"{(p.geofp8 + p.framework) / peak:.3f} | "
                       f"{rss / 2**20:.0f} MB ({rss_fp32 / 2**20:.0f} MB) |", flush=True)
+                if args.where and p.creators:
+                    print("  at the peak: " + ", ".join(f"{name} {size / n:.2f}" for name, size
+                                                       in p.creators.items()))
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def _overflow_worker(rank, world):
     torch.manual_seed(0)
     net = nn.Linear(4, 8, bias=False)
     fully_shard(net)
-    state = fsdp.enable(net, GeoFP8Config(**EUCLID))
+    state = fsdp.enable(net, GeoFP8Config(**EUCLID), sender_feedback=True)
     # dL/dW row i = scale_i: rows 0-3 (rank 0's shard) are 2e38 on each rank, finite, and
     # sum to 4e38 = inf on rank 0; rows 4-7 (rank 1's) sum to 2
     scale = torch.tensor([2e38] * 4 + [1.0] * 4)

@@ -109,6 +109,17 @@ def _two_rank_worker(rank, world):
     _backward(ref, 0, rank)
     out["fp32"], out["local"] = _grads(ref), _local_grads(0, rank)
     out["stats"] = state.stats()
+    # the default keeps no sender residual: the same bits as no error feedback, step after step
+    for label, config in (("default", GeoFP8Config(**EUCLID)),
+                          ("no_ef", GeoFP8Config(error_feedback=False, **EUCLID))):
+        trained = _net()
+        sgd = torch.optim.SGD(trained.parameters(), lr=0.05)
+        trained_state = fsdp.enable(trained, config)
+        for step in range(3):
+            _backward(trained, step, rank)
+            sgd.step()
+        out["sender_" + label] = (_grads(trained), trained_state.stats(),
+                                  trained_state.state_dict()["feedback"]["sender"])
     # PREMUL_SUM (torchtitan's divide factor 1.0): the sum, i.e. 2 × the average
     from torch.distributed.fsdp import FSDPModule
     for module in net.modules():
@@ -118,7 +129,7 @@ def _two_rank_worker(rank, world):
     out["premul"] = _grads(net)
     # error feedback; a NaN on rank 1 at step 2 poisons unit a on every rank, no trace left
     net = _net()
-    state = fsdp.enable(net, GeoFP8Config(**EUCLID))
+    state = fsdp.enable(net, GeoFP8Config(**EUCLID), sender_feedback=True)
     _backward(net, 0, rank)
     before = state.state_dict()
     handle = _poison_a(net, rank)
@@ -197,6 +208,8 @@ def _chunk_rows(grads, world):
 
 
 UNITS = (["a.weight", "a.bias"], ["b.weight", "b.bias"], ["norm.weight", "norm.bias"])
+SHAPES = {"a.weight": (64, 48), "a.bias": (64,), "b.weight": (33, 64), "b.bias": (33,),
+          "norm.weight": (33,), "norm.bias": (33,)}  # Net's
 
 
 def _unpad(vec, names, shapes, world, j):
@@ -270,6 +283,16 @@ def test_wire_bytes_at_most_027_of_fp32_reduce_scatter(two_ranks):
     stats = two_ranks[0]["stats"]
     assert stats["bytes_sent"] <= 0.27 * stats["bytes_fp32_equivalent"]
     assert stats["bytes_sent"] > 0.2 * stats["bytes_fp32_equivalent"]
+
+
+def test_the_default_keeps_no_sender_residual_and_equals_no_error_feedback(two_ranks):
+    for r in two_ranks:
+        grads, stats, feedback = r["sender_default"]
+        no_ef, _, _ = r["sender_no_ef"]
+        assert stats["sender_feedback"] is False and stats["ef_bytes"] == 0
+        assert feedback["residuals"] == {}
+        for name, g in grads.items():
+            assert torch.equal(g, no_ef[name]), name
 
 
 def test_nan_on_one_rank_is_seen_by_every_rank_and_resets_the_residuals(two_ranks):
@@ -356,6 +379,13 @@ def _hsdp_worker(rank, world):
         _backward(net, 1, rank)
         handle.remove()
         out[mode + "_nan"] = _grads(net)
+    # the default under HSDP: the replica hop's residuals only, each of this rank's shard
+    net = _net(mesh=mesh["shard"])
+    state = fsdp.enable(net, GeoFP8Config(**EUCLID), mesh=mesh)
+    _backward(net, 0, rank)
+    saved = state.state_dict()["feedback"]
+    out["hsdp_residuals"] = ({n: r.shape for n, r in saved["replica"]["residuals"].items()},
+                             saved["sender"]["residuals"], state.stats()["ef_bytes"])
     try:
         fsdp.enable(ref_native, GeoFP8Config(**EUCLID), mesh=mesh)
         out["native_error"] = None
@@ -412,6 +442,16 @@ def test_hsdp_nan_on_one_rank_reaches_all_four(hsdp):
             assert torch.isfinite(grads["b.weight"]).all(), mode
 
 
+def test_hsdp_default_keeps_shard_sized_replica_residuals_only(hsdp):
+    for r in hsdp:
+        shapes, sender, ef_bytes = r["hsdp_residuals"]
+        assert sender == {}
+        # the dim-0 chunk of every parameter on a shard group of 2 (BF16: 2 bytes each)
+        assert shapes == {f"{p}#replica": torch.Size((-(-s[0] // 2), *s[1:]))
+                          for p, s in SHAPES.items()}
+        assert ef_bytes == 2 * sum(torch.Size(s).numel() for s in shapes.values())
+
+
 def test_hsdp_refuses_native_2d_sharding(hsdp):
     assert "mesh['shard']" in hsdp[0]["native_error"]
 
@@ -444,7 +484,7 @@ def _fsdp_llama(state_bytes=None):
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    state = fsdp.enable(model, GeoFP8Config(**EUCLID))
+    state = fsdp.enable(model, GeoFP8Config(**EUCLID), sender_feedback=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     if state_bytes is not None:
         saved = torch.load(io.BytesIO(state_bytes), weights_only=True)
@@ -557,7 +597,7 @@ def _storage_worker(rank, world, storage):
     from geofp8 import fsdp
 
     net = _net()
-    state = fsdp.enable(net, GeoFP8Config(**EUCLID), residual=storage)
+    state = fsdp.enable(net, GeoFP8Config(**EUCLID), residual=storage, sender_feedback=True)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     for step in range(4):
         _backward(net, step, rank)

@@ -20,3 +20,14 @@ def test_the_parts_add_up_to_the_peak_and_the_residuals_are_one_set(storage, per
     # every parameter has a gradient: one residual each, in the storage's bytes
     assert parts.residuals == {"sender": per_param * params}
     assert parts.staged == 0  # written in place: no second set at any moment
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sender, per_param", [(None, 0), (True, 2)])
+def test_fsdp_keeps_a_sender_residual_only_when_asked(sender, per_param):
+    # the default keeps none; kept, it covers the whole unsharded gradient on every rank
+    params, peak, _, parts = memory.measure("fp8-ef", 2, fsdp=True, model="llama-tiny",
+                                            sender=sender)
+    assert abs(parts.framework + parts.geofp8 - peak) <= 0.05 * peak, (parts, peak)
+    assert parts.residuals == {"sender": per_param * params}
+    assert parts.staged == 0

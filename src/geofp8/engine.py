@@ -145,11 +145,13 @@ class SyncEngine:
                 self.set_grad_scale(float(self.grad_scaler.get_scale()))
             self.pipeline.start_step(self.ledger.step)
 
-    def observe(self, values: torch.Tensor) -> None:
-        """Record whether ``values`` (a unit's result) is finite, as a device flag (no host
-        sync); units are observed in the same order on every rank."""
+    def observe(self, values: torch.Tensor, also: torch.Tensor | None = None) -> None:
+        """Record whether ``values`` (a unit's result) is finite, and ``also`` (a 0-dim bool
+        the adapter knows, e.g. "every sender's input was finite"), as a device flag (no
+        host sync); units are observed in the same order on every rank."""
+        finite = all_finite(values)
         with self._lock:
-            self._finite.append(all_finite(values))
+            self._finite.append(finite if also is None else finite & also)
 
     def finish_unit(self) -> None:
         """A unit's result is ready; the last one of a launched step settles it."""

@@ -108,7 +108,12 @@ class ErrorFeedback:
         basis = self.basis.get(name, IDENTITY)
         residual = residual if basis is route else rebase(residual, basis, route)
         flag = self.finite.get(name)
-        return residual if flag is None else torch.where(flag, residual, 0.0)
+        if flag is None:
+            return residual
+        if residual is stored:
+            return torch.where(flag, residual, 0.0)
+        # a widened or re-based residual is a temporary of its own: zeroed in it
+        return torch.where(flag, residual, residual.new_zeros(()), out=residual)
 
     def stage(self, name: str, residual: torch.Tensor, route: Transform) -> None:
         """Write this step's new residual of ``name`` (in ``route``'s coordinates) over the
@@ -127,6 +132,24 @@ class ErrorFeedback:
             for key, t in packed.items():
                 if isinstance(t, torch.Tensor):
                     stored[key].copy_(t)
+        self._wrote(name, route)
+
+    def stage_rows(self, name: str, shape: tuple[int, ...], pieces, route: Transform) -> None:
+        """:meth:`stage` from pieces of the residual's dim-0 rows, ``[(view, lo, hi)]`` (a
+        view of rows ``lo:hi``, e.g. FSDP's chunks of a unit's flat buffer; at least one):
+        copied straight into a plain residual of that shape (no whole copy assembled), else
+        assembled and staged."""
+        stored = self.residuals.get(name)
+        if self.storage in ("fp32", "bf16") and stored is not None and \
+                tuple(stored.shape) == tuple(shape):
+            _copy_rows(stored, pieces)
+            self._wrote(name, route)
+            return
+        whole = torch.empty(shape, dtype=torch.float32, device=pieces[0][0].device)
+        _copy_rows(whole, pieces)
+        self.stage(name, whole, route)
+
+    def _wrote(self, name: str, route: Transform) -> None:
         self.basis[name] = route
         self.finite.pop(name, None)
         self._written.append(name)
@@ -177,6 +200,13 @@ class ErrorFeedback:
                 self.basis[name] = IDENTITY
             else:
                 self.basis[name] = transform_from_state(saved["kind"], saved["state"])
+
+
+def _copy_rows(target: torch.Tensor, pieces) -> None:
+    """``target``'s dim-0 rows ``lo:hi`` ← ``view`` for each piece (any dtype: rounded)."""
+    rows = target.flatten(1) if target.dim() > 1 else target.unsqueeze(1)
+    for view, lo, hi in pieces:
+        rows[lo:hi].view(view.shape).copy_(view)
 
 
 def _zeroed(stored, finite: torch.Tensor | None):

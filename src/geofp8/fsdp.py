@@ -10,19 +10,25 @@ buffer ``[N, M]`` whose row ``r`` is every parameter's dim-0 chunk ``r`` (see
 :meth:`ShardLayout.for_rows`). Rank ``s`` holds its whole unsharded gradient ``G_{p,s}``:
 
 * route and error feedback per parameter, ``Ũ_{p,s} = G_{p,s} T_p + R_{p,s}`` (the engine's
-  pipeline, as DDP; ``T_p`` acts on columns, so it commutes with the row chunks);
+  pipeline, as DDP; ``T_p`` acts on columns, so it commutes with the row chunks), written
+  over the parameter's row chunks in place. The sender's residual ``R_{p,s}`` covers the
+  whole unsharded gradient, so it is kept only with ``sender_feedback=True``; by default
+  ``R = 0`` (no error feedback on this rounding: measured without loss, see
+  :class:`GeoFP8FSDP`);
 * every row chunk quantized with this sender's own scales, plus one flag byte ("my input
   was finite"); all-to-all; receiver ``r`` decodes the ``N`` copies of row ``r`` and sums in
   FP32, then maps its rows back by ``T_p⁻¹`` and applies FSDP's ``op`` (``AVG``: ``/N``;
   ``PREMUL_SUM`` after ``set_gradient_divide_factor(f)``: ``/f``). One rounding, no
   all-gather: ``(N−1)/N`` encoded bytes per element and rank, against ``4(N−1)/N`` in FP32.
-* non-finite: a sender whose input is not finite says so in its flag; every receiver then
-  sets the whole unit's output to NaN. A sum that overflows on one receiver only, or a NaN
-  that FSDP's own reduce-scatter left in one shard (HSDP hook only), is agreed on when the
-  step settles (the engine all-reduces the finite flags, on the device): every rank counts
-  the step as skipped, resets the residuals it wrote to zero, keeps no statistic, and sets
-  the local gradient shards of the units that were not finite on some rank to NaN on every
-  rank, so an optimizer or ``GradScaler`` sees the same verdict everywhere.
+* non-finite: a sender whose input is not finite says so in its flag byte, which every
+  receiver joins to the unit's verdict (its output is finite and every sender's flag up);
+  the verdicts, a sum that overflows on one receiver only, or a NaN that FSDP's own
+  reduce-scatter left in one shard (HSDP hook only), are agreed on when the step settles
+  (the engine all-reduces the finite flags, on the device): every rank counts the step as
+  skipped, resets the residuals it wrote to zero, keeps no statistic, and sets the local
+  gradient shards of the units that were not finite on some rank to NaN on every rank, so
+  an optimizer or ``GradScaler`` sees the same verdict everywhere (one multiply per local
+  shard and step, the verdict staying on the device).
 
 :class:`ReplicaAllReduce` (HSDP: ``enable(..., mesh=2-D mesh with dims ("replicate",
 "shard"))``, the model sharded on ``mesh["shard"]``): FSDP's all-reduce hook receives this
@@ -40,7 +46,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -50,7 +56,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .comm import Communicator, ShardLayout, encode, encode_with_error, fp32_allreduce_wire_bytes
 from .comm.group import DeviceGroup
-from .comm.stages import all_finite, poison_unless
+from .comm.stages import all_finite
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
 from .feedback import STORAGES
@@ -60,6 +66,10 @@ __all__ = ["GeoFP8FSDP", "GeoFP8ReduceScatter", "ReplicaAllReduce", "enable"]
 
 RESIDUALS = STORAGES
 REPLICA = "#replica"
+# No sender residual for the reduce-scatter by default (GeoFP8FSDP's sender_feedback): it
+# would cover the whole unsharded gradient on every rank, and dropping it measured no loss
+# (llama-tiny, 2 ranks, 100 steps, fp8 and nvfp4: docs/failure-behaviour.md).
+SENDER_FEEDBACK = False
 
 
 @dataclass
@@ -140,22 +150,36 @@ class GeoFP8ReduceScatter(ReduceScatter):
         else:
             sent = encode(flat, layout, [finite] * n, seed, dg.rank)
         engine.ledger.add("codec_s", time.perf_counter() - t0)
-        total = self.state.communicator(dg).launch(sent, layout, unmap=_poison_unless_flag,
-                                                   gather=False, out=flat).wait()
-        poison_unless(total, all_finite(total))
+        senders: list[torch.Tensor] = []
+        total = self.state.communicator(dg).launch(
+            sent, layout, unmap=lambda rows, side: _note_senders(rows, side, senders),
+            gather=False, out=flat).wait()
         self._map_back(total, n, routes)
-        out.copy_(total.div_(divisor) if divisor != 1 else total)
-        engine.observe(out)
+        if divisor != 1:
+            torch.div(total, divisor, out=out)  # the division is the copy into FSDP's output
+        else:
+            out.copy_(total)
+        engine.observe(out, also=senders[0])
         if self.state.mesh is None:
             self.state.probe.compare(unit, out.float(), n)
 
     def _prepare(self, rows2d: torch.Tensor, n: int) -> list:
-        """``Ũ = G T + R`` in place, parameter by parameter, through the pipeline (the rows
-        of a parameter are the same dim-0 chunks in every row of ``rows2d``): one temporary
-        of the parameter's padded size, ``G`` gathered into it and ``Ũ`` written over it."""
+        """``Ũ = G T + R`` in place, parameter by parameter. A plain parameter (identity
+        route, nothing observed: :meth:`GradientPipeline.plain`) adds its residual straight
+        into its row chunks; the others go through the pipeline on one temporary of the
+        parameter's padded size (``G`` gathered into it, ``Ũ`` written over it and back)."""
         routes, pipeline = [], self.state.engine.pipeline
+        feedback = pipeline.feedback if pipeline.config.error_feedback else None
         for name, shape, (pos, rows, width) in zip(self.unit.names, self.unit.shapes,
                                                    self.unit.rows(n)):
+            if pipeline.plain(name):
+                residual = feedback.residual_in(name, IDENTITY) if feedback else None
+                if residual is not None:
+                    rows_of = residual.reshape(shape[0], width)
+                    for piece, lo, hi in _row_pieces(rows2d, pos, rows, width, shape[0]):
+                        piece.add_(rows_of[lo:hi].view(piece.shape))
+                routes.append(IDENTITY)
+                continue
             view = rows2d[:, pos : pos + rows * width]
             padded = rows2d.new_empty(n * rows, width)  # the parameter's rows, then padding
             padded.view(n, rows * width).copy_(view)
@@ -166,11 +190,12 @@ class GeoFP8ReduceScatter(ReduceScatter):
         return routes
 
     def _stage_residuals(self, rows2d: torch.Tensor, n: int, routes) -> None:
+        """Each parameter's rounding error, from its row chunks of ``rows2d``."""
         feedback = self.state.engine.pipeline.feedback
         for name, shape, (pos, rows, width), route in zip(self.unit.names, self.unit.shapes,
                                                            self.unit.rows(n), routes):
-            full = rows2d[:, pos : pos + rows * width].reshape(n * rows, width)
-            feedback.stage(name, full[: shape[0]].reshape(shape), route)
+            feedback.stage_rows(name, shape, _row_pieces(rows2d, pos, rows, width, shape[0]),
+                                route)
 
     def _map_back(self, total: torch.Tensor, n: int, routes) -> None:
         """This rank's summed rows of each routed weight, ``Y T⁻¹`` (``T`` acts on columns)."""
@@ -224,13 +249,13 @@ class ReplicaAllReduce:
             layout = self.state.layout(unit, "replica", n)
             feedback = engine.feedbacks["replica"]
             chunks = unit.chunk_shapes()
-            if engine.config.error_feedback:
+            if self.state.replica_feedback:
                 for name, (lo, hi) in zip(unit.names, _spans(chunks)):
                     residual = feedback.residual_in(name + REPLICA, IDENTITY)
                     if residual is not None:
                         x[lo:hi] += residual.reshape(-1)
             seed = engine.seed(unit.crc(), 1)
-            if engine.config.error_feedback:
+            if self.state.replica_feedback:
                 sent, residual = encode_with_error(x, layout, seed=seed, sender=rep.rank)
                 for name, (lo, hi), chunk in zip(unit.names, _spans(chunks), chunks):
                     feedback.stage(name + REPLICA, residual[lo:hi].view(chunk), IDENTITY)
@@ -311,10 +336,17 @@ class GeoFP8FSDP:
         residual: storage of the error-feedback residuals: ``"fp32"`` (4 bytes per
             parameter and rank), ``"bf16"`` (2), ``"fp8"`` (1, plus 4 per row) or
             ``"nvfp4"`` (0.5625); ``None``: ``config.residual``.
+        sender_feedback: keep each sender's residual of the reduce-scatter's rounding
+            (with ``config.error_feedback``). It covers the whole unsharded gradient, so
+            its bytes per rank do not fall with the number of ranks; ``None``:
+            :data:`SENDER_FEEDBACK`. Without it the reduce-scatter rounds once, with no
+            error feedback (``config.error_feedback`` is then set to ``False`` in
+            :attr:`config`); HSDP's replica hop keeps its own, shard-sized residuals.
     """
 
     def __init__(self, model: nn.Module, config: GeoFP8Config | FP8Config | None = None,
-                 mesh=None, reduce_scatter: bool = True, residual: str | None = None) -> None:
+                 mesh=None, reduce_scatter: bool = True, residual: str | None = None,
+                 sender_feedback: bool | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GeoFP8FSDP needs torch.distributed to be initialised first")
         if isinstance(config, FP8Config):
@@ -340,11 +372,17 @@ class GeoFP8FSDP:
                              f"got dims {mesh.mesh_dim_names}")
         device = next(model.parameters()).device
         self.mesh, self.residual = mesh, residual
+        self.replica_feedback = cfg.error_feedback
+        self.sender_feedback = cfg.error_feedback and (
+            SENDER_FEEDBACK if sender_feedback is None else bool(sender_feedback))
+        if not self.sender_feedback:
+            cfg = replace(cfg, error_feedback=False)
         # factors and selections on the whole world: identical on every rank, replicas too
         self.engine = SyncEngine(model, cfg, DeviceGroup(None, device), "fsdp",
                                  residual_storage=residual, agree=True)
         self.engine.fingerprint_extra = {"hsdp": mesh is not None,
-                                         "reduce_scatter": reduce_scatter, "residual": residual}
+                                         "reduce_scatter": reduce_scatter, "residual": residual,
+                                         "replica_feedback": self.replica_feedback}
         self.probe = Fidelity()
         self._communicators: dict[int, Communicator] = {}
         self._armed = False
@@ -398,12 +436,14 @@ class GeoFP8FSDP:
 
     def _poison_reduced(self, finite: list[torch.Tensor]) -> None:
         """NaN in the local gradient shards of the units not finite on some rank (module
-        notes; one 0-dim device flag per :meth:`run_unit`, in order; on the device)."""
+        notes; one 0-dim device flag per :meth:`run_unit`, in order; on the device): each
+        unit's shards multiplied by 1 or NaN in one foreach op (as
+        :func:`~geofp8.comm.stages.poison_unless` does one tensor)."""
         for unit, ok in zip(self._reduced, finite):
-            for fsdp_param in unit.param_group.fsdp_params:
-                grad = fsdp_param.sharded_param.grad
-                if grad is not None:
-                    poison_unless(getattr(grad, "_local_tensor", grad), ok)
+            shards = [getattr(g, "_local_tensor", g) for fp in unit.param_group.fsdp_params
+                      if (g := fp.sharded_param.grad) is not None]
+            if shards:
+                torch._foreach_mul_(shards, torch.where(ok, 1.0, float("nan")))
 
     def communicator(self, group: DeviceGroup) -> Communicator:
         key = id(group)
@@ -451,7 +491,8 @@ class GeoFP8FSDP:
         reduce-scatter. ``bytes_fp32_equivalent``: FSDP's FP32 reduce-scatter,
         ``(N−1)/N·4`` bytes per element, plus for HSDP a ring all-reduce of the shard.
         ``bytes_per_element``: per element of the (padded) unsharded gradient."""
-        return {**self.engine.stats(), "residual": self.residual}
+        return {**self.engine.stats(), "residual": self.residual,
+                "sender_feedback": self.sender_feedback}
 
     def state_dict(self) -> dict:
         """This rank's state (residuals differ per rank): tensors and plain containers."""
@@ -556,14 +597,32 @@ def _ratios(e2: float, r2: float, dot: float, g2: float) -> tuple[float, float]:
             dot / (g2 * r2) ** 0.5 if g2 * r2 > 0 else 1.0)
 
 
-def _poison_unless_flag(values: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
-    """Per-sender decoding of ``[N, shard]`` copies: a sender whose flag byte (``side[r, 0]``)
-    says "not finite" poisons the shard (on the device)."""
-    return poison_unless(values, (side[:, 0] == 1).all())
+def _row_pieces(rows2d: torch.Tensor, pos: int, rows: int, width: int,
+                length: int) -> list[tuple[torch.Tensor, int, int]]:
+    """Rows ``0:length`` of a parameter (``width`` elements each) in FSDP's layout
+    ``rows2d`` (row ``r``: every parameter's dim-0 chunk ``r`` of ``rows`` rows, the
+    parameter's at ``pos``), as views ``(view, lo, hi)``: the whole chunks ``[k, rows,
+    width]`` and the last partial one ``[rem, width]`` (FSDP pads the rest with zeros)."""
+    chunks = rows2d[:, pos : pos + rows * width].view(len(rows2d), rows, width)
+    full, rem = divmod(length, rows) if rows else (0, 0)
+    out = [(chunks[:full], 0, full * rows)]
+    if rem:
+        out.append((chunks[full, :rem], full * rows, length))
+    return out
+
+
+def _note_senders(rows: torch.Tensor, side: torch.Tensor, into: list) -> torch.Tensor:
+    """The per-sender decoding of ``[N, shard]`` copies: each sender's flag byte
+    (``side[r, 0]``) says whether its input was finite; their conjunction (a 0-dim device
+    flag) is noted in ``into`` and joins the unit's verdict (module notes), the values
+    pass unchanged."""
+    into.append((side[:, 0] == 1).all())
+    return rows
 
 
 def enable(model: nn.Module, config: GeoFP8Config | FP8Config | None = None, mesh=None,
-           reduce_scatter: bool = True, residual: str | None = None) -> GeoFP8FSDP:
+           reduce_scatter: bool = True, residual: str | None = None,
+           sender_feedback: bool | None = None) -> GeoFP8FSDP:
     """Install GeoFP8 on every ``fully_shard`` unit of ``model`` (see :class:`GeoFP8FSDP`).
 
     FSDP2::
@@ -579,4 +638,4 @@ def enable(model: nn.Module, config: GeoFP8Config | FP8Config | None = None, mes
         state = geofp8.fsdp.enable(model, GeoFP8Config(), mesh=mesh)
     """
     return GeoFP8FSDP(model, config, mesh=mesh, reduce_scatter=reduce_scatter,
-                      residual=residual)
+                      residual=residual, sender_feedback=sender_feedback)

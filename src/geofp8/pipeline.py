@@ -194,6 +194,16 @@ class GradientPipeline:
             torch.add(x, residual, out=out)
         return route
 
+    def plain(self, name: str) -> bool:
+        """Whether ``Ũ = G + R`` of ``name`` needs nothing of its whole gradient this step
+        (not a geometry candidate, not observed, routed through identity, no owner's
+        residual to hand over): an adapter may then add the residual piece by piece
+        instead of calling :meth:`prepare_into`."""
+        return (not (name in self.layers and self.source is not None)
+                and not (self._observing and self.selection.observes(name))
+                and self.route(name) is IDENTITY
+                and (self.owner is None or name not in self.owner.residuals))
+
     def _per_sender(self, name: str) -> bool:
         """Whether ``name`` is decoded with each sender's own map (local factors)."""
         return (isinstance(self.source, LocalFactors) and name in self.selection.selected
