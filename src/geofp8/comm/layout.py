@@ -15,6 +15,7 @@ import torch
 from ..codecs import Codec
 from ..codecs.base import GroupMap
 from .order import FlatOrder
+from .plan import FusedPlan
 from .shard_codecs import ShardCodecs
 
 __all__ = ["KERNELS", "ShardLayout", "fp32_allreduce_wire_bytes", "tensor_wire_bytes"]
@@ -144,6 +145,11 @@ class ShardLayout(ShardCodecs, FlatOrder):
             owners.append(tuple(own))
         return cls(world_size * width, world_size, codec, tuple(segments), tuple(groups),
                    tuple(owners), (side_bytes,) * world_size, kernels=str(kernels))
+
+    @cached_property
+    def plan(self) -> FusedPlan:
+        """The fused FP8 kernels' launch plan (its tile maps made on first use, kept)."""
+        return FusedPlan(self)
 
     @cached_property
     def _maps(self) -> dict[tuple, object]:
