@@ -179,8 +179,12 @@ def _decode_flat(buf: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
     return values, torch.stack(flags).all() if check else None
 
 
+def _first(buf: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    return buf[0] if isinstance(buf, list) else buf
+
+
 def _device_of(buf: torch.Tensor | list[torch.Tensor]) -> torch.device:
-    return (buf[0] if isinstance(buf, list) else buf).device
+    return _first(buf).device
 
 
 def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
@@ -247,32 +251,40 @@ def reduce_encode(received: torch.Tensor, layout: ShardLayout, shard: int,
 
 
 def _encode_record(values: torch.Tensor, bits: torch.Tensor, layout: ShardLayout,
-                   shard: int) -> torch.Tensor:
+                   shard: int, error: torch.Tensor | None = None) -> torch.Tensor:
+    """Shard ``shard``'s record (padded) from its values and their groups' amax bits."""
     plan, nbytes = layout.plan, layout.shard_bytes(shard)
     out = values.new_empty(layout.max_shard_bytes, dtype=torch.uint8)
     return triton_fp8.encode_placed(out, values, bits, plan.tiles(shard, values.device),
-                                    pad=(nbytes, layout.max_shard_bytes), fmt=plan.fmt)
+                                    error, pad=(nbytes, layout.max_shard_bytes), fmt=plan.fmt)
 
 
 def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
-                   seed: int | None = None) -> torch.Tensor:
-    """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``."""
+                   seed: int | None = None, error_out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``.
+    ``error_out``: where the owner's rounding error ``shard_sum − decode(shard)`` is written
+    (FP32, may be ``shard_sum`` itself; the fused kernels write it in their encoding pass)."""
     if FusedPlan.applies(layout, seed, shard_sum):
         def fused() -> torch.Tensor:
             tiles = layout.plan.tiles(shard, shard_sum.device)
             bits = triton_fp8.group_bits(shard_sum, tiles, layout.plan.group_counts[shard])
-            return _encode_record(shard_sum, bits, layout, shard)
-        return triton_fp8.attempt(fused, lambda: encode_reduced(shard_sum, layout, shard, seed))
-    seed = _shard_seed(seed, layout.world_size + shard)
+            return _encode_record(shard_sum, bits, layout, shard, error_out)
+        return triton_fp8.attempt(fused, lambda: encode_reduced(shard_sum, layout, shard, seed,
+                                                                error_out))
     nbytes = layout.shard_bytes(shard)
     if not layout.batched(shard_sum.device):
         out = shard_sum.new_empty(layout.max_shard_bytes, dtype=torch.uint8)
-        layout.encode_into(out, shard_sum, shard, seed)
+        layout.encode_into(out, shard_sum, shard, _shard_seed(seed, layout.world_size + shard))
         out[nbytes:].zero_()
-        return out
-    parts = layout.encode_shards(shard_sum, [shard], [seed])
-    pad = layout.max_shard_bytes - nbytes
-    return torch.cat([*parts, shard_sum.new_zeros(pad, dtype=torch.uint8)] if pad else parts)
+    else:
+        parts = layout.encode_shards(shard_sum, [shard],
+                                     [_shard_seed(seed, layout.world_size + shard)])
+        pad = layout.max_shard_bytes - nbytes
+        out = torch.cat([*parts, shard_sum.new_zeros(pad, dtype=torch.uint8)] if pad else parts)
+    if error_out is not None:
+        torch.sub(shard_sum, decode_shard(out, layout, shard), out=error_out)
+    return out
 
 
 def decode_shard(buf: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
@@ -289,13 +301,14 @@ def decode_gathered(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLa
     (IEEE, e.g. by ``N`` for the mean). The fused kernels: two (the flag, the decode)."""
     if isinstance(gathered, torch.Tensor):
         gathered = gathered.view(-1)
-    if isinstance(gathered, torch.Tensor) and FusedPlan.applies(layout, None, gathered):
+    if FusedPlan.applies(layout, None, _first(gathered)):
         def fused() -> torch.Tensor:
+            joined = gathered if isinstance(gathered, torch.Tensor) else torch.cat(gathered)
             values = out if out is not None else torch.empty(
                 layout.numel, dtype=torch.float32, device=gathered.device)
             plan = layout.plan
-            triton_fp8.decode_placed(values, gathered, plan.tiles("gather", gathered.device),
-                                     plan.counts(gathered.device), layout.max_shard_bytes,
+            triton_fp8.decode_placed(values, joined, plan.tiles("gather", joined.device),
+                                     plan.counts(joined.device), layout.max_shard_bytes,
                                      divide, plan.fmt)
             return values
         return triton_fp8.attempt(fused, lambda: decode_gathered(gathered, layout, out, divide))
@@ -351,5 +364,5 @@ def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout,
     gathered = []
     for j in range(n):
         received = torch.cat([s[offsets[j] : offsets[j + 1]] for s in sent])
-        gathered.append(encode_reduced(decode_sum(received, layout, j), layout, j, seed))
+        gathered.append(reduce_encode(received, layout, j, seed)[0])
     return decode_gathered(gathered, layout, out)
