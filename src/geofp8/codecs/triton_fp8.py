@@ -44,9 +44,9 @@ try:  # an optional dependency (geofp8[gpu])
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
-__all__ = ["TILE", "amax", "attempt", "available", "decode", "decode_placed", "decode_sum",
-           "encode", "encode_placed", "group_bits", "placed_tiles", "reduce", "reference",
-           "tiles"]
+__all__ = ["TILE", "AmaxSlots", "amax", "attempt", "available", "decode", "decode_placed",
+           "decode_sum", "encode", "encode_placed", "group_bits", "placed_tiles", "reduce",
+           "reference", "tiles"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FAILED: list[Exception] = []  # the first compile or launch failure (see attempt)
@@ -155,9 +155,10 @@ if triton is not None:
             tl.store(ptr + k, ((b >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
 
     @triton.jit
-    def _scale_of(bits, FMAX: tl.constexpr):
-        """The FP32 scale of a group whose ``|u|`` max has the bits ``bits`` (int32): the
+    def _scale_of(slot, FMAX: tl.constexpr):
+        """The FP32 scale of a group whose amax slot is ``slot`` (int64, module notes): the
         reference's policies (:meth:`~.fp8.FP8Codec.scales_from_amax`)."""
+        bits = slot.to(tl.int32)  # the low word: the bits of max |u|
         a = bits.to(tl.float32, bitcast=True)
         s = tl.math.div_rn(a, tl.full(a.shape, FMAX, tl.float32))
         over = tl.math.div_rn(a, s) > FMAX  # s rounded down: one ulp up, towards amax
@@ -166,9 +167,10 @@ if triton is not None:
         return tl.where(bits < 0x7F800000, s, float("nan"))  # +Inf or NaN: a NaN scale
 
     @triton.jit
-    def _group_max(bits_ptr, x, mask, g, start, size, g0, run0, TILE: tl.constexpr):
-        # |x| as int bits: their order is the magnitudes' (NaN above +Inf), max is exact
-        bits = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+    def _group_max(bits_ptr, x, mask, g, start, size, g0, run0, epoch, TILE: tl.constexpr):
+        # |x| as int bits: their order is the magnitudes' (NaN above +Inf), max is exact;
+        # the call's epoch above them: any slot of an earlier call is smaller
+        bits = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0).to(tl.int64) + epoch
         if size >= TILE:  # the tile lies in one group
             tl.atomic_max(bits_ptr + g0 + (start - run0) // size, tl.max(bits, 0))
         else:
@@ -237,14 +239,14 @@ if triton is not None:
         return (v | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _amax_kernel(x_ptr, r_ptr, u_ptr, tiles_ptr, bits_ptr, HAS_R: tl.constexpr,
+    def _amax_kernel(x_ptr, r_ptr, u_ptr, tiles_ptr, bits_ptr, epoch, HAS_R: tl.constexpr,
                      TILE: tl.constexpr):
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         if HAS_R:
             x = x + tl.load(r_ptr + offs, mask=mask, other=0.0)
             tl.store(u_ptr + offs, x, mask=mask)
-        _group_max(bits_ptr, x, mask, g, start, size, g0, run0, TILE)
+        _group_max(bits_ptr, x, mask, g, start, size, g0, run0, epoch, TILE)
 
     @triton.jit
     def _scales_kernel(bits_ptr, scales_ptr, n, FMAX: tl.constexpr, BLOCK: tl.constexpr):
@@ -301,7 +303,7 @@ if triton is not None:
                 tl.store(out_ptr + at, tl.zeros((TILE,), tl.uint8), mask=at < pad_hi)
 
     @triton.jit
-    def _reduce_kernel(recv_ptr, out_ptr, bits_ptr, tiles_ptr, n_senders, record,
+    def _reduce_kernel(recv_ptr, out_ptr, bits_ptr, epoch, tiles_ptr, n_senders, record,
                        E5M2: tl.constexpr, TILE: tl.constexpr):
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         code_at, scale_at = _places(tiles_ptr, offs, g)
@@ -311,7 +313,7 @@ if triton is not None:
             c = tl.load(base + code_at, mask=mask, other=0).to(tl.uint32)
             acc += _fp8_value(c, E5M2) * _load_f32(base + scale_at, mask)
         tl.store(out_ptr + offs, acc, mask=mask)
-        _group_max(bits_ptr, acc, mask, g, start, size, g0, run0, TILE)
+        _group_max(bits_ptr, acc, mask, g, start, size, g0, run0, epoch, TILE)
 
     @triton.jit
     def _finite_kernel(buf_ptr, counts_ptr, n_records, record, flag_ptr,
@@ -351,9 +353,9 @@ def amax(x: torch.Tensor, groups: GroupMap, residual: torch.Tensor | None = None
     every group of ``u`` for ``fmt`` (module notes); two kernels and a zeroed ``[G]``
     buffer."""
     t = tiles(groups, x.device)
-    bits = torch.zeros(len(groups.lengths), dtype=torch.int32, device=x.device)
+    bits = torch.zeros(len(groups.lengths), dtype=torch.int64, device=x.device)
     u = x if residual is None else torch.empty_like(x)
-    _amax_kernel[_grid(t)](x, x if residual is None else residual, u, t, bits,
+    _amax_kernel[_grid(t)](x, x if residual is None else residual, u, t, bits, 0,
                            HAS_R=residual is not None, TILE=TILE)
     scales = torch.empty(bits.numel(), dtype=torch.float32, device=x.device)
     block = 1024
@@ -397,19 +399,34 @@ def decode_sum(codes: torch.Tensor, scales: torch.Tensor, groups: GroupMap,
     return out
 
 
-def group_bits(x: torch.Tensor, tiles_: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """The int32 bits of every group's ``max |x|`` over a tile map (a zeroed ``[G]`` buffer
-    and one kernel): what :func:`encode_placed` takes its scales from."""
-    bits = torch.zeros(n_groups, dtype=torch.int32, device=x.device)
-    _amax_kernel[_grid(tiles_)](x, x, x, tiles_, bits, HAS_R=False, TILE=TILE)
+class AmaxSlots:
+    """Persistent amax slots of ``n`` groups on ``device`` (module notes): an int64 buffer
+    zeroed once, and an epoch per call, so no call zeroes it (a launch) again. The calls of
+    one :class:`AmaxSlots` must run in order on one stream (a stage's kernels do)."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.buffer = torch.zeros(max(n, 1), dtype=torch.int64, device=device)
+        self.epoch = 0
+
+    def next(self) -> tuple[torch.Tensor, int]:
+        """``(the buffer, this call's epoch in its high word)``."""
+        self.epoch += 1
+        return self.buffer, self.epoch << 32
+
+
+def group_bits(x: torch.Tensor, tiles_: torch.Tensor, slots: AmaxSlots) -> tuple:
+    """Every group's ``max |x|`` (over a tile map) into the next epoch of ``slots``, one
+    kernel; returns what :func:`encode_placed` takes its scales from."""
+    bits, epoch = slots.next()
+    _amax_kernel[_grid(tiles_)](x, x, x, tiles_, bits, epoch, HAS_R=False, TILE=TILE)
     return bits
 
 
 def encode_placed(out: torch.Tensor, u: torch.Tensor, bits: torch.Tensor,
                   tiles_: torch.Tensor, error: torch.Tensor | None = None,
                   pad: tuple[int, int] = (0, 0), fmt: str = "e4m3") -> torch.Tensor:
-    """Every group's scale (from its ``max |u|`` bits) and every element's code written at
-    their places in the uint8 ``out`` (a placed tile map, :func:`placed_tiles`); bytes
+    """Every group's scale (from its amax slot in ``bits``) and every element's code written
+    at their places in the uint8 ``out`` (a placed tile map, :func:`placed_tiles`); bytes
     ``pad`` of ``out`` zeroed; with ``error`` (FP32, may be ``u`` itself), the rounding error
     ``u − value(code)·s`` at the elements' own positions. One kernel; returns ``out``."""
     _encode_placed_kernel[_grid(tiles_)](
@@ -419,14 +436,14 @@ def encode_placed(out: torch.Tensor, u: torch.Tensor, bits: torch.Tensor,
 
 
 def reduce(received: torch.Tensor, tiles_: torch.Tensor, n_senders: int, record: int,
-           numel: int, n_groups: int, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+           numel: int, slots: AmaxSlots, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum, bits)``: the ``N`` records of ``record`` bytes in ``received`` (every sender's
     copy of one shard, placed as ``tiles_`` says) decoded and summed in FP32 sender after
-    sender from +0, and the bits of every group's ``max |sum|`` (:func:`group_bits`). A zeroed
-    ``[G]`` buffer and one kernel."""
+    sender from +0, and every group's ``max |sum|`` in the next epoch of ``slots``
+    (:func:`group_bits`). One kernel."""
     out = torch.empty(numel, dtype=torch.float32, device=received.device)
-    bits = torch.zeros(n_groups, dtype=torch.int32, device=received.device)
-    _reduce_kernel[_grid(tiles_)](received, out, bits, tiles_, n_senders, record,
+    bits, epoch = slots.next()
+    _reduce_kernel[_grid(tiles_)](received, out, bits, epoch, tiles_, n_senders, record,
                                   E5M2=fmt == "e5m2", TILE=TILE, **_NO_FUSION)
     return out, bits
 

@@ -32,7 +32,7 @@ class FusedPlan:
     def __init__(self, layout) -> None:
         self.layout = layout
         self.fmt = layout.codec.format
-        self._maps: dict[tuple, torch.Tensor] = {}
+        self._maps: dict[tuple, object] = {}
         self.group_counts = [sum(map(len, groups)) for groups in layout.groups]
         self.n_groups = sum(self.group_counts)
         self.send_bytes = sum(layout.shard_bytes(j) for j in range(layout.world_size))
@@ -74,6 +74,14 @@ class FusedPlan:
             else:
                 segments = self._segments([what], lambda j: 0, flat=False)
             self._maps[key] = triton_fp8.placed_tiles(segments, device)
+        return self._maps[key]
+
+    def slots(self, what: str | int, device: torch.device) -> triton_fp8.AmaxSlots:
+        """The persistent amax slots of ``"send"`` or shard ``j``'s groups on ``device``."""
+        key = ("slots", what, torch.device(device))
+        if key not in self._maps:
+            n = self.n_groups if what == "send" else self.group_counts[what]
+            self._maps[key] = triton_fp8.AmaxSlots(n, device)
         return self._maps[key]
 
     def counts(self, device: torch.device) -> torch.Tensor:

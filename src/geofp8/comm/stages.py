@@ -75,13 +75,13 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
 
 def _encode_fused(flat: torch.Tensor, layout: ShardLayout,
                   error: torch.Tensor | None = None) -> torch.Tensor:
-    """The send buffer in three kernels (a zeroed ``[G]`` buffer, the groups' amax, the
-    codes and scales written where they travel and the error where ``flat`` holds the
-    values): :class:`FusedPlan`'s ``send`` map."""
+    """The send buffer in two kernels (the groups' amax; the codes and scales written where
+    they travel and the error where ``flat`` holds the values): :class:`FusedPlan`'s
+    ``send`` map."""
     plan, device = layout.plan, flat.device
     tiles = plan.tiles("send", device)
     sent = flat.new_empty(plan.send_bytes, dtype=torch.uint8)
-    bits = triton_fp8.group_bits(flat, tiles, plan.n_groups)
+    bits = triton_fp8.group_bits(flat, tiles, plan.slots("send", device))
     return triton_fp8.encode_placed(sent, flat, bits, tiles, error, fmt=plan.fmt)
 
 
@@ -227,20 +227,19 @@ def sender_sum(rows: torch.Tensor) -> torch.Tensor:
 
 def _reduce_fused(received: torch.Tensor, layout: ShardLayout,
                   shard: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum, its groups' max |sum| bits)`` of the ``N`` received copies: two kernels."""
+    """``(sum, its groups' amax slots)`` of the ``N`` received copies: one kernel."""
     plan = layout.plan
     return triton_fp8.reduce(received, plan.tiles(shard, received.device), layout.world_size,
                              layout.send_bytes(shard), layout.shard_numel(shard),
-                             plan.group_counts[shard], plan.fmt)
+                             plan.slots(shard, received.device), plan.fmt)
 
 
 def reduce_encode(received: torch.Tensor, layout: ShardLayout, shard: int,
                   seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stages 3 and 4 of the owner of ``shard``: ``(its re-encoded record, padded to
     max_shard_bytes, the FP32 sum it encodes)``: :func:`decode_sum` then
-    :func:`encode_reduced`, the same bytes; with the fused kernels three kernels in all (a
-    zeroed ``[G]`` buffer; decode, sum and the groups' amax; the scales and codes written
-    into the record, its padding zeroed)."""
+    :func:`encode_reduced`, the same bytes; with the fused kernels two (decode, sum and
+    the groups' amax; the scales and codes written into the record, its padding zeroed)."""
     if FusedPlan.applies(layout, seed, received):
         def fused() -> tuple[torch.Tensor, torch.Tensor]:
             total, bits = _reduce_fused(received, layout, shard)
@@ -268,7 +267,8 @@ def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
     if FusedPlan.applies(layout, seed, shard_sum):
         def fused() -> torch.Tensor:
             tiles = layout.plan.tiles(shard, shard_sum.device)
-            bits = triton_fp8.group_bits(shard_sum, tiles, layout.plan.group_counts[shard])
+            bits = triton_fp8.group_bits(shard_sum, tiles,
+                                         layout.plan.slots(shard, shard_sum.device))
             return _encode_record(shard_sum, bits, layout, shard, error_out)
         return triton_fp8.attempt(fused, lambda: encode_reduced(shard_sum, layout, shard, seed,
                                                                 error_out))
@@ -305,7 +305,7 @@ def decode_gathered(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLa
         def fused() -> torch.Tensor:
             joined = gathered if isinstance(gathered, torch.Tensor) else torch.cat(gathered)
             values = out if out is not None else torch.empty(
-                layout.numel, dtype=torch.float32, device=gathered.device)
+                layout.numel, dtype=torch.float32, device=joined.device)
             plan = layout.plan
             triton_fp8.decode_placed(values, joined, plan.tiles("gather", joined.device),
                                      plan.counts(joined.device), layout.max_shard_bytes,
