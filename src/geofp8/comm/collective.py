@@ -185,7 +185,8 @@ class Communicator:
             release(launch.sent)
             pieces = self._pieces(layout, keys) if keys is not None else []
             if launch.gather and launch.unmap is None and not pieces:  # the fused kernels' case
-                shard = reduce_encode(launch.recv, layout, self.rank, launch.seed)[0]
+                shard = reduce_encode(launch.recv, layout, self.rank, launch.seed,
+                                      scratch=launch.out)[0]
                 release(launch.recv)
             else:
                 # `out` is not read again (see launch): the senders' copies are decoded there

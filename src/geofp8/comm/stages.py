@@ -235,17 +235,20 @@ def _reduce_fused(received: torch.Tensor, layout: ShardLayout,
 
 
 def reduce_encode(received: torch.Tensor, layout: ShardLayout, shard: int,
-                  seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  seed: int | None = None, scratch: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stages 3 and 4 of the owner of ``shard``: ``(its re-encoded record, padded to
     max_shard_bytes, the FP32 sum it encodes)``: :func:`decode_sum` then
     :func:`encode_reduced`, the same bytes; with the fused kernels two (decode, sum and
-    the groups' amax; the scales and codes written into the record, its padding zeroed)."""
+    the groups' amax; the scales and codes written into the record, its padding zeroed).
+    ``scratch``: see :func:`decode_sum` (the torch path's)."""
     if FusedPlan.applies(layout, seed, received):
         def fused() -> tuple[torch.Tensor, torch.Tensor]:
             total, bits = _reduce_fused(received, layout, shard)
             return _encode_record(total, bits, layout, shard), total
-        return triton_fp8.attempt(fused, lambda: reduce_encode(received, layout, shard, seed))
-    total = decode_sum(received, layout, shard)
+        return triton_fp8.attempt(fused, lambda: reduce_encode(received, layout, shard, seed,
+                                                               scratch))
+    total = decode_sum(received, layout, shard, scratch=scratch)
     return encode_reduced(total, layout, shard, seed), total
 
 
