@@ -219,7 +219,7 @@ class ShardLayout(ShardCodecs, FlatOrder):
                 pos += n
         return spans
 
-    @property
+    @cached_property
     def max_shard_bytes(self) -> int:
         return max(self.shard_bytes(j) for j in range(self.world_size))
 

@@ -31,20 +31,22 @@ class FusedPlan:
 
     def __init__(self, layout) -> None:
         self.layout = layout
-        self.fmt = layout.codec.format
+        self.fmt = getattr(layout.codec, "format", None)
         self._maps: dict[tuple, object] = {}
         self.group_counts = [sum(map(len, groups)) for groups in layout.groups]
         self.n_groups = sum(self.group_counts)
+        self.shard_numels = [layout.shard_numel(j) for j in range(layout.world_size)]
         self.send_bytes = sum(layout.shard_bytes(j) for j in range(layout.world_size))
+        self.fits = (not layout.codecs and not any(layout.side)
+                     and self.fmt in triton_fp8.FMAX)  # one FP8 codec, no side bytes
 
     @staticmethod
     def applies(layout, seed: int | None, *tensors: torch.Tensor) -> bool:
         """Whether the fused stages run this layout on these tensors: one FP8 codec
         (nearest rounding: no ``seed``), no side bytes, batched kernels on their device and
         the Triton kernels available there."""
-        return (seed is None and not layout.codecs and not any(layout.side)
-                and getattr(layout.codec, "format", None) in triton_fp8.FMAX
-                and layout.batched(tensors[0].device) and triton_fp8.available(*tensors))
+        return (seed is None and layout.plan.fits and layout.batched(tensors[0].device)
+                and triton_fp8.available(*tensors))
 
     def _segments(self, shards, record_at, flat: bool):
         """Per segment of ``shards``: ``(first element, first group, its groups, first code

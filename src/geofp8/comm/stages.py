@@ -230,7 +230,7 @@ def _reduce_fused(received: torch.Tensor, layout: ShardLayout,
     """``(sum, its groups' amax slots)`` of the ``N`` received copies: one kernel."""
     plan = layout.plan
     return triton_fp8.reduce(received, plan.tiles(shard, received.device), layout.world_size,
-                             layout.send_bytes(shard), layout.shard_numel(shard),
+                             layout.send_bytes(shard), plan.shard_numels[shard],
                              plan.slots(shard, received.device), plan.fmt)
 
 
