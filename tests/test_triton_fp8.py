@@ -158,8 +158,9 @@ def check_gpu_rows() -> list[str]:
     gpu_check.SHAPES = [(33, 65), (64, 33), (96,)]  # small: the interpreter is slow
     rows = []
     gpu_check.check_fused(rows)
+    gpu_check.check_fused_stages(rows)
     failures = [f"gpu-check {name}: {detail}" for name, detail, verdict in rows if verdict != "ok"]
-    return failures + ([] if len(rows) == 12 else [f"gpu-check: {len(rows)} fused rows"])
+    return failures + ([] if len(rows) == 15 else [f"gpu-check: {len(rows)} fused rows"])
 
 
 KERNELS = ("_amax_kernel", "_scales_kernel", "_encode_kernel", "_decode_kernel",
