@@ -23,31 +23,20 @@ import argparse  # noqa: E402
 import itertools  # noqa: E402
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from geofp8.codecs import make_codec, triton_fp8  # noqa: E402
 from geofp8.comm import ShardLayout  # noqa: E402
-from gpu_bucket import ALLOCATIONS, KERNELS, rank_share, shapes  # noqa: E402
+from gpu_bucket import ALLOCATIONS, KERNELS, ActiveMode, rank_share, shapes  # noqa: E402
 
 
-class Launches(TorchDispatchMode):
+class Launches(ActiveMode):
     """Counts Triton launches (the kernels wrapped once, below) and torch kernels outside
     them."""
-
-    active: Launches | None = None  # the counter the Triton launches go to
 
     def __init__(self) -> None:
         super().__init__()
         self.triton = self.torch = 0
         self.inside = False
-
-    def __enter__(self):
-        Launches.active = self
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        Launches.active = None
-        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not (self.inside or func.is_view or func in ALLOCATIONS):

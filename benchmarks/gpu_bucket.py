@@ -113,23 +113,28 @@ def fused_path(enabled: bool = True):
             getattr(triton_fp8, name).run = run
 
 
-class Launches(TorchDispatchMode):
-    """Counts launches and the seconds spent inside the ops' own dispatch."""
+class ActiveMode(TorchDispatchMode):
+    """A dispatch mode that is its class's ``active`` one while entered: where the Triton
+    launches, which bypass the dispatcher, are counted."""
 
-    active: Launches | None = None  # where the Triton launches are counted
+    active: ActiveMode | None = None
+
+    def __enter__(self):
+        type(self).active = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        type(self).active = None
+        return super().__exit__(*exc)
+
+
+class Launches(ActiveMode):
+    """Counts launches and the seconds spent inside the ops' own dispatch."""
 
     def __init__(self) -> None:
         super().__init__()
         self.launches = self.views = self.triton = 0  # aten kernels, aten views, Triton
         self.inside = 0.0
-
-    def __enter__(self):
-        Launches.active = self
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        Launches.active = None
-        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         t = time.perf_counter()
