@@ -25,6 +25,8 @@ from ..codecs import triton_fp8
 
 __all__ = ["FusedPlan"]
 
+_PLAIN = (torch.float32, torch.uint8)
+
 
 class FusedPlan:
     """The tile maps of one layout (module notes); ``fmt``: its codec's FP8 format."""
@@ -41,12 +43,15 @@ class FusedPlan:
                      and self.fmt in triton_fp8.FMAX)  # one FP8 codec, no side bytes
 
     @staticmethod
-    def applies(layout, seed: int | None, *tensors: torch.Tensor) -> bool:
-        """Whether the fused stages run this layout on these tensors: one FP8 codec
-        (nearest rounding: no ``seed``), no side bytes, batched kernels on their device and
-        the Triton kernels available there."""
-        return (seed is None and layout.plan.fits and layout.batched(tensors[0].device)
-                and triton_fp8.available(*tensors))
+    def applies(layout, seed: int | None, *tensors: torch.Tensor | None) -> bool:
+        """Whether the fused stages run this layout on these tensors (``None``: none given):
+        one FP8 codec (nearest rounding: no ``seed``), no side bytes, batched kernels on
+        their device, the Triton kernels available there, and every tensor contiguous, FP32
+        values or uint8 bytes (what the kernels' pointers read)."""
+        given = [t for t in tensors if t is not None]
+        return (seed is None and layout.plan.fits and layout.batched(given[0].device)
+                and triton_fp8.available(*given)
+                and all(t.dtype in _PLAIN and t.is_contiguous() for t in given))
 
     def _segments(self, shards, record_at, flat: bool):
         """Per segment of ``shards``: ``(first element, first group, its groups, first code

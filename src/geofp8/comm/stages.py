@@ -60,7 +60,7 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
     error is written into, which may be ``flat`` itself (the bucket overwritten, no
     bucket-sized temporary: the fused kernels write it in their encoding pass); else a new
     one."""
-    if FusedPlan.applies(layout, seed, flat) and not side:
+    if FusedPlan.applies(layout, seed, flat, error_out) and not side:
         error = error_out if error_out is not None else torch.empty_like(flat)
         return triton_fp8.attempt(lambda: (_encode_fused(flat, layout, error), error),
                                   lambda: encode_with_error(flat, layout, side, seed, sender,
@@ -267,7 +267,7 @@ def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
     """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``.
     ``error_out``: where the owner's rounding error ``shard_sum − decode(shard)`` is written
     (FP32, may be ``shard_sum`` itself; the fused kernels write it in their encoding pass)."""
-    if FusedPlan.applies(layout, seed, shard_sum):
+    if FusedPlan.applies(layout, seed, shard_sum, error_out):
         def fused() -> torch.Tensor:
             tiles = layout.plan.tiles(shard, shard_sum.device)
             bits = triton_fp8.group_bits(shard_sum, tiles,
@@ -304,7 +304,7 @@ def decode_gathered(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLa
     (IEEE, e.g. by ``N`` for the mean). The fused kernels: two (the flag, the decode)."""
     if isinstance(gathered, torch.Tensor):
         gathered = gathered.view(-1)
-    if FusedPlan.applies(layout, None, _first(gathered)):
+    if FusedPlan.applies(layout, None, _first(gathered), out):
         def fused() -> torch.Tensor:
             joined = gathered if isinstance(gathered, torch.Tensor) else torch.cat(gathered)
             values = out if out is not None else torch.empty(
