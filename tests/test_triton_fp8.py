@@ -237,6 +237,28 @@ def test_fused_fp8_kernels_are_bit_identical_to_the_torch_reference_under_the_in
     assert lines[-1] == "launches [(6, 0), (6, 0), (6, 0)]"
 
 
+def test_a_kernel_that_fails_on_the_device_falls_back_to_torch_once_and_for_all(monkeypatch):
+    import warnings
+
+    import torch
+
+    from geofp8.codecs import triton_fp8
+
+    monkeypatch.setattr(triton_fp8, "_FAILED", [])
+    monkeypatch.setattr(triton_fp8, "_INTERPRET", False)  # as on CUDA
+
+    def broken():
+        raise RuntimeError("PTX assembly failed")
+    with pytest.warns(RuntimeWarning, match="falling back to the torch path"):
+        assert triton_fp8.attempt(broken, lambda: "torch") == "torch"
+    assert not triton_fp8.available(torch.zeros(1))
+    tried = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        assert triton_fp8.attempt(lambda: tried.append(1), lambda: "torch") == "torch"
+    assert tried == []  # the kernels are not tried again
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for failure in check() + check_stages() + check_gpu_rows():

@@ -77,7 +77,7 @@ def attempt(fused: Callable[[], T], fallback: Callable[[], T]) -> T:
         try:
             return fused()
         except Exception as exc:  # noqa: BLE001 - any compile or launch error
-            if _INTERPRET:
+            if _INTERPRET or isinstance(exc, torch.OutOfMemoryError):  # not Triton's fault
                 raise
             _FAILED.append(exc)
             warnings.warn(f"GeoFP8's Triton FP8 kernels failed ({type(exc).__name__}: {exc}); "
