@@ -135,8 +135,9 @@ def check_stages() -> list[str]:
             gathered = torch.stack(records)
             outs.append([sent[0], sent0, error, *records, *sums, *errors,
                          st.decode_gathered(gathered, layout, divide=n),
-                         st.simulate_exact_allreduce(
-                             [_bucket(shapes, r, special=False) for r in range(n)], layout)])
+                         st.simulate_exact_allreduce(  # FP8 rounds to nearest whatever the seed
+                             [_bucket(shapes, r, special=False) for r in range(n)], layout,
+                             seed=11)])
         for k, (got, want) in enumerate(zip(*outs)):
             if not _same(got, want):
                 failures.append(f"stages {name}: output {k}")

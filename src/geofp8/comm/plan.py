@@ -43,13 +43,13 @@ class FusedPlan:
                      and self.fmt in triton_fp8.FMAX)  # one FP8 codec, no side bytes
 
     @staticmethod
-    def applies(layout, seed: int | None, *tensors: torch.Tensor | None) -> bool:
+    def applies(layout, *tensors: torch.Tensor | None) -> bool:
         """Whether the fused stages run this layout on these tensors (``None``: none given):
-        one FP8 codec (nearest rounding: no ``seed``), no side bytes, batched kernels on
-        their device, the Triton kernels available there, and every tensor contiguous, FP32
-        values or uint8 bytes (what the kernels' pointers read)."""
+        one FP8 codec (which rounds to nearest whatever the seed), no side bytes, batched
+        kernels on their device, the Triton kernels available there, and every tensor
+        contiguous, FP32 values or uint8 bytes (what the kernels' pointers read)."""
         given = [t for t in tensors if t is not None]
-        return (seed is None and layout.plan.fits and layout.batched(given[0].device)
+        return (layout.plan.fits and layout.batched(given[0].device)
                 and triton_fp8.available(*given)
                 and all(t.dtype in _PLAIN and t.is_contiguous() for t in given))
 

@@ -60,7 +60,7 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
     error is written into, which may be ``flat`` itself (the bucket overwritten, no
     bucket-sized temporary: the fused kernels write it in their encoding pass); else a new
     one."""
-    if FusedPlan.applies(layout, seed, flat, error_out) and not side:
+    if FusedPlan.applies(layout, flat, error_out) and not side:
         error = error_out if error_out is not None else torch.empty_like(flat)
         return triton_fp8.attempt(lambda: (_encode_fused(flat, layout, error), error),
                                   lambda: encode_with_error(flat, layout, side, seed, sender,
@@ -90,7 +90,7 @@ def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | 
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(sent, the rounding error when with_error, else None)``."""
     n = layout.world_size
-    if not with_error and not side and FusedPlan.applies(layout, seed, flat):
+    if not with_error and not side and FusedPlan.applies(layout, flat):
         return triton_fp8.attempt(lambda: (_encode_fused(flat, layout), None),
                                   lambda: _encode(flat, layout, side, seed, sender))
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
@@ -199,7 +199,7 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
     into); the copies are decoded into it when it holds ``N × shard`` elements, instead of
     into a new bucket-sized vector. Same bits either way.
     """
-    if unmap is None and FusedPlan.applies(layout, None, received):
+    if unmap is None and FusedPlan.applies(layout, received):
         return triton_fp8.attempt(lambda: _reduce_fused(received, layout, shard)[0],
                                   lambda: decode_sum(received, layout, shard, unmap, scratch))
     n, nbytes = layout.world_size, layout.send_bytes(shard)
@@ -242,7 +242,7 @@ def reduce_encode(received: torch.Tensor, layout: ShardLayout, shard: int,
     :func:`encode_reduced`, the same bytes; with the fused kernels two (decode, sum and
     the groups' amax; the scales and codes written into the record, its padding zeroed).
     ``scratch``: see :func:`decode_sum` (the torch path's)."""
-    if FusedPlan.applies(layout, seed, received):
+    if FusedPlan.applies(layout, received):
         def fused() -> tuple[torch.Tensor, torch.Tensor]:
             total, bits = _reduce_fused(received, layout, shard)
             return _encode_record(total, bits, layout, shard), total
@@ -267,7 +267,7 @@ def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
     """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``.
     ``error_out``: where the owner's rounding error ``shard_sum − decode(shard)`` is written
     (FP32, may be ``shard_sum`` itself; the fused kernels write it in their encoding pass)."""
-    if FusedPlan.applies(layout, seed, shard_sum, error_out):
+    if FusedPlan.applies(layout, shard_sum, error_out):
         def fused() -> torch.Tensor:
             tiles = layout.plan.tiles(shard, shard_sum.device)
             bits = triton_fp8.group_bits(shard_sum, tiles,
@@ -304,7 +304,7 @@ def decode_gathered(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLa
     (IEEE, e.g. by ``N`` for the mean). The fused kernels: two (the flag, the decode)."""
     if isinstance(gathered, torch.Tensor):
         gathered = gathered.view(-1)
-    if FusedPlan.applies(layout, None, _first(gathered), out):
+    if FusedPlan.applies(layout, _first(gathered), out):
         def fused() -> torch.Tensor:
             joined = gathered if isinstance(gathered, torch.Tensor) else torch.cat(gathered)
             values = out if out is not None else torch.empty(
