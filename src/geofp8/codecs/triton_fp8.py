@@ -12,11 +12,27 @@ stages around them) takes a dozen kernels per stage; these take one pass each:
 * :func:`decode` — ``value(code)·s_g``, one pass; :func:`decode_sum` — the ``N`` senders'
   copies of a shard decoded and summed in FP32 in sender order, one pass.
 
-The groups come as a *tile map* (:func:`tiles`), an int64 ``[T, 5]`` device tensor made
-once per :class:`~.groups.GroupMap`: each tile is at most ``TILE`` elements of one run of
-equal-length groups, ``(first element, end, first group of the run, group length, first
-element of the run)``, so an element's group is ``g₀ + (i − run start) // length``. The
-kernels import nothing above ``codecs`` and take every map as a tensor.
+The exact collective's stages (:mod:`geofp8.comm.stages`, placed by
+:class:`geofp8.comm.plan.FusedPlan`) take the *placed* kernels, two per stage, six per
+bucket: :func:`group_bits` then :func:`encode_placed` (scales and codes written where they
+travel, the rounding error at the values' places); :func:`reduce` (the ``N`` received
+records decoded, summed sender after sender from +0, and the sum's amax) then
+:func:`encode_placed` (into the padded record); :func:`decode_placed` (a one-program finite
+flag over the gathered scales, then the decode, ``/ N`` and all NaN unless finite).
+
+The groups come as a *tile map* (:func:`tiles`, :func:`placed_tiles`), an int64 ``[T, 7]``
+device tensor made once per map: each tile is at most ``TILE`` elements of one run of
+equal-length groups of one segment, ``(first element, end, first group of the run, group
+length, first element of the run, byte of that element's code, byte of the run's first
+scale)``, so an element's group is ``g₀ + (i − run start) // length``, its code at
+``code₀ + (i − run start)`` and its group's FP32 scale at ``scale₀ + 4·(g − g₀)`` (any
+alignment: read and written byte by byte). The kernels import nothing above ``codecs`` and
+take every map as a tensor.
+
+Amax slots: a group's ``max |u|`` is an atomic max on the magnitudes' bits (exact and
+order-free) into an int64 slot whose high word is the call's *epoch*
+(:class:`AmaxSlots`): every value of a new call beats every slot of an earlier one, so a
+layout's slots are zeroed once, not by a launch per call.
 
 Bit-exactness: the rounding to E4M3 / E5M2 and the code's value are integer arithmetic on
 the FP32 bits (as :mod:`.native`'s C kernels do; c10's conversions: nearest even, E4M3
