@@ -18,7 +18,7 @@ bucket: :func:`group_bits` then :func:`encode_placed` (scales and codes written 
 travel, the rounding error at the values' places); :func:`reduce` (the ``N`` received
 records decoded, summed sender after sender from +0, and the sum's amax) then
 :func:`encode_placed` (into the padded record); :func:`decode_placed` (a one-program finite
-flag over the gathered scales, then the decode, ``/ N`` and all NaN unless finite).
+check over the gathered scales, then the decode, ``/ N`` and all NaN unless finite).
 
 The groups come as a *tile map* (:func:`tiles`, :func:`placed_tiles`), an int64 ``[T, 7]``
 device tensor made once per map: each tile is at most ``TILE`` elements of one run of
@@ -62,7 +62,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 
 __all__ = ["TILE", "AmaxSlots", "amax", "attempt", "available", "decode", "decode_placed",
            "decode_sum", "encode", "encode_placed", "group_bits", "placed_tiles", "reduce",
-           "reference", "tiles"]
+           "reference", "scale_rows", "tiles"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FAILED: list[Exception] = []  # the first compile or launch failure (see attempt)
@@ -332,22 +332,18 @@ if triton is not None:
         _group_max(bits_ptr, acc, mask, g, start, size, g0, run0, epoch, TILE)
 
     @triton.jit
-    def _finite_kernel(buf_ptr, counts_ptr, n_records, record, flag_ptr,
-                       BLOCK: tl.constexpr):
-        """One program: whether every record's FP32 scales (its first ``counts[r]``) are
-        finite, as a byte."""
-        bad = tl.zeros((BLOCK,), tl.int32)
-        for r in range(0, n_records):
-            count = tl.load(counts_ptr + r)
-            for k in range(0, count, BLOCK):
-                i = k + tl.arange(0, BLOCK)
-                b = _load_f32(buf_ptr + r * record + 4 * i, i < count)
-                b = b.to(tl.uint32, bitcast=True)
-                bad = bad | ((b & 0x7F800000) == 0x7F800000).to(tl.int32)
-        tl.store(flag_ptr, (tl.max(bad, 0) == 0).to(tl.uint8))
+    def _finite_kernel(buf_ptr, rows_ptr, slot_ptr, epoch, BLOCK: tl.constexpr):
+        """Whether the FP32 scales of one row ``(first byte, count)`` are all finite: the
+        slot's atomic max is ``epoch`` if every row's are, ``epoch + 1`` if not."""
+        row = rows_ptr + 2 * tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        mask = i < tl.load(row + 1)
+        b = _load_f32(buf_ptr + tl.load(row) + 4 * i, mask).to(tl.uint32, bitcast=True)
+        bad = (((b & 0x7F800000) == 0x7F800000) & mask).to(tl.int64)
+        tl.atomic_max(slot_ptr, epoch + tl.max(bad, 0))
 
     @triton.jit
-    def _decode_placed_kernel(buf_ptr, out_ptr, flag_ptr, tiles_ptr, divisor,
+    def _decode_placed_kernel(buf_ptr, out_ptr, slot_ptr, epoch, flag_ptr, tiles_ptr, divisor,
                               DIVIDE: tl.constexpr, E5M2: tl.constexpr, TILE: tl.constexpr):
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         code_at, scale_at = _places(tiles_ptr, offs, g)
@@ -355,8 +351,11 @@ if triton is not None:
         v = _fp8_value(c, E5M2) * _load_f32(buf_ptr + scale_at, mask)
         if DIVIDE:
             v = tl.math.div_rn(v, tl.full(v.shape, divisor, tl.float32))
-        v = tl.where(tl.load(flag_ptr) != 0, v, float("nan"))  # any non-finite scale: all NaN
+        finite = tl.load(slot_ptr) == epoch
+        v = tl.where(finite, v, float("nan"))  # any non-finite scale: all NaN
         tl.store(out_ptr + offs, v, mask=mask)
+        if tl.program_id(0) == 0:
+            tl.store(flag_ptr, finite.to(tl.uint8))
 
 
 def _grid(map_: torch.Tensor) -> tuple[int]:
@@ -464,18 +463,28 @@ def reduce(received: torch.Tensor, tiles_: torch.Tensor, n_senders: int, record:
     return out, bits
 
 
+def scale_rows(records) -> list[tuple[int, int]]:
+    """The rows of :func:`decode_placed`'s finite check: ``(first byte, count)`` of at most
+    1024 FP32 scales each, from every record's ``(first byte, number of scales)``."""
+    rows = [(at + 4 * k, min(1024, count - k)) for at, count in records
+            for k in range(0, count, 1024)]
+    return rows or [(0, 0)]
+
+
 def decode_placed(out: torch.Tensor, buf: torch.Tensor, tiles_: torch.Tensor,
-                  counts: torch.Tensor, record: int, divisor: int | None = None,
+                  rows: torch.Tensor, slots: AmaxSlots, divisor: int | None = None,
                   fmt: str = "e4m3") -> torch.Tensor:
     """``out = value(code)·s_g`` (``/ divisor`` when given, an IEEE division) from the
-    records of ``record`` bytes in ``buf`` (record ``r``: ``counts[r]`` FP32 scales first;
-    ``tiles_`` places every element), all NaN if any scale is not finite. Returns that
-    0-dim bool flag; two kernels (the flag's one program, the decode)."""
+    records in ``buf`` (``tiles_`` places every element; ``rows``: int64 ``[R, 2]``, where
+    their FP32 scales lie, :func:`scale_rows`), all NaN if any scale is not finite. Returns
+    that 0-dim bool flag; two kernels (the finite check into the next epoch of a one-slot
+    ``slots``, the decode)."""
     flag = torch.empty((), dtype=torch.uint8, device=buf.device)
-    _finite_kernel[(1,)](buf, counts, counts.numel(), record, flag, BLOCK=1024)
-    _decode_placed_kernel[_grid(tiles_)](buf, out, flag, tiles_, float(divisor or 1),
-                                         DIVIDE=divisor is not None, E5M2=fmt == "e5m2",
-                                         TILE=TILE, **_NO_FUSION)
+    slot, epoch = slots.next()
+    _finite_kernel[(rows.shape[0],)](buf, rows, slot, epoch, BLOCK=1024)
+    _decode_placed_kernel[_grid(tiles_)](buf, out, slot, epoch, flag, tiles_,
+                                         float(divisor or 1), DIVIDE=divisor is not None,
+                                         E5M2=fmt == "e5m2", TILE=TILE, **_NO_FUSION)
     return flag.view(torch.bool)
 
 

@@ -84,16 +84,22 @@ class FusedPlan:
         return self._maps[key]
 
     def slots(self, what: str | int, device: torch.device) -> triton_fp8.AmaxSlots:
-        """The persistent amax slots of ``"send"`` or shard ``j``'s groups on ``device``."""
+        """The persistent amax slots of ``"send"`` or shard ``j``'s groups on ``device``, or
+        the one slot of the gathered records' finite check (``"finite"``)."""
         key = ("slots", what, torch.device(device))
         if key not in self._maps:
-            n = self.n_groups if what == "send" else self.group_counts[what]
-            self._maps[key] = triton_fp8.AmaxSlots(n, device)
+            n = {"send": self.n_groups, "finite": 1}.get(what)
+            self._maps[key] = triton_fp8.AmaxSlots(
+                self.group_counts[what] if n is None else n, device)
         return self._maps[key]
 
-    def counts(self, device: torch.device) -> torch.Tensor:
-        """Every shard's number of scales, int64 on ``device`` (the gathered records')."""
-        key = ("counts", torch.device(device))
+    def scale_rows(self, device: torch.device) -> torch.Tensor:
+        """Where the gathered records' FP32 scales lie, int64 ``[R, 2]`` on ``device``
+        (:func:`~geofp8.codecs.triton_fp8.scale_rows`)."""
+        key = ("scale rows", torch.device(device))
         if key not in self._maps:
-            self._maps[key] = torch.tensor(self.group_counts, dtype=torch.int64).to(device)
+            size = self.layout.max_shard_bytes
+            rows = triton_fp8.scale_rows((j * size, count)
+                                         for j, count in enumerate(self.group_counts))
+            self._maps[key] = torch.tensor(rows, dtype=torch.int64).to(device)
         return self._maps[key]

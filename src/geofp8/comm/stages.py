@@ -310,8 +310,9 @@ def decode_gathered(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLa
             values = out if out is not None else torch.empty(
                 layout.numel, dtype=torch.float32, device=joined.device)
             plan = layout.plan
-            triton_fp8.decode_placed(values, joined, plan.tiles("gather", joined.device),
-                                     plan.counts(joined.device), layout.max_shard_bytes,
+            device = joined.device
+            triton_fp8.decode_placed(values, joined, plan.tiles("gather", device),
+                                     plan.scale_rows(device), plan.slots("finite", device),
                                      divide, plan.fmt)
             return values
         return triton_fp8.attempt(fused, lambda: decode_gathered(gathered, layout, out, divide))
