@@ -1,8 +1,11 @@
 """Kernel launches per bucket on the fused path (Triton + torch), counted without a GPU.
 
-Runs one rank's four stages of a bucket (``stage_ops.rank_share``) with the FP8 codec's
-batched path on the CPU under Triton's interpreter, where it takes the fused kernels
-(:mod:`geofp8.codecs.triton_fp8`) as it does on CUDA. Counts every Triton kernel launched
+Runs one rank's stages of a bucket as the collective runs them (``gpu_bucket.rank_share``:
+the encode with its error feedback written over the bucket, the owner's decode, sum and
+re-encode, the decode of the gathered shards divided by ``N``) with the FP8 codec's batched
+path on the CPU under Triton's interpreter, where the stages take the fused kernels
+(:mod:`geofp8.codecs.triton_fp8`, placed by :class:`geofp8.comm.plan.FusedPlan`) as they do
+on CUDA. Counts every Triton kernel launched
 and every torch op that launches a kernel outside them (neither a view nor a bare
 allocation; the interpreter's own torch calls inside a kernel are not counted).
 
@@ -20,35 +23,20 @@ import argparse  # noqa: E402
 import itertools  # noqa: E402
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from geofp8.codecs import make_codec, triton_fp8  # noqa: E402
 from geofp8.comm import ShardLayout  # noqa: E402
-from gpu_bucket import ALLOCATIONS, shapes  # noqa: E402
-from stage_ops import rank_share  # noqa: E402
-
-KERNELS = ("_amax_kernel", "_scales_kernel", "_encode_kernel", "_decode_kernel",
-           "_decode_sum_kernel")
+from gpu_bucket import ALLOCATIONS, KERNELS, ActiveMode, rank_share, shapes  # noqa: E402
 
 
-class Launches(TorchDispatchMode):
+class Launches(ActiveMode):
     """Counts Triton launches (the kernels wrapped once, below) and torch kernels outside
     them."""
-
-    active: Launches | None = None  # the counter the Triton launches go to
 
     def __init__(self) -> None:
         super().__init__()
         self.triton = self.torch = 0
         self.inside = False
-
-    def __enter__(self):
-        Launches.active = self
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        Launches.active = None
-        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not (self.inside or func.is_view or func in ALLOCATIONS):

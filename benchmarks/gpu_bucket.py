@@ -1,17 +1,22 @@
 """Kernel launches and host time per bucket of the exact collective's stages, on the GPU path.
 
-One rank's share of one bucket, as the batched (accelerator) path runs it: the encode with
-its rounding error (error feedback), the decode-and-sum of the ``N`` copies of its shard,
-the re-encode and the decode of the gathered shards (``stage_ops.rank_share``, this
-folder's). Everything runs on the ``meta`` device, which has no data: what is left is the
-host's work, the same Python and dispatch a CUDA device sees.
+One rank's share of one bucket, as the collective runs it (:func:`rank_share`): the encode
+with its rounding error written over the bucket (error feedback), the owner's
+decode-and-sum of the ``N`` copies of its shard and its re-encode
+(:func:`~geofp8.comm.stages.reduce_encode`), the decode of the gathered shards divided by
+``N``. Everything runs on the ``meta`` device, which has no data: what is left is the
+host's work, the same Python and dispatch a CUDA device sees. ``--paths``: ``torch``, the
+torch-op batched path (the fallback without Triton); ``fused``, the fused Triton kernels
+(:mod:`geofp8.codecs.triton_fp8`, taken for E4M3/E5M2 as on CUDA), each kernel's launch
+replaced by a counter (no data to run it on).
 
 * **launches**: aten ops that are neither views nor bare allocations, counted by a dispatch
-  mode (deterministic);
+  mode (deterministic), plus the Triton launches;
 * **host µs**: the wall time of the stages on ``meta`` under the counting mode, minus the
   time spent inside the meta ops and the mode's own cost per op, plus :data:`LAUNCH_US` per
-  launch (what a CUDA launch costs the host thread): the Python of the stages plus the
-  launches. Best of ``--repeats``; a model of the host cost, not a GPU measurement;
+  launch (what a CUDA launch costs the host thread, a Triton launch modelled the same): the
+  Python of the stages plus the launches. Best of ``--repeats``; a model of the host cost,
+  not a GPU measurement;
 * **wire ms**: the bytes this rank sends for the bucket at 100 and 400 Gbit/s.
 
 ``--layouts K`` also models the host µs of ``K`` distinct layouts run one after the other
@@ -22,20 +27,22 @@ has (no cache keyed by layouts that ``K`` of them overflow).
     python benchmarks/gpu_bucket.py                            # the default table
     python benchmarks/gpu_bucket.py --sizes 25 --ranks 8 --methods fp8-ef nvfp4-ef
     python benchmarks/gpu_bucket.py --sizes 1 --layouts 1000   # 1000 distinct buckets
+    python benchmarks/gpu_bucket.py --paths fused --methods fp8-ef   # the Triton path
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from geofp8.codecs import make_codec
+from geofp8.codecs import make_codec, triton_fp8
 from geofp8.comm import ShardLayout
-from stage_ops import rank_share  # one rank's four stages of a bucket (this folder)
+from geofp8.comm.stages import decode_gathered, encode, encode_with_error, reduce_encode
 
 LAUNCH_US = 8.0  # host cost of one eager CUDA launch (torch dispatch + cudaLaunchKernel)
 ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
@@ -62,12 +69,71 @@ def shapes(mb: float, kind: str) -> list[tuple[int, ...]]:
         total += numel
 
 
-class Launches(TorchDispatchMode):
+def rank_share(layout: ShardLayout, x: torch.Tensor):
+    """One rank's stages of one bucket as the collective runs them (module notes), as a
+    function of nothing (its inputs made here, on ``x``'s device)."""
+    n, rank = layout.world_size, layout.world_size - 1
+    sent = encode(x, layout)
+    received = torch.cat([sent[sum(layout.send_bytes(j) for j in range(rank)):]] * n)
+    gathered = torch.cat([reduce_encode(received, layout, rank)[0]] * n)  # an all-gather's
+
+    def run() -> None:
+        encode_with_error(x, layout, error_out=x)  # its rounding error, as EF takes it
+        reduce_encode(received, layout, rank)
+        decode_gathered(gathered, layout, out=x, divide=n)
+    return run
+
+
+KERNELS = ("_amax_kernel", "_scales_kernel", "_encode_kernel", "_decode_kernel",
+           "_decode_sum_kernel", "_encode_placed_kernel", "_reduce_kernel", "_finite_kernel",
+           "_decode_placed_kernel")
+
+
+@contextlib.contextmanager
+def fused_path(enabled: bool = True):
+    """The fused Triton kernels taken on ``meta`` (as on CUDA), each launch counted on the
+    active :class:`Launches` and not run (meta tensors have no data)."""
+    if not enabled:
+        yield
+        return
+    available, runs = triton_fp8.available, {}
+    triton_fp8.available = lambda *tensors: True
+
+    def launch(*args, **kwargs):
+        if Launches.active is not None:
+            Launches.active.triton += 1
+    for name in KERNELS:
+        fn = getattr(triton_fp8, name)
+        runs[name], fn.run = fn.run, launch
+    try:
+        yield
+    finally:
+        triton_fp8.available = available
+        for name, run in runs.items():
+            getattr(triton_fp8, name).run = run
+
+
+class ActiveMode(TorchDispatchMode):
+    """A dispatch mode that is its class's ``active`` one while entered: where the Triton
+    launches, which bypass the dispatcher, are counted."""
+
+    active: ActiveMode | None = None
+
+    def __enter__(self):
+        type(self).active = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        type(self).active = None
+        return super().__exit__(*exc)
+
+
+class Launches(ActiveMode):
     """Counts launches and the seconds spent inside the ops' own dispatch."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.launches = self.views = 0
+        self.launches = self.views = self.triton = 0  # aten kernels, aten views, Triton
         self.inside = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -108,7 +174,7 @@ def host_us(run, repeats: int) -> tuple[int, float]:
         wall = time.perf_counter() - start
         ops = mode.launches + mode.views
         best = min(best, wall - mode.inside - ops * cost)
-        launches = mode.launches
+        launches = mode.launches + mode.triton
     return launches, 1e6 * best + LAUNCH_US * launches
 
 
@@ -130,7 +196,7 @@ def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int) -> tuple[fl
                 run()
         wall = time.perf_counter() - start
         host = wall - mode.inside - (mode.launches + mode.views) * cost
-        passes.append((1e6 * host + LAUNCH_US * mode.launches) / count)
+        passes.append((1e6 * host + LAUNCH_US * (mode.launches + mode.triton)) / count)
     return passes[0], passes[1]
 
 
@@ -141,29 +207,38 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["equal", "unequal"])
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 8, 64])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--paths", nargs="+", default=["torch", "fused"],
+                        choices=["torch", "fused"], help="module notes")
     parser.add_argument("--layouts", type=int, default=0,
                         help="also time this many distinct layouts (module notes)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| method | bucket MB | tensors | ranks | launches | host µs | "
+    print("| path | method | bucket MB | tensors | ranks | launches | host µs | "
           "wire ms at 100 / 400 Gbit/s |")
-    print("|---|---|---|---|---|---|---|")
-    for method, mb, kind, n in itertools.product(args.methods, args.sizes, args.kinds,
-                                                 args.ranks):
+    print("|---|---|---|---|---|---|---|---|")
+    cases = list(itertools.product(args.paths, args.methods, args.sizes, args.kinds,
+                                   args.ranks))
+    for path, method, mb, kind, n in cases:
+        if path == "fused" and METHODS[method] not in triton_fp8.FMAX:
+            continue  # no fused kernels for this codec yet: it runs the torch path
         layout = ShardLayout.build(shapes(mb, kind), make_codec(METHODS[method]), n,
                                    kernels="batched")
         x = torch.zeros(layout.numel, device="meta")
-        launches, us = host_us(rank_share(layout, x), args.repeats)
+        with fused_path(path == "fused"):
+            launches, us = host_us(rank_share(layout, x), args.repeats)
         wire = [8 * layout.wire_bytes(0) / bits * 1e3 for bits in (100e9, 400e9)]
-        print(f"| {method} | {mb:g} | {kind} | {n} | {launches} | {us:.0f} | "
+        print(f"| {path} | {method} | {mb:g} | {kind} | {n} | {launches} | {us:.0f} | "
               f"{wire[0]:.2f} / {wire[1]:.2f} |", flush=True)
     if args.layouts:
         print(f"\n{args.layouts} distinct layouts, modelled host µs per bucket: first pass "
               "/ second pass")
-        for method, mb, kind, n in itertools.product(args.methods, args.sizes, args.kinds,
-                                                     args.ranks):
-            first, second = many_layouts(METHODS[method], mb, kind, n, args.layouts)
-            print(f"{method} {mb:g} MB {kind} N={n}: {first:.0f} / {second:.0f}", flush=True)
+        for path, method, mb, kind, n in cases:
+            if path == "fused" and METHODS[method] not in triton_fp8.FMAX:
+                continue
+            with fused_path(path == "fused"):
+                first, second = many_layouts(METHODS[method], mb, kind, n, args.layouts)
+            print(f"{path} {method} {mb:g} MB {kind} N={n}: {first:.0f} / {second:.0f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

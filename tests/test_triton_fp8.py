@@ -52,10 +52,11 @@ def check() -> list[str]:
 
     from geofp8.codecs import make_codec, triton_fp8
     from geofp8.codecs.base import GroupMap
+    from geofp8.comm.stages import sender_sum
 
     failures = []
     cases = [(fmt, c, s, n, f) for fmt in FORMATS for c in SCALINGS for s in SHAPES
-             for f in (0, 1) for n in ((1, 3, 4) if s is SHAPES[0] and fmt == "e4m3" else (3,))]
+             for f in (0, 1) for n in ((1, 4, 5) if s is SHAPES[0] and fmt == "e4m3" else (3,))]
     for fmt, (scaling, block), shapes, n_senders, special in cases:
         codec = make_codec(fmt, scaling, block)
         # an owner's shard of N senders: every tensor's chunk, cut at group boundaries
@@ -88,45 +89,63 @@ def check() -> list[str]:
                                      fmt)
         if not _same(got, total):
             failures.append(f"{name}: decode_sum")
-        if n_senders <= 4 and not _same(got, torch.stack([v for _, _, v in refs]).sum(0)):
-            failures.append(f"{name}: decode_sum vs torch's sum over senders")
+        if not _same(got, sender_sum(torch.stack([v for _, _, v in refs]))):
+            failures.append(f"{name}: decode_sum vs the stages' sender_sum")
     return failures
 
 
-def check_collective() -> list[str]:
-    """The exact collective's stages run with the fused kernels (the batched path picks them
-    up on its own: :func:`triton_fp8.available`) against the CPU's chunked path."""
+def check_stages() -> list[str]:
+    """Each fused stage (:class:`~geofp8.comm.plan.FusedPlan`'s kernels, which the stages
+    call on their own: :func:`triton_fp8.available`) against the CPU's chunked path, bit for
+    bit: a sender's encode with its error written over the bucket, every owner's decode, sum
+    and re-encode (and its error), the decode of the gathered shards divided by ``N``; then
+    the whole collective, with NaN and ±Inf in a sender's bucket."""
+    import torch
 
     from geofp8.codecs import make_codec, triton_fp8
     from geofp8.comm import ShardLayout
-    from geofp8.comm.stages import encode_with_error, simulate_exact_allreduce
+    from geofp8.comm import stages as st
 
     calls = []
-    encode = triton_fp8.encode
-    triton_fp8.encode = lambda *args, **kwargs: calls.append(1) or encode(*args, **kwargs)
+    encode_placed = triton_fp8.encode_placed
+    triton_fp8.encode_placed = lambda *a, **k: calls.append(1) or encode_placed(*a, **k)
     failures = []
-    for fmt, (scaling, block), n in ((f, c, n) for f in FORMATS for c in SCALINGS[:3]
-                                     for n in ((1, 3, 4) if f == "e4m3" else (4,))):
-        shapes = SHAPES[0]
-        results, sent_and_error = [], []
+    cases = [("e4m3", c, 3) for c in SCALINGS[:3]] + [("e5m2", SCALINGS[2], 3)] + [
+        ("e4m3", SCALINGS[1], n) for n in (1, 4, 5)]
+    for fmt, (scaling, block), n in cases:
+        shapes, name = [(3, 300), (5,), *SHAPES[2]], f"{fmt} {scaling}/{block} N={n}"
+        outs = []
         for kernels in ("batched", "chunked"):
             layout = ShardLayout.build(shapes, make_codec(fmt, scaling, block), n,
                                        kernels=kernels)
-            inputs = [_bucket(shapes, r, special=False) for r in range(n)]
-            results.append(simulate_exact_allreduce(inputs, layout))
-            sent_and_error.append(encode_with_error(inputs[0], layout))  # a sender's EF
-            inputs[-1][3] = float("nan")
-            results.append(simulate_exact_allreduce(inputs, layout))
-        if not (_same(results[0], results[2]) and _same(results[1], results[3])):
-            failures.append(f"collective {fmt} {scaling}/{block} N={n}")
-        (sent, error), (cpu_sent, cpu_error) = sent_and_error
-        if not (_same(sent, cpu_sent) and _same(error, cpu_error)):
-            failures.append(f"encode with error {fmt} {scaling}/{block} N={n}")
-        if not results[1].isnan().all():
-            failures.append(f"collective {fmt} {scaling}/{block} N={n}: not poisoned")
-    triton_fp8.encode = encode
+            inputs = [_bucket(shapes, r, special=r == n - 1) for r in range(n)]
+            sent = [st.encode(x, layout, sender=r) for r, x in enumerate(inputs)]
+            flat = inputs[0].clone()
+            sent0, error = st.encode_with_error(flat, layout, error_out=flat)
+            cuts = [layout.send_bytes(j) for j in range(n)]
+            records, sums, errors = [], [], []
+            for j in range(n):
+                received = torch.cat([s.split(cuts)[j] for s in sent])
+                record, total = st.reduce_encode(received, layout, j)
+                owner = total.clone()
+                again = st.encode_reduced(owner, layout, j, error_out=owner)
+                records.append(record)
+                sums.append(total)
+                errors.append(owner if torch.equal(again, record) else owner.fill_(7))
+            gathered = torch.stack(records)
+            outs.append([sent[0], sent0, error, *records, *sums, *errors,
+                         st.decode_gathered(gathered, layout, divide=n),
+                         st.simulate_exact_allreduce(  # FP8 rounds to nearest whatever the seed
+                             [_bucket(shapes, r, special=False) for r in range(n)], layout,
+                             seed=11)])
+        for k, (got, want) in enumerate(zip(*outs)):
+            if not _same(got, want):
+                failures.append(f"stages {name}: output {k}")
+        if not outs[0][-2].isnan().all():
+            failures.append(f"stages {name}: not poisoned")
+    triton_fp8.encode_placed = encode_placed
     if not calls:
-        failures.append("the batched path did not run the fused kernels")
+        failures.append("the stages did not run the fused kernels")
     return failures
 
 
@@ -140,23 +159,30 @@ def check_gpu_rows() -> list[str]:
     gpu_check.SHAPES = [(33, 65), (64, 33), (96,)]  # small: the interpreter is slow
     rows = []
     gpu_check.check_fused(rows)
+    gpu_check.check_fused_stages(rows)
     failures = [f"gpu-check {name}: {detail}" for name, detail, verdict in rows if verdict != "ok"]
-    return failures + ([] if len(rows) == 12 else [f"gpu-check: {len(rows)} fused rows"])
+    return failures + ([] if len(rows) == 15 else [f"gpu-check: {len(rows)} fused rows"])
 
 
-def launches() -> tuple[int, int]:
-    """``(Triton kernels, torch kernels)`` the fused path launches for the four stages of a
-    bucket: a sender's encode with error feedback, the owner's decode-and-sum and
-    re-encode, the decode of the gathered shards."""
+KERNELS = ("_amax_kernel", "_scales_kernel", "_encode_kernel", "_decode_kernel",
+           "_decode_sum_kernel", "_encode_placed_kernel", "_reduce_kernel", "_finite_kernel",
+           "_decode_placed_kernel")
+
+
+def launches() -> list[tuple[int, int]]:
+    """``(Triton kernels, torch kernels)`` one rank's four stages of a bucket launch on the
+    fused path (a sender's encode with its error feedback written over the bucket, the
+    owner's decode, sum and re-encode, the decode of the gathered shards divided by ``N``),
+    for N = 2 and 5 and buckets of 1 and 6 tensors."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from geofp8.codecs import make_codec, triton_fp8
-    from geofp8.codecs.base import GroupMap
+    from geofp8.comm import ShardLayout
+    from geofp8.comm import stages as st
 
     counted = {"triton": 0, "aten": 0, "inside": False}
-    for kernel in ("_amax_kernel", "_scales_kernel", "_encode_kernel", "_decode_kernel",
-                   "_decode_sum_kernel"):
+    for kernel in KERNELS:
         fn = getattr(triton_fp8, kernel)
         run = fn.run
 
@@ -172,25 +198,32 @@ def launches() -> tuple[int, int]:
     class Aten(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if not (counted["inside"] or func.is_view or func._schema.name in (
-                    "aten::empty", "aten::empty_like", "aten::empty_strided")):
+                    "aten::empty", "aten::empty_like", "aten::empty_strided",
+                    "aten::new_empty")):
                 counted["aten"] += 1
             return func(*args, **(kwargs or {}))
 
-    codec = make_codec("e4m3", "block", 128)
-    groups = GroupMap([[codec.groups((64, 300))]])
-    x, residual = torch.randn(64 * 300), torch.zeros(64 * 300)
-    triton_fp8.tiles(groups, x.device)  # the map, made once per layout
-    received = triton_fp8.encode(*triton_fp8.amax(x, groups), groups)[0]
-    received, scales = torch.stack([received] * 3), torch.stack([x.new_ones(150)] * 3)
-    counted["triton"] = 0
-    with Aten():  # all four stages (one map for brevity: the kernels do not care)
-        u, s = triton_fp8.amax(x, groups, residual)  # the sender: EF add, scales
-        triton_fp8.encode(u, s, groups, error=True)  # its codes and rounding error
-        total = triton_fp8.decode_sum(received, scales, groups, 3)  # the owner
-        total, s = triton_fp8.amax(total, groups)
-        codes, _ = triton_fp8.encode(total, s, groups)
-        triton_fp8.decode(total, codes, s, groups)  # every rank, the gathered shards
-    return counted["triton"], counted["aten"]
+    out = []
+    for n, shapes in ((2, [(64, 300)]), (5, [(64, 300)]), (5, [(64, 30), (7,), (9, 33)] * 2)):
+        layout = ShardLayout.build(shapes, make_codec("e4m3", "block", 128), n,
+                                   kernels="batched")
+        x = torch.randn(layout.numel)
+
+        def stages(x=x, layout=layout, n=n):
+            sent, _ = st.encode_with_error(x, layout, error_out=x)
+            rank = n - 1
+            mine = sent[sum(layout.send_bytes(j) for j in range(rank)):]
+            shard, _ = st.reduce_encode(torch.cat([mine] * n), layout, rank)
+            return torch.cat([shard] * n)
+
+        gathered = stages()  # the first calls: the layout's maps and amax slots
+        st.decode_gathered(gathered, layout, out=x, divide=n)
+        counted["triton"] = counted["aten"] = 0
+        with Aten():
+            stages()
+            st.decode_gathered(gathered, layout, out=x, divide=n)
+        out.append((counted["triton"], counted["aten"] - 2))  # the stand-ins' two cats
+    return out
 
 
 def test_fused_fp8_kernels_are_bit_identical_to_the_torch_reference_under_the_interpreter():
@@ -201,12 +234,35 @@ def test_fused_fp8_kernels_are_bit_identical_to_the_torch_reference_under_the_in
     lines = done.stdout.strip().splitlines()
     assert lines[-1].startswith("launches "), done.stdout[-3000:]
     assert lines[:-1] == [], "\n".join(lines[:-1])
-    # twice (amax + scales + encode, a zeroed [G] buffer), decode-and-sum, decode
-    assert lines[-1] == "launches triton 8 aten 2"
+    # encode: amax + placed encode; owner: decode-sum-amax + placed encode; flag + decode;
+    # whatever N and the number of tensors, and no torch kernel around them
+    assert lines[-1] == "launches [(6, 0), (6, 0), (6, 0)]"
+
+
+def test_a_kernel_that_fails_on_the_device_falls_back_to_torch_once_and_for_all(monkeypatch):
+    import warnings
+
+    import torch
+
+    from geofp8.codecs import triton_fp8
+
+    monkeypatch.setattr(triton_fp8, "_FAILED", [])
+    monkeypatch.setattr(triton_fp8, "_INTERPRET", False)  # as on CUDA
+
+    def broken():
+        raise RuntimeError("PTX assembly failed")
+    with pytest.warns(RuntimeWarning, match="falling back to the torch path"):
+        assert triton_fp8.attempt(broken, lambda: "torch") == "torch"
+    assert not triton_fp8.available(torch.zeros(1))
+    tried = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        assert triton_fp8.attempt(lambda: tried.append(1), lambda: "torch") == "torch"
+    assert tried == []  # the kernels are not tried again
 
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    for failure in check() + check_collective() + check_gpu_rows():
+    for failure in check() + check_stages() + check_gpu_rows():
         print(failure)
-    print(f"launches triton {launches()[0]} aten {launches()[1]}")
+    print(f"launches {launches()}")

@@ -272,8 +272,9 @@ class GradientPipeline:
         layout = self._layout(shapes, per_sender, tuple(self.codec_of(n) for n in names))
         side = self._sender_factors(shapes, per_sender, routes, layout) if any(per_sender) \
             else None
-        if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ))
-            sent, residual = encode_with_error(flat, layout, side, seed, self.group.rank)
+        if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ)), written over Ũ (not read again)
+            sent, residual = encode_with_error(flat, layout, side, seed, self.group.rank,
+                                               error_out=flat)
             pos = 0
             for name, shape, route in zip(names, shapes, routes):
                 n = torch.Size(shape).numel()

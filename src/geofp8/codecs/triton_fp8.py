@@ -12,11 +12,27 @@ stages around them) takes a dozen kernels per stage; these take one pass each:
 * :func:`decode` — ``value(code)·s_g``, one pass; :func:`decode_sum` — the ``N`` senders'
   copies of a shard decoded and summed in FP32 in sender order, one pass.
 
-The groups come as a *tile map* (:func:`tiles`), an int64 ``[T, 5]`` device tensor made
-once per :class:`~.groups.GroupMap`: each tile is at most ``TILE`` elements of one run of
-equal-length groups, ``(first element, end, first group of the run, group length, first
-element of the run)``, so an element's group is ``g₀ + (i − run start) // length``. The
-kernels import nothing above ``codecs`` and take every map as a tensor.
+The exact collective's stages (:mod:`geofp8.comm.stages`, placed by
+:class:`geofp8.comm.plan.FusedPlan`) take the *placed* kernels, two per stage, six per
+bucket: :func:`group_bits` then :func:`encode_placed` (scales and codes written where they
+travel, the rounding error at the values' places); :func:`reduce` (the ``N`` received
+records decoded, summed sender after sender from +0, and the sum's amax) then
+:func:`encode_placed` (into the padded record); :func:`decode_placed` (a one-program finite
+check over the gathered scales, then the decode, ``/ N`` and all NaN unless finite).
+
+The groups come as a *tile map* (:func:`tiles`, :func:`placed_tiles`), an int64 ``[T, 7]``
+device tensor made once per map: each tile is at most ``TILE`` elements of one run of
+equal-length groups of one segment, ``(first element, end, first group of the run, group
+length, first element of the run, byte of that element's code, byte of the run's first
+scale)``, so an element's group is ``g₀ + (i − run start) // length``, its code at
+``code₀ + (i − run start)`` and its group's FP32 scale at ``scale₀ + 4·(g − g₀)`` (any
+alignment: read and written byte by byte). The kernels import nothing above ``codecs`` and
+take every map as a tensor.
+
+Amax slots: a group's ``max |u|`` is an atomic max on the magnitudes' bits (exact and
+order-free) into an int64 slot whose high word is the call's *epoch*
+(:class:`AmaxSlots`): every value of a new call beats every slot of an earlier one, so a
+layout's slots are zeroed once, not by a launch per call.
 
 Bit-exactness: the rounding to E4M3 / E5M2 and the code's value are integer arithmetic on
 the FP32 bits (as :mod:`.native`'s C kernels do; c10's conversions: nearest even, E4M3
@@ -29,6 +45,9 @@ interpreter (``TRITON_INTERPRET=1``, whose own FP8 casts round differently).
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -41,55 +60,137 @@ try:  # an optional dependency (geofp8[gpu])
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
-__all__ = ["TILE", "amax", "available", "decode", "decode_sum", "encode", "reference", "tiles"]
+__all__ = ["TILE", "AmaxSlots", "amax", "attempt", "available", "decode", "decode_placed",
+           "decode_sum", "encode", "encode_placed", "group_bits", "placed_tiles", "reduce",
+           "reference", "scale_rows", "tiles"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_FAILED: list[Exception] = []  # the first compile or launch failure (see attempt)
+T = TypeVar("T")
 TILE = 1024  # elements per program
 FMAX = {"e4m3": 448.0, "e5m2": 57344.0}  # the largest finite value of each format
 _NO_FUSION = {"enable_fp_fusion": False}  # x − v·s rounds twice, as the reference does
 
 
 def available(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels run on these tensors: Triton imports and they are on a CUDA
-    device, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` when this
-    module was imported: the tests' way to run them without a GPU)."""
-    if triton is None:
+    """Whether the kernels run on these tensors: Triton imports, no kernel has failed to
+    compile or launch here (:func:`attempt`), and they are on a CUDA device, or on the CPU
+    under Triton's interpreter (``TRITON_INTERPRET=1`` when this module was imported: the
+    tests' way to run them without a GPU)."""
+    if triton is None or _FAILED:
         return False
     if _INTERPRET:
         return all(t.device.type == "cpu" for t in tensors)
     return all(t.is_cuda for t in tensors)
 
 
+def attempt(fused: Callable[[], T], fallback: Callable[[], T]) -> T:
+    """``fused()``, or ``fallback()`` (the torch reference) once a kernel has failed to
+    compile or launch on this machine: the first failure is warned about and remembered,
+    and :func:`available` is ``False`` from then on. Under the interpreter a failure is a
+    bug and raises."""
+    if not _FAILED:
+        try:
+            return fused()
+        except Exception as exc:  # noqa: BLE001 - any compile or launch error
+            if _INTERPRET or isinstance(exc, torch.OutOfMemoryError):  # not Triton's fault
+                raise
+            _FAILED.append(exc)
+            warnings.warn(f"GeoFP8's Triton FP8 kernels failed ({type(exc).__name__}: {exc}); "
+                          "falling back to the torch path from now on", RuntimeWarning,
+                          stacklevel=2)
+    return fallback()
+
+
 def tiles(groups: GroupMap, device: torch.device) -> torch.Tensor:
-    """The tile map of ``groups`` (module notes) on ``device``, made once per map."""
-    def make() -> torch.Tensor:
-        rows = []
-        for first, g0, count, size in group_runs(groups.segments):
+    """The tile map of ``groups`` (module notes) on ``device``, made once per map: codes
+    and scales at the elements' and groups' own positions."""
+    def runs():
+        elem = group = 0
+        for seg in groups.segments:
+            yield elem, group, seg, elem, 4 * group
+            elem, group = elem + sum(seg), group + len(seg)
+    return groups.memo(("triton-tiles", TILE, torch.device(device)),
+                       lambda: placed_tiles(runs(), device))
+
+
+def placed_tiles(segments, device: torch.device) -> torch.Tensor:
+    """The int64 ``[T, 7]`` tile map (module notes) of ``segments``: per segment ``(first
+    element, first group, its group lengths, byte of its first element's code, byte of its
+    first group's scale)`` in the buffers a kernel reads or writes (the codes of a segment
+    back to back, its FP32 scales too). A tile never spans two segments."""
+    rows = []
+    for elem0, g_first, seg, code0, scale0 in segments:
+        for first, g, count, size in group_runs((seg,)):
+            if not size:
+                continue
+            lo, run = elem0 + first, (g_first + g, size, elem0 + first, code0 + first,
+                                      scale0 + 4 * g)
             if size >= TILE:  # every group cut into tiles: a tile lies in one group
-                for k in range(count):
-                    lo = first + k * size
-                    rows += [(a, min(a + TILE, lo + size), g0, size, first)
-                             for a in range(lo, lo + size, TILE)]
-            elif size:
-                per = TILE // size * size  # whole groups per tile
-                end = first + count * size
-                rows += [(a, min(a + per, end), g0, size, first) for a in range(first, end, per)]
-        return torch.tensor(rows or [(0, 0, 0, 1, 0)], dtype=torch.int64).to(device)
-    return groups.memo(("triton-tiles", TILE, torch.device(device)), make)
+                spans, step = [(lo + k * size, lo + (k + 1) * size) for k in range(count)], TILE
+            else:  # whole groups per tile
+                spans, step = [(lo, lo + count * size)], TILE // size * size
+            for a0, stop in spans:
+                rows += [(a, min(a + step, stop), *run) for a in range(a0, stop, step)]
+    return torch.tensor(rows or [(0, 0, 0, 1, 0, 0, 0)], dtype=torch.int64).to(device)
 
 
 if triton is not None:
 
     @triton.jit
     def _tile(tiles_ptr, TILE: tl.constexpr):
-        t = tl.program_id(0)
-        start = tl.load(tiles_ptr + 5 * t)
-        stop = tl.load(tiles_ptr + 5 * t + 1)
-        g0 = tl.load(tiles_ptr + 5 * t + 2)
-        size = tl.load(tiles_ptr + 5 * t + 3)
-        run0 = tl.load(tiles_ptr + 5 * t + 4)
+        row = tiles_ptr + 7 * tl.program_id(0)
+        start = tl.load(row)
+        stop = tl.load(row + 1)
+        g0 = tl.load(row + 2)
+        size = tl.load(row + 3)
+        run0 = tl.load(row + 4)
         offs = start + tl.arange(0, TILE).to(tl.int64)
         return offs, offs < stop, g0 + (offs - run0) // size, start, size, g0, run0
+
+    @triton.jit
+    def _places(tiles_ptr, offs, g):
+        """``(each element's code byte, each element's group's first scale byte)`` in the
+        buffer of a placed tile map (:func:`placed_tiles`)."""
+        row = tiles_ptr + 7 * tl.program_id(0)
+        g0 = tl.load(row + 2)
+        return tl.load(row + 5) + (offs - tl.load(row + 4)), tl.load(row + 6) + 4 * (g - g0)
+
+    @triton.jit
+    def _load_f32(ptr, mask):
+        """The little-endian FP32 at the byte pointers ``ptr`` (any alignment)."""
+        b = tl.load(ptr, mask=mask, other=0).to(tl.uint32)
+        for k in tl.static_range(1, 4):
+            b = b | (tl.load(ptr + k, mask=mask, other=0).to(tl.uint32) << (8 * k))
+        return b.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _store_f32(ptr, x, mask):
+        b = x.to(tl.uint32, bitcast=True)
+        for k in tl.static_range(4):
+            tl.store(ptr + k, ((b >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def _scale_of(slot, FMAX: tl.constexpr):
+        """The FP32 scale of a group whose amax slot is ``slot`` (int64, module notes): the
+        reference's policies (:meth:`~.fp8.FP8Codec.scales_from_amax`)."""
+        bits = slot.to(tl.int32)  # the low word: the bits of max |u|
+        a = bits.to(tl.float32, bitcast=True)
+        s = tl.math.div_rn(a, tl.full(a.shape, FMAX, tl.float32))
+        over = tl.math.div_rn(a, s) > FMAX  # s rounded down: one ulp up, towards amax
+        s = tl.where(over, (s.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True), s)
+        s = tl.where(s == 0.0, 1.0, s)
+        return tl.where(bits < 0x7F800000, s, float("nan"))  # +Inf or NaN: a NaN scale
+
+    @triton.jit
+    def _group_max(bits_ptr, x, mask, g, start, size, g0, run0, epoch, TILE: tl.constexpr):
+        # |x| as int bits: their order is the magnitudes' (NaN above +Inf), max is exact;
+        # the call's epoch above them: any slot of an earlier call is smaller
+        bits = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0).to(tl.int64) + epoch
+        if size >= TILE:  # the tile lies in one group
+            tl.atomic_max(bits_ptr + g0 + (start - run0) // size, tl.max(bits, 0))
+        else:
+            tl.atomic_max(bits_ptr + g, bits, mask=mask)
 
     @triton.jit
     def _e4m3_round(q):
@@ -154,32 +255,21 @@ if triton is not None:
         return (v | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _amax_kernel(x_ptr, r_ptr, u_ptr, tiles_ptr, bits_ptr, HAS_R: tl.constexpr,
+    def _amax_kernel(x_ptr, r_ptr, u_ptr, tiles_ptr, bits_ptr, epoch, HAS_R: tl.constexpr,
                      TILE: tl.constexpr):
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         if HAS_R:
             x = x + tl.load(r_ptr + offs, mask=mask, other=0.0)
             tl.store(u_ptr + offs, x, mask=mask)
-        # |x| as int bits: their order is the magnitudes' (NaN above +Inf), max is exact
-        bits = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-        if size >= TILE:  # the tile lies in one group
-            tl.atomic_max(bits_ptr + g0 + (start - run0) // size, tl.max(bits, 0))
-        else:
-            tl.atomic_max(bits_ptr + g, bits, mask=mask)
+        _group_max(bits_ptr, x, mask, g, start, size, g0, run0, epoch, TILE)
 
     @triton.jit
     def _scales_kernel(bits_ptr, scales_ptr, n, FMAX: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         bits = tl.load(bits_ptr + offs, mask=mask, other=0)
-        a = bits.to(tl.float32, bitcast=True)
-        s = tl.math.div_rn(a, tl.full(a.shape, FMAX, tl.float32))
-        over = tl.math.div_rn(a, s) > FMAX  # s rounded down: one ulp up, towards amax
-        s = tl.where(over, (s.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True), s)
-        s = tl.where(s == 0.0, 1.0, s)
-        s = tl.where(bits < 0x7F800000, s, float("nan"))  # +Inf or NaN: a NaN scale
-        tl.store(scales_ptr + offs, s, mask=mask)
+        tl.store(scales_ptr + offs, _scale_of(bits, FMAX), mask=mask)
 
     @triton.jit
     def _encode_kernel(u_ptr, scales_ptr, codes_ptr, err_ptr, tiles_ptr,
@@ -204,11 +294,68 @@ if triton is not None:
     def _decode_sum_kernel(codes_ptr, scales_ptr, out_ptr, tiles_ptr, n_senders, numel,
                            groups, E5M2: tl.constexpr, TILE: tl.constexpr):
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
-        acc = tl.zeros((TILE,), tl.float32)  # from +0, as torch's sum starts (-0 + 0 = +0)
+        acc = tl.zeros((TILE,), tl.float32)  # from +0 (-0 + 0 = +0), sender after sender
         for r in range(0, n_senders):
             c = tl.load(codes_ptr + r * numel + offs, mask=mask, other=0).to(tl.uint32)
             acc += _fp8_value(c, E5M2) * tl.load(scales_ptr + r * groups + g, mask=mask, other=1.0)
         tl.store(out_ptr + offs, acc, mask=mask)
+
+    @triton.jit
+    def _encode_placed_kernel(u_ptr, bits_ptr, out_ptr, err_ptr, tiles_ptr, pad_lo, pad_hi,
+                              HAS_ERR: tl.constexpr, E5M2: tl.constexpr, FMAX: tl.constexpr,
+                              TILE: tl.constexpr):
+        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
+        code_at, scale_at = _places(tiles_ptr, offs, g)
+        s = _scale_of(tl.load(bits_ptr + g, mask=mask, other=0), FMAX)
+        x = tl.load(u_ptr + offs, mask=mask, other=0.0)
+        code, value = _fp8_round(tl.math.div_rn(x, s), E5M2)
+        tl.store(out_ptr + code_at, code.to(tl.uint8), mask=mask)
+        _store_f32(out_ptr + scale_at, s, mask & ((offs - run0) % size == 0))  # its 1st element
+        if HAS_ERR:  # may be u itself: each element read before it is written
+            tl.store(err_ptr + offs, x - value * s, mask=mask)
+        if tl.program_id(0) == 0:  # the record's padding
+            for p in range(pad_lo, pad_hi, TILE):
+                at = p + tl.arange(0, TILE)
+                tl.store(out_ptr + at, tl.zeros((TILE,), tl.uint8), mask=at < pad_hi)
+
+    @triton.jit
+    def _reduce_kernel(recv_ptr, out_ptr, bits_ptr, epoch, tiles_ptr, n_senders, record,
+                       E5M2: tl.constexpr, TILE: tl.constexpr):
+        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
+        code_at, scale_at = _places(tiles_ptr, offs, g)
+        acc = tl.zeros((TILE,), tl.float32)  # from +0 (-0 + 0 = +0), sender after sender
+        for r in range(0, n_senders):
+            base = recv_ptr + r * record
+            c = tl.load(base + code_at, mask=mask, other=0).to(tl.uint32)
+            acc += _fp8_value(c, E5M2) * _load_f32(base + scale_at, mask)
+        tl.store(out_ptr + offs, acc, mask=mask)
+        _group_max(bits_ptr, acc, mask, g, start, size, g0, run0, epoch, TILE)
+
+    @triton.jit
+    def _finite_kernel(buf_ptr, rows_ptr, slot_ptr, epoch, BLOCK: tl.constexpr):
+        """Whether the FP32 scales of one row ``(first byte, count)`` are all finite: the
+        slot's atomic max is ``epoch`` if every row's are, ``epoch + 1`` if not."""
+        row = rows_ptr + 2 * tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        mask = i < tl.load(row + 1)
+        b = _load_f32(buf_ptr + tl.load(row) + 4 * i, mask).to(tl.uint32, bitcast=True)
+        bad = (((b & 0x7F800000) == 0x7F800000) & mask).to(tl.int64)
+        tl.atomic_max(slot_ptr, epoch + tl.max(bad, 0))
+
+    @triton.jit
+    def _decode_placed_kernel(buf_ptr, out_ptr, slot_ptr, epoch, flag_ptr, tiles_ptr, divisor,
+                              DIVIDE: tl.constexpr, E5M2: tl.constexpr, TILE: tl.constexpr):
+        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
+        code_at, scale_at = _places(tiles_ptr, offs, g)
+        c = tl.load(buf_ptr + code_at, mask=mask, other=0).to(tl.uint32)
+        v = _fp8_value(c, E5M2) * _load_f32(buf_ptr + scale_at, mask)
+        if DIVIDE:
+            v = tl.math.div_rn(v, tl.full(v.shape, divisor, tl.float32))
+        finite = tl.load(slot_ptr) == epoch
+        v = tl.where(finite, v, float("nan"))  # any non-finite scale: all NaN
+        tl.store(out_ptr + offs, v, mask=mask)
+        if tl.program_id(0) == 0:
+            tl.store(flag_ptr, finite.to(tl.uint8))
 
 
 def _grid(map_: torch.Tensor) -> tuple[int]:
@@ -221,9 +368,9 @@ def amax(x: torch.Tensor, groups: GroupMap, residual: torch.Tensor | None = None
     every group of ``u`` for ``fmt`` (module notes); two kernels and a zeroed ``[G]``
     buffer."""
     t = tiles(groups, x.device)
-    bits = torch.zeros(len(groups.lengths), dtype=torch.int32, device=x.device)
+    bits = torch.zeros(len(groups.lengths), dtype=torch.int64, device=x.device)
     u = x if residual is None else torch.empty_like(x)
-    _amax_kernel[_grid(t)](x, x if residual is None else residual, u, t, bits,
+    _amax_kernel[_grid(t)](x, x if residual is None else residual, u, t, bits, 0,
                            HAS_R=residual is not None, TILE=TILE)
     scales = torch.empty(bits.numel(), dtype=torch.float32, device=x.device)
     block = 1024
@@ -255,17 +402,90 @@ def decode(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, groups:
 
 def decode_sum(codes: torch.Tensor, scales: torch.Tensor, groups: GroupMap,
                n_senders: int, fmt: str = "e4m3") -> torch.Tensor:
-    """``0 + Σ_r value(code_r)·s_{r,g}`` in sender order (FP32; torch's sum over ``N ≤ 4``
-    rows adds in that order too, beyond that its order depends on the shape and the
-    device): the ``N`` senders' copies of a
-    shard of ``groups`` (``codes``: ``[N, numel]`` uint8, ``scales``: ``[N, G]``), decoded and
-    summed in one kernel."""
+    """``0 + Σ_r value(code_r)·s_{r,g}`` added sender after sender (FP32; the reference's
+    order, ``stages.sender_sum``): the ``N`` senders' copies of a shard of ``groups``
+    (``codes``: ``[N, numel]`` uint8, ``scales``: ``[N, G]``), decoded and summed in one
+    kernel."""
     numel, n_groups = sum(groups.numels), len(groups.lengths)
     t = tiles(groups, codes.device)
     out = torch.empty(numel, dtype=torch.float32, device=codes.device)
     _decode_sum_kernel[_grid(t)](codes, scales, out, t, n_senders, numel, n_groups,
                                  E5M2=fmt == "e5m2", TILE=TILE, **_NO_FUSION)
     return out
+
+
+class AmaxSlots:
+    """Persistent amax slots of ``n`` groups on ``device`` (module notes): an int64 buffer
+    zeroed once, and an epoch per call, so no call zeroes it (a launch) again. The calls of
+    one :class:`AmaxSlots` must run in order on one stream (a stage's kernels do)."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.buffer = torch.zeros(max(n, 1), dtype=torch.int64, device=device)
+        self.epoch = 0
+
+    def next(self) -> tuple[torch.Tensor, int]:
+        """``(the buffer, this call's epoch in its high word)``."""
+        self.epoch += 1
+        return self.buffer, self.epoch << 32
+
+
+def group_bits(x: torch.Tensor, tiles_: torch.Tensor, slots: AmaxSlots) -> tuple:
+    """Every group's ``max |x|`` (over a tile map) into the next epoch of ``slots``, one
+    kernel; returns what :func:`encode_placed` takes its scales from."""
+    bits, epoch = slots.next()
+    _amax_kernel[_grid(tiles_)](x, x, x, tiles_, bits, epoch, HAS_R=False, TILE=TILE)
+    return bits
+
+
+def encode_placed(out: torch.Tensor, u: torch.Tensor, bits: torch.Tensor,
+                  tiles_: torch.Tensor, error: torch.Tensor | None = None,
+                  pad: tuple[int, int] = (0, 0), fmt: str = "e4m3") -> torch.Tensor:
+    """Every group's scale (from its amax slot in ``bits``) and every element's code written
+    at their places in the uint8 ``out`` (a placed tile map, :func:`placed_tiles`); bytes
+    ``pad`` of ``out`` zeroed; with ``error`` (FP32, may be ``u`` itself), the rounding error
+    ``u − value(code)·s`` at the elements' own positions. One kernel; returns ``out``."""
+    _encode_placed_kernel[_grid(tiles_)](
+        u, bits, out, u if error is None else error, tiles_, *pad, HAS_ERR=error is not None,
+        E5M2=fmt == "e5m2", FMAX=FMAX[fmt], TILE=TILE, **_NO_FUSION)
+    return out
+
+
+def reduce(received: torch.Tensor, tiles_: torch.Tensor, n_senders: int, record: int,
+           numel: int, slots: AmaxSlots, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum, bits)``: the ``N`` records of ``record`` bytes in ``received`` (every sender's
+    copy of one shard, placed as ``tiles_`` says) decoded and summed in FP32 sender after
+    sender from +0, and every group's ``max |sum|`` in the next epoch of ``slots``
+    (:func:`group_bits`). One kernel."""
+    out = torch.empty(numel, dtype=torch.float32, device=received.device)
+    bits, epoch = slots.next()
+    _reduce_kernel[_grid(tiles_)](received, out, bits, epoch, tiles_, n_senders, record,
+                                  E5M2=fmt == "e5m2", TILE=TILE, **_NO_FUSION)
+    return out, bits
+
+
+def scale_rows(records) -> list[tuple[int, int]]:
+    """The rows of :func:`decode_placed`'s finite check: ``(first byte, count)`` of at most
+    1024 FP32 scales each, from every record's ``(first byte, number of scales)``."""
+    rows = [(at + 4 * k, min(1024, count - k)) for at, count in records
+            for k in range(0, count, 1024)]
+    return rows or [(0, 0)]
+
+
+def decode_placed(out: torch.Tensor, buf: torch.Tensor, tiles_: torch.Tensor,
+                  rows: torch.Tensor, slots: AmaxSlots, divisor: int | None = None,
+                  fmt: str = "e4m3") -> torch.Tensor:
+    """``out = value(code)·s_g`` (``/ divisor`` when given, an IEEE division) from the
+    records in ``buf`` (``tiles_`` places every element; ``rows``: int64 ``[R, 2]``, where
+    their FP32 scales lie, :func:`scale_rows`), all NaN if any scale is not finite. Returns
+    that 0-dim bool flag; two kernels (the finite check into the next epoch of a one-slot
+    ``slots``, the decode)."""
+    flag = torch.empty((), dtype=torch.uint8, device=buf.device)
+    slot, epoch = slots.next()
+    _finite_kernel[(rows.shape[0],)](buf, rows, slot, epoch, BLOCK=1024)
+    _decode_placed_kernel[_grid(tiles_)](buf, out, slot, epoch, flag, tiles_,
+                                         float(divisor or 1), DIVIDE=divisor is not None,
+                                         E5M2=fmt == "e5m2", TILE=TILE, **_NO_FUSION)
+    return flag.view(torch.bool)
 
 
 def reference(x: torch.Tensor, groups: GroupMap, fmt: str = "e4m3") -> tuple[torch.Tensor, ...]:

@@ -18,11 +18,11 @@ from .stages import (
     all_finite,
     decode,
     decode_gathered,
-    decode_shard,
     decode_sum,
     encode,
     encode_reduced,
     poison_unless,
+    reduce_encode,
 )
 from .streams import SideStream
 
@@ -217,23 +217,28 @@ class Communicator:
         try:
             launch.work.get_future().value()
             release(launch.sent)
-            # `out` is not read again (see launch): the senders' copies are decoded there
-            reduced = decode_sum(launch.recv, layout, self.rank, launch.unmap,
-                                 scratch=launch.out)
-            release(launch.recv)
-            if not launch.gather:
-                result.set_result(launch.then(reduced))
-                return
             pieces = self._pieces(layout, keys) if keys is not None else []
-            for key, lo, hi in pieces:
-                residual = self.owner.residual_in(key, self.owner_route)
-                if residual is not None:
-                    reduced[lo:hi] += residual
-            shard = encode_reduced(reduced, layout, self.rank, launch.seed)
-            if pieces:
-                error = reduced - decode_shard(shard, layout, self.rank)
+            if launch.gather and launch.unmap is None and not pieces:  # the fused kernels' case
+                shard = reduce_encode(launch.recv, layout, self.rank, launch.seed,
+                                      scratch=launch.out)[0]
+                release(launch.recv)
+            else:
+                # `out` is not read again (see launch): the senders' copies are decoded there
+                reduced = decode_sum(launch.recv, layout, self.rank, launch.unmap,
+                                     scratch=launch.out)
+                release(launch.recv)
+                if not launch.gather:
+                    result.set_result(launch.then(reduced))
+                    return
                 for key, lo, hi in pieces:
-                    self.owner.stage(key, error[lo:hi], self.owner_route)
+                    residual = self.owner.residual_in(key, self.owner_route)
+                    if residual is not None:
+                        reduced[lo:hi] += residual
+                # the owner's rounding error, written over the sum (not read again)
+                shard = encode_reduced(reduced, layout, self.rank, launch.seed,
+                                       error_out=reduced if pieces else None)
+                for key, lo, hi in pieces:
+                    self.owner.stage(key, reduced[lo:hi], self.owner_route)
         except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
             result.set_exception(exc)
             return

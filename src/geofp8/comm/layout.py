@@ -15,6 +15,7 @@ import torch
 from ..codecs import Codec
 from ..codecs.base import GroupMap
 from .order import FlatOrder
+from .plan import FusedPlan
 from .shard_codecs import ShardCodecs
 
 __all__ = ["KERNELS", "ShardLayout", "fp32_allreduce_wire_bytes", "tensor_wire_bytes"]
@@ -146,6 +147,11 @@ class ShardLayout(ShardCodecs, FlatOrder):
                    tuple(owners), (side_bytes,) * world_size, kernels=str(kernels))
 
     @cached_property
+    def plan(self) -> FusedPlan:
+        """The fused FP8 kernels' launch plan (its tile maps made on first use, kept)."""
+        return FusedPlan(self)
+
+    @cached_property
     def _maps(self) -> dict[tuple, object]:
         """What the stages derive from the layout, made once: group maps per selection of
         shards, the cuts of received records per their sizes."""
@@ -213,7 +219,7 @@ class ShardLayout(ShardCodecs, FlatOrder):
                 pos += n
         return spans
 
-    @property
+    @cached_property
     def max_shard_bytes(self) -> int:
         return max(self.shard_bytes(j) for j in range(self.world_size))
 

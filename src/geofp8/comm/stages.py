@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import torch
 
+from ..codecs import triton_fp8
 from ..codecs.base import mix_seed
 from .layout import ShardLayout
+from .plan import FusedPlan
 
 __all__ = ["all_finite", "decode", "decode_gathered", "decode_sum", "encode", "encode_reduced",
-           "encode_with_error", "poison_unless", "rounding_error", "simulate_exact_allreduce"]
+           "encode_with_error", "poison_unless", "reduce_encode", "rounding_error",
+           "sender_sum", "simulate_exact_allreduce"]
 
 
 def _shard_seed(seed: int | None, *index: int) -> int | None:
@@ -48,15 +51,38 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
 
 def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
                       side: list[torch.Tensor] | None = None, seed: int | None = None,
-                      sender: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                      sender: int = 0, error_out: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sent, error)``: :func:`encode` and its :func:`rounding_error` ``flat −
-    decode(sent)`` (a sender's error feedback residual, a new FP32 vector; the same bits),
-    left in flat order by the layout's one codec call where it can
-    (:attr:`ShardLayout.encodes_error`), else decoded back from ``sent`` once it is built."""
+    decode(sent)`` (a sender's error feedback residual, FP32; the same bits), left in flat
+    order by the layout's one codec call where it can (:attr:`ShardLayout.encodes_error`),
+    else decoded back from ``sent`` once it is built. ``error_out``: the FP32 vector the
+    error is written into, which may be ``flat`` itself (the bucket overwritten, no
+    bucket-sized temporary: the fused kernels write it in their encoding pass); else a new
+    one."""
+    if FusedPlan.applies(layout, flat, error_out) and not side:
+        error = error_out if error_out is not None else torch.empty_like(flat)
+        return triton_fp8.attempt(lambda: (_encode_fused(flat, layout, error), error),
+                                  lambda: encode_with_error(flat, layout, side, seed, sender,
+                                                            error_out))
     if not layout.encodes_error:
         sent = _encode(flat, layout, side, seed, sender)[0]
-        return sent, rounding_error(sent, flat, layout)
-    return _encode(flat, layout, side, seed, sender, with_error=True)
+        error = rounding_error(sent, flat, layout)
+    else:
+        sent, error = _encode(flat, layout, side, seed, sender, with_error=True)
+    return sent, error if error_out is None else error_out.copy_(error)
+
+
+def _encode_fused(flat: torch.Tensor, layout: ShardLayout,
+                  error: torch.Tensor | None = None) -> torch.Tensor:
+    """The send buffer in two kernels (the groups' amax; the codes and scales written where
+    they travel and the error where ``flat`` holds the values): :class:`FusedPlan`'s
+    ``send`` map."""
+    plan, device = layout.plan, flat.device
+    tiles = plan.tiles("send", device)
+    sent = flat.new_empty(plan.send_bytes, dtype=torch.uint8)
+    bits = triton_fp8.group_bits(flat, tiles, plan.slots("send", device))
+    return triton_fp8.encode_placed(sent, flat, bits, tiles, error, fmt=plan.fmt)
 
 
 def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | None,
@@ -64,6 +90,9 @@ def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | 
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(sent, the rounding error when with_error, else None)``."""
     n = layout.world_size
+    if not with_error and not side and FusedPlan.applies(layout, flat):
+        return triton_fp8.attempt(lambda: (_encode_fused(flat, layout), None),
+                                  lambda: _encode(flat, layout, side, seed, sender))
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
     if not (layout.batched(flat.device) or layout.segmentwise):
         sizes = _send_sizes(layout)
@@ -150,14 +179,19 @@ def _decode_flat(buf: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
     return values, torch.stack(flags).all() if check else None
 
 
+def _first(buf: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    return buf[0] if isinstance(buf, list) else buf
+
+
 def _device_of(buf: torch.Tensor | list[torch.Tensor]) -> torch.device:
-    return (buf[0] if isinstance(buf, list) else buf).device
+    return _first(buf).device
 
 
 def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
                unmap=None, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 3: dequantize the ``N`` senders' copies of ``shard`` (one batched decode: they
-    share its scale groups) and sum them in FP32 (one reduction over ``[N, shard]``).
+    share its scale groups) and sum them in FP32, sender after sender (:func:`sender_sum`;
+    the fused kernels: one pass, :func:`reduce_encode`).
 
     ``unmap(values, side)``, when given, maps the decoded copies ``[N, shard]`` back with
     the senders' side metadata ``[N, side bytes]`` (per-sender decoding) before the sum.
@@ -165,6 +199,9 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
     into); the copies are decoded into it when it holds ``N × shard`` elements, instead of
     into a new bucket-sized vector. Same bits either way.
     """
+    if unmap is None and FusedPlan.applies(layout, received):
+        return triton_fp8.attempt(lambda: _reduce_fused(received, layout, shard)[0],
+                                  lambda: decode_sum(received, layout, shard, unmap, scratch))
     n, nbytes = layout.world_size, layout.send_bytes(shard)
     size = n * layout.shard_numel(shard)
     fits = scratch is not None and scratch.numel() >= size
@@ -173,22 +210,84 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
     rows = values.view(n, -1)
     if unmap is not None:
         rows = unmap(rows, received[: n * nbytes].view(n, nbytes)[:, layout.shard_bytes(shard):])
-    return rows.sum(0)
+    return sender_sum(rows)
+
+
+def sender_sum(rows: torch.Tensor) -> torch.Tensor:
+    """``0 + rows[0] + rows[1] + …`` (FP32, the senders in order): the one order every path
+    adds the ``N`` decoded copies in, the fused kernels' too. ``rows.sum(0)`` picks its
+    order by shape and device; on a CPU it is this one up to 4 rows (and faster)."""
+    if rows.device.type == "cpu" and rows.shape[0] <= 4:
+        return rows.sum(0)
+    total = rows[0] + 0.0  # -0 + 0 = +0, as a sum from zero
+    for row in rows[1:]:
+        total += row
+    return total
+
+
+def _reduce_fused(received: torch.Tensor, layout: ShardLayout,
+                  shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum, its groups' amax slots)`` of the ``N`` received copies: one kernel."""
+    plan = layout.plan
+    return triton_fp8.reduce(received, plan.tiles(shard, received.device), layout.world_size,
+                             layout.send_bytes(shard), plan.shard_numels[shard],
+                             plan.slots(shard, received.device), plan.fmt)
+
+
+def reduce_encode(received: torch.Tensor, layout: ShardLayout, shard: int,
+                  seed: int | None = None, scratch: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stages 3 and 4 of the owner of ``shard``: ``(its re-encoded record, padded to
+    max_shard_bytes, the FP32 sum it encodes)``: :func:`decode_sum` then
+    :func:`encode_reduced`, the same bytes; with the fused kernels two (decode, sum and
+    the groups' amax; the scales and codes written into the record, its padding zeroed).
+    ``scratch``: see :func:`decode_sum` (the torch path's)."""
+    if FusedPlan.applies(layout, received):
+        def fused() -> tuple[torch.Tensor, torch.Tensor]:
+            total, bits = _reduce_fused(received, layout, shard)
+            return _encode_record(total, bits, layout, shard), total
+        return triton_fp8.attempt(fused, lambda: reduce_encode(received, layout, shard, seed,
+                                                               scratch))
+    total = decode_sum(received, layout, shard, scratch=scratch)
+    return encode_reduced(total, layout, shard, seed), total
+
+
+def _encode_record(values: torch.Tensor, bits: torch.Tensor, layout: ShardLayout,
+                   shard: int, error: torch.Tensor | None = None) -> torch.Tensor:
+    """Shard ``shard``'s record (padded) from its values and their groups' amax bits."""
+    plan, nbytes = layout.plan, layout.shard_bytes(shard)
+    out = values.new_empty(layout.max_shard_bytes, dtype=torch.uint8)
+    return triton_fp8.encode_placed(out, values, bits, plan.tiles(shard, values.device),
+                                    error, pad=(nbytes, layout.max_shard_bytes), fmt=plan.fmt)
 
 
 def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
-                   seed: int | None = None) -> torch.Tensor:
-    """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``."""
-    seed = _shard_seed(seed, layout.world_size + shard)
+                   seed: int | None = None, error_out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``.
+    ``error_out``: where the owner's rounding error ``shard_sum − decode(shard)`` is written
+    (FP32, may be ``shard_sum`` itself; the fused kernels write it in their encoding pass)."""
+    if FusedPlan.applies(layout, shard_sum, error_out):
+        def fused() -> torch.Tensor:
+            tiles = layout.plan.tiles(shard, shard_sum.device)
+            bits = triton_fp8.group_bits(shard_sum, tiles,
+                                         layout.plan.slots(shard, shard_sum.device))
+            return _encode_record(shard_sum, bits, layout, shard, error_out)
+        return triton_fp8.attempt(fused, lambda: encode_reduced(shard_sum, layout, shard, seed,
+                                                                error_out))
     nbytes = layout.shard_bytes(shard)
     if not layout.batched(shard_sum.device):
         out = shard_sum.new_empty(layout.max_shard_bytes, dtype=torch.uint8)
-        layout.encode_into(out, shard_sum, shard, seed)
+        layout.encode_into(out, shard_sum, shard, _shard_seed(seed, layout.world_size + shard))
         out[nbytes:].zero_()
-        return out
-    parts = layout.encode_shards(shard_sum, [shard], [seed])
-    pad = layout.max_shard_bytes - nbytes
-    return torch.cat([*parts, shard_sum.new_zeros(pad, dtype=torch.uint8)] if pad else parts)
+    else:
+        parts = layout.encode_shards(shard_sum, [shard],
+                                     [_shard_seed(seed, layout.world_size + shard)])
+        pad = layout.max_shard_bytes - nbytes
+        out = torch.cat([*parts, shard_sum.new_zeros(pad, dtype=torch.uint8)] if pad else parts)
+    if error_out is not None:
+        torch.sub(shard_sum, decode_shard(out, layout, shard), out=error_out)
+    return out
 
 
 def decode_shard(buf: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Tensor:
@@ -197,16 +296,30 @@ def decode_shard(buf: torch.Tensor, layout: ShardLayout, shard: int) -> torch.Te
 
 
 def decode_gathered(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, divide: int | None = None) -> torch.Tensor:
     """Stage 5: the full reduced vector (written into the FP32 ``out`` when given) from the
     ``N`` re-encoded shards (an all-gather's ``[N, max_shard_bytes]`` buffer, or a list);
     all NaN if any shard carries a non-finite scale (a segmentwise codec: through its
-    scales; else a pass over the values, :func:`poison_unless`)."""
+    scales; else a pass over the values, :func:`poison_unless`); ``divide``: divided by it
+    (IEEE, e.g. by ``N`` for the mean). The fused kernels: two (the flag, the decode)."""
     if isinstance(gathered, torch.Tensor):
         gathered = gathered.view(-1)
+    if FusedPlan.applies(layout, _first(gathered), out):
+        def fused() -> torch.Tensor:
+            joined = gathered if isinstance(gathered, torch.Tensor) else torch.cat(gathered)
+            values = out if out is not None else torch.empty(
+                layout.numel, dtype=torch.float32, device=joined.device)
+            plan = layout.plan
+            device = joined.device
+            triton_fp8.decode_placed(values, joined, plan.tiles("gather", device),
+                                     plan.scale_rows(device), plan.slots("finite", device),
+                                     divide, plan.fmt)
+            return values
+        return triton_fp8.attempt(fused, lambda: decode_gathered(gathered, layout, out, divide))
     values, finite = _decode_flat(gathered, layout, layout.max_shard_bytes, out=out,
                                   poison=True)
-    return values if finite is None else poison_unless(values, finite)
+    values = values if finite is None else poison_unless(values, finite)
+    return values if divide is None else values.div_(values.new_full((), divide))
 
 
 def all_finite(values: torch.Tensor) -> torch.Tensor:
@@ -255,5 +368,5 @@ def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout,
     gathered = []
     for j in range(n):
         received = torch.cat([s[offsets[j] : offsets[j + 1]] for s in sent])
-        gathered.append(encode_reduced(decode_sum(received, layout, j), layout, j, seed))
+        gathered.append(reduce_encode(received, layout, j, seed)[0])
     return decode_gathered(gathered, layout, out)
