@@ -556,6 +556,39 @@ def test_a_segmentwise_codec_is_run_in_flat_order(fmt, scaling, rounding, shapes
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), kernels
 
 
+class _FP32Vectors(TorchDispatchMode):
+    """Counts the new FP32 tensors of ``numel`` elements made inside the block."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func._schema.name.startswith("aten::empty") and out.dtype == torch.float32
+                and out.numel() == self.numel):
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize(("fmt", "shapes"), [("e4m3", ODD), ("nvfp4", EVEN)])
+def test_the_chunked_encode_writes_the_error_over_the_bucket(fmt, shapes):
+    """``error_out=flat`` on a CPU (the native kernels' fused error): the error is written
+    over the bucket in the encoding pass, the bits of a new vector's, and no bucket-sized
+    FP32 vector is made (the sender's peak memory, issue 43)."""
+    from geofp8.codecs import make_codec
+
+    layout = ShardLayout.build(shapes, make_codec(fmt, "block", 8), 3, kernels="chunked")
+    flat = torch.randn(layout.numel, generator=torch.Generator().manual_seed(5))
+    sent, error = encode_with_error(flat, layout, seed=9)
+    bucket = flat.clone()
+    with _FP32Vectors(layout.numel) as made:
+        again, written = encode_with_error(bucket, layout, seed=9, error_out=bucket)
+    assert written.data_ptr() == bucket.data_ptr() and made.count == 0
+    assert torch.equal(again, sent) and torch.equal(bucket.view(torch.int32),
+                                                    error.view(torch.int32))
+
+
 def test_joined_is_a_view_only_of_parts_that_lie_back_to_back():
     from geofp8.codecs.base import joined
 

@@ -74,7 +74,9 @@ static inline run_t run_in(const int64_t *run, int64_t lo, int64_t hi) {
  * encode: codes[i] = e4m3(x[i] / s_g), the IEEE FP32 quotient converted as torch 2.13's c10
  *         converts (round to nearest even; overflow and Inf saturate at 0x7E = 448; NaN is 0x7F),
  *         and, where `error` is not NULL, error[i] = x[i] - value(codes[i]) * s_g (the decode's
- *         product, then the FP32 difference: the rounding error, in the same pass);
+ *         product, then the FP32 difference: the rounding error, in the same pass; `error`
+ *         may be `x` itself, each element read before its error is written, so neither
+ *         pointer is `restrict`);
  * decode: out[i] = value(codes[i]) * s_g (the FP32 product of torch's value of the byte). */
 
 /* c10's fp8e4m3fn_from_fp32_value, branch-free: |q| clamped to 448 (above saturates; NaN
@@ -113,7 +115,7 @@ static inline float e4m3_value(uint8_t c) {
     return float_of(v | ((uint32_t)(c & 0x80u) << 24));
 }
 
-void geofp8_e4m3_encode(const float *restrict x, uint8_t *restrict codes, float *restrict error,
+void geofp8_e4m3_encode(const float *x, uint8_t *restrict codes, float *error,
                         const float *restrict scales, const int64_t *runs, int64_t n_runs,
                         int64_t lo, int64_t hi) {
     uint32_t c[PIECE];
@@ -188,8 +190,9 @@ static void spread(float *restrict buf, const float *restrict scale, const int64
 
 /* The divisor of a group is its scale, or 1 where the scale is not positive (0: an all-zero
  * block; NaN: a non-finite one), as NVFP4Codec divides; `error` (or NULL): x - value * scale,
- * as the decode's product and the FP32 difference. */
-void geofp8_e2m1_encode(const float *restrict x, uint8_t *restrict packed, float *restrict error,
+ * as the decode's product and the FP32 difference; it may be `x` itself (each element is read
+ * before its error is written). */
+void geofp8_e2m1_encode(const float *x, uint8_t *restrict packed, float *error,
                         const float *restrict scale, const int64_t *runs, int64_t n_runs,
                         int64_t lo, int64_t hi) {
     float d[PIECE];

@@ -237,7 +237,7 @@ def e4m3_encode(codes: torch.Tensor, x: torch.Tensor, scales: torch.Tensor,
     """``codes[i] = e4m3(x[i] / scales[g])`` for the FP32 ``x`` cut into groups of
     ``lengths`` (``codes``: one byte per element, uint8 or ``float8_e4m3fn``); with
     ``error``, also ``error[i] = x[i] − value(codes[i]) · scales[g]`` in the same pass (what
-    :func:`e4m3_decode` and a subtraction give)."""
+    :func:`e4m3_decode` and a subtraction give; ``error`` may be ``x`` itself)."""
     r = _e4m3_runs(x, codes, scales, lengths)
     _call(kernels().geofp8_e4m3_encode, _cuts(x.numel()), x.data_ptr(), codes.data_ptr(),
           _error_ptr(error, x), scales.data_ptr(), r.data_ptr(), r.shape[0])

@@ -105,7 +105,7 @@ class ShardCodecs:
         return self.segmentwise
 
     def encode_pieces(self, flat: torch.Tensor, seeds: list[int | None],
-                      with_error: bool = False
+                      with_error: bool = False, error_out: torch.Tensor | None = None
                       ) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
         """``(per shard, the pieces whose concatenation is its payload; the rounding error)``
         from the flat FP32 vector; shard ``j`` encoded with ``seeds[j]``. For a segmentwise
@@ -117,7 +117,10 @@ class ShardCodecs:
         :attr:`encodes_error`): the error is a new FP32 vector ``flat − decode(payloads)`` in
         flat order (else ``None``): chunked, from the encoding pass where
         :meth:`Codec.fuses_error`; batched, decoded from the parts before they are put in
-        shard order (views, no copy), allocated once the codec's temporaries are freed."""
+        shard order (views, no copy), allocated once the codec's temporaries are freed.
+        ``error_out``: an FP32 vector of ``flat``'s size, ``flat`` itself included, that the
+        chunked path's encoding pass writes the error into where the codec fuses it (no
+        new vector); elsewhere it is not used and the caller copies."""
         if with_error and not self.encodes_error:
             raise ValueError("this layout does not leave the rounding error in flat order "
                              "(see encodes_error)")
@@ -138,7 +141,8 @@ class ShardCodecs:
             segments, part_bytes = self._flat_run
             payload = flat.new_empty(sum(part_bytes), dtype=torch.uint8)
             if with_error:
-                error = torch.empty_like(flat)
+                fused = error_out is not None and self.codec.fuses_error(payload, error_out, flat)
+                error = error_out if fused else torch.empty_like(flat)
                 self.codec.encode_with_error(payload, error, flat, segments)
             else:
                 self.codec.encode_into(payload, flat, segments)

@@ -69,8 +69,9 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
         sent = _encode(flat, layout, side, seed, sender)[0]
         error = rounding_error(sent, flat, layout)
     else:
-        sent, error = _encode(flat, layout, side, seed, sender, with_error=True)
-    return sent, error if error_out is None else error_out.copy_(error)
+        sent, error = _encode(flat, layout, side, seed, sender, with_error=True,
+                              error_out=error_out)
+    return sent, error if error_out is None or error is error_out else error_out.copy_(error)
 
 
 def _encode_fused(flat: torch.Tensor, layout: ShardLayout,
@@ -86,9 +87,10 @@ def _encode_fused(flat: torch.Tensor, layout: ShardLayout,
 
 
 def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | None,
-            seed: int | None, sender: int, with_error: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(sent, the rounding error when with_error, else None)``."""
+            seed: int | None, sender: int, with_error: bool = False,
+            error_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(sent, the rounding error when with_error, else None)``; the error is written into
+    ``error_out`` where the layout's codec call can (see :meth:`ShardLayout.encode_pieces`)."""
     n = layout.world_size
     if not with_error and not side and FusedPlan.applies(layout, flat):
         return triton_fp8.attempt(lambda: (_encode_fused(flat, layout), None),
@@ -102,7 +104,7 @@ def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | 
             if layout.side[j]:
                 record[layout.shard_bytes(j) :].copy_(side[j])
         return sent, None
-    payloads, error = layout.encode_pieces(flat, seeds, with_error)
+    payloads, error = layout.encode_pieces(flat, seeds, with_error, error_out)
     pieces = []
     for j, payload in enumerate(payloads):
         pieces += payload
