@@ -196,20 +196,24 @@ def unpack_into(out: torch.Tensor, buf: torch.Tensor) -> None:
         out[n - 1 :] = last.view(torch.float32)[:1]
 
 
-def pack_shards(codes: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
+def pack_shards(codes: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
     """Every shard's codes (``numels[i]`` of them, one after the other) packed by
     :func:`pack_nibbles` on its own: ``⌈numels[i]/2⌉`` bytes each."""
-    odd = [n % 2 for n in numels]
-    if any(odd):  # a zero nibble after each odd shard, as pack_nibbles pads its last byte
-        pad = codes.new_zeros(1)
-        codes = torch.cat([p for c, o in zip(codes.split(numels), odd)
-                           for p in ((c, pad) if o else (c,))])
+    return list(pack_whole(codes, numels).split([(n + 1) // 2 for n in numels]))
+
+
+def pack_whole(codes: torch.Tensor, numels: Sequence[int]) -> torch.Tensor:
+    """:func:`pack_shards`' bytes back to back, one tensor."""
+    if any(n % 2 for n in numels):  # a zero nibble after each odd shard, as pack_nibbles
+        pad = codes.new_zeros(1)  # pads its last byte
+        codes = torch.cat([p for c, n in zip(codes.split(list(numels)), numels)
+                           for p in ((c, pad) if n % 2 else (c,))])
     packed = codes.new_empty(codes.numel() // 2)
     pack_nibbles(codes, packed)
-    return list(packed.split([(n + 1) // 2 for n in numels]))
+    return packed
 
 
-def unpack_shards(out: torch.Tensor, packed: torch.Tensor, numels: list[int]) -> None:
+def unpack_shards(out: torch.Tensor, packed: torch.Tensor, numels: Sequence[int]) -> None:
     """The inverse of :func:`pack_shards`: the values of every shard into ``out``."""
     odd = [n % 2 for n in numels]
     if not any(odd):
@@ -447,15 +451,35 @@ class NVFP4Codec(Codec):
         shards = group_map(shards)
         if not shards.lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (3 * len(shards))
+        return self._split(shards, *self._encode_whole(x, shards, seeds)[:3])
+
+    def _encode_whole(self, x: torch.Tensor, shards: GroupMap, seeds) -> tuple[torch.Tensor, ...]:
+        """``(segment scales, block scale codes, packed codes, block scales)`` of the whole
+        bucket, each one tensor (torch ops)."""
         s, code, scale = self._scales(block_amax_of(x, shards), shards.segments,
                                       shards.on("counts", x.device))
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
         v = group_div(x, divisor, shards)
+        return s, code, pack_whole(e2m1_encode(v, u), shards.numels), scale
+
+    def _split(self, shards: GroupMap, *whole: torch.Tensor) -> list[torch.Tensor]:
+        """Every shard's parts, cut from the whole bucket's three."""
         sizes = shards.memo(self, lambda: tuple(zip(*(self.part_bytes(g) for g in shards))))
-        return interleave(s.view(torch.uint8).split(sizes[0]), code.split(sizes[1]),
-                          pack_shards(e2m1_encode(v, u), list(shards.numels)))
+        return interleave(*(t.view(torch.uint8).split(n) for t, n in zip(whole, sizes)))
+
+    def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
+                                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """:meth:`encode_shards` and the rounding error decoded back from the whole bucket's
+        codes and block scales (no parts joined back)."""
+        shards = group_map(shards)
+        if not shards.lengths:
+            return super().encode_shards_with_error(x, shards)
+        s, code, packed, scale = self._encode_whole(x, shards, [None] * len(shards))
+        error = torch.empty_like(x)
+        self._decode_values(error, packed, scale, shards)
+        return self._split(shards, s, code, packed), torch.sub(x, error, out=error)
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
@@ -467,9 +491,15 @@ class NVFP4Codec(Codec):
         scale = e4m3_values(code).mul_(torch.repeat_interleave(
             s, shards.on("counts", out.device), output_size=code.numel()))
         finite = scales_flag(scale, check, poison)
-        unpack_shards(out, joined(parts[2::3]), list(shards.numels))
-        group_mul_(out, scale, shards)
+        self._decode_values(out, joined(parts[2::3]), scale, shards)
         return finite
+
+    @staticmethod
+    def _decode_values(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                       shards: GroupMap) -> None:
+        """The FP32 values of the whole bucket's packed codes and block scales into ``out``."""
+        unpack_shards(out, packed, shards.numels)
+        group_mul_(out, scale, shards)
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         return flushed_fraction(self, x)

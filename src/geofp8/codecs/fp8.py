@@ -155,9 +155,22 @@ class FP8Codec(Codec):
             _, scales = triton_fp8.amax(x, groups, fmt=self.format)
             codes = triton_fp8.encode(x, scales, groups, fmt=self.format)[0]
         else:
-            scales = self.scales_from_amax(group_amax(x, groups))
-            codes = group_fp8(x, scales, groups, self.dtype)
+            scales, codes = self._encode_whole(x, groups)
         return self._parts(scales, codes, groups)
+
+    def _encode_whole(self, x: torch.Tensor, groups: GroupMap) -> tuple[torch.Tensor, ...]:
+        """``(scales, codes)`` of every group of the bucket, whole (torch ops)."""
+        scales = self.scales_from_amax(group_amax(x, groups))
+        return scales, group_fp8(x, scales, groups, self.dtype)
+
+    def _decode_whole(self, out: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor,
+                      groups: GroupMap) -> None:
+        """The FP32 values of the whole bucket's ``codes`` and ``scales`` into ``out``."""
+        if self.format == "e4m3":
+            e4m3_into(out, codes)
+        else:
+            out.copy_(codes.view(torch.float8_e5m2))
+        group_mul_(out, scales, groups)
 
     def _parts(self, scales: torch.Tensor, codes: torch.Tensor,
                groups: GroupMap) -> list[torch.Tensor]:
@@ -169,10 +182,15 @@ class FP8Codec(Codec):
     def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
                                  ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """With the fused kernels, the rounding error from the encoding pass (three kernels
-        in all); else decoded back (:meth:`Codec.encode_shards_with_error`)."""
+        in all); else decoded back from the whole bucket's scales and codes."""
         groups = group_map(shards)
-        if not (groups.lengths and triton_fp8.available(x)):
+        if not groups.lengths:
             return super().encode_shards_with_error(x, groups)
+        if not triton_fp8.available(x):  # decoded whole: no parts joined back
+            scales, codes = self._encode_whole(x, groups)
+            error = torch.empty_like(x)
+            self._decode_whole(error, scales, codes, groups)
+            return self._parts(scales, codes, groups), torch.sub(x, error, out=error)
         _, scales = triton_fp8.amax(x, groups, fmt=self.format)
         codes, error = triton_fp8.encode(x, scales, groups, error=True, fmt=self.format)
         return self._parts(scales, codes, groups), error
@@ -184,12 +202,8 @@ class FP8Codec(Codec):
         finite = scales_flag(scales, check, poison)
         if triton_fp8.available(out):  # one fused pass
             triton_fp8.decode(out, codes, scales, group_map(shards), self.format)
-            return finite
-        if self.format == "e4m3":
-            e4m3_into(out, codes)
         else:
-            out.copy_(codes.view(torch.float8_e5m2))
-        group_mul_(out, scales, group_map(shards))
+            self._decode_whole(out, scales, codes, group_map(shards))
         return finite
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
