@@ -476,22 +476,37 @@ class NVFP4Codec(Codec):
         shards = group_map(shards)
         if not shards.lengths:
             return super().encode_shards_with_error(x, shards)
+        wholes, error = self.encode_whole(x, shards, with_error=True)
+        return self._split(shards, *wholes), error
+
+    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False
+                     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        shards = group_map(shards)
+        if not shards.lengths:
+            return super().encode_whole(x, shards, with_error)
         s, code, packed, scale = self._encode_whole(x, shards, [None] * len(shards))
-        error = torch.empty_like(x)
-        self._decode_values(error, packed, scale, shards)
-        return self._split(shards, s, code, packed), torch.sub(x, error, out=error)
+        error = None
+        if with_error:
+            error = torch.empty_like(x)
+            self._decode_values(error, packed, scale, shards)
+            torch.sub(x, error, out=error)
+        return [s.view(torch.uint8), code, packed], error
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
+        return self.decode_whole(out, [joined(parts[p::3], align=4 if p == 0 else 1)
+                                       for p in range(3)], shards, check, poison)
+
+    def decode_whole(self, out: torch.Tensor, wholes, shards: Shards, check: bool = True,
+                     poison: bool = False) -> torch.Tensor | None:
         shards = group_map(shards)
         if not shards.lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
-        s = joined(parts[0::3], align=4).view(torch.float32)
-        code = joined(parts[1::3])
+        s, code, packed = wholes
         scale = e4m3_values(code).mul_(torch.repeat_interleave(
-            s, shards.on("counts", out.device), output_size=code.numel()))
+            s.view(torch.float32), shards.on("counts", out.device), output_size=code.numel()))
         finite = scales_flag(scale, check, poison)
-        self._decode_values(out, joined(parts[2::3]), scale, shards)
+        self._decode_values(out, packed, scale, shards)
         return finite
 
     @staticmethod

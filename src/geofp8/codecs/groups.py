@@ -16,13 +16,14 @@ it), at the price of that walk on each call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any
 
 import torch
 
-__all__ = ["GroupMap", "group_map"]
+__all__ = ["GroupMap", "RunGather", "group_map"]
 
 
 class GroupMap(tuple):
@@ -82,3 +83,48 @@ class GroupMap(tuple):
 def group_map(shards) -> GroupMap:
     """``shards`` as a :class:`GroupMap` (itself when it is one)."""
     return shards if isinstance(shards, GroupMap) else GroupMap(shards)
+
+
+class RunGather:
+    """A reorder of the contiguous runs of a 1-D tensor, as one ``index_select`` of rows.
+
+    The source holds runs of ``lengths[r]`` elements one after the other; the destination
+    holds the same runs in the order ``order`` (source run indices). Every run starts and
+    ends at a multiple of ``row``, the gcd of the lengths, so both tensors viewed as
+    ``[numel/row, row]`` map row to row: :meth:`forward` and :meth:`backward` are one
+    gather each with an index made once on the host and copied once per device, whatever
+    the number of runs (no view per run, no ``cat`` of them). The index costs
+    :attr:`index_bytes` on each device, more than the data when the runs' lengths share no
+    large factor: the caller decides.
+    """
+
+    def __init__(self, lengths: Sequence[int], order: Sequence[int]) -> None:
+        self.row = math.gcd(*lengths) or 1
+        self.numel = sum(lengths)
+        self.index_bytes = 8 * (self.numel // self.row)  # two int32 indices
+        self._lengths, self._order = tuple(lengths), tuple(order)
+        self._memo: dict = {}
+
+    def _index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(destination row -> source row, source row -> destination row)`` on ``device``
+        (int32), built on the host with a few vectorised ops and copied there once."""
+        device = torch.device(device)
+        if device not in self._memo:
+            n = torch.tensor(self._lengths, dtype=torch.long) // self.row  # rows per run
+            first = torch.cumsum(n, 0) - n  # each run's first source row
+            order = torch.tensor(self._order, dtype=torch.long)
+            taken = n[order]
+            shift = first[order] - (torch.cumsum(taken, 0) - taken)  # source - destination
+            fwd = torch.arange(int(taken.sum())) + torch.repeat_interleave(shift, taken)
+            bwd = torch.empty_like(fwd)
+            bwd[fwd] = torch.arange(fwd.numel())
+            self._memo[device] = (fwd.to(torch.int32).to(device), bwd.to(torch.int32).to(device))
+        return self._memo[device]
+
+    def forward(self, src: torch.Tensor) -> torch.Tensor:
+        """The runs of the contiguous ``src`` in destination order (a new tensor)."""
+        return src.view(-1, self.row).index_select(0, self._index(src.device)[0]).view(-1)
+
+    def backward(self, dst: torch.Tensor) -> torch.Tensor:
+        """The inverse: the runs of the contiguous ``dst`` back in source order."""
+        return dst.view(-1, self.row).index_select(0, self._index(dst.device)[1]).view(-1)

@@ -14,8 +14,12 @@ from functools import cached_property
 import torch
 
 from ..codecs.base import GroupMap, interleave, mix_seed
+from ..codecs.groups import RunGather
 
 __all__ = ["ShardCodecs"]
+
+MAX_INDEX_SHARE = 4  # a reorder's indices may take up to 1/4 of the payload's bytes ...
+MIN_INDEX_BYTES = 1 << 16  # ... or this much
 
 
 class ShardCodecs:
@@ -84,6 +88,24 @@ class ShardCodecs:
                 [self.codec.part_bytes(s) for s in flat_shards])
 
     @cached_property
+    def _part_gathers(self) -> tuple[tuple[RunGather, ...], tuple[tuple[int, ...], ...]] | None:
+        """For the batched kernels of a segmentwise codec: per kind of part, the reorder of
+        its bytes from flat order (every segment's, as :meth:`Codec.encode_whole` leaves
+        them) to shard order (:class:`RunGather`, one gather whatever the number of
+        segments), and per kind the bytes of each shard's; ``None`` where the reorders'
+        indices would outweigh :data:`MAX_INDEX_SHARE` of the payload (runs whose lengths
+        share no large factor: the split-and-cat path then)."""
+        _, positions, seg_bytes = self._by_segment
+        by_shard = [f for flat in positions for f in flat]
+        gathers = tuple(RunGather([b[p] for b in seg_bytes], by_shard)
+                        for p in range(len(seg_bytes[0]) if seg_bytes else 0))
+        index, data = sum(g.index_bytes for g in gathers), sum(g.numel for g in gathers)
+        if index > max(data // MAX_INDEX_SHARE, MIN_INDEX_BYTES):
+            return None
+        return gathers, tuple(tuple(sum(seg_bytes[f][p] for f in flat) for flat in positions)
+                              for p in range(len(gathers)))
+
+    @cached_property
     def _flat_run(self) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
         """When :attr:`segmentwise`: every segment's groups in flat order, as the segments of
         one shard, and that shard's parts' bytes (part ``p`` of every segment back to back)."""
@@ -130,6 +152,11 @@ class ShardCodecs:
             return [parts[bounds[j] : bounds[j + 1]] for j in range(n)], None
         flat_shards, positions, seg_bytes = self._by_segment
         _check_float(flat)
+        if self.batched(flat.device) and self._part_gathers is not None:
+            gathers, shard_bytes = self._part_gathers
+            wholes, error = self.codec.encode_whole(flat, flat_shards, with_error)
+            kinds = [g.forward(w).split(b) for g, w, b in zip(gathers, wholes, shard_bytes)]
+            return [list(parts) for parts in zip(*kinds)], error
         if self.batched(flat.device) and with_error:
             parts, error = self.codec.encode_shards_with_error(flat, flat_shards)
         elif self.batched(flat.device):
@@ -167,6 +194,17 @@ class ShardCodecs:
         self._maps[("records", records)] = sizes, where
         return sizes, where
 
+    def _record_parts(self, records: tuple[int, ...]) -> list[int]:
+        """The byte sizes that cut records of these sizes into each shard's parts (kinds
+        whole, :attr:`_part_gathers`) and its record's rest: ``k + 1`` per record."""
+        key = ("record parts", records)
+        if key not in self._maps:
+            shard_bytes = self._part_gathers[1]
+            self._maps[key] = [size for j, record in enumerate(records) for size in
+                               (*(b[j] for b in shard_bytes),
+                                record - sum(b[j] for b in shard_bytes))]
+        return self._maps[key]
+
     def decode_flat(self, out: torch.Tensor, buf: torch.Tensor, records: list[int],
                     check: bool = True, poison: bool = False) -> torch.Tensor | None:
         """When :attr:`segmentwise`: the flat FP32 vector into ``out`` from every shard's
@@ -178,6 +216,12 @@ class ShardCodecs:
         ``None`` is returned."""
         flat_shards, _, seg_bytes = self._by_segment
         k = len(seg_bytes[0]) if seg_bytes else 0
+        if self.batched(buf.device) and self._part_gathers is not None:
+            gathers, shard_bytes = self._part_gathers
+            pieces = buf[: sum(records)].split(self._record_parts(tuple(records)))
+            wholes = [g.backward(torch.cat(pieces[p :: k + 1]))
+                      for p, g in enumerate(gathers)]
+            return self.codec.decode_whole(out, wholes, flat_shards, check, poison)
         sizes, where = self._record_cuts(tuple(records))
         pieces = buf[: sum(records)].split(sizes)
         if self.batched(buf.device):
