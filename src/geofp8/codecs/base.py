@@ -80,10 +80,10 @@ def segment_amax(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Max ``|x|`` of every contiguous group of the given (device) ``lengths``; NaN for a
     group holding NaN or ±Inf. Exact, so equal to any other way of taking it."""
     amax = torch.segment_reduce(flat.abs(), "max", lengths=lengths, unsafe=True)
-    # segment_reduce drops NaN in max on some builds: restore the policy explicitly.
-    bad = torch.segment_reduce((~torch.isfinite(flat)).float(), "max", lengths=lengths,
-                               unsafe=True)
-    return torch.where(bad > 0, torch.full_like(amax, float("nan")), amax)
+    # segment_reduce drops NaN in max on some builds: restore the policy explicitly. Σ x·0
+    # over a group is ±0 when every x is finite, else NaN; amax ≥ 0, so amax + (±0) = amax.
+    bad = torch.segment_reduce(flat.mul(0), "sum", lengths=lengths, unsafe=True)
+    return amax.add_(bad)
 
 
 def rows_amax(v: torch.Tensor) -> torch.Tensor:

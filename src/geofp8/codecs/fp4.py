@@ -61,6 +61,7 @@ from .base import (
     scales_flag,
 )
 from .fp8 import e4m3_values, group_lengths, lookup_into
+from .groups import segment_index
 
 __all__ = ["E2M1_VALUES", "NVFP4Codec", "ROUNDINGS", "e2m1_encode", "e2m1_values",
            "segment_uniforms"]
@@ -172,7 +173,7 @@ def pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
         if even.storage_offset() % 2:
             even = even.clone()
         p = even.view(torch.int16)
-        out[:pairs].copy_(torch.bitwise_or(p, p >> 4).bitwise_and_(0xFF))
+        out[:pairs].copy_(torch.bitwise_or(p, p >> 4))  # the cast keeps the low byte
     if n % 2:
         out[pairs] = codes[-1]
 
@@ -361,25 +362,28 @@ class NVFP4Codec(Codec):
         return 4 * n_seg, blocks.groups, (blocks.numel + 1) // 2
 
     def _scales(self, amax: torch.Tensor, segments: Segments,
-                counts: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """``(segment scales s, block scale codes, block scales β·s per block)``; ``counts``:
-        the blocks of each segment as a tensor on ``amax``'s device (made here if not
-        given)."""
+                groups: GroupMap | None = None) -> tuple[torch.Tensor, ...]:
+        """``(segment scales s, block scale codes, block scales β·s per block)``; ``groups``:
+        the segments' map, whose device counts and segment index are made once (else
+        made here)."""
         if native.usable(amax):  # two passes of the CPU's native kernels
             per_segment = tuple(len(seg) for seg in segments)
             seg_amax = native.runs_amax(amax, native.length_runs(per_segment), len(segments),
                                         finite_only=True)
             s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
             return (s, *native.nvfp4_scales(amax, s, per_segment))
-        if counts is None:
+        if groups is None:
             counts = torch.tensor([len(seg) for seg in segments]).to(amax.device)
+        else:
+            counts = groups.on("counts", amax.device)
         finite = amax.nan_to_num(posinf=0.0)  # a non-finite block (+Inf) counts as 0
         seg_amax = torch.segment_reduce(finite, "max", lengths=counts, unsafe=True)
         s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
-        s_block = torch.repeat_interleave(s, counts, output_size=amax.numel())
+        s_block = (torch.repeat_interleave(s, counts, output_size=amax.numel()) if groups is None
+                   else s.index_select(0, segment_index(groups, amax.device)))
         r = (amax / (E2M1_MAX * s_block)).clamp_(max=E4M3_MAX)
         nearest = r.to(torch.float8_e4m3fn)
-        code = nearest.view(torch.uint8) + (e4m3_values(nearest) < r).to(torch.uint8)  # round up
+        code = nearest.view(torch.uint8) + (e4m3_values(nearest) < r)  # round up (bool: 0/1)
         code.masked_fill_(amax.isinf(), 0x7F)
         return s, code, e4m3_values(code).mul_(s_block)
 
@@ -456,9 +460,8 @@ class NVFP4Codec(Codec):
     def _encode_whole(self, x: torch.Tensor, shards: GroupMap, seeds) -> tuple[torch.Tensor, ...]:
         """``(segment scales, block scale codes, packed codes, block scales)`` of the whole
         bucket, each one tensor (torch ops)."""
-        s, code, scale = self._scales(block_amax_of(x, shards), shards.segments,
-                                      shards.on("counts", x.device))
-        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+        s, code, scale = self._scales(block_amax_of(x, shards), shards.segments, shards)
+        divisor = torch.where(scale > 0, scale, 1.0)
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
         v = group_div(x, divisor, shards)
@@ -503,8 +506,8 @@ class NVFP4Codec(Codec):
         if not shards.lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
         s, code, packed = wholes
-        scale = e4m3_values(code).mul_(torch.repeat_interleave(
-            s.view(torch.float32), shards.on("counts", out.device), output_size=code.numel()))
+        scale = e4m3_values(code).mul_(s.view(torch.float32).index_select(
+            0, segment_index(shards, out.device)))
         finite = scales_flag(scale, check, poison)
         self._decode_values(out, packed, scale, shards)
         return finite

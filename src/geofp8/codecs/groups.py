@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GroupMap", "RunGather", "group_map"]
+__all__ = ["GroupMap", "RunGather", "group_map", "segment_index"]
 
 
 class GroupMap(tuple):
@@ -78,6 +78,15 @@ class GroupMap(tuple):
         pageable memory waits for the device, so never per call."""
         return self.memo((name, torch.device(device)),
                          lambda: torch.tensor(getattr(self, name), dtype=torch.long).to(device))
+
+
+def segment_index(groups: GroupMap, device: torch.device) -> torch.Tensor:
+    """The segment of every group of ``groups`` (int32, on ``device``, made once): what a
+    per-segment value indexes to be per group, one gather (``repeat_interleave`` by the
+    counts takes two kernels)."""
+    return groups.memo(("segment index", torch.device(device)), lambda: torch.repeat_interleave(
+        torch.arange(len(groups.counts), dtype=torch.int32),
+        torch.tensor(groups.counts, dtype=torch.long)).to(device))
 
 
 def group_map(shards) -> GroupMap:
