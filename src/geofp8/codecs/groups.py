@@ -86,7 +86,8 @@ def segment_index(groups: GroupMap, device: torch.device) -> torch.Tensor:
     counts takes two kernels)."""
     return groups.memo(("segment index", torch.device(device)), lambda: torch.repeat_interleave(
         torch.arange(len(groups.counts), dtype=torch.int32),
-        torch.tensor(groups.counts, dtype=torch.long)).to(device))
+        torch.tensor(groups.counts, dtype=torch.long), output_size=len(groups.lengths)
+    ).to(device))
 
 
 def group_map(shards) -> GroupMap:
@@ -124,7 +125,8 @@ class RunGather:
             order = torch.tensor(self._order, dtype=torch.long)
             taken = n[order]
             shift = first[order] - (torch.cumsum(taken, 0) - taken)  # source - destination
-            fwd = torch.arange(int(taken.sum())) + torch.repeat_interleave(shift, taken)
+            rows = self.numel // self.row  # (output_size: no read of a tensor's value)
+            fwd = torch.arange(rows) + torch.repeat_interleave(shift, taken, output_size=rows)
             bwd = torch.empty_like(fwd)
             bwd[fwd] = torch.arange(fwd.numel())
             self._memo[device] = (fwd.to(torch.int32).to(device), bwd.to(torch.int32).to(device))
