@@ -18,7 +18,7 @@ from ..codecs.groups import RunGather
 
 __all__ = ["ShardCodecs"]
 
-MAX_INDEX_SHARE = 4  # a reorder's indices may take up to 1/4 of the payload's bytes ...
+MAX_INDEX_SHARE = 2  # a reorder's indices may take up to 1/2 of the payload's bytes ...
 MIN_INDEX_BYTES = 1 << 16  # ... or this much
 
 
@@ -93,8 +93,8 @@ class ShardCodecs:
         its bytes from flat order (every segment's, as :meth:`Codec.encode_whole` leaves
         them) to shard order (:class:`RunGather`, one gather whatever the number of
         segments), and per kind the bytes of each shard's; ``None`` where the reorders'
-        indices would outweigh :data:`MAX_INDEX_SHARE` of the payload (runs whose lengths
-        share no large factor: the split-and-cat path then)."""
+        indices would take more than ``1/MAX_INDEX_SHARE`` of the payload's bytes (runs
+        whose lengths share no large factor: the split-and-cat path then)."""
         _, positions, seg_bytes = self._by_segment
         by_shard = [f for flat in positions for f in flat]
         gathers = tuple(RunGather([b[p] for b in seg_bytes], by_shard)
