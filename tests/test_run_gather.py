@@ -39,7 +39,7 @@ def test_a_layout_with_or_without_the_gather_gives_the_chunked_kernels_bits(fmt,
     batched = ShardLayout.build(shapes, make_codec(fmt), n, kernels="batched")
     chunked = ShardLayout.build(shapes, make_codec(fmt), n, kernels="chunked")
     assert batched.segmentwise
-    assert (batched._part_gathers is None) == ragged
+    assert (batched._parts_order is None) == ragged
     gen = torch.Generator().manual_seed(1)
     inputs = [torch.randn(batched.numel, generator=gen) * 10.0 ** r for r in range(n)]
     for (a, b) in zip(_stages(batched, inputs), _stages(chunked, inputs)):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GroupMap", "RunGather", "group_map", "segment_index"]
+__all__ = ["GroupMap", "PartsOrder", "RunGather", "group_map", "segment_index"]
 
 
 class GroupMap(tuple):
@@ -139,3 +139,37 @@ class RunGather:
     def backward(self, dst: torch.Tensor) -> torch.Tensor:
         """The inverse: the runs of the contiguous ``dst`` back in source order."""
         return dst.view(-1, self.row).index_select(0, self._index(dst.device)[1]).view(-1)
+
+
+class PartsOrder:
+    """Every kind of part of segments encoded in flat order (``seg_bytes[f][p]``: bytes of
+    part ``p`` of flat segment ``f``, as :meth:`~.base.Codec.encode_whole` leaves them, one
+    tensor per kind) moved to shard order (``positions[j]``: shard ``j``'s segments) and
+    back, one :class:`RunGather` per kind."""
+
+    def __init__(self, seg_bytes: Sequence[Sequence[int]],
+                 positions: Sequence[Sequence[int]]) -> None:
+        kinds = len(seg_bytes[0]) if seg_bytes else 0
+        by_shard = [f for flat in positions for f in flat]
+        self.gathers = [RunGather([b[p] for b in seg_bytes], by_shard) for p in range(kinds)]
+        self.shard_bytes = [[sum(seg_bytes[f][p] for f in flat) for flat in positions]
+                            for p in range(kinds)]  # per kind, each shard's bytes
+        self.index_bytes = sum(g.index_bytes for g in self.gathers)
+        self.numel = sum(g.numel for g in self.gathers)
+        self._cuts: dict[tuple[int, ...], list[int]] = {}
+
+    def to_shards(self, wholes: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per shard, its parts (views of one shard-ordered tensor per kind)."""
+        kinds = [g.forward(w).split(b) for g, w, b in zip(self.gathers, wholes, self.shard_bytes)]
+        return [list(parts) for parts in zip(*kinds)]
+
+    def from_records(self, buf: torch.Tensor, records: Sequence[int]) -> list[torch.Tensor]:
+        """The kinds whole, in flat order, from every shard's record of ``records[j]`` bytes
+        (its parts, then the rest: side bytes, padding) back to back in ``buf``."""
+        records = tuple(records)
+        if records not in self._cuts:  # the same records every step
+            self._cuts[records] = [size for j, record in enumerate(records) for size in (
+                *(b[j] for b in self.shard_bytes), record - sum(b[j] for b in self.shard_bytes))]
+        pieces = buf[: sum(records)].split(self._cuts[records])
+        step = len(self.gathers) + 1
+        return [g.backward(torch.cat(pieces[p::step])) for p, g in enumerate(self.gathers)]

@@ -14,7 +14,7 @@ from functools import cached_property
 import torch
 
 from ..codecs.base import GroupMap, interleave, mix_seed
-from ..codecs.groups import RunGather
+from ..codecs.groups import PartsOrder
 
 __all__ = ["ShardCodecs"]
 
@@ -88,22 +88,15 @@ class ShardCodecs:
                 [self.codec.part_bytes(s) for s in flat_shards])
 
     @cached_property
-    def _part_gathers(self) -> tuple[tuple[RunGather, ...], tuple[tuple[int, ...], ...]] | None:
-        """For the batched kernels of a segmentwise codec: per kind of part, the reorder of
-        its bytes from flat order (every segment's, as :meth:`Codec.encode_whole` leaves
-        them) to shard order (:class:`RunGather`, one gather whatever the number of
-        segments), and per kind the bytes of each shard's; ``None`` where the reorders'
-        indices would take more than ``1/MAX_INDEX_SHARE`` of the payload's bytes (runs
-        whose lengths share no large factor: the split-and-cat path then)."""
+    def _parts_order(self) -> PartsOrder | None:
+        """For the batched kernels of a segmentwise codec: every kind of part moved between
+        flat and shard order by one gather (:class:`PartsOrder`); ``None`` where its indices
+        would take more than ``1/MAX_INDEX_SHARE`` of the payload's bytes (runs whose
+        lengths share no large factor: the split-and-cat path then)."""
         _, positions, seg_bytes = self._by_segment
-        by_shard = [f for flat in positions for f in flat]
-        gathers = tuple(RunGather([b[p] for b in seg_bytes], by_shard)
-                        for p in range(len(seg_bytes[0]) if seg_bytes else 0))
-        index, data = sum(g.index_bytes for g in gathers), sum(g.numel for g in gathers)
-        if index > max(data // MAX_INDEX_SHARE, MIN_INDEX_BYTES):
-            return None
-        return gathers, tuple(tuple(sum(seg_bytes[f][p] for f in flat) for flat in positions)
-                              for p in range(len(gathers)))
+        order = PartsOrder(seg_bytes, positions)
+        return order if order.index_bytes <= max(order.numel // MAX_INDEX_SHARE,
+                                                 MIN_INDEX_BYTES) else None
 
     @cached_property
     def _flat_run(self) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
@@ -152,11 +145,9 @@ class ShardCodecs:
             return [parts[bounds[j] : bounds[j + 1]] for j in range(n)], None
         flat_shards, positions, seg_bytes = self._by_segment
         _check_float(flat)
-        if self.batched(flat.device) and self._part_gathers is not None:
-            gathers, shard_bytes = self._part_gathers
+        if self.batched(flat.device) and self._parts_order is not None:
             wholes, error = self.codec.encode_whole(flat, flat_shards, with_error)
-            kinds = [g.forward(w).split(b) for g, w, b in zip(gathers, wholes, shard_bytes)]
-            return [list(parts) for parts in zip(*kinds)], error
+            return self._parts_order.to_shards(wholes), error
         if self.batched(flat.device) and with_error:
             parts, error = self.codec.encode_shards_with_error(flat, flat_shards)
         elif self.batched(flat.device):
@@ -194,17 +185,6 @@ class ShardCodecs:
         self._maps[("records", records)] = sizes, where
         return sizes, where
 
-    def _record_parts(self, records: tuple[int, ...]) -> list[int]:
-        """The byte sizes that cut records of these sizes into each shard's parts (kinds
-        whole, :attr:`_part_gathers`) and its record's rest: ``k + 1`` per record."""
-        key = ("record parts", records)
-        if key not in self._maps:
-            shard_bytes = self._part_gathers[1]
-            self._maps[key] = [size for j, record in enumerate(records) for size in
-                               (*(b[j] for b in shard_bytes),
-                                record - sum(b[j] for b in shard_bytes))]
-        return self._maps[key]
-
     def decode_flat(self, out: torch.Tensor, buf: torch.Tensor, records: list[int],
                     check: bool = True, poison: bool = False) -> torch.Tensor | None:
         """When :attr:`segmentwise`: the flat FP32 vector into ``out`` from every shard's
@@ -216,12 +196,9 @@ class ShardCodecs:
         ``None`` is returned."""
         flat_shards, _, seg_bytes = self._by_segment
         k = len(seg_bytes[0]) if seg_bytes else 0
-        if self.batched(buf.device) and self._part_gathers is not None:
-            gathers, shard_bytes = self._part_gathers
-            pieces = buf[: sum(records)].split(self._record_parts(tuple(records)))
-            wholes = [g.backward(torch.cat(pieces[p :: k + 1]))
-                      for p, g in enumerate(gathers)]
-            return self.codec.decode_whole(out, wholes, flat_shards, check, poison)
+        if self.batched(buf.device) and self._parts_order is not None:
+            return self.codec.decode_whole(out, self._parts_order.from_records(buf, records),
+                                           flat_shards, check, poison)
         sizes, where = self._record_cuts(tuple(records))
         pieces = buf[: sum(records)].split(sizes)
         if self.batched(buf.device):
