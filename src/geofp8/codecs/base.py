@@ -80,10 +80,10 @@ def segment_amax(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Max ``|x|`` of every contiguous group of the given (device) ``lengths``; NaN for a
     group holding NaN or ±Inf. Exact, so equal to any other way of taking it."""
     amax = torch.segment_reduce(flat.abs(), "max", lengths=lengths, unsafe=True)
-    # segment_reduce drops NaN in max on some builds: restore the policy explicitly.
-    bad = torch.segment_reduce((~torch.isfinite(flat)).float(), "max", lengths=lengths,
-                               unsafe=True)
-    return torch.where(bad > 0, torch.full_like(amax, float("nan")), amax)
+    # segment_reduce drops NaN in max on some builds: restore the policy explicitly. Σ x·0
+    # over a group is ±0 when every x is finite, else NaN; amax ≥ 0, so amax + (±0) = amax.
+    bad = torch.segment_reduce(flat.mul(0), "sum", lengths=lengths, unsafe=True)
+    return amax.add_(bad)
 
 
 def rows_amax(v: torch.Tensor) -> torch.Tensor:
@@ -296,6 +296,31 @@ class Codec(ABC):
         error = torch.empty_like(x)
         self.decode_shards(error, parts, shards, check=False)
         return parts, torch.sub(x, error, out=error)
+
+    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False
+                     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """``(wholes, error)``: :meth:`encode_shards` (round to nearest, no seeds) with each
+        kind of part whole, ``wholes[p]`` (uint8) holding part ``p`` of shard 0, of shard
+        1, … back to back; ``with_error``, the rounding error as
+        :meth:`encode_shards_with_error` leaves it (else ``None``). The codecs make the
+        wholes directly; this default joins :meth:`encode_shards`' parts."""
+        groups = group_map(shards)
+        if with_error:
+            parts, error = self.encode_shards_with_error(x, groups)
+        else:
+            parts, error = self.encode_shards(x, groups, [None] * len(groups)), None
+        k = len(parts) // len(groups) if groups else 0
+        return [joined(parts[p::k]).view(torch.uint8) for p in range(k)], error
+
+    def decode_whole(self, out: torch.Tensor, wholes: Sequence[torch.Tensor], shards: Shards,
+                     check: bool = True, poison: bool = False) -> torch.Tensor | None:
+        """:meth:`decode_shards` of the parts as :meth:`encode_whole` returns them, each a
+        contiguous temporary the codec may overwrite. This default cuts them into parts."""
+        groups = group_map(shards)
+        sizes = groups.memo(("part bytes", self), lambda: tuple(
+            zip(*(self.part_bytes(g) for g in groups))))
+        return self.decode_shards(out, interleave(*(w.split(n) for w, n in zip(wholes, sizes))),
+                                  groups, check, poison)
 
     @abstractmethod
     def decode_shards(self, out: torch.Tensor, parts: Sequence[torch.Tensor],

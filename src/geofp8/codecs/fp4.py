@@ -61,6 +61,7 @@ from .base import (
     scales_flag,
 )
 from .fp8 import e4m3_values, group_lengths, lookup_into
+from .groups import segment_index
 from .uniforms import key_halves, uniforms_into
 
 __all__ = ["E2M1_VALUES", "NVFP4Codec", "ROUNDINGS", "e2m1_encode", "e2m1_values",
@@ -173,7 +174,7 @@ def pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
         if even.storage_offset() % 2:
             even = even.clone()
         p = even.view(torch.int16)
-        out[:pairs].copy_(torch.bitwise_or(p, p >> 4).bitwise_and_(0xFF))
+        out[:pairs].copy_(torch.bitwise_or(p, p >> 4))  # the cast keeps the low byte
     if n % 2:
         out[pairs] = codes[-1]
 
@@ -197,20 +198,24 @@ def unpack_into(out: torch.Tensor, buf: torch.Tensor) -> None:
         out[n - 1 :] = last.view(torch.float32)[:1]
 
 
-def pack_shards(codes: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
+def pack_shards(codes: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
     """Every shard's codes (``numels[i]`` of them, one after the other) packed by
     :func:`pack_nibbles` on its own: ``⌈numels[i]/2⌉`` bytes each."""
-    odd = [n % 2 for n in numels]
-    if any(odd):  # a zero nibble after each odd shard, as pack_nibbles pads its last byte
-        pad = codes.new_zeros(1)
-        codes = torch.cat([p for c, o in zip(codes.split(numels), odd)
-                           for p in ((c, pad) if o else (c,))])
+    return list(pack_whole(codes, numels).split([(n + 1) // 2 for n in numels]))
+
+
+def pack_whole(codes: torch.Tensor, numels: Sequence[int]) -> torch.Tensor:
+    """:func:`pack_shards`' bytes back to back, one tensor."""
+    if any(n % 2 for n in numels):  # a zero nibble after each odd shard, as pack_nibbles
+        pad = codes.new_zeros(1)  # pads its last byte
+        codes = torch.cat([p for c, n in zip(codes.split(list(numels)), numels)
+                           for p in ((c, pad) if n % 2 else (c,))])
     packed = codes.new_empty(codes.numel() // 2)
     pack_nibbles(codes, packed)
-    return list(packed.split([(n + 1) // 2 for n in numels]))
+    return packed
 
 
-def unpack_shards(out: torch.Tensor, packed: torch.Tensor, numels: list[int]) -> None:
+def unpack_shards(out: torch.Tensor, packed: torch.Tensor, numels: Sequence[int]) -> None:
     """The inverse of :func:`pack_shards`: the values of every shard into ``out``."""
     odd = [n % 2 for n in numels]
     if not any(odd):
@@ -358,25 +363,28 @@ class NVFP4Codec(Codec):
         return 4 * n_seg, blocks.groups, (blocks.numel + 1) // 2
 
     def _scales(self, amax: torch.Tensor, segments: Segments,
-                counts: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """``(segment scales s, block scale codes, block scales β·s per block)``; ``counts``:
-        the blocks of each segment as a tensor on ``amax``'s device (made here if not
-        given)."""
+                groups: GroupMap | None = None) -> tuple[torch.Tensor, ...]:
+        """``(segment scales s, block scale codes, block scales β·s per block)``; ``groups``:
+        the segments' map, whose device counts and segment index are made once (else
+        made here)."""
         if native.usable(amax):  # two passes of the CPU's native kernels
             per_segment = tuple(len(seg) for seg in segments)
             seg_amax = native.runs_amax(amax, native.length_runs(per_segment), len(segments),
                                         finite_only=True)
             s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
             return (s, *native.nvfp4_scales(amax, s, per_segment))
-        if counts is None:
+        if groups is None:
             counts = torch.tensor([len(seg) for seg in segments]).to(amax.device)
+        else:
+            counts = groups.on("counts", amax.device)
         finite = amax.nan_to_num(posinf=0.0)  # a non-finite block (+Inf) counts as 0
         seg_amax = torch.segment_reduce(finite, "max", lengths=counts, unsafe=True)
         s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
-        s_block = torch.repeat_interleave(s, counts, output_size=amax.numel())
+        s_block = (torch.repeat_interleave(s, counts, output_size=amax.numel()) if groups is None
+                   else s.index_select(0, segment_index(groups, amax.device)))
         r = (amax / (E2M1_MAX * s_block)).clamp_(max=E4M3_MAX)
         nearest = r.to(torch.float8_e4m3fn)
-        code = nearest.view(torch.uint8) + (e4m3_values(nearest) < r).to(torch.uint8)  # round up
+        code = nearest.view(torch.uint8) + (e4m3_values(nearest) < r)  # round up (bool: 0/1)
         code.masked_fill_(amax.isinf(), 0x7F)
         return s, code, e4m3_values(code).mul_(s_block)
 
@@ -450,38 +458,74 @@ class NVFP4Codec(Codec):
             return [x.new_empty(0, dtype=torch.uint8)] * (3 * len(shards))
         if (fused := triton_fp4.encode_shards(self, x, shards, seeds)) is not None:
             return fused
-        s, code, scale = self._scales(block_amax_of(x, shards), shards.segments,
-                                      shards.on("counts", x.device))
-        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return self._split(shards, *self._encode_whole(x, shards, seeds)[:3])
+
+    def _encode_whole(self, x: torch.Tensor, shards: GroupMap, seeds) -> tuple[torch.Tensor, ...]:
+        """``(segment scales, block scale codes, packed codes, block scales)`` of the whole
+        bucket, each one tensor (torch ops)."""
+        s, code, scale = self._scales(block_amax_of(x, shards), shards.segments, shards)
+        divisor = torch.where(scale > 0, scale, 1.0)
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
         v = group_div(x, divisor, shards)
+        return s, code, pack_whole(e2m1_encode(v, u), shards.numels), scale
+
+    def _split(self, shards: GroupMap, *whole: torch.Tensor) -> list[torch.Tensor]:
+        """Every shard's parts, cut from the whole bucket's three."""
         sizes = shards.memo(self, lambda: tuple(zip(*(self.part_bytes(g) for g in shards))))
-        return interleave(s.view(torch.uint8).split(sizes[0]), code.split(sizes[1]),
-                          pack_shards(e2m1_encode(v, u), list(shards.numels)))
+        return interleave(*(t.view(torch.uint8).split(n) for t, n in zip(whole, sizes)))
 
     def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
                                  ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """With the fused kernels, the rounding error from the encoding pass."""
-        fused = triton_fp4.encode_shards(self, x, shards, error=True)
-        return fused if fused is not None else super().encode_shards_with_error(x, shards)
+        """:meth:`encode_shards` and the rounding error decoded back from the whole bucket's
+        codes and block scales (no parts joined back)."""
+        shards = group_map(shards)
+        if not shards.lengths:
+            return super().encode_shards_with_error(x, shards)
+        wholes, error = self.encode_whole(x, shards, with_error=True)
+        return self._split(shards, *wholes), error
+
+    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False
+                     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        shards = group_map(shards)
+        if not shards.lengths:
+            return super().encode_whole(x, shards, with_error)
+        if (fused := triton_fp4.encode_whole(self, x, shards, error=with_error)) is not None:
+            return fused
+        s, code, packed, scale = self._encode_whole(x, shards, [None] * len(shards))
+        error = None
+        if with_error:
+            error = torch.empty_like(x)
+            self._decode_values(error, packed, scale, shards)
+            torch.sub(x, error, out=error)
+        return [s.view(torch.uint8), code, packed], error
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
+        return self.decode_whole(out, [joined(parts[p::3], align=4 if p == 0 else 1)
+                                       for p in range(3)], shards, check, poison)
+
+    def decode_whole(self, out: torch.Tensor, wholes, shards: Shards, check: bool = True,
+                     poison: bool = False) -> torch.Tensor | None:
         shards = group_map(shards)
         if not shards.lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
-        ran, finite = triton_fp4.decode_shards(self, out, parts, shards, check, poison)
+        ran, finite = triton_fp4.decode_whole(self, out, wholes, shards, check, poison)
         if ran:
             return finite
-        s = joined(parts[0::3], align=4).view(torch.float32)
-        code = joined(parts[1::3])
-        scale = e4m3_values(code).mul_(torch.repeat_interleave(
-            s, shards.on("counts", out.device), output_size=code.numel()))
+        s, code, packed = wholes
+        scale = e4m3_values(code).mul_(s.view(torch.float32).index_select(
+            0, segment_index(shards, out.device)))
         finite = scales_flag(scale, check, poison)
-        unpack_shards(out, joined(parts[2::3]), list(shards.numels))
-        group_mul_(out, scale, shards)
+        self._decode_values(out, packed, scale, shards)
         return finite
+
+    @staticmethod
+    def _decode_values(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                       shards: GroupMap) -> None:
+        """The FP32 values of the whole bucket's packed codes and block scales into ``out``."""
+        unpack_shards(out, packed, shards.numels)
+        group_mul_(out, scale, shards)
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         return flushed_fraction(self, x)

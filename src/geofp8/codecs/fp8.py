@@ -151,13 +151,43 @@ class FP8Codec(Codec):
         groups = group_map(shards)
         if not groups.lengths:
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
-        if triton_fp8.available(x):  # two fused passes
-            _, scales = triton_fp8.amax(x, groups, fmt=self.format)
-            codes = triton_fp8.encode(x, scales, groups, fmt=self.format)[0]
-        else:
-            scales = self.scales_from_amax(group_amax(x, groups))
-            codes = group_fp8(x, scales, groups, self.dtype)
+        scales, codes, _ = self._whole(x, groups, False)
         return self._parts(scales, codes, groups)
+
+    def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
+                                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """With the fused kernels, the rounding error from the encoding pass (three kernels
+        in all); else decoded back from the whole bucket's scales and codes."""
+        groups = group_map(shards)
+        if not groups.lengths:
+            return super().encode_shards_with_error(x, groups)
+        scales, codes, error = self._whole(x, groups, True)
+        return self._parts(scales, codes, groups), error
+
+    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False
+                     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        groups = group_map(shards)
+        if not groups.lengths:
+            return super().encode_whole(x, groups, with_error)
+        scales, codes, error = self._whole(x, groups, with_error)
+        return [scales.view(torch.uint8), codes], error
+
+    def _whole(self, x: torch.Tensor, groups: GroupMap, with_error: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(scales, codes, the rounding error or None)`` of the whole bucket: two or three
+        fused passes, else torch ops (the error decoded back from scales and codes)."""
+        if triton_fp8.available(x):
+            _, scales = triton_fp8.amax(x, groups, fmt=self.format)
+            codes, error = triton_fp8.encode(x, scales, groups, error=with_error,
+                                             fmt=self.format)
+            return scales, codes, error
+        scales = self.scales_from_amax(group_amax(x, groups))
+        codes = group_fp8(x, scales, groups, self.dtype)
+        if not with_error:
+            return scales, codes, None
+        error = torch.empty_like(x)
+        self._values(error, scales, codes, groups)
+        return scales, codes, torch.sub(x, error, out=error)
 
     def _parts(self, scales: torch.Tensor, codes: torch.Tensor,
                groups: GroupMap) -> list[torch.Tensor]:
@@ -166,31 +196,30 @@ class FP8Codec(Codec):
             zip(*(self.part_bytes(s) for s in groups))))
         return interleave(scales.view(torch.uint8).split(scale_bytes), codes.split(code_bytes))
 
-    def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
-                                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """With the fused kernels, the rounding error from the encoding pass (three kernels
-        in all); else decoded back (:meth:`Codec.encode_shards_with_error`)."""
-        groups = group_map(shards)
-        if not (groups.lengths and triton_fp8.available(x)):
-            return super().encode_shards_with_error(x, groups)
-        _, scales = triton_fp8.amax(x, groups, fmt=self.format)
-        codes, error = triton_fp8.encode(x, scales, groups, error=True, fmt=self.format)
-        return self._parts(scales, codes, groups), error
-
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
-        scales = joined(parts[0::2], fresh=poison, align=4).view(torch.float32)  # poisoned in place
-        codes = joined(parts[1::2])
+        scales = joined(parts[0::2], fresh=poison, align=4)  # poisoned in place
+        return self.decode_whole(out, [scales, joined(parts[1::2])], shards, check, poison)
+
+    def decode_whole(self, out: torch.Tensor, wholes, shards: Shards, check: bool = True,
+                     poison: bool = False) -> torch.Tensor | None:
+        scales = wholes[0].view(torch.float32)
         finite = scales_flag(scales, check, poison)
-        if triton_fp8.available(out):  # one fused pass
-            triton_fp8.decode(out, codes, scales, group_map(shards), self.format)
-            return finite
+        self._values(out, scales, wholes[1], group_map(shards))
+        return finite
+
+    def _values(self, out: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor,
+                groups: GroupMap) -> None:
+        """The FP32 values of the whole bucket's ``codes`` and ``scales`` into ``out``: one
+        fused pass, else a conversion and a multiplication."""
+        if triton_fp8.available(out):
+            triton_fp8.decode(out, codes, scales, groups, self.format)
+            return
         if self.format == "e4m3":
             e4m3_into(out, codes)
         else:
             out.copy_(codes.view(torch.float8_e5m2))
-        group_mul_(out, scales, group_map(shards))
-        return finite
+        group_mul_(out, scales, groups)
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         """Share of codes saturated at ``±fmax`` or flushed to zero from a non-zero value,

@@ -16,13 +16,14 @@ it), at the price of that walk on each call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any
 
 import torch
 
-__all__ = ["GroupMap", "group_map"]
+__all__ = ["GroupMap", "PartsOrder", "RunGather", "group_map", "segment_index"]
 
 
 class GroupMap(tuple):
@@ -79,6 +80,96 @@ class GroupMap(tuple):
                          lambda: torch.tensor(getattr(self, name), dtype=torch.long).to(device))
 
 
+def segment_index(groups: GroupMap, device: torch.device) -> torch.Tensor:
+    """The segment of every group of ``groups`` (int32, on ``device``, made once): what a
+    per-segment value indexes to be per group, one gather (``repeat_interleave`` by the
+    counts takes two kernels)."""
+    return groups.memo(("segment index", torch.device(device)), lambda: torch.repeat_interleave(
+        torch.arange(len(groups.counts), dtype=torch.int32),
+        torch.tensor(groups.counts, dtype=torch.long), output_size=len(groups.lengths)
+    ).to(device))
+
+
 def group_map(shards) -> GroupMap:
     """``shards`` as a :class:`GroupMap` (itself when it is one)."""
     return shards if isinstance(shards, GroupMap) else GroupMap(shards)
+
+
+class RunGather:
+    """A reorder of the contiguous runs of a 1-D tensor, as one ``index_select`` of rows.
+
+    The source holds runs of ``lengths[r]`` elements one after the other; the destination
+    holds the same runs in the order ``order`` (source run indices). Every run starts and
+    ends at a multiple of ``row``, the gcd of the lengths, so both tensors viewed as
+    ``[numel/row, row]`` map row to row: :meth:`forward` and :meth:`backward` are one
+    gather each with an index made once on the host and copied once per device, whatever
+    the number of runs (no view per run, no ``cat`` of them). The index costs
+    :attr:`index_bytes` on each device, more than the data when the runs' lengths share no
+    large factor: the caller decides.
+    """
+
+    def __init__(self, lengths: Sequence[int], order: Sequence[int]) -> None:
+        self.row = math.gcd(*lengths) or 1
+        self.numel = sum(lengths)
+        self.index_bytes = 8 * (self.numel // self.row)  # two int32 indices
+        self._lengths, self._order = tuple(lengths), tuple(order)
+        self._memo: dict = {}
+
+    def _index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(destination row -> source row, source row -> destination row)`` on ``device``
+        (int32), built on the host with a few vectorised ops and copied there once."""
+        device = torch.device(device)
+        if device not in self._memo:
+            n = torch.tensor(self._lengths, dtype=torch.long) // self.row  # rows per run
+            first = torch.cumsum(n, 0) - n  # each run's first source row
+            order = torch.tensor(self._order, dtype=torch.long)
+            taken = n[order]
+            shift = first[order] - (torch.cumsum(taken, 0) - taken)  # source - destination
+            rows = self.numel // self.row  # (output_size: no read of a tensor's value)
+            fwd = torch.arange(rows) + torch.repeat_interleave(shift, taken, output_size=rows)
+            bwd = torch.empty_like(fwd)
+            bwd[fwd] = torch.arange(fwd.numel())
+            self._memo[device] = (fwd.to(torch.int32).to(device), bwd.to(torch.int32).to(device))
+        return self._memo[device]
+
+    def forward(self, src: torch.Tensor) -> torch.Tensor:
+        """The runs of the contiguous ``src`` in destination order (a new tensor)."""
+        return src.view(-1, self.row).index_select(0, self._index(src.device)[0]).view(-1)
+
+    def backward(self, dst: torch.Tensor) -> torch.Tensor:
+        """The inverse: the runs of the contiguous ``dst`` back in source order."""
+        return dst.view(-1, self.row).index_select(0, self._index(dst.device)[1]).view(-1)
+
+
+class PartsOrder:
+    """Every kind of part of segments encoded in flat order (``seg_bytes[f][p]``: bytes of
+    part ``p`` of flat segment ``f``, as :meth:`~.base.Codec.encode_whole` leaves them, one
+    tensor per kind) moved to shard order (``positions[j]``: shard ``j``'s segments) and
+    back, one :class:`RunGather` per kind."""
+
+    def __init__(self, seg_bytes: Sequence[Sequence[int]],
+                 positions: Sequence[Sequence[int]]) -> None:
+        kinds = len(seg_bytes[0]) if seg_bytes else 0
+        by_shard = [f for flat in positions for f in flat]
+        self.gathers = [RunGather([b[p] for b in seg_bytes], by_shard) for p in range(kinds)]
+        self.shard_bytes = [[sum(seg_bytes[f][p] for f in flat) for flat in positions]
+                            for p in range(kinds)]  # per kind, each shard's bytes
+        self.index_bytes = sum(g.index_bytes for g in self.gathers)
+        self.numel = sum(g.numel for g in self.gathers)
+        self._cuts: dict[tuple[int, ...], list[int]] = {}
+
+    def to_shards(self, wholes: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per shard, its parts (views of one shard-ordered tensor per kind)."""
+        kinds = [g.forward(w).split(b) for g, w, b in zip(self.gathers, wholes, self.shard_bytes)]
+        return [list(parts) for parts in zip(*kinds)]
+
+    def from_records(self, buf: torch.Tensor, records: Sequence[int]) -> list[torch.Tensor]:
+        """The kinds whole, in flat order, from every shard's record of ``records[j]`` bytes
+        (its parts, then the rest: side bytes, padding) back to back in ``buf``."""
+        records = tuple(records)
+        if records not in self._cuts:  # the same records every step
+            self._cuts[records] = [size for j, record in enumerate(records) for size in (
+                *(b[j] for b in self.shard_bytes), record - sum(b[j] for b in self.shard_bytes))]
+        pieces = buf[: sum(records)].split(self._cuts[records])
+        step = len(self.gathers) + 1
+        return [g.backward(torch.cat(pieces[p::step])) for p, g in enumerate(self.gathers)]

@@ -54,7 +54,7 @@ if triton is not None:
     from .triton_fp8 import _e4m3_round, _e4m3_value, _tile
 
 __all__ = ["FORMATS", "Encoded", "available", "byte_tiles", "decode", "decode_shards",
-           "decode_sum", "encode", "encode_shards", "torch_only"]
+           "decode_sum", "decode_whole", "encode", "encode_shards", "encode_whole", "torch_only"]
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8")
 E2M1, E4M3 = 0, 1  # element formats (constexpr)
@@ -511,20 +511,10 @@ def decode(out: torch.Tensor, groups: GroupMap, fmt: str, block_bytes: torch.Ten
     return decode_sum(groups, fmt, *rows, poison=poison, out=out, total=False)[1]
 
 
-def _parts_of(codec, groups: GroupMap, enc: Encoded) -> list[torch.Tensor]:
-    """Every shard's parts (``codec.part_bytes``), cut from the whole bucket's."""
-    sizes = groups.memo(("triton-parts", codec),
-                        lambda: tuple(zip(*(codec.part_bytes(g) for g in groups))))
-    kinds = [enc.block_bytes, enc.codes]
-    if enc.segment_scales is not None:
-        kinds.insert(0, enc.segment_scales.view(torch.uint8))
-    return interleave(*(kind.split(size) for kind, size in zip(kinds, sizes)))
-
-
-def encode_shards(codec, x: torch.Tensor, shards, seeds=None, error: bool = False):
-    """``codec.encode_shards(x, shards, seeds)``'s parts (``(parts, error)`` with ``error``)
-    from the kernels, or ``None`` where they do not run (not available, no groups, or a
-    failure on CUDA): the caller's torch path then."""
+def encode_whole(codec, x: torch.Tensor, shards, seeds=None, error: bool = False):
+    """``(wholes, error or None)`` as ``codec.encode_whole`` returns them (each kind of part
+    one tensor for the whole bucket) from the kernels, or ``None`` where they do not run
+    (not available, no groups, or a failure on CUDA): the caller's torch path then."""
     groups = group_map(shards)
     if not (groups.lengths and available(x)):
         return None
@@ -533,24 +523,46 @@ def encode_shards(codec, x: torch.Tensor, shards, seeds=None, error: bool = Fals
     def run():
         enc = encode(x, groups, codec.format, error=error,
                      seeds=(seeds or [None] * len(groups)) if stochastic else None)
-        parts = _parts_of(codec, groups, enc)
-        return (parts, enc.error) if error else parts
+        wholes = [enc.block_bytes, enc.codes]
+        if enc.segment_scales is not None:
+            wholes.insert(0, enc.segment_scales.view(torch.uint8))
+        return wholes, enc.error
     return _guarded(run)
 
 
-def decode_shards(codec, out: torch.Tensor, parts, shards, check: bool = True,
-                  poison: bool = False) -> tuple[bool, torch.Tensor | None]:
-    """``(ran, flag)``: ``codec.decode_shards``' decode into ``out`` and its return value
-    from the kernels; ``ran`` false where they do not run (as :func:`encode_shards`)."""
+def encode_shards(codec, x: torch.Tensor, shards, seeds=None, error: bool = False):
+    """``codec.encode_shards(x, shards, seeds)``'s parts (``(parts, error)`` with ``error``),
+    cut from :func:`encode_whole`'s, or ``None`` where the kernels do not run."""
+    groups = group_map(shards)
+    fused = encode_whole(codec, x, groups, seeds, error)
+    if fused is None:
+        return None
+    wholes, err = fused
+    sizes = groups.memo(("triton-parts", codec),
+                        lambda: tuple(zip(*(codec.part_bytes(g) for g in groups))))
+    parts = interleave(*(whole.split(size) for whole, size in zip(wholes, sizes)))
+    return (parts, err) if error else parts
+
+
+def decode_whole(codec, out: torch.Tensor, wholes, shards, check: bool = True,
+                 poison: bool = False) -> tuple[bool, torch.Tensor | None]:
+    """``(ran, flag)``: ``codec.decode_whole``'s decode into ``out`` and its return value
+    from the kernels; ``ran`` false where they do not run (as :func:`encode_whole`)."""
     groups = group_map(shards)
     if not (groups.lengths and available(out)):
         return False, None
 
     def run():
-        k = 3 if codec.format == "nvfp4" else 2
-        s = joined(parts[0::3], align=4).view(torch.float32) if k == 3 else None
-        bad = decode(out, groups, codec.format, joined(parts[k - 2 :: k]),
-                     joined(parts[k - 1 :: k]), s, poison)
+        s = wholes[0].view(torch.float32) if len(wholes) == 3 else None
+        bad = decode(out, groups, codec.format, wholes[-2], wholes[-1], s, poison)
         return True, (bad.eq(0) if check and not poison else None)
     done = _guarded(run)
     return (False, None) if done is None else done
+
+
+def decode_shards(codec, out: torch.Tensor, parts, shards, check: bool = True,
+                  poison: bool = False) -> tuple[bool, torch.Tensor | None]:
+    """:func:`decode_whole` of ``codec.decode_shards``' parts, each kind joined."""
+    k = 3 if codec.format == "nvfp4" else 2
+    wholes = [joined(parts[p::k], align=4 if k == 3 and p == 0 else 1) for p in range(k)]
+    return decode_whole(codec, out, wholes, shards, check, poison)

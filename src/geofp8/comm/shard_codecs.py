@@ -14,8 +14,12 @@ from functools import cached_property
 import torch
 
 from ..codecs.base import GroupMap, interleave, mix_seed
+from ..codecs.groups import PartsOrder
 
 __all__ = ["ShardCodecs"]
+
+MAX_INDEX_SHARE = 2  # a reorder's indices may take up to 1/2 of the payload's bytes ...
+MIN_INDEX_BYTES = 1 << 16  # ... or this much
 
 
 class ShardCodecs:
@@ -84,6 +88,17 @@ class ShardCodecs:
                 [self.codec.part_bytes(s) for s in flat_shards])
 
     @cached_property
+    def _parts_order(self) -> PartsOrder | None:
+        """For the batched kernels of a segmentwise codec: every kind of part moved between
+        flat and shard order by one gather (:class:`PartsOrder`); ``None`` where its indices
+        would take more than ``1/MAX_INDEX_SHARE`` of the payload's bytes (runs whose
+        lengths share no large factor: the split-and-cat path then)."""
+        _, positions, seg_bytes = self._by_segment
+        order = PartsOrder(seg_bytes, positions)
+        return order if order.index_bytes <= max(order.numel // MAX_INDEX_SHARE,
+                                                 MIN_INDEX_BYTES) else None
+
+    @cached_property
     def _flat_run(self) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
         """When :attr:`segmentwise`: every segment's groups in flat order, as the segments of
         one shard, and that shard's parts' bytes (part ``p`` of every segment back to back)."""
@@ -133,6 +148,9 @@ class ShardCodecs:
             return [parts[bounds[j] : bounds[j + 1]] for j in range(n)], None
         flat_shards, positions, seg_bytes = self._by_segment
         _check_float(flat)
+        if self.batched(flat.device) and self._parts_order is not None:
+            wholes, error = self.codec.encode_whole(flat, flat_shards, with_error)
+            return self._parts_order.to_shards(wholes), error
         if self.batched(flat.device) and with_error:
             parts, error = self.codec.encode_shards_with_error(flat, flat_shards)
         elif self.batched(flat.device):
@@ -182,6 +200,9 @@ class ShardCodecs:
         ``None`` is returned."""
         flat_shards, _, seg_bytes = self._by_segment
         k = len(seg_bytes[0]) if seg_bytes else 0
+        if self.batched(buf.device) and self._parts_order is not None:
+            return self.codec.decode_whole(out, self._parts_order.from_records(buf, records),
+                                           flat_shards, check, poison)
         sizes, where = self._record_cuts(tuple(records))
         pieces = buf[: sum(records)].split(sizes)
         if self.batched(buf.device):
