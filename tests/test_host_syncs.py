@@ -141,9 +141,10 @@ def _whole_step_worker(rank, world, method):
 
 # The step's finite agreement and the error-feedback commit stay on the device (a skipped
 # step's residuals are chosen away by torch.where; its count is read by stats()): an
-# ordinary step of the methods without factors reads nothing back at all, forward, backward
-# and optimizer step included, so the host can queue the next step while the device works.
-@pytest.mark.parametrize("method", ["fp8-ef", "nvfp4-ef"])
+# ordinary step reads nothing back at all, forward, backward and optimizer step included, so
+# the host can queue the next step while the device works: with geometry too (geofp8's
+# refreshed factors between refreshes, geofp8-auto's fresh sketches every step).
+@pytest.mark.parametrize("method", ["fp8-ef", "nvfp4-ef", "geofp8", "geofp8-auto"])
 def test_an_ordinary_whole_step_reads_nothing_back(method):
     for reads, skipped in run_ranks(_whole_step_worker, 2, args=(method,)):
         assert reads[0] > 0  # step 0 checks the ranks' configurations: reads are counted
