@@ -143,7 +143,8 @@ def _whole_step_worker(rank, world, method):
 # step's residuals are chosen away by torch.where; its count is read by stats()): an
 # ordinary step reads nothing back at all, forward, backward and optimizer step included, so
 # the host can queue the next step while the device works: with geometry too (geofp8's
-# refreshed factors between refreshes, geofp8-auto's fresh sketches every step).
+# refreshed factors between refreshes, geofp8-auto's). A step that measures the layers'
+# round-trip errors to switch them (geofp8-fresh's first ones) reads its errors back by design.
 @pytest.mark.parametrize("method", ["fp8-ef", "nvfp4-ef", "geofp8", "geofp8-auto"])
 def test_an_ordinary_whole_step_reads_nothing_back(method):
     for reads, skipped in run_ranks(_whole_step_worker, 2, args=(method,)):
