@@ -27,7 +27,7 @@ import contextlib
 
 import torch
 
-__all__ = ["SideStream", "TorchStreams", "streams_for"]
+__all__ = ["SideStream", "TorchStreams", "streams_for", "used_here"]
 
 
 class TorchStreams:
@@ -49,6 +49,15 @@ class TorchStreams:
 def streams_for(device: torch.device):
     """The stream API of ``device``'s type, or ``None`` where there are no streams."""
     return TorchStreams() if device.type == "cuda" else None
+
+
+def used_here(*tensors: torch.Tensor) -> None:
+    """Mark tensors that another stream allocated (e.g. the forward's reduced sketches) as
+    used by the current stream too, so their memory is not handed to that stream's later
+    kernels while the current one's queued work still reads them (a no-op off CUDA)."""
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 class SideStream:

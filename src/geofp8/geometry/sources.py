@@ -39,6 +39,7 @@ from ..comm.collective import Communicator
 from ..comm.group import DeviceGroup
 from ..comm.layout import ShardLayout
 from ..comm.stages import encode
+from ..comm.streams import used_here
 from .factory import make_transform, needs
 from .statistics import SecondMoment, nystrom_factor, sketch_matrix
 from .transforms import LowRankInput, Transform, transform_from_state
@@ -494,6 +495,7 @@ class FreshFactors(_SketchedFactors):
         if self._reduced is None:
             self._reduced = self._await()
         sketch, moments = self._reduced[key]
+        used_here(sketch, moments)  # reduced on backward's stream, read here on the side one
         d, cfg = self.layers[key].d_in, self.config
         omega = self.omega(d, sketch.device)
         tokens = moments[1]
