@@ -104,6 +104,12 @@ def _worker(rank: int, world: int, port: int, method: str, queue, tensors: int,
     torch.distributed.destroy_process_group()
 
 
+def measure(method: str, tensors: int, buckets: int, ranks: int = 2) -> tuple:
+    """``(buckets, Triton, torch, collectives, torch ops by name)`` of one ordinary step on
+    rank 0 of ``ranks`` spawned gloo ranks (see :func:`count`)."""
+    return on_ranks(_worker, ranks, method, tensors, buckets)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["fp8-ef"])
@@ -115,7 +121,7 @@ def main() -> None:
     print("| method | tensors | buckets | Triton | torch | launches | per bucket | collectives |")
     print("|---|---|---|---|---|---|---|---|")
     for method, tensors, buckets in itertools.product(args.methods, args.tensors, args.buckets):
-        got, triton, ops, colls, names = on_ranks(_worker, args.ranks, method, tensors, buckets)
+        got, triton, ops, colls, names = measure(method, tensors, buckets, args.ranks)
         print(f"| {method} | {tensors} | {got} | {triton} | {ops} | {triton + ops} | "
               f"{(triton + ops) / got:.1f} | {colls} |", flush=True)
         if args.ops:
