@@ -192,7 +192,8 @@ def _new_vectors_worker(rank, world, method):
 # sender's rounding error over Ũ in the encoding pass (the residual is staged from it), the
 # owner's decoded copies of its shard from the N senders (N × 1/N of the bucket, summed in
 # one reduction, as the batched kernels do) are decoded into it, and so is the sum. Nothing
-# bucket-sized is left per bucket, with EF or without. The CPU's other stages work shard by
+# bucket-sized is left per bucket, with EF or without (the residuals, BF16, one flat vector per
+# bucket, are written in place). The CPU's other stages work shard by
 # shard.
 @pytest.mark.parametrize("method", ["fp8", "nvfp4", "fp8-ef", "nvfp4-ef"])
 def test_the_hook_allocates_no_bucket_sized_vector(method):

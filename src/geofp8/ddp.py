@@ -153,10 +153,12 @@ class GeoFP8State:
             raise
         return future.then(self._failed)
 
-    def _bucket_done(self, value: torch.Tensor) -> torch.Tensor:
+    def _bucket_done(self, value: torch.Tensor, finite: torch.Tensor | None = None
+                     ) -> torch.Tensor:
         """Fold the bucket into the step's finite flag (on the side stream, where the flags
-        are stacked too); the last one settles the step."""
-        self.engine.observe(value)
+        are stacked too; ``finite``: the value's own, when the collective has it); the last
+        one settles the step."""
+        self.engine.observe(value, finite=finite)
         self.engine.finish_unit()
         return value
 
@@ -207,15 +209,19 @@ class GeoFP8State:
         encoded = pipeline.encode(names, grads, seed, flat=buffer if in_place else None)
         self.ledger.add("codec_s", time.perf_counter() - t0)
 
-        def map_back(total: torch.Tensor) -> torch.Tensor:
+        # the collective divides by N (in its fused decode), and its finite flag stands for
+        # the bucket's where nothing is mapped back (a map may overflow)
+        unmapped = not any(encoded.per_sender) and all(r is IDENTITY for r in encoded.routes)
+
+        def map_back(total: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
             # `total` is all NaN on every rank if any rank sent a non-finite value
             t1 = time.perf_counter()
-            mean = pipeline.decode(encoded, total)  # the buffer itself when in place
+            mean = pipeline.decode(encoded, total, divided=True)  # the buffer when in place
             if not in_place:
                 for off, y in zip(offsets, mean.split([g.numel() for g in grads])):
                     buffer[off : off + y.numel()].copy_(y)
             self.ledger.add("transform_s", time.perf_counter() - t1)
-            return buffer
+            return self._bucket_done(buffer, finite if unmapped else None)
 
         # before the launch: the last one settles the step, bytes charged included
         self.group.charge("payload", -encoded.side_bytes)  # sender factors are factor bytes
@@ -226,7 +232,7 @@ class GeoFP8State:
                                         pipeline.unmap(encoded), seed=seed,
                                         owner_keys=pipeline.owner_keys(encoded),
                                         out=buffer if in_place else None,
-                                        then=lambda total: self._bucket_done(map_back(total)))
+                                        then=map_back, divide=self.world_size)
 
     # -- reporting and checkpoints -----------------------------------------------------------
 

@@ -145,11 +145,14 @@ class SyncEngine:
                 self.set_grad_scale(float(self.grad_scaler.get_scale()))
             self.pipeline.start_step(self.ledger.step)
 
-    def observe(self, values: torch.Tensor, also: torch.Tensor | None = None) -> None:
+    def observe(self, values: torch.Tensor, also: torch.Tensor | None = None,
+                finite: torch.Tensor | None = None) -> None:
         """Record whether ``values`` (a unit's result) is finite, and ``also`` (a 0-dim bool
         the adapter knows, e.g. "every sender's input was finite"), as a device flag (no
-        host sync); units are observed in the same order on every rank."""
-        finite = all_finite(values)
+        host sync); units are observed in the same order on every rank. ``finite``: the
+        0-dim bool "every element of ``values`` is finite" when the adapter has it already
+        (the fused decode's), instead of a pass over them."""
+        finite = all_finite(values) if finite is None else finite
         with self._lock:
             self._finite.append(finite if also is None else finite & also)
 

@@ -97,6 +97,7 @@ class ErrorFeedback:
         self.basis: dict[str, Transform] = {}
         self.finite: dict[str, torch.Tensor] = {}  # 0-dim bool: the writing step's verdict
         self._written: list[str] = []  # this step's, until it settles
+        self._blocks: dict[tuple[str, ...], torch.Tensor] = {}  # a bucket's residuals, flat
 
     def residual_in(self, name: str, route: Transform) -> torch.Tensor | None:
         """The residual of ``name`` in ``route``'s coordinates (``None``: none yet; zero if
@@ -114,6 +115,45 @@ class ErrorFeedback:
             return torch.where(flag, residual, 0.0)
         # a widened or re-based residual is a temporary of its own: zeroed in it
         return torch.where(flag, residual, residual.new_zeros(()), out=residual)
+
+    def bucket_in(self, names: list[str], shapes: list[tuple[int, ...]]
+                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(R, flag)`` of a bucket's tensors ``names`` (of ``shapes``) read as one: their
+        residuals as one flat vector in that order, each a view of it (made once, by one copy), and
+        the finite flag of the step that wrote them all (``None``: kept; a residual is read
+        as ``torch.where(flag, R, 0)``, as by :meth:`residual_in`). ``None`` unless every
+        one is stored plain (FP32 or BF16) in identity coordinates, by the same step."""
+        stored = [self.residuals.get(n) for n in names]
+        if self.storage not in ("fp32", "bf16") or not names or any(
+                s is None or tuple(s.shape) != shape or self.basis.get(n, IDENTITY) is not IDENTITY
+                for n, s, shape in zip(names, stored, shapes)):
+            return None
+        flag = self.finite.get(names[0])
+        if any(self.finite.get(n) is not flag for n in names):
+            return None
+        key = tuple(names)
+        block = self._blocks.get(key)
+        if block is None or not _tiles(block, stored):
+            self._forget(names)
+            block = torch.cat([s.reshape(-1) for s in stored])
+            pos = 0
+            for name, s in zip(names, stored):
+                self.residuals[name] = block[pos : pos + s.numel()].view(s.shape)
+                pos += s.numel()
+            self._blocks[key] = block
+        return block, flag
+
+    def stage_bucket(self, names: list[str], residual: torch.Tensor) -> None:
+        """:meth:`stage` of every tensor of a bucket read by :meth:`bucket_in` (identity
+        coordinates) at once: its flat vector ← ``residual`` (FP32, that order), one copy."""
+        self._blocks[tuple(names)].copy_(residual)
+        for name in names:
+            self._wrote(name, IDENTITY)
+
+    def _forget(self, names) -> None:
+        """Let go of the flat vectors that hold any of ``names`` (re-bucketed or dropped)."""
+        names = set(names)
+        self._blocks = {k: b for k, b in self._blocks.items() if names.isdisjoint(k)}
 
     def stage(self, name: str, residual: torch.Tensor, route: Transform) -> None:
         """Write this step's new residual of ``name`` (in ``route``'s coordinates) over the
@@ -158,6 +198,7 @@ class ErrorFeedback:
         """Remove the residual of ``name`` (at once)."""
         for held in (self.residuals, self.basis, self.finite):
             held.pop(name, None)
+        self._forget([name])
 
     def commit(self, finite: torch.Tensor) -> None:
         """The step settled: ``finite`` (0-dim bool, on the device) holds the residuals it
@@ -191,7 +232,7 @@ class ErrorFeedback:
         """Restore; a basis equal to a live transform of ``transforms`` becomes that object
         again, so the residual is not re-based needlessly."""
         self.residuals = {n: _zeroed(r, None) for n, r in state["residuals"].items()}
-        self.basis, self.finite, self._written = {}, {}, []
+        self.basis, self.finite, self._written, self._blocks = {}, {}, [], {}
         for name, saved in state["basis"].items():
             live = transforms.get(name)
             if live is not None and _same(live, saved):
@@ -207,6 +248,17 @@ def _copy_rows(target: torch.Tensor, pieces) -> None:
     rows = target.flatten(1) if target.dim() > 1 else target.unsqueeze(1)
     for view, lo, hi in pieces:
         rows[lo:hi].view(view.shape).copy_(view)
+
+
+def _tiles(block: torch.Tensor, stored: list) -> bool:
+    """Whether the tensors ``stored`` are still ``block``'s views, one after the other."""
+    at, size = block.data_ptr(), block.element_size()
+    for s in stored:
+        if not isinstance(s, torch.Tensor) or s.dtype != block.dtype or \
+                not s.is_contiguous() or s.data_ptr() != at:
+            return False
+        at += s.numel() * size
+    return at == block.data_ptr() + block.numel() * size
 
 
 def _zeroed(stored, finite: torch.Tensor | None):

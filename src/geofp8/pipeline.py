@@ -263,11 +263,17 @@ class GradientPipeline:
         if flat is None:
             flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32,
                                device=grads[0].device if grads else self.group.device)
-        routes, pos = [], 0
-        for name, g in zip(names, grads):
-            slot = flat[pos : pos + g.numel()].view(g.shape)
-            routes.append(self.prepare_into(name, g, slot, in_place))
-            pos += g.numel()
+        bucket = self._bucket_residual(names, shapes) if in_place else None
+        if bucket is not None:  # Ũ = G + R over the bucket at once: G is flat already
+            residual, flag = bucket
+            flat.add_(residual if flag is None else torch.where(flag, residual, 0.0))
+            routes = [IDENTITY] * len(names)
+        else:
+            routes, pos = [], 0
+            for name, g in zip(names, grads):
+                slot = flat[pos : pos + g.numel()].view(g.shape)
+                routes.append(self.prepare_into(name, g, slot, in_place))
+                pos += g.numel()
         per_sender = tuple(self._per_sender(n) for n in names)
         layout = self._layout(shapes, per_sender, tuple(self.codec_of(n) for n in names))
         side = self._sender_factors(shapes, per_sender, routes, layout) if any(per_sender) \
@@ -275,8 +281,10 @@ class GradientPipeline:
         if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ)), written over Ũ (not read again)
             sent, residual = encode_with_error(flat, layout, side, seed, self.group.rank,
                                                error_out=flat)
+            if bucket is not None:
+                self.feedback.stage_bucket(names, residual)
             pos = 0
-            for name, shape, route in zip(names, shapes, routes):
+            for name, shape, route in zip(names, shapes, routes) if bucket is None else ():
                 n = torch.Size(shape).numel()
                 self.feedback.stage(name, residual[pos : pos + n].view(shape), route)
                 pos += n
@@ -285,10 +293,22 @@ class GradientPipeline:
         side_bytes = sum(layout.side[j] for j in range(self.world_size) if j != self.rank)
         return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes)
 
-    def decode(self, encoded: Encoded, total: torch.Tensor) -> torch.Tensor:
+    def _bucket_residual(self, names: list[str], shapes: list[tuple[int, ...]]
+                         ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(R, flag)`` of a bucket whose every tensor is :meth:`plain` and has a residual
+        (:meth:`ErrorFeedback.bucket_in`: one flat vector): its error feedback is then one
+        add over the bucket, and its new residual one copy; else ``None`` (tensor by tensor)."""
+        if not self.config.error_feedback or not all(self.plain(n) for n in names):
+            return None
+        return self.feedback.bucket_in(names, shapes)
+
+    def decode(self, encoded: Encoded, total: torch.Tensor, divided: bool = False
+               ) -> torch.Tensor:
         """The mean ``(Σ / N) T⁻¹`` of every tensor, written over the collective's FP32 sum
-        ``total`` (one tensor after the other, as :meth:`encode` laid them); returns it."""
-        total.div_(total.new_full((), self.world_size))  # exact on CUDA too (codecs.exact_div)
+        ``total`` (one tensor after the other, as :meth:`encode` laid them; ``divided``:
+        ``Σ / N`` already, the collective's ``divide``); returns it."""
+        if not divided:
+            total.div_(total.new_full((), self.world_size))  # exact on CUDA (codecs.exact_div)
         pos = 0
         for shape, route, mapped in zip(encoded.shapes, encoded.routes, encoded.per_sender):
             n = torch.Size(shape).numel()

@@ -17,7 +17,7 @@ from .layout import ShardLayout
 from .stages import (
     all_finite,
     decode,
-    decode_gathered,
+    decode_gathered_flagged,
     decode_sum,
     encode,
     encode_reduced,
@@ -30,6 +30,9 @@ __all__ = ["COLLECTIVES", "Communicator", "device_future", "exact_allreduce", "w
 
 
 COLLECTIVES = ("exact", "allgather")
+
+
+Then = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 class _AllToAll(NamedTuple):
@@ -45,7 +48,8 @@ class _AllToAll(NamedTuple):
     seed: int | None
     keys: list[str | None] | None  # owner residual keys, None without owner feedback
     out: torch.Tensor | None
-    then: Callable[[torch.Tensor], torch.Tensor]  # applied before the result is set
+    then: Then  # applied before the result is set
+    divide: int | None
 
 
 def wire_bytes(layout: ShardLayout, rank: int, collective: str) -> int:
@@ -127,9 +131,8 @@ class Communicator:
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
                unmap=None, gather: bool = True, seed: int | None = None,
                owner_keys: list[str | None] | None = None,
-               out: torch.Tensor | None = None,
-               then: Callable[[torch.Tensor], torch.Tensor] | None = None
-               ) -> torch.futures.Future:
+               out: torch.Tensor | None = None, then: Then | None = None,
+               divide: int | None = None) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
         (mapped back per sender by ``unmap(rows, sides)`` first, see :func:`decode_sum`).
         ``gather=False`` stops after the FP32 sum (a reduce-scatter): the value is this
@@ -141,8 +144,11 @@ class Communicator:
         ``sent`` came from, not read again: the senders' decoded copies of this rank's shard
         are summed there (see :func:`decode_sum`) and, with ``gather``, the sum is decoded
         into it and it is the future's value.
-        ``then``: a function of that value whose result is the future's value instead, run
-        by this thread under :attr:`stream` before the future is completed.
+        ``divide``: the value divided by it (IEEE; the mean's ``N``), by the fused decode
+        where it runs. ``then(value, finite)``: a function of that value whose result is the
+        future's value instead, run by this thread under :attr:`stream` before the future is
+        completed; ``finite``: the 0-dim bool device flag "every element of the value is
+        finite" where the collective has it (the fused decode's; ``None``: not known).
         ``sent`` is the communicator's from here: its memory is freed once it is sent."""
         then = then if then is not None else _same
         with self._side():
@@ -152,14 +158,15 @@ class Communicator:
                 if unmap is not None or not gather:
                     raise ValueError("per-sender decoding and reduce-scatter need "
                                      "collective='exact'")
-                result = self._allgather(sent, layout, out, then)
+                result = self._allgather(sent, layout, out, then, divide)
                 if last:
                     self.complete(block=True)
                 return result
             return self._all_to_all(sent, layout, last, unmap, gather, seed, owner_keys, out,
-                                    then)
+                                    then, divide)
 
-    def _all_to_all(self, sent, layout, last, unmap, gather, seed, owner_keys, out, then):
+    def _all_to_all(self, sent, layout, last, unmap, gather, seed, owner_keys, out, then,
+                    divide):
         """The exact collective's first hop; its all-gather is issued ``lag`` launches
         later."""
         result = device_future(sent.device)
@@ -170,7 +177,7 @@ class Communicator:
                                      [layout.send_bytes(j) for j in range(n)], self.kind)
         self._in_flight.append(_AllToAll(work, sent, recv, layout, result, unmap, gather, seed,
                                          owner_keys if self.owner is not None else None, out,
-                                         then))
+                                         then, divide))
         if last:
             self.flush()  # issue the all-gather now, from this thread (see the class notes)
             self.complete(block=True)
@@ -228,7 +235,7 @@ class Communicator:
                                      scratch=launch.out)
                 release(launch.recv)
                 if not launch.gather:
-                    result.set_result(launch.then(reduced))
+                    result.set_result(launch.then(reduced, None))
                     return
                 for key, lo, hi in pieces:
                     residual = self.owner.residual_in(key, self.owner_route)
@@ -245,9 +252,10 @@ class Communicator:
         gathered, work = self.group.all_gather(shard, self.kind, async_op=True)
 
         def finish() -> torch.Tensor:
-            total = decode_gathered(gathered, layout, launch.out)
+            total, finite = decode_gathered_flagged(gathered, layout, launch.out,
+                                                    launch.divide)
             release(shard, gathered)
-            return launch.then(total)
+            return launch.then(total, finite)
 
         self._pending.append((work, finish, result))
 
@@ -262,7 +270,7 @@ class Communicator:
         return out
 
     def _allgather(self, sent: torch.Tensor, layout: ShardLayout, out: torch.Tensor | None,
-                   then: Callable[[torch.Tensor], torch.Tensor]) -> torch.futures.Future:
+                   then: Then, divide: int | None) -> torch.futures.Future:
 
         def decode_all() -> torch.Tensor:
             total = out.zero_() if out is not None else torch.zeros(
@@ -271,13 +279,16 @@ class Communicator:
                 total += decode(buf, layout)
             release(sent, gathered)
             # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
-            return then(poison_unless(total, all_finite(total)))
+            finite = all_finite(total)
+            poison_unless(total, finite)
+            return then(total if divide is None else total.div_(total.new_full((), divide)),
+                        finite)
 
         gathered, work = self.group.all_gather(sent, self.kind, async_op=True)
         return self.track(work, decode_all, sent.device)
 
 
-def _same(value: torch.Tensor) -> torch.Tensor:
+def _same(value: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
     return value
 
 

@@ -29,7 +29,8 @@ from ..codecs.base import mix_seed
 from .layout import ShardLayout
 from .plan import FusedPlan
 
-__all__ = ["all_finite", "decode", "decode_gathered", "decode_sum", "encode", "encode_reduced",
+__all__ = ["all_finite", "decode", "decode_gathered", "decode_gathered_flagged", "decode_sum",
+           "encode", "encode_reduced",
            "encode_with_error", "poison_unless", "reduce_encode", "rounding_error",
            "sender_sum", "simulate_exact_allreduce"]
 
@@ -304,24 +305,34 @@ def decode_gathered(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLa
     all NaN if any shard carries a non-finite scale (a segmentwise codec: through its
     scales; else a pass over the values, :func:`poison_unless`); ``divide``: divided by it
     (IEEE, e.g. by ``N`` for the mean). The fused kernels: two (the flag, the decode)."""
+    return decode_gathered_flagged(gathered, layout, out, divide)[0]
+
+
+def decode_gathered_flagged(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
+                            out: torch.Tensor | None = None, divide: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(values, finite)``: :func:`decode_gathered` and, from the fused kernels, their 0-dim
+    bool flag "every scale finite" (``values`` are all NaN unless it is set, and finite
+    where it is); ``None`` from the torch path (check the values, :func:`all_finite`)."""
     if isinstance(gathered, torch.Tensor):
         gathered = gathered.view(-1)
     if FusedPlan.applies(layout, _first(gathered), out):
-        def fused() -> torch.Tensor:
+        def fused() -> tuple[torch.Tensor, torch.Tensor]:
             joined = gathered if isinstance(gathered, torch.Tensor) else torch.cat(gathered)
             values = out if out is not None else torch.empty(
                 layout.numel, dtype=torch.float32, device=joined.device)
             plan = layout.plan
             device = joined.device
-            triton_fp8.decode_placed(values, joined, plan.tiles("gather", device),
-                                     plan.scale_rows(device), plan.slots("finite", device),
-                                     divide, plan.fmt)
-            return values
-        return triton_fp8.attempt(fused, lambda: decode_gathered(gathered, layout, out, divide))
+            finite = triton_fp8.decode_placed(values, joined, plan.tiles("gather", device),
+                                              plan.scale_rows(device),
+                                              plan.slots("finite", device), divide, plan.fmt)
+            return values, finite
+        return triton_fp8.attempt(fused, lambda: decode_gathered_flagged(gathered, layout, out,
+                                                                         divide))
     values, finite = _decode_flat(gathered, layout, layout.max_shard_bytes, out=out,
                                   poison=True)
     values = values if finite is None else poison_unless(values, finite)
-    return values if divide is None else values.div_(values.new_full((), divide))
+    return (values if divide is None else values.div_(values.new_full((), divide))), None
 
 
 def all_finite(values: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,132 @@
+"""Kernel launches of the real DDP comm hook per bucket, counted without a GPU.
+
+Ranks of a real gloo group train ``Linear(64, 64)`` layers under DDP with a GeoFP8 method's
+hook (``kernels="batched"``) on the CPU under Triton's interpreter, where the stages take
+the fused kernels (:mod:`geofp8.codecs.triton_fp8`) as they do on CUDA. A dispatch mode
+entered around every call of the hook (which on this path also completes the buckets'
+collectives and settles the step, on the same thread) counts, on rank 0, over one ordinary
+step (not step 0, which checks consistency): every Triton launch, every torch op that
+launches a kernel (neither a view nor a bare allocation; the interpreter's own torch calls
+inside a kernel are not counted) and, apart, the collectives (``c10d`` ops). The hook's
+launches must not grow with the tensors per bucket: ``--tensors`` varies them with one
+bucket per step; ``--buckets`` splits the same layers into several buckets.
+
+    python benchmarks/hook_launches.py                       # fp8-ef, 1 bucket of 2 / 8 tensors
+    python benchmarks/hook_launches.py --tensors 2 8 32 --buckets 1 4
+    python benchmarks/hook_launches.py --methods fp8-ef fp8
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated (children inherit it)
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import datetime  # noqa: E402
+import itertools  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from fused_launches import Launches  # noqa: E402  (wraps the Triton kernels' launches)
+from gpu_bucket import ALLOCATIONS  # noqa: E402
+from host_syncs import on_ranks  # noqa: E402
+
+WIDTH = 64  # Linear(WIDTH, WIDTH, bias=False): 16 KiB of FP32 gradient a tensor
+
+
+class HookLaunches(Launches):
+    """:class:`fused_launches.Launches`, the collectives counted apart and every op named."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectives = 0
+        self.ops: collections.Counter = collections.Counter()
+
+    def __enter__(self):
+        Launches.active = self  # where the wrapped Triton kernels count
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        Launches.active = None
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.collectives += 1
+            return func(*args, **(kwargs or {}))
+        if not (self.inside or func.is_view or func in ALLOCATIONS):
+            self.ops[str(func)] += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def count(rank: int, world: int, method: str, tensors: int, buckets: int) -> tuple:
+    """``(buckets, Triton, torch, collectives)`` of the hook in one ordinary step on this
+    rank (``tensors`` layers in ``buckets`` DDP buckets of equal size)."""
+    from geofp8.methods import METHODS
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(tensors)])
+    spec = METHODS[method]
+    settings = {"refresh_every": 1000, "kernels": "batched"}
+    state, hook, _ = spec.build(model, **{k: v for k, v in settings.items()
+                                          if k in spec.overrides and spec.kind == "geofp8"})
+    mb = tensors // buckets * WIDTH * WIDTH * 4 / (1 << 20)  # DDP's first bucket: up to 1 MB
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
+    counter: list[HookLaunches | None] = [None]
+
+    def counted(state, bucket):
+        if counter[0] is None:
+            return hook(state, bucket)
+        with counter[0]:
+            return hook(state, bucket)
+    ddp.register_comm_hook(state, counted)
+    for step in range(3):
+        counter[0] = HookLaunches() if step == 2 else None
+        ddp(torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step + 10 * rank))
+            ).pow(2).mean().backward()
+        ddp.zero_grad()
+    c = counter[0]
+    return len(ddp.reducer._get_zeros_like_grad_buckets()), c.triton, c.torch, c.collectives, \
+        c.ops
+
+
+def _worker(rank: int, world: int, port: int, method: str, queue, tensors: int,
+            buckets: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=300))
+    queue.put((rank, *count(rank, world, method, tensors, buckets)))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def measure(method: str, tensors: int, buckets: int, ranks: int = 2) -> tuple:
+    """``(buckets, Triton, torch, collectives, torch ops by name)`` of one ordinary step on
+    rank 0 of ``ranks`` spawned gloo ranks (see :func:`count`)."""
+    return on_ranks(_worker, ranks, method, tensors, buckets)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=["fp8-ef"])
+    parser.add_argument("--tensors", nargs="+", type=int, default=[2, 8])
+    parser.add_argument("--buckets", nargs="+", type=int, default=[1])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ops", action="store_true", help="list the torch ops counted")
+    args = parser.parse_args()
+    print("| method | tensors | buckets | Triton | torch | launches | per bucket | collectives |")
+    print("|---|---|---|---|---|---|---|---|")
+    for method, tensors, buckets in itertools.product(args.methods, args.tensors, args.buckets):
+        got, triton, ops, colls, names = measure(method, tensors, buckets, args.ranks)
+        print(f"| {method} | {tensors} | {got} | {triton} | {ops} | {triton + ops} | "
+              f"{(triton + ops) / got:.1f} | {colls} |", flush=True)
+        if args.ops:
+            print("   ", dict(names.most_common()))
+
+
+if __name__ == "__main__":
+    main()

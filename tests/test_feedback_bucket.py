@@ -1,0 +1,70 @@
+"""A bucket's residuals read and written as one flat vector (ErrorFeedback.bucket_in /
+stage_bucket): each residual a view of it, the same keys, values and state as tensor by
+tensor, a skipped step's residuals read as zero."""
+
+import torch
+
+from geofp8.feedback import ErrorFeedback
+from geofp8.geometry.transforms import IDENTITY
+
+SHAPES = [(3, 4), (5,), (2, 2, 2)]
+NAMES = ["a.weight", "b.bias", "c.weight"]
+
+
+def _staged(storage="bf16"):
+    fb = ErrorFeedback(storage)
+    g = torch.Generator().manual_seed(0)
+    for name, shape in zip(NAMES, SHAPES):
+        fb.stage(name, torch.randn(shape, generator=g), IDENTITY)
+    fb.commit(torch.tensor(True))
+    return fb
+
+
+def test_a_bucket_reads_its_residuals_as_one_vector_of_views_with_the_same_state():
+    for storage in ("fp32", "bf16"):
+        fb = _staged(storage)
+        before = fb.state_dict()
+        singles = torch.cat([fb.residual_in(n, IDENTITY).reshape(-1) for n in NAMES])
+        block, flag = fb.bucket_in(NAMES, SHAPES)
+        assert bool(flag) and block.dtype == fb.residuals[NAMES[0]].dtype
+        assert torch.equal(block.float(), singles)
+        pos = 0
+        for name, shape in zip(NAMES, SHAPES):
+            r = fb.residuals[name]
+            assert tuple(r.shape) == shape
+            assert r.data_ptr() == block.data_ptr() + pos * block.element_size()
+            pos += r.numel()
+        after = fb.state_dict()
+        assert after["residuals"].keys() == before["residuals"].keys()
+        assert all(torch.equal(after["residuals"][n], before["residuals"][n]) for n in NAMES)
+        assert fb.bucket_in(NAMES, SHAPES)[0] is block  # made once
+
+
+def test_a_bucket_write_and_a_skipped_step_zero_it_on_the_device():
+    fb = _staged()
+    block, _ = fb.bucket_in(NAMES, SHAPES)
+    error = torch.arange(block.numel(), dtype=torch.float32)
+    fb.stage_bucket(NAMES, error)
+    assert torch.equal(block.float(), error)
+    assert torch.equal(fb.residuals["b.bias"].float(), error[12:17])
+    fb.commit(torch.tensor(False))  # the step is skipped: its residuals read as zero
+    block2, flag = fb.bucket_in(NAMES, SHAPES)
+    assert block2 is block and not bool(flag)
+    assert not torch.where(flag, block2, 0.0).any()
+    assert not fb.residual_in("c.weight", IDENTITY).any()
+    assert all(not r.any() for r in fb.state_dict()["residuals"].values())
+
+
+def test_a_bucket_is_read_tensor_by_tensor_unless_every_residual_fits():
+    fb = _staged()
+    assert fb.bucket_in([*NAMES, "d.weight"], [*SHAPES, (1,)]) is None  # no residual yet
+    assert fb.bucket_in(NAMES, [(4, 3), *SHAPES[1:]]) is None  # another shape
+    fb.stage("a.weight", torch.ones(SHAPES[0]), IDENTITY)  # written by another step
+    assert fb.bucket_in(NAMES, SHAPES) is None
+    fb = _staged()
+    block, _ = fb.bucket_in(NAMES, SHAPES)
+    fb.rescale(2.0)  # BF16: rewritten tensor by tensor, no longer the vector's views
+    again, _ = fb.bucket_in(NAMES, SHAPES)
+    assert again is not block and torch.equal(again.float(), 2 * block.float())
+    fb.drop("b.bias")
+    assert fb.bucket_in(NAMES, SHAPES) is None and not fb._blocks
