@@ -54,7 +54,8 @@ if triton is not None:
     from .triton_fp8 import _e4m3_round, _e4m3_value, _tile
 
 __all__ = ["FORMATS", "Encoded", "available", "byte_tiles", "decode", "decode_shards",
-           "decode_sum", "decode_whole", "encode", "encode_shards", "encode_whole", "torch_only"]
+           "decode_sum", "decode_whole", "encode", "encode_shards", "encode_whole", "guarded",
+           "reduce_record", "torch_only"]
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8")
 E2M1, E4M3 = 0, 1  # element formats (constexpr)
@@ -81,7 +82,7 @@ def torch_only():
         _STATE["off"] -= 1
 
 
-def _guarded(run):
+def guarded(run):
     """``run()``, or ``None`` after a warning when a kernel fails on CUDA (remembered)."""
     if _INTERPRET:
         return run()
@@ -429,10 +430,12 @@ def _tiles(groups: GroupMap, fmt: str, device: torch.device) -> torch.Tensor:
 
 
 def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor | None = None,
-           error: bool = False, seeds=None) -> Encoded:
+           error: bool = False, seeds=None, into: tuple | None = None) -> Encoded:
     """``fmt``'s payload of ``u = x (+ residual)`` over ``groups`` (module notes): the amax
     pass, one or two per-block passes, the encoding pass. ``seeds`` (one per shard, ``None``
-    counting as 0): round stochastically with :mod:`.uniforms`' draws, else to nearest."""
+    counting as 0): round stochastically with :mod:`.uniforms`' draws, else to nearest.
+    ``into``: ``(segment scales or None, block bytes, codes)``, contiguous tensors the
+    payload is written into (e.g. views of the record it travels in), else new ones."""
     element, device = _element(fmt), x.device
     n_groups, n_seg = len(groups.lengths), len(groups.counts)
     bits = torch.zeros(n_groups + (n_seg if fmt == "nvfp4" else 0), dtype=torch.int32,
@@ -442,14 +445,16 @@ def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor |
     _block_amax_kernel[(tiles.shape[0],)](x, x if residual is None else residual, u, tiles,
                                           bits, HAS_R=residual is not None,
                                           B=16 if fmt == "nvfp4" else 32, TILE=TILE)
-    block_bytes = torch.empty(n_groups, dtype=torch.uint8, device=device)
+    s, block_bytes, codes = into or (None, None, None)
+    if block_bytes is None:
+        block_bytes = torch.empty(n_groups, dtype=torch.uint8, device=device)
     scale = torch.empty(n_groups, dtype=torch.float32, device=device)
-    s = None
     if fmt == "nvfp4":
         seg, seg_bits = _segment_of(groups, device), bits[n_groups:]
         _segment_amax_kernel[(triton.cdiv(n_groups, BLOCK),)](bits, seg, seg_bits, n_groups,
                                                               BLOCK=BLOCK)
-        s = torch.empty(n_seg, dtype=torch.float32, device=device)
+        if s is None:
+            s = torch.empty(n_seg, dtype=torch.float32, device=device)
         _nvfp4_scales_kernel[(triton.cdiv(max(n_groups, n_seg), BLOCK),)](
             bits, seg, seg_bits, s, block_bytes, scale, n_groups, n_seg, BLOCK=BLOCK)
     else:
@@ -458,8 +463,9 @@ def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor |
                                                            EMAX=emax, THRESHOLD=threshold,
                                                            BLOCK=BLOCK)
     numel = u.numel()
-    codes = torch.empty(sum((n + 1) // 2 for n in groups.numels) if element == E2M1 else numel,
-                        dtype=torch.uint8, device=device)
+    if codes is None:
+        codes = torch.empty(sum((n + 1) // 2 for n in groups.numels) if element == E2M1
+                            else numel, dtype=torch.uint8, device=device)
     err = torch.empty_like(u) if error else None
     tiles = _tiles(groups, fmt, device)
     kernel = _encode_packed_kernel if element == E2M1 else _encode_bytes_kernel
@@ -511,6 +517,41 @@ def decode(out: torch.Tensor, groups: GroupMap, fmt: str, block_bytes: torch.Ten
     return decode_sum(groups, fmt, *rows, poison=poison, out=out, total=False)[1]
 
 
+def _record_parts(buf: torch.Tensor, parts: tuple[int, ...]) -> list[torch.Tensor | None]:
+    """``[segment scales (FP32) or None, block bytes, codes]``: views of the records (rows
+    of ``buf``) whose payloads hold these parts one after the other (NVFP4's three, MX's two);
+    the segment scales copied out only where a row's bytes cannot be viewed as FP32."""
+    views, pos = [], 0
+    for size in parts:
+        views.append(buf[..., pos : pos + size])
+        pos += size
+    if len(parts) == 2:
+        return [None, *views]
+    s = views[0]
+    aligned = all(st % 4 == 0 for st in s.stride()[:-1]) and s.storage_offset() % 4 == 0
+    return [(s if aligned else s.contiguous()).view(torch.float32), *views[1:]]
+
+
+def reduce_record(received: torch.Tensor, groups: GroupMap, fmt: str, parts: tuple[int, ...],
+                  record_bytes: int, seeds=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An owner's decode-and-sum and re-encode of one shard (``groups``), record to record:
+    ``(its record, zero-padded to record_bytes, the FP32 sum it encodes)`` from the ``N``
+    senders' records back to back in the uint8 ``received`` (each the payload's ``parts``,
+    :meth:`~.base.Codec.part_bytes`). The sum is :func:`decode_sum`'s, read from the
+    received records in place; the re-encode (:func:`encode`, ``seeds`` as there) writes its
+    scales and codes straight into the record. The same bits as the codec's torch path."""
+    nbytes = sum(parts)
+    rows = received[: (received.numel() // nbytes) * nbytes].view(-1, nbytes)
+    s, block_bytes, codes = _record_parts(rows, parts)
+    total, _ = decode_sum(groups, fmt, block_bytes, codes, s)
+    record = received.new_empty(record_bytes)
+    into = _record_parts(record, parts)
+    encode(total, groups, fmt, seeds=seeds, into=into)
+    if record_bytes > nbytes:
+        record[nbytes:].zero_()
+    return record, total
+
+
 def encode_whole(codec, x: torch.Tensor, shards, seeds=None, error: bool = False):
     """``(wholes, error or None)`` as ``codec.encode_whole`` returns them (each kind of part
     one tensor for the whole bucket) from the kernels, or ``None`` where they do not run
@@ -527,7 +568,7 @@ def encode_whole(codec, x: torch.Tensor, shards, seeds=None, error: bool = False
         if enc.segment_scales is not None:
             wholes.insert(0, enc.segment_scales.view(torch.uint8))
         return wholes, enc.error
-    return _guarded(run)
+    return guarded(run)
 
 
 def encode_shards(codec, x: torch.Tensor, shards, seeds=None, error: bool = False):
@@ -556,7 +597,7 @@ def decode_whole(codec, out: torch.Tensor, wholes, shards, check: bool = True,
         s = wholes[0].view(torch.float32) if len(wholes) == 3 else None
         bad = decode(out, groups, codec.format, wholes[-2], wholes[-1], s, poison)
         return True, (bad.eq(0) if check and not poison else None)
-    done = _guarded(run)
+    done = guarded(run)
     return (False, None) if done is None else done
 
 
