@@ -53,7 +53,7 @@ if triton is not None:
 
     from .triton_fp8 import _e4m3_round, _e4m3_value, _tile
 
-__all__ = ["FORMATS", "Encoded", "available", "byte_tiles", "decode", "decode_shards",
+__all__ = ["FORMATS", "Encoded", "amax_slots", "available", "byte_tiles", "decode", "decode_shards",
            "decode_sum", "decode_whole", "encode", "encode_shards", "encode_whole", "guarded",
            "reduce_record", "torch_only"]
 
@@ -346,15 +346,19 @@ if triton is not None:
     @triton.jit
     def _payload_scales_kernel(code_ptr, code_stride, s_ptr, s_stride, seg_ptr, scale_ptr,
                                bad_ptr, n, NVFP4: tl.constexpr, BLOCK: tl.constexpr):
-        """Sender ``r``'s FP32 block scales from its payload (NVFP4: ``β·s``, MX: ``2^e``)
-        into row ``r`` of ``scale``; a non-finite one counted in ``bad``."""
+        """Sender ``r``'s FP32 block scales from its payload (NVFP4: ``β·s``, ``s`` read as
+        the bytes of row ``r`` of ``s_ptr``; MX: ``2^e``) into row ``r`` of ``scale``; a
+        non-finite one counted in ``bad``."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         r = tl.program_id(1).to(tl.int64)
         mask = offs < n
         code = tl.load(code_ptr + r * code_stride + offs, mask=mask, other=0).to(tl.uint32)
-        if NVFP4:
-            seg = tl.load(seg_ptr + offs, mask=mask, other=0)
-            scale = _e4m3_value(code) * tl.load(s_ptr + r * s_stride + seg, mask=mask, other=1.0)
+        if NVFP4:  # the FP32 segment scale from its 4 bytes (a record need not be aligned)
+            at = s_ptr + r * s_stride + 4 * tl.load(seg_ptr + offs, mask=mask, other=0)
+            s = tl.zeros(offs.shape, tl.uint32)
+            for k in tl.static_range(4):
+                s |= tl.load(at + k, mask=mask, other=0).to(tl.uint32) << (8 * k)
+            scale = _e4m3_value(code) * s.to(tl.float32, bitcast=True)
         else:
             scale = _e8m0_value(code)
         tl.store(scale_ptr + r * n + offs, scale, mask=mask)
@@ -429,17 +433,24 @@ def _tiles(groups: GroupMap, fmt: str, device: torch.device) -> torch.Tensor:
     return (byte_tiles if _element(fmt) == E2M1 else triton_fp8.tiles)(groups, device)
 
 
+def amax_slots(groups: GroupMap, fmt: str) -> int:
+    """The int32 amax slots :func:`encode` takes: one per block (and per segment, NVFP4)."""
+    return len(groups.lengths) + (len(groups.counts) if fmt == "nvfp4" else 0)
+
+
 def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor | None = None,
-           error: bool = False, seeds=None, into: tuple | None = None) -> Encoded:
+           error: bool = False, seeds=None, into: tuple | None = None,
+           bits: torch.Tensor | None = None) -> Encoded:
     """``fmt``'s payload of ``u = x (+ residual)`` over ``groups`` (module notes): the amax
     pass, one or two per-block passes, the encoding pass. ``seeds`` (one per shard, ``None``
     counting as 0): round stochastically with :mod:`.uniforms`' draws, else to nearest.
     ``into``: ``(segment scales or None, block bytes, codes)``, contiguous tensors the
-    payload is written into (e.g. views of the record it travels in), else new ones."""
+    payload is written into (e.g. views of the record it travels in), else new ones;
+    ``bits``: zeroed int32 amax slots to use (:func:`amax_slots` of ``groups``)."""
     element, device = _element(fmt), x.device
     n_groups, n_seg = len(groups.lengths), len(groups.counts)
-    bits = torch.zeros(n_groups + (n_seg if fmt == "nvfp4" else 0), dtype=torch.int32,
-                       device=device)
+    if bits is None:
+        bits = torch.zeros(amax_slots(groups, fmt), dtype=torch.int32, device=device)
     u = x if residual is None else torch.empty_like(x)
     tiles = triton_fp8.tiles(groups, device)
     _block_amax_kernel[(tiles.shape[0],)](x, x if residual is None else residual, u, tiles,
@@ -482,19 +493,22 @@ def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor |
 
 def decode_sum(groups: GroupMap, fmt: str, block_bytes: torch.Tensor, codes: torch.Tensor,
                segment_scales: torch.Tensor | None = None, poison: bool = False,
-               out: torch.Tensor | None = None, total: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               out: torch.Tensor | None = None, total: bool = True,
+               bad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, bad)``: ``0 + Σ_r value(code_r)·scale_{r,b}`` in sender order (FP32) of the
     ``N`` senders' payloads of ``groups`` (rows of ``block_bytes`` ``[N, G]``, ``codes``
     ``[N, C]``, NVFP4's ``segment_scales`` ``[N, S]``; each row contiguous), and ``bad``, a
     0-dim int32 tensor, non-zero when any block scale is not finite. ``poison``: every value
-    NaN then. ``total=False`` (one sender): its values, not added to ``+0``."""
+    NaN then. ``total=False`` (one sender): its values, not added to ``+0``. The segment
+    scales may be the rows' bytes (uint8 ``[N, 4·S]``, any alignment); ``bad``: a zeroed
+    0-dim int32 tensor to use."""
     element, device = _element(fmt), codes.device
     n_senders, n_groups = codes.shape[0], len(groups.lengths)
     scale = torch.empty(n_senders, n_groups, dtype=torch.float32, device=device)
-    bad = torch.zeros((), dtype=torch.int32, device=device)
+    if bad is None:
+        bad = torch.zeros((), dtype=torch.int32, device=device)
     nvfp4 = fmt == "nvfp4"
-    s = segment_scales if nvfp4 else scale
+    s = segment_scales.view(torch.uint8) if nvfp4 else scale
     _payload_scales_kernel[(triton.cdiv(n_groups, BLOCK), n_senders)](
         block_bytes, block_bytes.stride(0), s, s.stride(0),
         _segment_of(groups, device) if nvfp4 else block_bytes, scale, bad, n_groups,
@@ -518,18 +532,13 @@ def decode(out: torch.Tensor, groups: GroupMap, fmt: str, block_bytes: torch.Ten
 
 
 def _record_parts(buf: torch.Tensor, parts: tuple[int, ...]) -> list[torch.Tensor | None]:
-    """``[segment scales (FP32) or None, block bytes, codes]``: views of the records (rows
-    of ``buf``) whose payloads hold these parts one after the other (NVFP4's three, MX's two);
-    the segment scales copied out only where a row's bytes cannot be viewed as FP32."""
+    """``[segment scales' bytes or None, block bytes, codes]``: views of the records (rows of
+    ``buf``) whose payloads hold these parts one after the other (NVFP4's three, MX's two)."""
     views, pos = [], 0
     for size in parts:
         views.append(buf[..., pos : pos + size])
         pos += size
-    if len(parts) == 2:
-        return [None, *views]
-    s = views[0]
-    aligned = all(st % 4 == 0 for st in s.stride()[:-1]) and s.storage_offset() % 4 == 0
-    return [(s if aligned else s.contiguous()).view(torch.float32), *views[1:]]
+    return [None, *views] if len(parts) == 2 else views
 
 
 def reduce_record(received: torch.Tensor, groups: GroupMap, fmt: str, parts: tuple[int, ...],
@@ -539,14 +548,17 @@ def reduce_record(received: torch.Tensor, groups: GroupMap, fmt: str, parts: tup
     senders' records back to back in the uint8 ``received`` (each the payload's ``parts``,
     :meth:`~.base.Codec.part_bytes`). The sum is :func:`decode_sum`'s, read from the
     received records in place; the re-encode (:func:`encode`, ``seeds`` as there) writes its
-    scales and codes straight into the record. The same bits as the codec's torch path."""
+    scales and codes straight into the record; one zeroed buffer holds the decode's flag and
+    the re-encode's amax slots. The same bits as the codec's torch path."""
     nbytes = sum(parts)
     rows = received[: (received.numel() // nbytes) * nbytes].view(-1, nbytes)
+    zeroed = torch.zeros(1 + amax_slots(groups, fmt), dtype=torch.int32, device=rows.device)
     s, block_bytes, codes = _record_parts(rows, parts)
-    total, _ = decode_sum(groups, fmt, block_bytes, codes, s)
+    total, _ = decode_sum(groups, fmt, block_bytes, codes, s, bad=zeroed[0])
     record = received.new_empty(record_bytes)
-    into = _record_parts(record, parts)
-    encode(total, groups, fmt, seeds=seeds, into=into)
+    s, block_bytes, codes = _record_parts(record, parts)
+    encode(total, groups, fmt, seeds=seeds, bits=zeroed[1:],
+           into=(None if s is None else s.view(torch.float32), block_bytes, codes))
     if record_bytes > nbytes:
         record[nbytes:].zero_()
     return record, total
