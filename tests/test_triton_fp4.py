@@ -214,7 +214,7 @@ def check_owner() -> list[str]:
 
 def check_gpu_rows() -> list[str]:
     """``make gpu-check``'s block-kernel rows, run on the CPU under the interpreter (NVFP4's:
-    the rows of every format run the same code)."""
+    the rows of every format run the same code), and its block-scaled stages' rows."""
     import torch
 
     from geofp8.codecs import triton_fp4
@@ -228,8 +228,9 @@ def check_gpu_rows() -> list[str]:
         gpu_check.check_fused_blocks(rows)
     finally:
         triton_fp4.FORMATS = FORMATS
+    gpu_check.check_fused_block_stages(rows)
     failures = [f"gpu-check {name}: {detail}" for name, detail, verdict in rows if verdict != "ok"]
-    return failures + ([] if len(rows) == 3 else [f"gpu-check: {len(rows)} block rows"])
+    return failures + ([] if len(rows) == 6 else [f"gpu-check: {len(rows)} block rows"])
 
 
 def launches(fmt: str, owner: int | None = None) -> tuple[int, int]:
@@ -308,11 +309,11 @@ def test_fused_block_kernels_are_bit_identical_to_the_torch_reference_under_the_
     # with one zeroed buffer; whatever the number of tensors, shards or senders
     assert lines[-1] == "launches (12, 4) (10, 4) (10, 4)"
     # the owner's stages through stages.reduce_encode, record to record: the decode-and-sum
-    # (2 kernels + a zeroed flag) and the re-encode (4 NVFP4 / 3 MX + zeroed amax slots),
-    # NVFP4's segment scales copied out where the records are not 4-aligned (as here); the
-    # same for N = 3 and 5 and buckets of 2 and 4 tensors (through the codecs' parts it was
-    # 6 + 7 or 6 + 11 NVFP4, 5 + 6 or 5 + 10 MX, by layout)
-    assert lines[-2] == "owner (6, 3) (5, 2) (5, 2)"
+    # (2 kernels) and the re-encode (4 NVFP4 / 3 MX) and one zeroed buffer for the flag and
+    # the amax slots (+1 where the record is padded: not here); the same for N = 3 and 5
+    # and buckets of 2 and 4 tensors (through the codecs' parts it was 6 + 7 or 6 + 11
+    # NVFP4, 5 + 6 or 5 + 10 MX, by layout)
+    assert lines[-2] == "owner (6, 1) (5, 1) (5, 1)"
 
 
 def test_a_kernel_failure_on_the_device_falls_back_to_torch_once_and_warns_once(monkeypatch):

@@ -431,6 +431,37 @@ def check_fused_blocks(rows: list) -> None:
                  f"{moved / t / (8 * x.numel() / copy):.0%} of D2D copy bandwidth", "ok"))
 
 
+def check_fused_block_stages(rows: list) -> None:
+    """The exact collective on a block-scaled codec's batched path (NVFP4 both roundings,
+    MXFP4; the owners' stages record to record, :func:`~geofp8.codecs.triton_fp4.reduce_record`)
+    against the CPU's chunked path, bitwise, clean and with a NaN on one sender; then one
+    25 MiB NVFP4 bucket's owner stages timed (N = 8)."""
+    from ..codecs import make_codec, triton_fp4
+    from ..comm import ShardLayout
+    from ..comm import stages as st
+
+    for fmt, rounding in (("nvfp4", "nearest"), ("nvfp4", "stochastic"), ("mxfp4", "nearest")):
+        def check(codec=make_codec(fmt, rounding=rounding)):
+            ok = []
+            for nan in (False, True):
+                inputs = [bucket(r, SHAPES) for r in range(WORLD)]
+                inputs[1][7] = float("nan") if nan else inputs[1][7]
+                got, want = (st.simulate_exact_allreduce(
+                    [x.to(device) for x in inputs],
+                    ShardLayout.build(SHAPES, codec, WORLD, kernels=kernels), seed=5).cpu()
+                    for device, kernels in ((DEVICE, "batched"), ("cpu", "chunked")))
+                ok.append(_bits_equal(got, want))
+            return f"collective, clean and with a NaN: {ok}", all(ok)
+        _row(rows, f"fused stages {fmt}/{rounding} N={WORLD}", check)
+    if DEVICE.type != "cuda" or not triton_fp4.available(torch.zeros(1, device=DEVICE)):
+        return
+    n, x = 8, torch.randn(25 << 20 >> 2, device=DEVICE)  # 25 MiB of FP32
+    layout = ShardLayout.build([tuple(x.shape)], make_codec("nvfp4"), n, kernels="batched")
+    received = torch.cat([st.encode(x, layout)[: layout.send_bytes(0)]] * n)
+    t = _timed(lambda: st.reduce_encode(received, layout, 0))
+    rows.append(("fused nvfp4 owner stages 25 MiB N=8", f"{1e6 * t:.0f} µs", "ok"))
+
+
 def check_fused_stages(rows: list) -> None:
     """The exact collective's stages on the fused kernels (:class:`geofp8.comm.plan.FusedPlan`)
     against the CPU's chunked path, bitwise (a sender's encode with its error written over
@@ -499,7 +530,7 @@ def main() -> int:
     t0 = time.perf_counter()
     rows: list[tuple[str, str, str]] = []
     for check in (check_codecs, check_fused, check_fused_stages, check_fused_blocks,
-                  check_transforms, check_methods, check_training, check_throughput):
+                  check_fused_block_stages, check_transforms, check_methods, check_training, check_throughput):
         try:
             check(rows)
         except Exception:  # noqa: BLE001 - a section's set-up failed: its rows so far stand
