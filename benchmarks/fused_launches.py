@@ -5,9 +5,9 @@ the encode with its error feedback written over the bucket, the owner's decode, 
 re-encode, the decode of the gathered shards divided by ``N``) with the codecs' batched
 path on the CPU under Triton's interpreter, where the stages take the fused kernels as they
 do on CUDA (:mod:`geofp8.codecs.triton_fp8`, placed by :class:`geofp8.comm.plan.FusedPlan`;
-:mod:`geofp8.codecs.triton_fp4`, the owner's stages record to record). Counts every Triton kernel launched
-and every torch op that launches a kernel outside them (neither a view nor a bare
-allocation; the interpreter's own torch calls inside a kernel are not counted).
+:mod:`geofp8.codecs.triton_fp4`, the owner's stages record to record). Counts every Triton
+kernel launched and every torch op that launches a kernel outside them (neither a view nor
+a bare allocation; the interpreter's own torch calls inside a kernel are not counted).
 
     python benchmarks/fused_launches.py
     python benchmarks/fused_launches.py --formats nvfp4 --sizes 3 --ranks 2 8 64

@@ -441,8 +441,8 @@ def check_fused_block_stages(rows: list) -> None:
     from ..comm import stages as st
 
     for fmt, rounding in (("nvfp4", "nearest"), ("nvfp4", "stochastic"), ("mxfp4", "nearest")):
-        def check(codec=make_codec(fmt, rounding=rounding)):
-            ok = []
+        def check(fmt=fmt, rounding=rounding):
+            codec, ok = make_codec(fmt, rounding=rounding), []
             for nan in (False, True):
                 inputs = [bucket(r, SHAPES) for r in range(WORLD)]
                 inputs[1][7] = float("nan") if nan else inputs[1][7]
@@ -530,7 +530,8 @@ def main() -> int:
     t0 = time.perf_counter()
     rows: list[tuple[str, str, str]] = []
     for check in (check_codecs, check_fused, check_fused_stages, check_fused_blocks,
-                  check_fused_block_stages, check_transforms, check_methods, check_training, check_throughput):
+                  check_fused_block_stages, check_transforms, check_methods, check_training,
+                  check_throughput):
         try:
             check(rows)
         except Exception:  # noqa: BLE001 - a section's set-up failed: its rows so far stand
