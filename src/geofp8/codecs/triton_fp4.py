@@ -55,7 +55,7 @@ if triton is not None:
 
 __all__ = ["FORMATS", "Encoded", "amax_slots", "available", "byte_tiles", "decode", "decode_shards",
            "decode_sum", "decode_whole", "encode", "encode_shards", "encode_whole", "guarded",
-           "reduce_record", "torch_only"]
+           "torch_only"]
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8")
 E2M1, E4M3 = 0, 1  # element formats (constexpr)
@@ -529,39 +529,6 @@ def decode(out: torch.Tensor, groups: GroupMap, fmt: str, block_bytes: torch.Ten
     :func:`decode_sum`)."""
     rows = [t[None] if t is not None else None for t in (block_bytes, codes, segment_scales)]
     return decode_sum(groups, fmt, *rows, poison=poison, out=out, total=False)[1]
-
-
-def _record_parts(buf: torch.Tensor, parts: tuple[int, ...]) -> list[torch.Tensor | None]:
-    """``[segment scales' bytes or None, block bytes, codes]``: views of the records (rows of
-    ``buf``) whose payloads hold these parts one after the other (NVFP4's three, MX's two)."""
-    views, pos = [], 0
-    for size in parts:
-        views.append(buf[..., pos : pos + size])
-        pos += size
-    return [None, *views] if len(parts) == 2 else views
-
-
-def reduce_record(received: torch.Tensor, groups: GroupMap, fmt: str, parts: tuple[int, ...],
-                  record_bytes: int, seeds=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """An owner's decode-and-sum and re-encode of one shard (``groups``), record to record:
-    ``(its record, zero-padded to record_bytes, the FP32 sum it encodes)`` from the ``N``
-    senders' records back to back in the uint8 ``received`` (each the payload's ``parts``,
-    :meth:`~.base.Codec.part_bytes`). The sum is :func:`decode_sum`'s, read from the
-    received records in place; the re-encode (:func:`encode`, ``seeds`` as there) writes its
-    scales and codes straight into the record; one zeroed buffer holds the decode's flag and
-    the re-encode's amax slots. The same bits as the codec's torch path."""
-    nbytes = sum(parts)
-    rows = received[: (received.numel() // nbytes) * nbytes].view(-1, nbytes)
-    zeroed = torch.zeros(1 + amax_slots(groups, fmt), dtype=torch.int32, device=rows.device)
-    s, block_bytes, codes = _record_parts(rows, parts)
-    total, _ = decode_sum(groups, fmt, block_bytes, codes, s, bad=zeroed[0])
-    record = received.new_empty(record_bytes)
-    s, block_bytes, codes = _record_parts(record, parts)
-    encode(total, groups, fmt, seeds=seeds, bits=zeroed[1:],
-           into=(None if s is None else s.view(torch.float32), block_bytes, codes))
-    if record_bytes > nbytes:
-        record[nbytes:].zero_()
-    return record, total
 
 
 def encode_whole(codec, x: torch.Tensor, shards, seeds=None, error: bool = False):

@@ -14,7 +14,7 @@ values or bytes in between:
 
 A block-scaled layout (one NVFP4 / MX codec, :attr:`FusedPlan.blocks`) is not placed by
 tile maps yet: only its owner's stages run record to record
-(:func:`~geofp8.codecs.triton_fp4.reduce_record`), the others through the codec's kernels.
+(:func:`~geofp8.codecs.block_records.reduce_record`), the others through the codec's kernels.
 
 The maps are int64 device tensors, a few per layout and device, built on first use and
 kept as long as the layout: nothing per call is ``O(tensors)`` or ``O(groups)`` on the
@@ -61,7 +61,7 @@ class FusedPlan:
     @staticmethod
     def reduces_blocks(layout, received: torch.Tensor, shard: int) -> bool:
         """Whether the owner of ``shard`` (not empty) reduces and re-encodes it record to record
-        with the block-scaled kernels (:func:`~geofp8.codecs.triton_fp4.reduce_record`): one
+        with the block-scaled kernels (:func:`~geofp8.codecs.block_records.reduce_record`): one
         NVFP4 / MX codec, no side bytes, batched kernels on the device, the kernels there."""
         return (layout.plan.blocks and layout.shard_numel(shard) > 0
                 and layout.batched(received.device) and triton_fp4.available(received)

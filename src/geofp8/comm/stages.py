@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs import triton_fp4, triton_fp8
+from ..codecs import block_records, triton_fp4, triton_fp8
 from ..codecs.base import mix_seed
 from .layout import ShardLayout
 from .plan import FusedPlan
@@ -263,7 +263,7 @@ def _reduce_blocks(received: torch.Tensor, layout: ShardLayout, shard: int,
     a kernel failure on CUDA: the torch path then)."""
     codec, n = layout.codec, layout.world_size
     seeds = [_shard_seed(seed, n + shard)] if codec.rounding == "stochastic" else None
-    return triton_fp4.guarded(lambda: triton_fp4.reduce_record(
+    return triton_fp4.guarded(lambda: block_records.reduce_record(
         received, layout.group_map([shard]), codec.format, layout.parts[shard],
         layout.max_shard_bytes, seeds))
 
