@@ -2,15 +2,15 @@
 
 Runs one rank's stages of a bucket as the collective runs them (``gpu_bucket.rank_share``:
 the encode with its error feedback written over the bucket, the owner's decode, sum and
-re-encode, the decode of the gathered shards divided by ``N``) with the FP8 codec's batched
-path on the CPU under Triton's interpreter, where the stages take the fused kernels
-(:mod:`geofp8.codecs.triton_fp8`, placed by :class:`geofp8.comm.plan.FusedPlan`) as they do
-on CUDA. Counts every Triton kernel launched
-and every torch op that launches a kernel outside them (neither a view nor a bare
-allocation; the interpreter's own torch calls inside a kernel are not counted).
+re-encode, the decode of the gathered shards divided by ``N``) with the codecs' batched
+path on the CPU under Triton's interpreter, where the stages take the fused kernels as they
+do on CUDA (:mod:`geofp8.codecs.triton_fp8`, placed by :class:`geofp8.comm.plan.FusedPlan`;
+:mod:`geofp8.codecs.triton_fp4`, the owner's stages record to record). Counts every Triton
+kernel launched and every torch op that launches a kernel outside them (neither a view nor
+a bare allocation; the interpreter's own torch calls inside a kernel are not counted).
 
     python benchmarks/fused_launches.py
-    python benchmarks/fused_launches.py --formats e4m3 e5m2 --sizes 3 --ranks 2 8 64
+    python benchmarks/fused_launches.py --formats nvfp4 --sizes 3 --ranks 2 8 64
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import itertools  # noqa: E402
 
 import torch  # noqa: E402
 
-from geofp8.codecs import make_codec, triton_fp8  # noqa: E402
+from geofp8.codecs import make_codec  # noqa: E402
 from geofp8.comm import ShardLayout  # noqa: E402
 from gpu_bucket import ALLOCATIONS, KERNELS, ActiveMode, rank_share, shapes  # noqa: E402
 
@@ -58,13 +58,14 @@ def _counting(run):
     return counted
 
 
-for _name in KERNELS:
-    getattr(triton_fp8, _name).run = _counting(getattr(triton_fp8, _name).run)
+for _kernel in KERNELS:
+    _kernel.run = _counting(_kernel.run)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--formats", nargs="+", default=["e4m3", "e5m2"])
+    parser.add_argument("--formats", nargs="+", default=["e4m3", "e5m2", "nvfp4", "mxfp4",
+                                                         "mxfp8"])
     parser.add_argument("--sizes", nargs="+", type=float, default=[3], help="MB")
     parser.add_argument("--kinds", nargs="+", default=["equal", "unequal"])
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 8])

@@ -7,8 +7,9 @@ decode-and-sum of the ``N`` copies of its shard and its re-encode
 ``N``. Everything runs on the ``meta`` device, which has no data: what is left is the
 host's work, the same Python and dispatch a CUDA device sees. ``--paths``: ``torch``, the
 torch-op batched path (the fallback without Triton); ``fused``, the fused Triton kernels
-(:mod:`geofp8.codecs.triton_fp8`, taken for E4M3/E5M2 as on CUDA), each kernel's launch
-replaced by a counter (no data to run it on).
+(:mod:`geofp8.codecs.triton_fp8` for E4M3/E5M2, :mod:`geofp8.codecs.triton_fp4` for NVFP4
+and MX, taken as on CUDA), each kernel's launch replaced by a counter (no data to run it
+on).
 
 * **launches**: aten ops that are neither views nor bare allocations, counted by a dispatch
   mode (deterministic), plus the Triton launches;
@@ -40,7 +41,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from geofp8.codecs import make_codec, triton_fp8
+from geofp8.codecs import make_codec, triton_fp4, triton_fp8
 from geofp8.comm import ShardLayout
 from geofp8.comm.stages import decode_gathered, encode, encode_with_error, reduce_encode
 
@@ -84,9 +85,13 @@ def rank_share(layout: ShardLayout, x: torch.Tensor):
     return run
 
 
-KERNELS = ("_amax_kernel", "_scales_kernel", "_encode_kernel", "_decode_kernel",
-           "_decode_sum_kernel", "_encode_placed_kernel", "_reduce_kernel", "_finite_kernel",
-           "_decode_placed_kernel")
+KERNELS = [getattr(module, name) for module in (triton_fp8, triton_fp4)
+           for name in dir(module) if name.endswith("_kernel")]  # every Triton kernel
+
+
+def has_fused(fmt: str) -> bool:
+    """Whether the fused path has Triton kernels for the codec ``fmt``."""
+    return fmt in triton_fp8.FMAX or fmt in triton_fp4.FORMATS
 
 
 @contextlib.contextmanager
@@ -102,15 +107,14 @@ def fused_path(enabled: bool = True):
     def launch(*args, **kwargs):
         if Launches.active is not None:
             Launches.active.triton += 1
-    for name in KERNELS:
-        fn = getattr(triton_fp8, name)
-        runs[name], fn.run = fn.run, launch
+    for fn in KERNELS:
+        runs[fn], fn.run = fn.run, launch
     try:
         yield
     finally:
         triton_fp8.available = available
-        for name, run in runs.items():
-            getattr(triton_fp8, name).run = run
+        for fn, run in runs.items():
+            fn.run = run
 
 
 class ActiveMode(TorchDispatchMode):
@@ -219,8 +223,8 @@ def main() -> None:
     cases = list(itertools.product(args.paths, args.methods, args.sizes, args.kinds,
                                    args.ranks))
     for path, method, mb, kind, n in cases:
-        if path == "fused" and METHODS[method] not in triton_fp8.FMAX:
-            continue  # no fused kernels for this codec yet: it runs the torch path
+        if path == "fused" and not has_fused(METHODS[method]):
+            continue  # no fused kernels for this codec: it runs the torch path
         layout = ShardLayout.build(shapes(mb, kind), make_codec(METHODS[method]), n,
                                    kernels="batched")
         x = torch.zeros(layout.numel, device="meta")
@@ -233,7 +237,7 @@ def main() -> None:
         print(f"\n{args.layouts} distinct layouts, modelled host µs per bucket: first pass "
               "/ second pass")
         for path, method, mb, kind, n in cases:
-            if path == "fused" and METHODS[method] not in triton_fp8.FMAX:
+            if path == "fused" and not has_fused(METHODS[method]):
                 continue
             with fused_path(path == "fused"):
                 first, second = many_layouts(METHODS[method], mb, kind, n, args.layouts)

@@ -174,9 +174,47 @@ def check_codecs() -> list[str]:
     return failures
 
 
+OWNER_CASES = (("nvfp4", "nearest", 1), ("nvfp4", "nearest", 3), ("nvfp4", "nearest", 4),
+               ("nvfp4", "stochastic", 5), ("mxfp4", "nearest", 5), ("mxfp8", "stochastic", 3))
+
+
+def check_owner() -> list[str]:
+    """Every owner's stages 3 and 4 record to record (:func:`block_records.reduce_record`, taken
+    by :func:`stages.reduce_encode` on a batched layout) against the CPU's chunked path: the
+    record and the sum, bitwise, odd shards, with NaN and ±Inf in one sender's input."""
+    import torch
+
+    from geofp8.codecs import block_records, make_codec
+    from geofp8.comm import ShardLayout
+    from geofp8.comm.stages import encode, reduce_encode
+
+    calls, reduce_record = [], block_records.reduce_record
+    block_records.reduce_record = lambda *a, **k: calls.append(1) or reduce_record(*a, **k)
+    failures, shapes = [], SHAPES[1]
+    numel = sum(math.prod(s) for s in shapes)
+    for fmt, rounding, n in OWNER_CASES:
+        codec = make_codec(fmt, rounding=rounding)
+        fused, chunked = (ShardLayout.build(shapes, codec, n, kernels=k)
+                          for k in ("batched", "chunked"))
+        sent = [encode(_bucket(numel, r, special=r == 1), chunked, seed=5, sender=r)
+                for r in range(n)]
+        start = 0
+        for j in range(n):
+            size = chunked.send_bytes(j)
+            received = torch.cat([s[start : start + size] for s in sent])
+            start += size
+            got, want = (reduce_encode(received, lay, j, seed=5) for lay in (fused, chunked))
+            if not (_same(got[0], want[0]) and _same(got[1], want[1])):
+                failures.append(f"owner {fmt}/{rounding} N={n} shard {j}")
+    block_records.reduce_record = reduce_record
+    if len(calls) != sum(n for *_, n in OWNER_CASES):
+        failures.append(f"the owner's record-to-record kernels ran {len(calls)} times")
+    return failures
+
+
 def check_gpu_rows() -> list[str]:
     """``make gpu-check``'s block-kernel rows, run on the CPU under the interpreter (NVFP4's:
-    the rows of every format run the same code)."""
+    the rows of every format run the same code), and its block-scaled stages' rows."""
     import torch
 
     from geofp8.codecs import triton_fp4
@@ -190,15 +228,18 @@ def check_gpu_rows() -> list[str]:
         gpu_check.check_fused_blocks(rows)
     finally:
         triton_fp4.FORMATS = FORMATS
+    gpu_check.check_fused_block_stages(rows)
     failures = [f"gpu-check {name}: {detail}" for name, detail, verdict in rows if verdict != "ok"]
-    return failures + ([] if len(rows) == 3 else [f"gpu-check: {len(rows)} block rows"])
+    return failures + ([] if len(rows) == 6 else [f"gpu-check: {len(rows)} block rows"])
 
 
-def launches(fmt: str) -> tuple[int, int]:
+def launches(fmt: str, owner: int | None = None) -> tuple[int, int]:
     """``(Triton kernels, torch kernels)`` of a bucket's four stages at the kernel level (a
     sender's encode with error feedback, the owner's decode-and-sum of 3 senders and
     re-encode, the decode of the gathered shards), counted without running them (no count
-    depends on the data)."""
+    depends on the data); with ``owner``, those of the owner's stages as
+    :func:`stages.reduce_encode` runs them, the same for ``owner`` and ``owner + 2`` senders
+    and buckets of 2 and 4 tensors (else the set of counts seen)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -213,7 +254,7 @@ def launches(fmt: str) -> tuple[int, int]:
     class Aten(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if not (func.is_view or func._schema.name in (
-                    "aten::empty", "aten::empty_like", "aten::empty_strided")):
+                    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty")):
                 counted["aten"] += 1
             return func(*args, **(kwargs or {}))
 
@@ -232,13 +273,28 @@ def launches(fmt: str) -> tuple[int, int]:
     counted["triton"] = 0
     with Aten():
         stages()
-    return counted["triton"], counted["aten"]
+    if owner is None:
+        return counted["triton"], counted["aten"]
+    from geofp8.comm import ShardLayout
+    from geofp8.comm.stages import reduce_encode
+
+    counts = set()
+    for shapes, n in (([(64, 300), (5,)], owner), ([(7, 9), (1,), (40,), (33, 3)], owner + 2)):
+        layout = ShardLayout.build(shapes, make_codec(fmt), n, kernels="batched")
+        received = torch.zeros(n * layout.send_bytes(0), dtype=torch.uint8)
+        reduce_encode(received, layout, 0)  # the layout's maps, made once
+        counted["triton"] = counted["aten"] = 0
+        with Aten():
+            reduce_encode(received, layout, 0)
+        counts.add((counted["triton"], counted["aten"]))
+    return counts.pop() if len(counts) == 1 else counts
 
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    for failure in check() + check_codecs() + check_gpu_rows():
+    for failure in check() + check_codecs() + check_owner() + check_gpu_rows():
         print(failure)
+    print("owner", *(launches(fmt, owner=3) for fmt in FORMATS))
     print("launches", *(launches(fmt) for fmt in FORMATS))
 
 
@@ -248,10 +304,16 @@ def test_fused_block_kernels_are_bit_identical_to_the_torch_reference_under_the_
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
-    assert lines[:-1] == [], "\n".join(lines)
+    assert lines[:-2] == [], "\n".join(lines)
     # (Triton, torch) per format: NVFP4 4 + 2 + 4 + 2 kernels, MX 3 + 2 + 3 + 2, each stage
     # with one zeroed buffer; whatever the number of tensors, shards or senders
     assert lines[-1] == "launches (12, 4) (10, 4) (10, 4)"
+    # the owner's stages through stages.reduce_encode, record to record: the decode-and-sum
+    # (2 kernels) and the re-encode (4 NVFP4 / 3 MX) and one zeroed buffer for the flag and
+    # the amax slots (+1 where the record is padded: not here); the same for N = 3 and 5
+    # and buckets of 2 and 4 tensors (through the codecs' parts it was 6 + 7 or 6 + 11
+    # NVFP4, 5 + 6 or 5 + 10 MX, by layout)
+    assert lines[-2] == "owner (6, 1) (5, 1) (5, 1)"
 
 
 def test_a_kernel_failure_on_the_device_falls_back_to_torch_once_and_warns_once(monkeypatch):

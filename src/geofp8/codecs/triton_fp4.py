@@ -53,8 +53,9 @@ if triton is not None:
 
     from .triton_fp8 import _e4m3_round, _e4m3_value, _tile
 
-__all__ = ["FORMATS", "Encoded", "available", "byte_tiles", "decode", "decode_shards",
-           "decode_sum", "decode_whole", "encode", "encode_shards", "encode_whole", "torch_only"]
+__all__ = ["FORMATS", "Encoded", "amax_slots", "available", "byte_tiles", "decode", "decode_shards",
+           "decode_sum", "decode_whole", "encode", "encode_shards", "encode_whole", "guarded",
+           "torch_only"]
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8")
 E2M1, E4M3 = 0, 1  # element formats (constexpr)
@@ -81,7 +82,7 @@ def torch_only():
         _STATE["off"] -= 1
 
 
-def _guarded(run):
+def guarded(run):
     """``run()``, or ``None`` after a warning when a kernel fails on CUDA (remembered)."""
     if _INTERPRET:
         return run()
@@ -345,15 +346,19 @@ if triton is not None:
     @triton.jit
     def _payload_scales_kernel(code_ptr, code_stride, s_ptr, s_stride, seg_ptr, scale_ptr,
                                bad_ptr, n, NVFP4: tl.constexpr, BLOCK: tl.constexpr):
-        """Sender ``r``'s FP32 block scales from its payload (NVFP4: ``β·s``, MX: ``2^e``)
-        into row ``r`` of ``scale``; a non-finite one counted in ``bad``."""
+        """Sender ``r``'s FP32 block scales from its payload (NVFP4: ``β·s``, ``s`` read as
+        the bytes of row ``r`` of ``s_ptr``; MX: ``2^e``) into row ``r`` of ``scale``; a
+        non-finite one counted in ``bad``."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         r = tl.program_id(1).to(tl.int64)
         mask = offs < n
         code = tl.load(code_ptr + r * code_stride + offs, mask=mask, other=0).to(tl.uint32)
-        if NVFP4:
-            seg = tl.load(seg_ptr + offs, mask=mask, other=0)
-            scale = _e4m3_value(code) * tl.load(s_ptr + r * s_stride + seg, mask=mask, other=1.0)
+        if NVFP4:  # the FP32 segment scale from its 4 bytes (a record need not be aligned)
+            at = s_ptr + r * s_stride + 4 * tl.load(seg_ptr + offs, mask=mask, other=0)
+            s = tl.zeros(offs.shape, tl.uint32)
+            for k in tl.static_range(4):
+                s |= tl.load(at + k, mask=mask, other=0).to(tl.uint32) << (8 * k)
+            scale = _e4m3_value(code) * s.to(tl.float32, bitcast=True)
         else:
             scale = _e8m0_value(code)
         tl.store(scale_ptr + r * n + offs, scale, mask=mask)
@@ -428,28 +433,39 @@ def _tiles(groups: GroupMap, fmt: str, device: torch.device) -> torch.Tensor:
     return (byte_tiles if _element(fmt) == E2M1 else triton_fp8.tiles)(groups, device)
 
 
+def amax_slots(groups: GroupMap, fmt: str) -> int:
+    """The int32 amax slots :func:`encode` takes: one per block (and per segment, NVFP4)."""
+    return len(groups.lengths) + (len(groups.counts) if fmt == "nvfp4" else 0)
+
+
 def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor | None = None,
-           error: bool = False, seeds=None) -> Encoded:
+           error: bool = False, seeds=None, into: tuple | None = None,
+           bits: torch.Tensor | None = None) -> Encoded:
     """``fmt``'s payload of ``u = x (+ residual)`` over ``groups`` (module notes): the amax
     pass, one or two per-block passes, the encoding pass. ``seeds`` (one per shard, ``None``
-    counting as 0): round stochastically with :mod:`.uniforms`' draws, else to nearest."""
+    counting as 0): round stochastically with :mod:`.uniforms`' draws, else to nearest.
+    ``into``: ``(segment scales or None, block bytes, codes)``, contiguous tensors the
+    payload is written into (e.g. views of the record it travels in), else new ones;
+    ``bits``: zeroed int32 amax slots to use (:func:`amax_slots` of ``groups``)."""
     element, device = _element(fmt), x.device
     n_groups, n_seg = len(groups.lengths), len(groups.counts)
-    bits = torch.zeros(n_groups + (n_seg if fmt == "nvfp4" else 0), dtype=torch.int32,
-                       device=device)
+    if bits is None:
+        bits = torch.zeros(amax_slots(groups, fmt), dtype=torch.int32, device=device)
     u = x if residual is None else torch.empty_like(x)
     tiles = triton_fp8.tiles(groups, device)
     _block_amax_kernel[(tiles.shape[0],)](x, x if residual is None else residual, u, tiles,
                                           bits, HAS_R=residual is not None,
                                           B=16 if fmt == "nvfp4" else 32, TILE=TILE)
-    block_bytes = torch.empty(n_groups, dtype=torch.uint8, device=device)
+    s, block_bytes, codes = into or (None, None, None)
+    if block_bytes is None:
+        block_bytes = torch.empty(n_groups, dtype=torch.uint8, device=device)
     scale = torch.empty(n_groups, dtype=torch.float32, device=device)
-    s = None
     if fmt == "nvfp4":
         seg, seg_bits = _segment_of(groups, device), bits[n_groups:]
         _segment_amax_kernel[(triton.cdiv(n_groups, BLOCK),)](bits, seg, seg_bits, n_groups,
                                                               BLOCK=BLOCK)
-        s = torch.empty(n_seg, dtype=torch.float32, device=device)
+        if s is None:
+            s = torch.empty(n_seg, dtype=torch.float32, device=device)
         _nvfp4_scales_kernel[(triton.cdiv(max(n_groups, n_seg), BLOCK),)](
             bits, seg, seg_bits, s, block_bytes, scale, n_groups, n_seg, BLOCK=BLOCK)
     else:
@@ -458,8 +474,9 @@ def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor |
                                                            EMAX=emax, THRESHOLD=threshold,
                                                            BLOCK=BLOCK)
     numel = u.numel()
-    codes = torch.empty(sum((n + 1) // 2 for n in groups.numels) if element == E2M1 else numel,
-                        dtype=torch.uint8, device=device)
+    if codes is None:
+        codes = torch.empty(sum((n + 1) // 2 for n in groups.numels) if element == E2M1
+                            else numel, dtype=torch.uint8, device=device)
     err = torch.empty_like(u) if error else None
     tiles = _tiles(groups, fmt, device)
     kernel = _encode_packed_kernel if element == E2M1 else _encode_bytes_kernel
@@ -476,19 +493,22 @@ def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor |
 
 def decode_sum(groups: GroupMap, fmt: str, block_bytes: torch.Tensor, codes: torch.Tensor,
                segment_scales: torch.Tensor | None = None, poison: bool = False,
-               out: torch.Tensor | None = None, total: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               out: torch.Tensor | None = None, total: bool = True,
+               bad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, bad)``: ``0 + Σ_r value(code_r)·scale_{r,b}`` in sender order (FP32) of the
     ``N`` senders' payloads of ``groups`` (rows of ``block_bytes`` ``[N, G]``, ``codes``
     ``[N, C]``, NVFP4's ``segment_scales`` ``[N, S]``; each row contiguous), and ``bad``, a
     0-dim int32 tensor, non-zero when any block scale is not finite. ``poison``: every value
-    NaN then. ``total=False`` (one sender): its values, not added to ``+0``."""
+    NaN then. ``total=False`` (one sender): its values, not added to ``+0``. The segment
+    scales may be the rows' bytes (uint8 ``[N, 4·S]``, any alignment); ``bad``: a zeroed
+    0-dim int32 tensor to use."""
     element, device = _element(fmt), codes.device
     n_senders, n_groups = codes.shape[0], len(groups.lengths)
     scale = torch.empty(n_senders, n_groups, dtype=torch.float32, device=device)
-    bad = torch.zeros((), dtype=torch.int32, device=device)
+    if bad is None:
+        bad = torch.zeros((), dtype=torch.int32, device=device)
     nvfp4 = fmt == "nvfp4"
-    s = segment_scales if nvfp4 else scale
+    s = segment_scales.view(torch.uint8) if nvfp4 else scale
     _payload_scales_kernel[(triton.cdiv(n_groups, BLOCK), n_senders)](
         block_bytes, block_bytes.stride(0), s, s.stride(0),
         _segment_of(groups, device) if nvfp4 else block_bytes, scale, bad, n_groups,
@@ -527,7 +547,7 @@ def encode_whole(codec, x: torch.Tensor, shards, seeds=None, error: bool = False
         if enc.segment_scales is not None:
             wholes.insert(0, enc.segment_scales.view(torch.uint8))
         return wholes, enc.error
-    return _guarded(run)
+    return guarded(run)
 
 
 def encode_shards(codec, x: torch.Tensor, shards, seeds=None, error: bool = False):
@@ -556,7 +576,7 @@ def decode_whole(codec, out: torch.Tensor, wholes, shards, check: bool = True,
         s = wholes[0].view(torch.float32) if len(wholes) == 3 else None
         bad = decode(out, groups, codec.format, wholes[-2], wholes[-1], s, poison)
         return True, (bad.eq(0) if check and not poison else None)
-    done = _guarded(run)
+    done = guarded(run)
     return (False, None) if done is None else done
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs import triton_fp8
+from ..codecs import block_records, triton_fp4, triton_fp8
 from ..codecs.base import mix_seed
 from .layout import ShardLayout
 from .plan import FusedPlan
@@ -251,8 +251,22 @@ def reduce_encode(received: torch.Tensor, layout: ShardLayout, shard: int,
             return _encode_record(total, bits, layout, shard), total
         return triton_fp8.attempt(fused, lambda: reduce_encode(received, layout, shard, seed,
                                                                scratch))
+    if FusedPlan.reduces_blocks(layout, received, shard) and (
+            done := _reduce_blocks(received, layout, shard, seed)) is not None:
+        return done
     total = decode_sum(received, layout, shard, scratch=scratch)
     return encode_reduced(total, layout, shard, seed), total
+
+
+def _reduce_blocks(received: torch.Tensor, layout: ShardLayout, shard: int,
+                   seed: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`reduce_encode` with the block-scaled kernels, record to record (``None`` after
+    a kernel failure on CUDA: the torch path then)."""
+    codec, n = layout.codec, layout.world_size
+    seeds = [_shard_seed(seed, n + shard)] if codec.rounding == "stochastic" else None
+    return triton_fp4.guarded(lambda: block_records.reduce_record(
+        received, layout.group_map([shard]), codec.format, layout.parts[shard],
+        layout.max_shard_bytes, seeds))
 
 
 def _encode_record(values: torch.Tensor, bits: torch.Tensor, layout: ShardLayout,

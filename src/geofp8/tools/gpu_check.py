@@ -431,6 +431,47 @@ def check_fused_blocks(rows: list) -> None:
                  f"{moved / t / (8 * x.numel() / copy):.0%} of D2D copy bandwidth", "ok"))
 
 
+def _collective_matches(codec, seed: int | None = None) -> tuple[str, bool]:
+    """The exact collective of ``codec`` on the device's batched path (the fused stages where
+    they apply) against the CPU's chunked path, bitwise, clean and with a NaN on one
+    sender."""
+    from ..comm import ShardLayout
+    from ..comm.stages import simulate_exact_allreduce
+
+    ok = []
+    for nan in (False, True):
+        inputs = [bucket(r, SHAPES) for r in range(WORLD)]
+        inputs[1][7] = float("nan") if nan else inputs[1][7]
+        got, want = (simulate_exact_allreduce(
+            [x.to(device) for x in inputs],
+            ShardLayout.build(SHAPES, codec, WORLD, kernels=kernels), seed=seed).cpu()
+            for device, kernels in ((DEVICE, "batched"), ("cpu", "chunked")))
+        ok.append(_bits_equal(got, want))
+    return f"collective, clean and with a NaN: {ok}", all(ok)
+
+
+def check_fused_block_stages(rows: list) -> None:
+    """The exact collective on a block-scaled codec's batched path (NVFP4 both roundings,
+    MXFP4; the owners' stages record to record,
+    :func:`~geofp8.codecs.block_records.reduce_record`) against the CPU's chunked path,
+    bitwise, clean and with a NaN on one sender; then one 25 MiB NVFP4 bucket's owner
+    stages timed (N = 8)."""
+    from ..codecs import make_codec, triton_fp4
+    from ..comm import ShardLayout
+    from ..comm import stages as st
+
+    for fmt, rounding in (("nvfp4", "nearest"), ("nvfp4", "stochastic"), ("mxfp4", "nearest")):
+        _row(rows, f"fused stages {fmt}/{rounding} N={WORLD}", lambda fmt=fmt, rounding=rounding:
+             _collective_matches(make_codec(fmt, rounding=rounding), seed=5))
+    if DEVICE.type != "cuda" or not triton_fp4.available(torch.zeros(1, device=DEVICE)):
+        return
+    n, x = 8, torch.randn(25 << 20 >> 2, device=DEVICE)  # 25 MiB of FP32
+    layout = ShardLayout.build([tuple(x.shape)], make_codec("nvfp4"), n, kernels="batched")
+    received = torch.cat([st.encode(x, layout)[: layout.send_bytes(0)]] * n)
+    t = _timed(lambda: st.reduce_encode(received, layout, 0))
+    rows.append(("fused nvfp4 owner stages 25 MiB N=8", f"{1e6 * t:.0f} µs", "ok"))
+
+
 def check_fused_stages(rows: list) -> None:
     """The exact collective's stages on the fused kernels (:class:`geofp8.comm.plan.FusedPlan`)
     against the CPU's chunked path, bitwise (a sender's encode with its error written over
@@ -441,19 +482,8 @@ def check_fused_stages(rows: list) -> None:
     from ..comm import stages as st
 
     for fmt, scaling in (("e4m3", "row"), ("e4m3", "block"), ("e5m2", "tensor")):
-        def check(fmt=fmt, scaling=scaling):
-            ok = []
-            for nan in (False, True):
-                inputs = [bucket(r, SHAPES) for r in range(WORLD)]
-                inputs[1][7] = float("nan") if nan else inputs[1][7]
-                got, want = ([st.simulate_exact_allreduce(
-                    [x.to(device) for x in inputs],
-                    ShardLayout.build(SHAPES, make_codec(fmt, scaling, 32), WORLD,
-                                      kernels=kernels)).cpu()]
-                    for device, kernels in ((DEVICE, "batched"), ("cpu", "chunked")))
-                ok.append(_bits_equal(got[0], want[0]))
-            return f"collective, clean and with a NaN: {ok}", all(ok)
-        _row(rows, f"fused stages {fmt}/{scaling} N={WORLD}", check)
+        _row(rows, f"fused stages {fmt}/{scaling} N={WORLD}", lambda fmt=fmt, scaling=scaling:
+             _collective_matches(make_codec(fmt, scaling, 32)))
     if DEVICE.type != "cuda" or not triton_fp8.available(torch.zeros(1, device=DEVICE)):
         return
     n, x = 8, torch.randn(25 << 20 >> 2, device=DEVICE)  # 25 MiB of FP32
@@ -499,7 +529,8 @@ def main() -> int:
     t0 = time.perf_counter()
     rows: list[tuple[str, str, str]] = []
     for check in (check_codecs, check_fused, check_fused_stages, check_fused_blocks,
-                  check_transforms, check_methods, check_training, check_throughput):
+                  check_fused_block_stages, check_transforms, check_methods, check_training,
+                  check_throughput):
         try:
             check(rows)
         except Exception:  # noqa: BLE001 - a section's set-up failed: its rows so far stand
