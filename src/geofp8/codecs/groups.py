@@ -155,7 +155,8 @@ class PartsOrder:
         self.shard_bytes = [[sum(seg_bytes[f][p] for f in flat) for flat in positions]
                             for p in range(kinds)]  # per kind, each shard's bytes
         self.index_bytes = sum(g.index_bytes for g in self.gathers)
-        self.numel = sum(g.numel for g in self.gathers)
+        self._numels = [g.numel for g in self.gathers]
+        self.numel = sum(self._numels)
         self._cuts: dict[tuple[int, ...], list[int]] = {}
 
     def to_shards(self, wholes: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -165,11 +166,13 @@ class PartsOrder:
 
     def from_records(self, buf: torch.Tensor, records: Sequence[int]) -> list[torch.Tensor]:
         """The kinds whole, in flat order, from every shard's record of ``records[j]`` bytes
-        (its parts, then the rest: side bytes, padding) back to back in ``buf``."""
+        (its parts, then the rest: side bytes, padding) back to back in ``buf``: one ``cat``
+        of every kind's parts, kind after kind, and one gather per kind."""
         records = tuple(records)
         if records not in self._cuts:  # the same records every step
             self._cuts[records] = [size for j, record in enumerate(records) for size in (
                 *(b[j] for b in self.shard_bytes), record - sum(b[j] for b in self.shard_bytes))]
         pieces = buf[: sum(records)].split(self._cuts[records])
         step = len(self.gathers) + 1
-        return [g.backward(torch.cat(pieces[p::step])) for p, g in enumerate(self.gathers)]
+        wholes = torch.cat([piece for p in range(len(self.gathers)) for piece in pieces[p::step]])
+        return [g.backward(w) for g, w in zip(self.gathers, wholes.split(self._numels))]
