@@ -325,13 +325,17 @@ class Codec(ABC):
         self.decode_shards(error, parts, shards, check=False)
         return parts, torch.sub(x, error, out=error)
 
-    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False
+    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False,
+                     error_out: torch.Tensor | None = None
                      ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """``(wholes, error)``: :meth:`encode_shards` (round to nearest, no seeds) with each
         kind of part whole, ``wholes[p]`` (uint8) holding part ``p`` of shard 0, of shard
         1, … back to back; ``with_error``, the rounding error as
-        :meth:`encode_shards_with_error` leaves it (else ``None``). The codecs make the
-        wholes directly; this default joins :meth:`encode_shards`' parts."""
+        :meth:`encode_shards_with_error` leaves it (else ``None``). ``error_out``: an FP32
+        vector of ``x``'s size (``x`` itself included) that a codec's torch ops may write
+        the error into, returned then (no copy of a new one; where it is not returned, the
+        caller copies). The codecs make the wholes directly; this default joins
+        :meth:`encode_shards`' parts."""
         groups = group_map(shards)
         if with_error:
             parts, error = self.encode_shards_with_error(x, groups)

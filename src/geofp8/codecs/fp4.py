@@ -492,19 +492,20 @@ class NVFP4Codec(Codec):
         wholes, error = self.encode_whole(x, shards, with_error=True)
         return self._split(shards, *wholes), error
 
-    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False
+    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False,
+                     error_out: torch.Tensor | None = None
                      ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         shards = group_map(shards)
         if not shards.lengths:
-            return super().encode_whole(x, shards, with_error)
+            return super().encode_whole(x, shards, with_error, error_out)
         if (fused := triton_fp4.encode_whole(self, x, shards, error=with_error)) is not None:
             return fused
         s, code, packed, scale = self._encode_whole(x, shards, [None] * len(shards))
         error = None
         if with_error:
-            error = torch.empty_like(x)
-            self._decode_values(error, packed, scale, shards)
-            torch.sub(x, error, out=error)
+            decoded = torch.empty_like(x)
+            self._decode_values(decoded, packed, scale, shards)
+            error = torch.sub(x, decoded, out=decoded if error_out is None else error_out)
         return [s.view(torch.uint8), code, packed], error
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,

@@ -134,8 +134,9 @@ class ShardCodecs:
         :meth:`Codec.fuses_error`; batched, decoded from the parts before they are put in
         shard order (views, no copy), allocated once the codec's temporaries are freed.
         ``error_out``: an FP32 vector of ``flat``'s size, ``flat`` itself included, that the
-        chunked path's encoding pass writes the error into where the codec fuses it (no
-        new vector); elsewhere it is not used and the caller copies."""
+        chunked path's encoding pass writes the error into where the codec fuses it, and
+        the batched whole-bucket call where its torch ops can (:meth:`Codec.encode_whole`;
+        no new vector); elsewhere it is not used and the caller copies."""
         if with_error and not self.encodes_error:
             raise ValueError("this layout does not leave the rounding error in flat order "
                              "(see encodes_error)")
@@ -149,7 +150,8 @@ class ShardCodecs:
         flat_shards, positions, seg_bytes = self._by_segment
         _check_float(flat)
         if self.batched(flat.device) and self._parts_order is not None:
-            wholes, error = self.codec.encode_whole(flat, flat_shards, with_error)
+            wholes, error = self.codec.encode_whole(flat, flat_shards, with_error,
+                                                    error_out if with_error else None)
             return self._parts_order.to_shards(wholes), error
         if self.batched(flat.device) and with_error:
             parts, error = self.codec.encode_shards_with_error(flat, flat_shards)
