@@ -72,7 +72,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0..
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 NVFP4_BLOCK = 16
-NAN = float("nan")  # a non-finite block's amax on the torch path (NVFP4Codec._scales)
+NAN = float("nan")  # a non-finite block's scale quotient on the torch path (NVFP4Codec._scales)
 
 
 def segment_uniforms(segments: Segments, numel: int, seed: int | None,
@@ -236,11 +236,10 @@ def shard_uniforms(shards: GroupMap, seeds, device: torch.device) -> torch.Tenso
                       for s, n, seed in zip(shards, shards.numels, seeds)])
 
 
-def block_amax_of(flat: torch.Tensor, shards: GroupMap,
-                  non_finite: float = float("inf")) -> torch.Tensor:
-    """Max ``|x|`` of every group of ``shards`` laid one after the other; ``non_finite`` for
-    a group holding NaN or ±Inf (as :func:`block_amax`)."""
-    return _marked(group_amax(flat, shards), non_finite)
+def block_amax_of(flat: torch.Tensor, shards: GroupMap) -> torch.Tensor:
+    """Max ``|x|`` of every group of ``shards`` laid one after the other; ``+Inf`` for a
+    group holding NaN or ±Inf (as :func:`block_amax`)."""
+    return _inf_unless_finite(group_amax(flat, shards))
 
 
 def _check_rounding(rounding: str) -> None:
@@ -304,22 +303,19 @@ def pieces(blocks: Blocks):
             yield lo + a * size, lo + b * size, g0 + a, g0 + b, size
 
 
-def block_amax(flat: torch.Tensor, blocks: Blocks,
-               non_finite: float = float("inf")) -> torch.Tensor:
-    """Max ``|x|`` of every group; for a group holding NaN or ±Inf, ``+Inf`` from the CPU's
-    native kernel, else ``non_finite``."""
+def block_amax(flat: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """Max ``|x|`` of every group; ``+Inf`` for a group holding NaN or ±Inf."""
     if native.usable(flat):  # one pass of the CPU's native kernel
         return native.runs_amax(flat, blocks.runs, blocks.groups)
     amax = flat.new_empty(blocks.groups)
     for lo, hi, g0, g1, size in pieces(blocks):
         amax[g0:g1] = rows_amax(flat[lo:hi].view(g1 - g0, size))
-    return _marked(amax, non_finite)
+    return _inf_unless_finite(amax)
 
 
-def _marked(amax: torch.Tensor, non_finite: float) -> torch.Tensor:
-    """``amax`` (never negative) with NaN and ``+Inf`` made ``non_finite``, in place: one
-    kernel."""
-    return amax.nan_to_num_(nan=non_finite, posinf=non_finite)
+def _inf_unless_finite(amax: torch.Tensor) -> torch.Tensor:
+    """``amax`` (never negative) with NaN made ``+Inf``, in place: one kernel."""
+    return amax.nan_to_num_(nan=float("inf"), posinf=float("inf"))
 
 
 def encode_blocks(flat: torch.Tensor, divisor: torch.Tensor, blocks: Blocks,
@@ -370,11 +366,11 @@ class NVFP4Codec(Codec):
     def _scales(self, amax: torch.Tensor, segments: Segments,
                 groups: GroupMap | None = None) -> tuple[torch.Tensor, ...]:
         """``(segment scales s, block scale codes, block scales β·s per block)`` from the blocks'
-        ``amax``, which marks a non-finite block ``+Inf`` on the native CPU path and NaN
-        on the torch path (:func:`block_amax`): NaN passes the clamp and casts to the E4M3
-        NaN code ``0x7F``, which then is never rounded up (no mask of its own). ``groups``:
-        the segments' map, whose device counts and segment index are made once (else
-        made here)."""
+        ``amax`` (``+Inf`` for a non-finite block, :func:`block_amax`). On the torch path
+        that block's quotient is made NaN, which passes the clamp, casts to the E4M3 NaN
+        code ``0x7F`` and is never rounded up (no mask of its own). ``groups``: the
+        segments' map, whose device counts and segment index are made once (else made
+        here)."""
         if native.usable(amax):  # two passes of the CPU's native kernels
             per_segment = tuple(len(seg) for seg in segments)
             seg_amax = native.runs_amax(amax, native.length_runs(per_segment), len(segments),
@@ -385,12 +381,12 @@ class NVFP4Codec(Codec):
             counts = torch.tensor([len(seg) for seg in segments]).to(amax.device)
         else:
             counts = groups.on("counts", amax.device)
-        finite = amax.nan_to_num(nan=0.0)  # a non-finite block (NaN) counts as 0
+        finite = amax.nan_to_num(posinf=0.0)  # a non-finite block (+Inf) counts as 0
         seg_amax = torch.segment_reduce(finite, "max", lengths=counts, unsafe=True)
         s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
         s_block = (torch.repeat_interleave(s, counts, output_size=amax.numel()) if groups is None
                    else s.index_select(0, segment_index(groups, amax.device)))
-        r = (amax / (E2M1_MAX * s_block)).clamp_(max=E4M3_MAX)  # NaN stays NaN
+        r = (amax / (E2M1_MAX * s_block)).nan_to_num_(nan=NAN, posinf=NAN).clamp_(max=E4M3_MAX)
         nearest = r.to(torch.float8_e4m3fn)  # NaN (positive: nan_to_num's): 0x7F
         code = nearest.view(torch.uint8) + (e4m3_values(nearest) < r)  # round up (bool: 0/1)
         return s, code, e4m3_values(code).mul_(s_block)
@@ -407,7 +403,7 @@ class NVFP4Codec(Codec):
             raise ValueError(f"out has {out.numel()} bytes, the payload {nbytes}")
         if not n_groups:
             return
-        s, code, scale = self._scales(block_amax(flat, blocks, NAN), segments)
+        s, code, scale = self._scales(block_amax(flat, blocks), segments)
         out[: 4 * n_seg].copy_(s.view(torch.uint8))
         out[4 * n_seg : 4 * n_seg + n_groups].copy_(code)
         u = (segment_uniforms(segments, flat.numel(), seed, flat.device)
@@ -470,7 +466,7 @@ class NVFP4Codec(Codec):
     def _encode_whole(self, x: torch.Tensor, shards: GroupMap, seeds) -> tuple[torch.Tensor, ...]:
         """``(segment scales, block scale codes, packed codes, block scales)`` of the whole
         bucket, each one tensor (torch ops)."""
-        s, code, scale = self._scales(block_amax_of(x, shards, NAN), shards.segments, shards)
+        s, code, scale = self._scales(block_amax_of(x, shards), shards.segments, shards)
         divisor = torch.where(scale > 0, scale, 1.0)
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
