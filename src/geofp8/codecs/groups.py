@@ -143,7 +143,7 @@ def _source_of(lengths: Sequence[int], order: Sequence[int], unit: int) -> torch
     order = torch.tensor(order, dtype=torch.long)
     taken = n[order]
     shift = first[order] - (torch.cumsum(taken, 0) - taken)  # source - destination
-    total = int(n.sum())  # (output_size: no read of a tensor's value)
+    total = sum(lengths) // unit  # (output_size: no read of a tensor's value)
     return torch.arange(total) + torch.repeat_interleave(shift, taken, output_size=total)
 
 
