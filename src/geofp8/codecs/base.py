@@ -27,7 +27,7 @@ from .groups import GroupMap, group_map
 
 __all__ = ["Codec", "GroupMap", "Segments", "Shards", "exact_div", "finite_flag", "group_amax",
            "group_div", "group_fp8", "group_map", "group_mul_", "group_runs", "interleave",
-           "joined", "mix_seed", "rows_amax", "segment_amax"]
+           "joined", "joined_kinds", "mix_seed", "rows_amax", "segment_amax"]
 
 Segments = Sequence[Sequence[int]]  # per segment of a shard: its scale-group lengths
 Shards = Sequence[Segments]  # several shards, one after the other
@@ -158,14 +158,42 @@ def joined(parts: Sequence[torch.Tensor], fresh: bool = False, align: int = 1) -
     back to back in one tensor (the parts of one :meth:`Codec.encode_shards` call, in their
     order), starting at a multiple of ``align`` elements (bytes a wider dtype's view needs)
     and not ``fresh`` (the caller writes into the result); else ``torch.cat``."""
+    view = None if fresh else _back_to_back(parts, align)
+    return view if view is not None else torch.cat(list(parts))
+
+
+def joined_kinds(parts: Sequence[torch.Tensor], aligns: Sequence[int],
+                 fresh: Sequence[bool] = ()) -> list[torch.Tensor]:
+    """Each kind of the per-shard ``parts`` (``[a₀, b₀, …, a₁, b₁, …]``, ``len(aligns)``
+    kinds) back to back, as :func:`joined` makes each: the kinds that are not already views
+    are made by one ``cat`` of all their parts, kind after kind, then cut (one kernel, not
+    one per kind; the first of them starts the new tensor, so its ``align`` holds)."""
+    k = len(aligns)
+    fresh = tuple(fresh) + (False,) * (k - len(fresh))
+    kinds = [parts[p::k] for p in range(k)]
+    out = [None if f else _back_to_back(kind, a) for kind, a, f in zip(kinds, aligns, fresh)]
+    missing = [p for p in range(k) if out[p] is None]
+    if len(missing) == 1:
+        out[missing[0]] = torch.cat(list(kinds[missing[0]]))
+    elif missing:
+        whole = torch.cat([part for p in missing for part in kinds[p]])
+        sizes = [sum(part.numel() for part in kinds[p]) for p in missing]
+        for p, piece in zip(missing, whole.split(sizes)):
+            out[p] = piece
+    return out
+
+
+def _back_to_back(parts: Sequence[torch.Tensor], align: int) -> torch.Tensor | None:
+    """``parts`` as one view when they lie back to back in one tensor from a multiple of
+    ``align`` elements (:func:`joined`), else ``None``."""
     first = parts[0]
     base, end = first._base, first.storage_offset()
-    if fresh or base is None or end % align:
-        return torch.cat(list(parts))
+    if base is None or end % align:
+        return None
     for p in parts:
         if (p._base is not base or p.dtype != first.dtype or p.storage_offset() != end
                 or p.dim() != 1 or (p.numel() > 1 and p.stride(0) != 1)):
-            return torch.cat(list(parts))
+            return None
         end += p.numel()
     return first.as_strided((end - first.storage_offset(),), (1,))
 
@@ -297,13 +325,17 @@ class Codec(ABC):
         self.decode_shards(error, parts, shards, check=False)
         return parts, torch.sub(x, error, out=error)
 
-    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False
+    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False,
+                     error_out: torch.Tensor | None = None
                      ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """``(wholes, error)``: :meth:`encode_shards` (round to nearest, no seeds) with each
         kind of part whole, ``wholes[p]`` (uint8) holding part ``p`` of shard 0, of shard
         1, … back to back; ``with_error``, the rounding error as
-        :meth:`encode_shards_with_error` leaves it (else ``None``). The codecs make the
-        wholes directly; this default joins :meth:`encode_shards`' parts."""
+        :meth:`encode_shards_with_error` leaves it (else ``None``). ``error_out``: an FP32
+        vector of ``x``'s size (``x`` itself included) that a codec's torch ops may write
+        the error into, returned then (no copy of a new one; where it is not returned, the
+        caller copies). The codecs make the wholes directly; this default joins
+        :meth:`encode_shards`' parts."""
         groups = group_map(shards)
         if with_error:
             parts, error = self.encode_shards_with_error(x, groups)

@@ -56,7 +56,7 @@ from .base import (
     group_mul_,
     group_runs,
     interleave,
-    joined,
+    joined_kinds,
     rows_amax,
     scales_flag,
 )
@@ -72,6 +72,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0..
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 NVFP4_BLOCK = 16
+NAN = float("nan")  # a non-finite block's scale quotient on the torch path (NVFP4Codec._scales)
 
 
 def segment_uniforms(segments: Segments, numel: int, seed: int | None,
@@ -364,9 +365,12 @@ class NVFP4Codec(Codec):
 
     def _scales(self, amax: torch.Tensor, segments: Segments,
                 groups: GroupMap | None = None) -> tuple[torch.Tensor, ...]:
-        """``(segment scales s, block scale codes, block scales β·s per block)``; ``groups``:
-        the segments' map, whose device counts and segment index are made once (else
-        made here)."""
+        """``(segment scales s, block scale codes, block scales β·s per block)`` from the blocks'
+        ``amax`` (``+Inf`` for a non-finite block, :func:`block_amax`). On the torch path
+        that block's quotient is made NaN, which passes the clamp, casts to the E4M3 NaN
+        code ``0x7F`` and is never rounded up (no mask of its own). ``groups``: the
+        segments' map, whose device counts and segment index are made once (else made
+        here)."""
         if native.usable(amax):  # two passes of the CPU's native kernels
             per_segment = tuple(len(seg) for seg in segments)
             seg_amax = native.runs_amax(amax, native.length_runs(per_segment), len(segments),
@@ -382,10 +386,9 @@ class NVFP4Codec(Codec):
         s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
         s_block = (torch.repeat_interleave(s, counts, output_size=amax.numel()) if groups is None
                    else s.index_select(0, segment_index(groups, amax.device)))
-        r = (amax / (E2M1_MAX * s_block)).clamp_(max=E4M3_MAX)
-        nearest = r.to(torch.float8_e4m3fn)
+        r = (amax / (E2M1_MAX * s_block)).nan_to_num_(nan=NAN, posinf=NAN).clamp_(max=E4M3_MAX)
+        nearest = r.to(torch.float8_e4m3fn)  # NaN (positive: nan_to_num's): 0x7F
         code = nearest.view(torch.uint8) + (e4m3_values(nearest) < r)  # round up (bool: 0/1)
-        code.masked_fill_(amax.isinf(), 0x7F)
         return s, code, e4m3_values(code).mul_(s_block)
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
@@ -485,25 +488,25 @@ class NVFP4Codec(Codec):
         wholes, error = self.encode_whole(x, shards, with_error=True)
         return self._split(shards, *wholes), error
 
-    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False
+    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False,
+                     error_out: torch.Tensor | None = None
                      ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         shards = group_map(shards)
         if not shards.lengths:
-            return super().encode_whole(x, shards, with_error)
+            return super().encode_whole(x, shards, with_error, error_out)
         if (fused := triton_fp4.encode_whole(self, x, shards, error=with_error)) is not None:
             return fused
         s, code, packed, scale = self._encode_whole(x, shards, [None] * len(shards))
         error = None
         if with_error:
-            error = torch.empty_like(x)
-            self._decode_values(error, packed, scale, shards)
-            torch.sub(x, error, out=error)
+            decoded = torch.empty_like(x)
+            self._decode_values(decoded, packed, scale, shards)
+            error = torch.sub(x, decoded, out=decoded if error_out is None else error_out)
         return [s.view(torch.uint8), code, packed], error
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
-        return self.decode_whole(out, [joined(parts[p::3], align=4 if p == 0 else 1)
-                                       for p in range(3)], shards, check, poison)
+        return self.decode_whole(out, joined_kinds(parts, (4, 1, 1)), shards, check, poison)
 
     def decode_whole(self, out: torch.Tensor, wholes, shards: Shards, check: bool = True,
                      poison: bool = False) -> torch.Tensor | None:

@@ -164,18 +164,21 @@ class FP8Codec(Codec):
         scales, codes, error = self._whole(x, groups, True)
         return self._parts(scales, codes, groups), error
 
-    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False
+    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False,
+                     error_out: torch.Tensor | None = None
                      ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         groups = group_map(shards)
         if not groups.lengths:
-            return super().encode_whole(x, groups, with_error)
-        scales, codes, error = self._whole(x, groups, with_error)
+            return super().encode_whole(x, groups, with_error, error_out)
+        scales, codes, error = self._whole(x, groups, with_error, error_out)
         return [scales.view(torch.uint8), codes], error
 
-    def _whole(self, x: torch.Tensor, groups: GroupMap, with_error: bool
+    def _whole(self, x: torch.Tensor, groups: GroupMap, with_error: bool,
+               error_out: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(scales, codes, the rounding error or None)`` of the whole bucket: two or three
-        fused passes, else torch ops (the error decoded back from scales and codes)."""
+        fused passes, else torch ops (the error decoded back from scales and codes, into
+        ``error_out`` when given, see :meth:`Codec.encode_whole`)."""
         if triton_fp8.available(x):
             _, scales = triton_fp8.amax(x, groups, fmt=self.format)
             codes, error = triton_fp8.encode(x, scales, groups, error=with_error,
@@ -187,7 +190,7 @@ class FP8Codec(Codec):
             return scales, codes, None
         error = torch.empty_like(x)
         self._values(error, scales, codes, groups)
-        return scales, codes, torch.sub(x, error, out=error)
+        return scales, codes, torch.sub(x, error, out=error if error_out is None else error_out)
 
     def _parts(self, scales: torch.Tensor, codes: torch.Tensor,
                groups: GroupMap) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GroupMap", "PartsOrder", "RunGather", "group_map", "segment_index"]
+__all__ = ["GroupMap", "PartsOrder", "RaggedGather", "RunGather", "group_map", "segment_index"]
 
 
 class GroupMap(tuple):
@@ -120,13 +120,7 @@ class RunGather:
         (int32), built on the host with a few vectorised ops and copied there once."""
         device = torch.device(device)
         if device not in self._memo:
-            n = torch.tensor(self._lengths, dtype=torch.long) // self.row  # rows per run
-            first = torch.cumsum(n, 0) - n  # each run's first source row
-            order = torch.tensor(self._order, dtype=torch.long)
-            taken = n[order]
-            shift = first[order] - (torch.cumsum(taken, 0) - taken)  # source - destination
-            rows = self.numel // self.row  # (output_size: no read of a tensor's value)
-            fwd = torch.arange(rows) + torch.repeat_interleave(shift, taken, output_size=rows)
+            fwd = _source_of(self._lengths, self._order, self.row)
             bwd = torch.empty_like(fwd)
             bwd[fwd] = torch.arange(fwd.numel())
             self._memo[device] = (fwd.to(torch.int32).to(device), bwd.to(torch.int32).to(device))
@@ -141,21 +135,113 @@ class RunGather:
         return dst.view(-1, self.row).index_select(0, self._index(dst.device)[1]).view(-1)
 
 
+def _source_of(lengths: Sequence[int], order: Sequence[int], unit: int) -> torch.Tensor:
+    """For every ``unit`` (a row of that many elements, all runs' lengths its multiples) of
+    the runs of ``lengths`` put in the order ``order``, its source unit (int64, host)."""
+    n = torch.tensor(lengths, dtype=torch.long) // unit  # units per run
+    first = torch.cumsum(n, 0) - n  # each run's first source unit
+    order = torch.tensor(order, dtype=torch.long)
+    taken = n[order]
+    shift = first[order] - (torch.cumsum(taken, 0) - taken)  # source - destination
+    total = sum(lengths) // unit  # (output_size: no read of a tensor's value)
+    return torch.arange(total) + torch.repeat_interleave(shift, taken, output_size=total)
+
+
+class RaggedGather:
+    """:class:`RunGather` for runs whose lengths share no large factor (a 768-vector cut in
+    64 chunks of 12): the destination in rows of ``row`` elements, each gathered from
+    wherever it starts in the source (the source seen as its overlapping windows of that
+    length, ``unfold``: any start, no alignment), then the elements of the rows that
+    straddle two runs, and of the last partial row, written by a second, element-wise
+    gather. Three kernels each way whatever the number of runs. The indices, made once on
+    the host and copied once per device, take :attr:`index_bytes` on each device: per
+    direction, an int32 per row and an int32 + int64 per straddling element."""
+
+    def __init__(self, lengths: Sequence[int], order: Sequence[int], row: int) -> None:
+        self.numel = sum(lengths)
+        self.row = min(row, self.numel) or 1
+        inverse = [0] * len(order)
+        for i, r in enumerate(order):
+            inverse[r] = i
+        self._plans = (self._plan(lengths, order),
+                       self._plan([lengths[i] for i in order], inverse))
+        self.index_bytes = sum(4 * rows.numel() + 12 * dst.numel()
+                               for rows, dst, _ in self._plans)
+        self._memo: dict = {}
+
+    def _plan(self, lengths: Sequence[int], order: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """``(each destination row's source start, the destination elements not in a
+        row within one run, their source elements)`` (host int64) of the runs of
+        ``lengths`` put in ``order``."""
+        src = _source_of(lengths, order, 1)  # every element's source
+        r = self.row
+        rows = self.numel // r
+        starts = src[: rows * r].view(rows, r)
+        whole = (starts - starts[:, :1] == torch.arange(r)).all(1)  # within one run
+        fix = torch.cat([(~whole).repeat_interleave(r),
+                         torch.ones(self.numel - rows * r, dtype=torch.bool)])
+        dst = fix.nonzero().view(-1)
+        return starts[:, 0].masked_fill(~whole, 0), dst, src[dst]
+
+    def _index(self, device: torch.device, backward: bool) -> tuple[torch.Tensor, ...]:
+        device = torch.device(device)
+        if (device, backward) not in self._memo:
+            rows, dst, src = self._plans[backward]
+            self._memo[device, backward] = (rows.to(torch.int32).to(device), dst.to(device),
+                                            src.to(torch.int32).to(device))
+        return self._memo[device, backward]
+
+    def _move(self, src: torch.Tensor, backward: bool) -> torch.Tensor:
+        rows, dst, elements = self._index(src.device, backward)
+        out = src.new_empty(self.numel)
+        if rows.numel():
+            windows = src.unfold(0, self.row, 1)  # row i: src[i : i + row] (a view)
+            torch.index_select(windows, 0, rows,
+                               out=out[: rows.numel() * self.row].view(-1, self.row))
+        if dst.numel():
+            out.index_copy_(0, dst, src.index_select(0, elements))
+        return out
+
+    def forward(self, src: torch.Tensor) -> torch.Tensor:
+        """The runs of the contiguous ``src`` in destination order (a new tensor)."""
+        return self._move(src, backward=False)
+
+    def backward(self, dst: torch.Tensor) -> torch.Tensor:
+        """The inverse: the runs of the contiguous ``dst`` back in source order."""
+        return self._move(dst, backward=True)
+
+
+RAGGED_ROWS = (8, 32, 128)  # the row lengths a ragged reorder tries
+
+
+def run_gather(lengths: Sequence[int], order: Sequence[int]) -> RunGather | RaggedGather:
+    """The reorder of these runs whose indices take the fewest bytes: a
+    :class:`RunGather`, or a :class:`RaggedGather` with one of :data:`RAGGED_ROWS`."""
+    aligned = RunGather(lengths, order)
+    if aligned.row >= RAGGED_ROWS[-1]:
+        return aligned
+    return min([aligned, *(RaggedGather(lengths, order, row) for row in RAGGED_ROWS
+                           if row > aligned.row)], key=lambda g: g.index_bytes)
+
+
 class PartsOrder:
     """Every kind of part of segments encoded in flat order (``seg_bytes[f][p]``: bytes of
     part ``p`` of flat segment ``f``, as :meth:`~.base.Codec.encode_whole` leaves them, one
     tensor per kind) moved to shard order (``positions[j]``: shard ``j``'s segments) and
-    back, one :class:`RunGather` per kind."""
+    back, one :class:`RunGather` per kind; ``ragged``: per kind, a :class:`RunGather` or a
+    :class:`RaggedGather`, whichever's indices are smaller."""
 
     def __init__(self, seg_bytes: Sequence[Sequence[int]],
-                 positions: Sequence[Sequence[int]]) -> None:
+                 positions: Sequence[Sequence[int]], ragged: bool = False) -> None:
         kinds = len(seg_bytes[0]) if seg_bytes else 0
         by_shard = [f for flat in positions for f in flat]
-        self.gathers = [RunGather([b[p] for b in seg_bytes], by_shard) for p in range(kinds)]
+        make = run_gather if ragged else RunGather
+        self.gathers = [make([b[p] for b in seg_bytes], by_shard) for p in range(kinds)]
         self.shard_bytes = [[sum(seg_bytes[f][p] for f in flat) for flat in positions]
                             for p in range(kinds)]  # per kind, each shard's bytes
         self.index_bytes = sum(g.index_bytes for g in self.gathers)
-        self.numel = sum(g.numel for g in self.gathers)
+        self._numels = [g.numel for g in self.gathers]
+        self.numel = sum(self._numels)
         self._cuts: dict[tuple[int, ...], list[int]] = {}
 
     def to_shards(self, wholes: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -165,11 +251,13 @@ class PartsOrder:
 
     def from_records(self, buf: torch.Tensor, records: Sequence[int]) -> list[torch.Tensor]:
         """The kinds whole, in flat order, from every shard's record of ``records[j]`` bytes
-        (its parts, then the rest: side bytes, padding) back to back in ``buf``."""
+        (its parts, then the rest: side bytes, padding) back to back in ``buf``: one ``cat``
+        of every kind's parts, kind after kind, and one gather per kind."""
         records = tuple(records)
         if records not in self._cuts:  # the same records every step
             self._cuts[records] = [size for j, record in enumerate(records) for size in (
                 *(b[j] for b in self.shard_bytes), record - sum(b[j] for b in self.shard_bytes))]
         pieces = buf[: sum(records)].split(self._cuts[records])
         step = len(self.gathers) + 1
-        return [g.backward(torch.cat(pieces[p::step])) for p, g in enumerate(self.gathers)]
+        wholes = torch.cat([piece for p in range(len(self.gathers)) for piece in pieces[p::step]])
+        return [g.backward(w) for g, w in zip(self.gathers, wholes.split(self._numels))]

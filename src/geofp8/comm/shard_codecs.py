@@ -94,9 +94,20 @@ class ShardCodecs:
         would take more than ``1/MAX_INDEX_SHARE`` of the payload's bytes (runs whose
         lengths share no large factor: the split-and-cat path then)."""
         _, positions, seg_bytes = self._by_segment
-        order = PartsOrder(seg_bytes, positions)
-        return order if order.index_bytes <= max(order.numel // MAX_INDEX_SHARE,
-                                                 MIN_INDEX_BYTES) else None
+        return _within_share(PartsOrder(seg_bytes, positions))
+
+    @cached_property
+    def _reorder(self) -> PartsOrder | None:
+        """The batched kernels' reorder of the parts between flat and shard order:
+        :attr:`_parts_order` where it is taken, else, for ragged runs, one whose kinds may
+        each gather rows from any byte and fix the rows that straddle runs
+        (:class:`~geofp8.codecs.groups.RaggedGather`: three kernels a kind, not ``T·N``
+        views), within the same share of the payload's bytes; ``None`` beyond it (the
+        split-and-cat path then)."""
+        if self._parts_order is not None:
+            return self._parts_order
+        _, positions, seg_bytes = self._by_segment
+        return _within_share(PartsOrder(seg_bytes, positions, ragged=True))
 
     @cached_property
     def _flat_run(self) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
@@ -134,8 +145,9 @@ class ShardCodecs:
         :meth:`Codec.fuses_error`; batched, decoded from the parts before they are put in
         shard order (views, no copy), allocated once the codec's temporaries are freed.
         ``error_out``: an FP32 vector of ``flat``'s size, ``flat`` itself included, that the
-        chunked path's encoding pass writes the error into where the codec fuses it (no
-        new vector); elsewhere it is not used and the caller copies."""
+        chunked path's encoding pass writes the error into where the codec fuses it, and
+        the batched whole-bucket call where its torch ops can (:meth:`Codec.encode_whole`;
+        no new vector); elsewhere it is not used and the caller copies."""
         if with_error and not self.encodes_error:
             raise ValueError("this layout does not leave the rounding error in flat order "
                              "(see encodes_error)")
@@ -148,9 +160,10 @@ class ShardCodecs:
             return [parts[bounds[j] : bounds[j + 1]] for j in range(n)], None
         flat_shards, positions, seg_bytes = self._by_segment
         _check_float(flat)
-        if self.batched(flat.device) and self._parts_order is not None:
-            wholes, error = self.codec.encode_whole(flat, flat_shards, with_error)
-            return self._parts_order.to_shards(wholes), error
+        if self.batched(flat.device) and self._reorder is not None:
+            wholes, error = self.codec.encode_whole(flat, flat_shards, with_error,
+                                                    error_out if with_error else None)
+            return self._reorder.to_shards(wholes), error
         if self.batched(flat.device) and with_error:
             parts, error = self.codec.encode_shards_with_error(flat, flat_shards)
         elif self.batched(flat.device):
@@ -200,8 +213,8 @@ class ShardCodecs:
         ``None`` is returned."""
         flat_shards, _, seg_bytes = self._by_segment
         k = len(seg_bytes[0]) if seg_bytes else 0
-        if self.batched(buf.device) and self._parts_order is not None:
-            return self.codec.decode_whole(out, self._parts_order.from_records(buf, records),
+        if self.batched(buf.device) and self._reorder is not None:
+            return self.codec.decode_whole(out, self._reorder.from_records(buf, records),
                                            flat_shards, check, poison)
         sizes, where = self._record_cuts(tuple(records))
         pieces = buf[: sum(records)].split(sizes)
@@ -261,6 +274,13 @@ class ShardCodecs:
             for place, piece, before in zip(places, pieces, self.segment_views(minus, shard)):
                 torch.sub(before, piece, out=place)
         return finite
+
+
+def _within_share(order: PartsOrder) -> PartsOrder | None:
+    """``order`` if its indices take at most ``1/MAX_INDEX_SHARE`` of the payload's bytes (or
+    :data:`MIN_INDEX_BYTES`), else ``None``."""
+    return order if order.index_bytes <= max(order.numel // MAX_INDEX_SHARE,
+                                             MIN_INDEX_BYTES) else None
 
 
 def _run_seed(seed: int | None, run: int) -> int | None:
