@@ -38,8 +38,9 @@ CONFIGS = {  # name -> (state kind, GeoFP8Config fields)
                                                   layers="all")),
 }
 # and every METHODS row of this library's kind, built as the trainer builds it (the overrides
-# a method takes: K = 2 and a 2-step profile, so refreshes and selections happen in 8 steps)
-OVERRIDES = dict(k=8, refresh_every=2, profile_steps=2)
+# a method takes: K = 2 and a 2-step profile, so refreshes and selections happen in 8 steps;
+# the byte budget's methods, which have no default, 4 bytes per element: above their floor)
+OVERRIDES = dict(k=8, refresh_every=2, profile_steps=2, budget=4.0)
 
 
 def _model():
