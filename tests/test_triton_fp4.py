@@ -16,22 +16,13 @@ import sys
 
 import pytest
 
+from bitwise import same
+
 pytest.importorskip("triton")
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8")
 # odd and unequal tensors (blocks cut short, segments of odd length), one element
 SHAPES = ([(3, 37), (5,), (16, 4)], [(7, 9), (1,), (40,)])
-
-
-def _same(a, b) -> bool:
-    """Bitwise equal, any NaN where the other has a NaN."""
-    import torch
-
-    if a.dtype == torch.uint8:
-        return torch.equal(a, b)
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(
-        a.masked_fill(nan, 0).view(torch.int32), b.masked_fill(nan, 0).view(torch.int32))
 
 
 def _bucket(n: int, seed: int, special: bool):
@@ -87,9 +78,9 @@ def check() -> list[str]:
                     parts, error = codec.encode_shards_with_error(x, groups)
                     with triton_fp4.torch_only():
                         want, want_error = codec.encode_shards_with_error(x, groups)
-                    if not _same(error, want_error):
+                    if not same(error, want_error):
                         failures.append(f"{name}: error")
-                if not all(_same(a, b) for a, b in zip(parts, want, strict=True)):
+                if not all(same(a, b) for a, b in zip(parts, want, strict=True)):
                     failures.append(f"{name}: payload")
                 # (d): decode, its finite flag, poison (the same kernels for either rounding)
                 for poison in () if rounding == "stochastic" else (False, True)[: 1 + special]:
@@ -98,7 +89,7 @@ def check() -> list[str]:
                     with triton_fp4.torch_only():
                         ref = torch.empty(numel)
                         want_flag = codec.decode_shards(ref, want, groups, poison=poison)
-                    if not (_same(out, ref) and (flag is None) == (want_flag is None)
+                    if not (same(out, ref) and (flag is None) == (want_flag is None)
                             and (flag is None or bool(flag) == bool(want_flag) != special)):
                         failures.append(f"{name}: decode poison={poison}")
         if rounding == "stochastic":
@@ -109,8 +100,8 @@ def check() -> list[str]:
         with triton_fp4.torch_only():
             want, want_error = codec.encode_shards_with_error(x + r, groups)
         k = len(want) // len(groups)  # parts per shard: the codes are the last
-        if not (_same(enc.u, x + r) and _same(enc.error, want_error)
-                and _same(enc.codes, torch.cat(want[k - 1 :: k]))):
+        if not (same(enc.u, x + r) and same(enc.error, want_error)
+                and same(enc.codes, torch.cat(want[k - 1 :: k]))):
             failures.append(f"{fmt}: encode with the residual")
         failures += _check_sum(codec, groups, fmt, f"{fmt} {shapes} shards={n_shards}")
     return failures
@@ -143,7 +134,7 @@ def _check_sum(codec, groups, fmt, name) -> list[str]:
                 want += values
         if poison:  # the batch's scales poisoned: every value NaN
             want.fill_(float("nan"))
-        if not (_same(got, want) and bool(bad) == (n_senders > 2)):
+        if not (same(got, want) and bool(bad) == (n_senders > 2)):
             failures.append(f"{name}: decode_sum N={n_senders} poison={poison}")
     return failures
 
@@ -166,7 +157,7 @@ def check_codecs() -> list[str]:
         codec = make_codec(fmt, rounding=rounding)
         results = [simulate_exact_allreduce(inputs, ShardLayout.build(
             shapes, codec, n, kernels=kernels), seed=11) for kernels in ("batched", "chunked")]
-        if not _same(*results):
+        if not same(*results):
             failures.append(f"collective {fmt}/{rounding} N={n}")
     triton_fp4.encode = encode
     if not calls:
@@ -204,7 +195,7 @@ def check_owner() -> list[str]:
             received = torch.cat([s[start : start + size] for s in sent])
             start += size
             got, want = (reduce_encode(received, lay, j, seed=5) for lay in (fused, chunked))
-            if not (_same(got[0], want[0]) and _same(got[1], want[1])):
+            if not (same(got[0], want[0]) and same(got[1], want[1])):
                 failures.append(f"owner {fmt}/{rounding} N={n} shard {j}")
     block_records.reduce_record = reduce_record
     if len(calls) != sum(n for *_, n in OWNER_CASES):

@@ -14,22 +14,13 @@ import sys
 
 import pytest
 
+from bitwise import same
+
 pytest.importorskip("triton")
 
 SCALINGS = (("tensor", None), ("row", None), ("block", 128), ("block", 32))
 FORMATS = ("e4m3", "e5m2")
 SHAPES = ([(3, 300), (5,), (64, 40)], [(2001,)], [(7, 129), (1,)])  # odd, unequal, 1-element
-
-
-def _same(a, b) -> bool:
-    """Bitwise equal, any NaN where the other has a NaN."""
-    import torch
-
-    if a.dtype == torch.uint8:
-        return torch.equal(a, b)
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(
-        a.masked_fill(nan, 0).view(torch.int32), b.masked_fill(nan, 0).view(torch.int32))
 
 
 def _bucket(shapes, seed: int, special: bool):
@@ -73,11 +64,11 @@ def check() -> list[str]:
         for what, got, want in (("u", u, ref_u), ("scales", scales, ref_scales),
                                 ("codes", codes, ref_codes),
                                 ("error", error, ref_u - ref_value)):
-            if not _same(got, want):
+            if not same(got, want):
                 failures.append(f"{name}: {what}")
         # (d): the decode
         value = triton_fp8.decode(torch.empty_like(u), codes, scales, groups, fmt)
-        if not _same(value, ref_value):
+        if not same(value, ref_value):
             failures.append(f"{name}: decode")
         # (c): the owner's decode of N senders' copies and their FP32 sum in sender order
         refs = [triton_fp8.reference(x, groups, fmt) for x in xs]
@@ -87,9 +78,9 @@ def check() -> list[str]:
         got = triton_fp8.decode_sum(torch.stack([c for _, c, _ in refs]),
                                      torch.stack([s for s, _, _ in refs]), groups, n_senders,
                                      fmt)
-        if not _same(got, total):
+        if not same(got, total):
             failures.append(f"{name}: decode_sum")
-        if not _same(got, sender_sum(torch.stack([v for _, _, v in refs]))):
+        if not same(got, sender_sum(torch.stack([v for _, _, v in refs]))):
             failures.append(f"{name}: decode_sum vs the stages' sender_sum")
     return failures
 
@@ -139,7 +130,7 @@ def check_stages() -> list[str]:
                              [_bucket(shapes, r, special=False) for r in range(n)], layout,
                              seed=11)])
         for k, (got, want) in enumerate(zip(*outs)):
-            if not _same(got, want):
+            if not same(got, want):
                 failures.append(f"stages {name}: output {k}")
         if not outs[0][-2].isnan().all():
             failures.append(f"stages {name}: not poisoned")
