@@ -143,10 +143,31 @@ class ErrorFeedback:
             self._blocks[key] = block
         return block, flag
 
-    def stage_bucket(self, names: list[str], residual: torch.Tensor) -> None:
-        """:meth:`stage` of every tensor of a bucket read by :meth:`bucket_in` (identity
-        coordinates) at once: its flat vector ← ``residual`` (FP32, that order), one copy."""
-        self._blocks[tuple(names)].copy_(residual)
+    def first_bucket(self, names: list[str]) -> bool:
+        """Whether a bucket's tensors ``names`` have no residual yet and are stored plain:
+        :meth:`stage_bucket` then makes their flat vector from the first residual itself."""
+        return self.storage in ("fp32", "bf16") and bool(names) and all(
+            n not in self.residuals for n in names)
+
+    def stage_bucket(self, names: list[str], residual: torch.Tensor,
+                     shapes: list[tuple[int, ...]] | None = None) -> None:
+        """:meth:`stage` of every tensor of a bucket (identity coordinates) at once: its flat
+        vector ← ``residual`` (FP32, that order), one copy. The vector is
+        :meth:`bucket_in`'s, or, at a :meth:`first_bucket` (``shapes`` given), made here
+        from ``residual``, each tensor's residual a view of it (no second set is ever held
+        to join them later)."""
+        key = tuple(names)
+        if key in self._blocks:
+            self._blocks[key].copy_(residual)
+        else:
+            block = residual.to(torch.float32 if self.storage == "fp32" else torch.bfloat16,
+                                copy=True)
+            pos = 0
+            for name, shape in zip(names, shapes):
+                n = torch.Size(shape).numel()
+                self.residuals[name] = block[pos : pos + n].view(shape)
+                pos += n
+            self._blocks[key] = block
         for name in names:
             self._wrote(name, IDENTITY)
 

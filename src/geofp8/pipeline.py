@@ -281,10 +281,12 @@ class GradientPipeline:
         if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ)), written over Ũ (not read again)
             sent, residual = encode_with_error(flat, layout, side, seed, self.group.rank,
                                                error_out=flat)
-            if bucket is not None:
-                self.feedback.stage_bucket(names, residual)
+            whole = bucket is not None or (in_place and all(self.plain(n) for n in names)
+                                           and self.feedback.first_bucket(names))
+            if whole:
+                self.feedback.stage_bucket(names, residual, shapes)
             pos = 0
-            for name, shape, route in zip(names, shapes, routes) if bucket is None else ():
+            for name, shape, route in zip(names, shapes, routes) if not whole else ():
                 n = torch.Size(shape).numel()
                 self.feedback.stage(name, residual[pos : pos + n].view(shape), route)
                 pos += n
