@@ -55,6 +55,30 @@ def test_a_bucket_write_and_a_skipped_step_zero_it_on_the_device():
     assert all(not r.any() for r in fb.state_dict()["residuals"].values())
 
 
+def test_a_first_bucket_write_makes_the_vector_that_later_steps_read():
+    """The bucket's first residuals are its flat vector (views of it): the next read joins
+    nothing, so no second residual set is held at any step."""
+    fb = ErrorFeedback("bf16")
+    assert fb.first_bucket(NAMES) and not ErrorFeedback("fp8").first_bucket(NAMES)
+    error = torch.randn(17 + 8, generator=torch.Generator().manual_seed(1))
+    fb.stage_bucket(NAMES, error, SHAPES)
+    fb.commit(torch.tensor(True))
+    assert not fb.first_bucket(NAMES)
+    block, flag = fb.bucket_in(NAMES, SHAPES)
+    assert bool(flag) and torch.equal(block, error.bfloat16())
+    assert all(fb.residuals[n].data_ptr() >= block.data_ptr() for n in NAMES)
+    assert fb.residuals["c.weight"].data_ptr() == block.data_ptr() + 17 * block.element_size()
+    singles = ErrorFeedback("bf16")
+    pos = 0
+    for name, shape in zip(NAMES, SHAPES):
+        n = torch.Size(shape).numel()
+        singles.stage(name, error[pos : pos + n].view(shape), IDENTITY)
+        pos += n
+    singles.commit(torch.tensor(True))
+    assert all(torch.equal(fb.residual_in(n, IDENTITY), singles.residual_in(n, IDENTITY))
+               for n in NAMES)
+
+
 def test_a_bucket_is_read_tensor_by_tensor_unless_every_residual_fits():
     fb = _staged()
     assert fb.bucket_in([*NAMES, "d.weight"], [*SHAPES, (1,)]) is None  # no residual yet
