@@ -494,7 +494,8 @@ class NVFP4Codec(Codec):
         shards = group_map(shards)
         if not shards.lengths:
             return super().encode_whole(x, shards, with_error, error_out)
-        if (fused := triton_fp4.encode_whole(self, x, shards, error=with_error)) is not None:
+        if (fused := triton_fp4.encode_whole(self, x, shards, error=with_error,
+                                             error_out=error_out)) is not None:
             return fused
         s, code, packed, scale = self._encode_whole(x, shards, [None] * len(shards))
         error = None

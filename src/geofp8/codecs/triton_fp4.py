@@ -440,13 +440,15 @@ def amax_slots(groups: GroupMap, fmt: str) -> int:
 
 def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor | None = None,
            error: bool = False, seeds=None, into: tuple | None = None,
-           bits: torch.Tensor | None = None) -> Encoded:
+           bits: torch.Tensor | None = None, error_out: torch.Tensor | None = None) -> Encoded:
     """``fmt``'s payload of ``u = x (+ residual)`` over ``groups`` (module notes): the amax
     pass, one or two per-block passes, the encoding pass. ``seeds`` (one per shard, ``None``
     counting as 0): round stochastically with :mod:`.uniforms`' draws, else to nearest.
     ``into``: ``(segment scales or None, block bytes, codes)``, contiguous tensors the
     payload is written into (e.g. views of the record it travels in), else new ones;
-    ``bits``: zeroed int32 amax slots to use (:func:`amax_slots` of ``groups``)."""
+    ``bits``: zeroed int32 amax slots to use (:func:`amax_slots` of ``groups``);
+    ``error_out``: where the rounding error goes, ``x`` itself included (each element is
+    read by the encoding pass before its error is written), else a new vector."""
     element, device = _element(fmt), x.device
     n_groups, n_seg = len(groups.lengths), len(groups.counts)
     if bits is None:
@@ -477,13 +479,13 @@ def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor |
     if codes is None:
         codes = torch.empty(sum((n + 1) // 2 for n in groups.numels) if element == E2M1
                             else numel, dtype=torch.uint8, device=device)
-    err = torch.empty_like(u) if error else None
+    err = (error_out if error_out is not None else torch.empty_like(u)) if error else None
     tiles = _tiles(groups, fmt, device)
     kernel = _encode_packed_kernel if element == E2M1 else _encode_bytes_kernel
     size = {"BYTES": TILE // 2} if element == E2M1 else {"TILE": TILE}
     keys = None if seeds is None else torch.tensor(  # O(segments) on the host, per call
         [key_halves(seed, i) for shard, seed in zip(groups, seeds) for i in range(len(shard))],
-        dtype=torch.int64).to(device)
+        dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
     kernel[(tiles.shape[0],)](u, scale, codes, u if err is None else err, tiles,
                               _segment_of(groups, device), _segment_starts(groups, device),
                               codes if keys is None else keys, HAS_ERR=error,
@@ -531,17 +533,19 @@ def decode(out: torch.Tensor, groups: GroupMap, fmt: str, block_bytes: torch.Ten
     return decode_sum(groups, fmt, *rows, poison=poison, out=out, total=False)[1]
 
 
-def encode_whole(codec, x: torch.Tensor, shards, seeds=None, error: bool = False):
+def encode_whole(codec, x: torch.Tensor, shards, seeds=None, error: bool = False,
+                 error_out: torch.Tensor | None = None):
     """``(wholes, error or None)`` as ``codec.encode_whole`` returns them (each kind of part
-    one tensor for the whole bucket) from the kernels, or ``None`` where they do not run
-    (not available, no groups, or a failure on CUDA): the caller's torch path then."""
+    one tensor for the whole bucket; the error in ``error_out`` where given) from the
+    kernels, or ``None`` where they do not run (not available, no groups, or a failure on
+    CUDA): the caller's torch path then."""
     groups = group_map(shards)
     if not (groups.lengths and available(x)):
         return None
     stochastic = codec.rounding == "stochastic"
 
     def run():
-        enc = encode(x, groups, codec.format, error=error,
+        enc = encode(x, groups, codec.format, error=error, error_out=error_out,
                      seeds=(seeds or [None] * len(groups)) if stochastic else None)
         wholes = [enc.block_bytes, enc.codes]
         if enc.segment_scales is not None:
