@@ -40,6 +40,7 @@ from .comm.stages import all_finite
 from .feedback import ErrorFeedback
 from .ledger import StepLedger
 from .pipeline import GradientPipeline
+from .verdict import StepVerdict
 from .verification import checksum, differences, refusal
 
 __all__ = ["STATE_VERSION", "SyncEngine"]
@@ -80,7 +81,7 @@ class SyncEngine:
         self._checked = False
         self._lock = threading.RLock()
         self._outstanding = 0
-        self._finite: list[torch.Tensor] = []  # per observed unit
+        self.verdict = StepVerdict()  # the observed units' flags
         self._hooks = [model.register_forward_pre_hook(self._on_forward),
                        model.register_forward_hook(self._on_forward_end), *self.pipeline.hooks]
 
@@ -154,7 +155,13 @@ class SyncEngine:
         (the fused decode's), instead of a pass over them."""
         finite = all_finite(values) if finite is None else finite
         with self._lock:
-            self._finite.append(finite if also is None else finite & also)
+            self.verdict.observe(finite if also is None else finite & also)
+
+    def flag_slot(self, device: torch.device) -> torch.Tensor | None:
+        """Where a fused decode may write its unit's finite flag before it is observed
+        (:meth:`StepVerdict.slot`: the step then settles in one kernel)."""
+        with self._lock:
+            return self.verdict.slot(device)
 
     def finish_unit(self) -> None:
         """A unit's result is ready; the last one of a launched step settles it."""
@@ -173,13 +180,9 @@ class SyncEngine:
                 self._settle()
 
     def _settle(self) -> None:
-        device = self._finite[0].device if self._finite else self.group.device
-        ok = torch.stack(self._finite) if self._finite else torch.ones(1, dtype=torch.bool,
-                                                                        device=device)
-        if self.agree:  # per unit, count the ranks whose flag is down
-            bad, _ = self.group.all_reduce((~ok).to(torch.float32), "flag")
-            ok = bad == 0
-        finite = ok.all()  # on the device: no host read
+        agree = (lambda bad: self.group.all_reduce(bad, "flag")[0]) if self.agree else None
+        finite, ok, counted = self.verdict.settle(self.group.device, self.ledger.skipped_counter,
+                                                  agree, per_unit=bool(self.on_skip))
         self.pipeline.settle(finite)
         for name, feedback in self.feedbacks.items():
             if name != "sender":  # the pipeline settles its own
@@ -193,8 +196,7 @@ class SyncEngine:
                 self.ledger.add(f"bytes_{group.link}", sum(taken.get(kind, 0.0) for kind in
                                                            ("payload", "factor", "flag")))
         self.pipeline.selection.charged(self.ledger.current["factor_bytes_sent"])
-        self.ledger.settle(finite)
-        self._finite = []
+        self.ledger.settle(finite, counted)
         for callback in self.on_skip:
             callback(list(ok.unbind()))
 
@@ -209,7 +211,8 @@ class SyncEngine:
             for group in self.groups:
                 group.take_bytes()
             self.ledger.reset_phase()
-            self._outstanding, self._finite = 0, []
+            self._outstanding = 0
+            self.verdict.reset()
 
     def set_grad_scale(self, scale: float) -> None:
         """The loss scale of the coming backward: rescale the residuals if it changed."""
