@@ -9,8 +9,9 @@ DDP's comm hook (:mod:`geofp8.ddp`), FSDP2's reduce-scatter and HSDP's replica a
   selection decisions (collectives on the data-parallel group, :meth:`start_unit`);
 * **route, EF, encode** per unit: :attr:`pipeline` (``Ũ = G T + R``, new residuals written);
 * **finite agreement**: every unit's result gives a device flag (:meth:`observe`, no host
-  sync), and the step's verdict stays on the device: nothing is read back in an ordinary
-  step. Adapters whose collective does not already give every rank the same verdict (a
+  sync), and the step's verdict stays on the device (:mod:`geofp8.verdict`: one kernel
+  where the fused decodes wrote the flags into the step's slots, :meth:`flag_slot`):
+  nothing is read back in an ordinary step. Adapters whose collective does not already give every rank the same verdict (a
   reduce-scatter leaves each rank its own shard) set ``agree=True``: the flags are then
   all-reduced at settling;
 * **settle** (every unit of a launched step done): hand the verdict to what the step
@@ -187,14 +188,7 @@ class SyncEngine:
         for name, feedback in self.feedbacks.items():
             if name != "sender":  # the pipeline settles its own
                 feedback.commit(finite)
-        for group in self.groups:
-            taken = group.take_bytes()
-            for key, kind in BYTE_KINDS:
-                self.ledger.add(key, taken.get(kind, 0.0))
-            self.ledger.add("bytes_sent", taken.get("flag", 0.0))
-            if group.link is not None:
-                self.ledger.add(f"bytes_{group.link}", sum(taken.get(kind, 0.0) for kind in
-                                                           ("payload", "factor", "flag")))
+        _take_bytes(self.groups, self.ledger)
         self.pipeline.selection.charged(self.ledger.current["factor_bytes_sent"])
         self.ledger.settle(finite, counted)
         for callback in self.on_skip:
@@ -232,11 +226,7 @@ class SyncEngine:
         """Fail fast, on every rank, when ranks disagree on config or model structure
         (fingerprints travel as JSON text in uint8 tensors, outside the step's bytes)."""
         self._checked = True
-        everyone = self.group.all_gather_json(self.fingerprint(), "consistency")
-        problems = [problem for r, other in enumerate(everyone)
-                    for problem in _differences(everyone[0], other, r)]
-        if problems:
-            raise RuntimeError("GeoFP8: ranks disagree:\n  " + "\n  ".join(problems))
+        _refuse_disagreement(self.group.all_gather_json(self.fingerprint(), "consistency"))
 
     # -- reporting and checkpoints -----------------------------------------------------------
 
@@ -250,15 +240,10 @@ class SyncEngine:
         skipped = self.ledger.skipped_steps
         self.pipeline.report()
         last = self.ledger.last
-        sent = last["bytes_sent"] + last["factor_bytes_sent"]
         return {
             "step": self.ledger.step - skipped,
             "skipped_steps": skipped,
-            "bytes_sent": int(sent),
-            "payload_bytes_sent": int(last["bytes_sent"]),
-            "factor_bytes_sent": int(last["factor_bytes_sent"]),
-            "bytes_fp32_equivalent": int(last["bytes_fp32_equivalent"]),
-            "bytes_per_element": sent / last["elements"] if last["elements"] else 0.0,
+            **_byte_figures(last),
             "geometry_layers": self.pipeline.geometry_layers(),
             "geometry_since_step": self.pipeline.geometry_since,
             **self.pipeline.budget_stats(),
@@ -313,6 +298,38 @@ class SyncEngine:
         for name, feedback in self.feedbacks.items():
             feedback.load_state_dict(state["feedback"][name],
                                      transforms if name == "sender" else {})
+
+
+def _take_bytes(groups: list[DeviceGroup], ledger: StepLedger) -> None:
+    """The bytes every group counted at its door since the last call, into the ledger's
+    step figures (the finite flags' bytes are payload bytes; per link too)."""
+    for group in groups:
+        taken = group.take_bytes()
+        for key, kind in BYTE_KINDS:
+            ledger.add(key, taken.get(kind, 0.0))
+        ledger.add("bytes_sent", taken.get("flag", 0.0))
+        if group.link is not None:
+            ledger.add(f"bytes_{group.link}", sum(taken.get(kind, 0.0) for kind in
+                                                  ("payload", "factor", "flag")))
+
+
+def _byte_figures(last: dict) -> dict:
+    """A settled step's byte figures (``last``: its ledger figures): payload and factor
+    bytes sent, their sum, its FP32 all-reduce's, and the bytes per gradient element."""
+    sent = last["bytes_sent"] + last["factor_bytes_sent"]
+    return {"bytes_sent": int(sent), "payload_bytes_sent": int(last["bytes_sent"]),
+            "factor_bytes_sent": int(last["factor_bytes_sent"]),
+            "bytes_fp32_equivalent": int(last["bytes_fp32_equivalent"]),
+            "bytes_per_element": sent / last["elements"] if last["elements"] else 0.0}
+
+
+def _refuse_disagreement(everyone: list[dict]) -> None:
+    """A ``RuntimeError`` naming every field where a rank's fingerprint differs from rank
+    0's (``everyone``: one per rank), if any does."""
+    problems = [problem for r, other in enumerate(everyone)
+                for problem in _differences(everyone[0], other, r)]
+    if problems:
+        raise RuntimeError("GeoFP8: ranks disagree:\n  " + "\n  ".join(problems))
 
 
 def _differences(first: dict, other: dict, rank: int) -> list[str]:
