@@ -35,3 +35,65 @@ def test_fp8_ef_hook_launches_six_kernels_per_bucket_and_one_per_step():
     # torch op at all
     assert (tri2, ops2) == (tri8, ops8) == (FUSED_STAGES + SETTLE, 0), (tri2, ops2, tri8, ops8)
     assert (tri4, ops4) == (4 * FUSED_STAGES + SETTLE, 0), (tri4, ops4)
+
+
+def _skip_worker(rank, world_size, steps=5, bad=2):
+    """fp8-ef's real hook on the fused path (interpreted), 2 buckets a step; at step ``bad``
+    rank 1's first layer's gradient is NaN."""
+    import torch
+    from torch import nn
+
+    from geofp8.methods import METHODS
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(4)])
+    state, hook, _ = METHODS["fp8-ef"].build(model, kernels="batched")  # the fused path
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2 * 32 * 32 * 4 / (1 << 20))
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kernel, saw_bad, kept = [], [], []
+    settle = state.engine.verdict.settle
+    state.engine.verdict.settle = lambda *a, **k: kernel.append(
+        (out := settle(*a, **k))[2] is not None) or out
+    for step in range(steps):
+        opt.zero_grad()
+        handle = model[0].weight.register_hook(lambda g: g * float("nan")) \
+            if step == bad and rank == 1 else None
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step + 10 * rank))
+        ddp(x).pow(2).mean().backward()
+        finite = all(bool(p.grad.isfinite().all()) for p in model.parameters())
+        saw_bad.append(not finite)
+        if finite:
+            opt.step()
+        if handle is not None:
+            handle.remove()
+        kept.append(sorted({bool(f) for f in state.pipeline.feedback.finite.values()}))
+    stats = state.stats()
+    return {"saw_bad": saw_bad, "kernel": kernel, "skipped": stats["skipped_steps"],
+            "step": stats["step"], "buckets": len(ddp.reducer._get_zeros_like_grad_buckets()),
+            "params": [p.detach().clone() for p in model.parameters()],
+            "kept": kept}
+
+
+def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_one_kernel_verdict():
+    code = ("import json, test_hook_launches as t\nfrom distributed import run_ranks\n"
+            "import torch\nout = run_ranks(t._skip_worker, 2, timeout=300)\n"
+            "same = all(torch.equal(a, b) for a, b in zip(out[0]['params'], out[1]['params']))\n"
+            "print(json.dumps([{k: v for k, v in o.items() if k != 'params'} for o in out]"
+            " + [same]))")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tests, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    *ranks, same = json.loads(done.stdout.strip().splitlines()[-1])
+    for out in ranks:
+        assert out["buckets"] == 2
+        assert out["saw_bad"] == [False, False, True, False, False]  # every rank, that step
+        assert (out["step"], out["skipped"]) == (4, 1)
+        # step 0 sizes the slots; from then on the verdict is the one kernel, the NaN step too
+        assert out["kernel"] == [False, True, True, True, True]
+        # the skipped step's residuals read as zero, the others' are kept
+        assert out["kept"] == [[True], [True], [False], [True], [True]]
+    assert same  # bit-identical parameters on both ranks

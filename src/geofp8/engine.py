@@ -11,9 +11,9 @@ DDP's comm hook (:mod:`geofp8.ddp`), FSDP2's reduce-scatter and HSDP's replica a
 * **finite agreement**: every unit's result gives a device flag (:meth:`observe`, no host
   sync), and the step's verdict stays on the device (:mod:`geofp8.verdict`: one kernel
   where the fused decodes wrote the flags into the step's slots, :meth:`flag_slot`):
-  nothing is read back in an ordinary step. Adapters whose collective does not already give every rank the same verdict (a
-  reduce-scatter leaves each rank its own shard) set ``agree=True``: the flags are then
-  all-reduced at settling;
+  nothing is read back in an ordinary step. Adapters whose collective does not already
+  give every rank the same verdict (a reduce-scatter leaves each rank its own shard) set
+  ``agree=True``: the flags are then all-reduced at settling;
 * **settle** (every unit of a launched step done): hand the verdict to what the step
   produced: residuals (those of a skipped step read as zero, :mod:`geofp8.feedback`),
   statistics and selections (a skipped step's are chosen away by ``torch.where``), the

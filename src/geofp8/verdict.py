@@ -9,10 +9,11 @@ on the device, and so does the count of skipped steps.
 
 Slots: a fused decode (:func:`geofp8.codecs.triton_fp8.decode_placed`) writes its unit's flag
 into the next of the step's slots (:meth:`StepVerdict.slot`: a persistent uint8 vector sized
-at settling by the step's units; every slot handed out is written in its step, so nothing
-zero-fills it). When the step's flags are its slots in order, one kernel makes the verdict
-and advances the skipped-step counter (:func:`~geofp8.codecs.triton_fp8.verdict`); else (the
-torch path, an agreement, per-unit flags wanted) torch ops stack and reduce the flags.
+at settling, twice the step's units and at least 64, so DDP's rebuilt buckets still fit;
+every slot handed out is written in its step, so nothing zero-fills it). When the step's
+flags are its slots in order, one kernel makes the verdict and advances the skipped-step
+counter (:func:`~geofp8.codecs.triton_fp8.verdict`); else (the torch path, an agreement,
+per-unit flags wanted) torch ops stack and reduce the flags.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class StepVerdict:
         if agree is not None:  # per unit, count the ranks whose flag is down
             ok = agree((~ok).to(torch.float32)) == 0
         if slots is None or slots.numel() < len(flags) or slots.device != device:
-            self._slots = torch.empty(max(len(flags), 1), dtype=torch.uint8, device=device)
+            self._slots = torch.empty(max(2 * len(flags), 64), dtype=torch.uint8,
+                                      device=device)
         return ok.all(), ok, None
 
 
