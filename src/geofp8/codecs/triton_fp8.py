@@ -18,7 +18,12 @@ bucket: :func:`group_bits` then :func:`encode_placed` (scales and codes written 
 travel, the rounding error at the values' places); :func:`reduce` (the ``N`` received
 records decoded, summed sender after sender from +0, and the sum's amax) then
 :func:`encode_placed` (into the padded record); :func:`decode_placed` (a one-program finite
-check over the gathered scales, then the decode, ``/ N`` and all NaN unless finite).
+check over the gathered scales, then the decode, ``/ N`` and all NaN unless finite). The
+sender's pair takes a bucket's error feedback ``(R, keep)``: both read ``Ũ = G + where(keep,
+R, 0)`` (``R`` FP32 or BF16, ``keep`` a 0-dim device flag read in the kernel) and the encode
+writes the new residual into ``R`` (BF16: rounded to nearest even on the bits, as torch's
+``.to(torch.bfloat16)``). :func:`verdict`: a step's units' finite flags reduced, in one
+program, into its verdict and its skipped-step counter.
 
 The groups come as a *tile map* (:func:`tiles`, :func:`placed_tiles`), an int64 ``[T, 7]``
 device tensor made once per map: each tile is at most ``TILE`` elements of one run of
