@@ -1,4 +1,5 @@
-"""The real DDP hook's kernel launches per bucket do not grow with the tensors in it.
+"""The real DDP hook's kernel launches: six per bucket and one per step, whatever the
+tensors in a bucket.
 
 ``benchmarks/hook_launches.py`` counts them on gloo ranks under Triton's interpreter (the
 fused FP8 stages taken as on CUDA); the interpreter must be on before the kernels are
@@ -11,6 +12,7 @@ import sys
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
 FUSED_STAGES = 6  # Triton kernels of one bucket's four stages (comm.plan.FusedPlan)
+SETTLE = 1  # the step's verdict from its buckets' flags (geofp8.verdict.StepVerdict)
 
 
 def _measure(method, cases):
@@ -24,13 +26,81 @@ def _measure(method, cases):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_fp8_ef_hook_launches_per_bucket_do_not_grow_with_its_tensors():
+def test_fp8_ef_hook_launches_six_kernels_per_bucket_and_one_per_step():
     (b2, tri2, ops2, _), (b8, tri8, ops8, _), (b4, tri4, ops4, _) = _measure(
         "fp8-ef", [(2, 1), (8, 1), (8, 4)])
     assert (b2, b8, b4) == (1, 1, 4)
-    assert tri2 == tri8 == FUSED_STAGES and tri4 == 4 * FUSED_STAGES  # the fused stages ran
-    assert ops8 == ops2, (ops2, ops8)  # 2 or 8 tensors in the bucket: the same launches
-    # torch launches per bucket beyond the step's settling: the EF add (where, add) and the
-    # residual write (one copy) with its scalar; nothing per tensor, no div_ nor finite pass
-    per_bucket = (ops4 - ops8) / 3
-    assert per_bucket <= 4, (ops8, ops4)
+    # the fused stages, the error feedback folded into them (no where, add_ nor copy_), and
+    # the step's verdict and skipped-step counter in one kernel: nothing per tensor, no
+    # torch op at all
+    assert (tri2, ops2) == (tri8, ops8) == (FUSED_STAGES + SETTLE, 0), (tri2, ops2, tri8, ops8)
+    assert (tri4, ops4) == (4 * FUSED_STAGES + SETTLE, 0), (tri4, ops4)
+
+
+def _skip_worker(rank, world_size, steps=5, bad=2):
+    """fp8-ef's real hook on the fused path (interpreted), 2 buckets a step; at step ``bad``
+    rank 1's first layer's gradient is NaN."""
+    import torch
+    from torch import nn
+
+    from geofp8.methods import METHODS
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(4)])
+    state, hook, _ = METHODS["fp8-ef"].build(model, kernels="batched")  # the fused path
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2 * 32 * 32 * 4 / (1 << 20))
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kernel, saw_bad, kept = [], [], []
+    settle = state.engine.verdict.settle
+    state.engine.verdict.settle = lambda *a, **k: kernel.append(
+        (out := settle(*a, **k))[2] is not None) or out
+    for step in range(steps):
+        opt.zero_grad()
+        handle = model[0].weight.register_hook(lambda g: g * float("nan")) \
+            if step == bad and rank == 1 else None
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step + 10 * rank))
+        ddp(x).pow(2).mean().backward()
+        finite = all(bool(p.grad.isfinite().all()) for p in model.parameters())
+        saw_bad.append(not finite)
+        if finite:
+            opt.step()
+        if handle is not None:
+            handle.remove()
+        kept.append(sorted({bool(f) for f in state.pipeline.feedback.finite.values()}))
+    stats = state.stats()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"saw_bad": saw_bad, "kernel": kernel, "skipped": stats["skipped_steps"],
+            "step": stats["step"], "buckets": len(ddp.reducer._get_zeros_like_grad_buckets()),
+            "params": params.view(torch.int32).tolist(), "kept": kept}
+
+
+def _skip_run(interpret: bool) -> list[dict]:
+    code = ("import json, test_hook_launches as t\nfrom distributed import run_ranks\n"
+            "print(json.dumps(run_ranks(t._skip_worker, 2, timeout=300)))")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([tests, *sys.path]),
+               **({"TRITON_INTERPRET": "1"} if interpret else {}))
+    done = subprocess.run([sys.executable, "-c", code], cwd=tests, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_one_kernel_verdict():
+    """The fused path (interpreted: EF in the kernels, the one-kernel verdict) against the
+    torch batched path of the same run, bit for bit, a NaN step included."""
+    fused, torch_path = _skip_run(interpret=True), _skip_run(interpret=False)
+    for out, ref in zip(fused, torch_path):
+        assert out["buckets"] == 2
+        assert out["saw_bad"] == [False, False, True, False, False]  # every rank, that step
+        assert (out["step"], out["skipped"]) == (4, 1)
+        # step 0 sizes the slots; from then on the verdict is the one kernel, the NaN step too
+        assert out["kernel"] == [False, True, True, True, True]
+        assert ref["kernel"] == [False] * 5  # no Triton here: torch ops settle
+        # the skipped step's residuals read as zero, the others' are kept
+        assert out["kept"] == [[True], [True], [False], [True], [True]]
+        for key in ("saw_bad", "step", "skipped", "kept", "params"):
+            assert out[key] == ref[key], key  # the torch path's, bit for bit
+    assert fused[0]["params"] == fused[1]["params"]  # bit-identical parameters on both ranks

@@ -140,6 +140,97 @@ def check_stages() -> list[str]:
     return failures
 
 
+def check_feedback() -> list[str]:
+    """The sender's encode with a bucket's error feedback ``(R, keep)`` folded into the fused
+    kernels (``Ũ = G + where(keep, R, 0)`` read in both, the new residual written into ``R``)
+    against the CPU's chunked path (one add, the encode, one copy into ``R``), bit for bit:
+    BF16 and FP32 residuals, ``keep`` true, false and ``None``, NaN and ±Inf in ``G`` and in
+    ``R``, a ``-0`` gradient, N = 1, 3, 4. ``G`` is not written by the kernels."""
+    import torch
+
+    from geofp8.codecs import make_codec, triton_fp8
+    from geofp8.comm import ShardLayout
+    from geofp8.comm import stages as st
+
+    calls, failures = [], []
+    encode_placed = triton_fp8.encode_placed
+    triton_fp8.encode_placed = lambda *a, **k: calls.append(k.get("feedback")) or \
+        encode_placed(*a, **k)
+    shapes = [(3, 300), (5,), *SHAPES[2]]
+    for n, dtype, keep, special in [(n, d, k, f) for n in (1, 3, 4)
+                                    for d in (torch.bfloat16, torch.float32)
+                                    for k in (True, False, None) for f in (0, 1)]:
+        name = f"feedback N={n} {dtype} keep={keep} special={special}"
+        outs = []
+        for kernels in ("batched", "chunked"):
+            layout = ShardLayout.build(shapes, make_codec("e4m3", "row"), n, kernels=kernels)
+            g = _bucket(shapes, n, special=bool(special))
+            g[7] = -0.0  # + a kept-away residual's +0: +0, as torch adds it
+            r = (torch.randn(g.numel(), generator=torch.Generator().manual_seed(n)) * 1e-2)
+            r = r.to(dtype)
+            if special:
+                r[200], r[300] = float("-inf"), float("nan")
+            flat = g.clone()
+            sent, error = st.encode_with_error(
+                flat, layout, error_out=flat,
+                feedback=(r, None if keep is None else torch.tensor(keep)))
+            outs.append((sent, r, flat))
+            if error is not r:
+                failures.append(f"{name} {kernels}: the error is not R")
+        (sent, r, flat), (want_sent, want_r, _) = outs
+        if not same(sent, want_sent):
+            failures.append(f"{name}: sent")
+        nan = r.float().isnan()  # NaN's payload: the rounding's choice (c10 scalar 0x7FC0)
+        if not (torch.equal(nan, want_r.float().isnan()) and torch.equal(
+                r[~nan].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                want_r[~nan].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))):
+            failures.append(f"{name}: residual")
+        if not same(flat, _bucket(shapes, n, special=bool(special)).index_fill_(
+                0, torch.tensor([7]), -0.0)):
+            failures.append(f"{name}: G written")
+    triton_fp8.encode_placed = encode_placed
+    if sum(c is not None for c in calls) != 36:
+        failures.append(f"the fused kernels took the feedback {len(calls)} times, not 36")
+    return failures
+
+
+def check_verdict() -> list[str]:
+    """A step's verdict from its units' flags in the slots (one kernel) as the torch path
+    decides it, and the skipped-step counter; flags that are not the slots, or not in
+    order, go the torch way."""
+    import torch
+
+    from geofp8.verdict import StepVerdict
+
+    failures = []
+    verdict, counter = StepVerdict(), torch.zeros((), dtype=torch.int64)
+    skipped = lambda device: counter  # noqa: E731
+    if verdict.slot("cpu") is not None:
+        failures.append("verdict: a slot before the first settling (which sizes them)")
+    for units, how in (([1, 1, 1], "plain"), ([1], "slots"), ([1, 0, 1], "slots"),
+                       ([1, 0, 1], "plain"), ([0, 0, 0], "slots"), ([1, 1, 0], "reversed")):
+        slots = [verdict.slot("cpu") for _ in units] if how != "plain" else []
+        flags = [torch.tensor(bool(u)) for u in units]
+        for slot, ok in zip(slots, units):
+            slot.fill_(ok)
+        if how != "plain":
+            flags = [slot.view(torch.bool) for slot in slots]
+        for flag in reversed(flags) if how == "reversed" else flags:
+            verdict.observe(flag)
+        before = int(counter)
+        finite, ok, counted = verdict.settle("cpu", skipped)
+        kernel = how == "slots"
+        if (counted is counter) != kernel or bool(finite) != all(units):
+            failures.append(f"verdict {units} {how}: {bool(finite)}, {counted}")
+        if kernel and int(counter) != before + (not all(units)):
+            failures.append(f"verdict {units}: counter {int(counter)} after {before}")
+        if not kernel and sorted(ok.tolist()) != sorted(bool(u) for u in units):
+            failures.append(f"verdict {units} {how}: per unit {ok.tolist()}")
+    if [verdict.slot("cpu") is None for _ in range(65)] != [False] * 64 + [True]:
+        failures.append("verdict: slots past twice the last step's units, at least 64")
+    return failures
+
+
 def check_gpu_rows() -> list[str]:
     """``make gpu-check``'s fused-kernel rows, run on the CPU under the interpreter."""
     import torch
@@ -157,7 +248,7 @@ def check_gpu_rows() -> list[str]:
 
 KERNELS = ("_amax_kernel", "_scales_kernel", "_encode_kernel", "_decode_kernel",
            "_decode_sum_kernel", "_encode_placed_kernel", "_reduce_kernel", "_finite_kernel",
-           "_decode_placed_kernel")
+           "_decode_placed_kernel", "_verdict_kernel")
 
 
 def launches() -> list[tuple[int, int]]:
@@ -254,6 +345,7 @@ def test_a_kernel_that_fails_on_the_device_falls_back_to_torch_once_and_for_all(
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    for failure in check() + check_stages() + check_gpu_rows():
+    for failure in check() + check_stages() + check_feedback() + check_verdict() + \
+            check_gpu_rows():
         print(failure)
     print(f"launches {launches()}")

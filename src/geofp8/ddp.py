@@ -94,6 +94,7 @@ class GeoFP8State:
         self.stream = SideStream(device)
         self.communicator = Communicator(config.collective, self.engine.group,
                                          stream=self.stream, lag=self.lag)
+        self.communicator.flag_slot = self.engine.flag_slot  # the step settles in one kernel
         if config.owner_feedback:
             self.communicator.owner = self.engine.add_feedback("owner", "fp32")
             self.communicator.owner_route = IDENTITY

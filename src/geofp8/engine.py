@@ -9,10 +9,11 @@ DDP's comm hook (:mod:`geofp8.ddp`), FSDP2's reduce-scatter and HSDP's replica a
   selection decisions (collectives on the data-parallel group, :meth:`start_unit`);
 * **route, EF, encode** per unit: :attr:`pipeline` (``Ũ = G T + R``, new residuals written);
 * **finite agreement**: every unit's result gives a device flag (:meth:`observe`, no host
-  sync), and the step's verdict stays on the device: nothing is read back in an ordinary
-  step. Adapters whose collective does not already give every rank the same verdict (a
-  reduce-scatter leaves each rank its own shard) set ``agree=True``: the flags are then
-  all-reduced at settling;
+  sync), and the step's verdict stays on the device (:mod:`geofp8.verdict`: one kernel
+  where the fused decodes wrote the flags into the step's slots, :meth:`flag_slot`):
+  nothing is read back in an ordinary step. Adapters whose collective does not already
+  give every rank the same verdict (a reduce-scatter leaves each rank its own shard) set
+  ``agree=True``: the flags are then all-reduced at settling;
 * **settle** (every unit of a launched step done): hand the verdict to what the step
   produced: residuals (those of a skipped step read as zero, :mod:`geofp8.feedback`),
   statistics and selections (a skipped step's are chosen away by ``torch.where``), the
@@ -40,6 +41,7 @@ from .comm.stages import all_finite
 from .feedback import ErrorFeedback
 from .ledger import StepLedger
 from .pipeline import GradientPipeline
+from .verdict import StepVerdict
 from .verification import checksum, differences, refusal
 
 __all__ = ["STATE_VERSION", "SyncEngine"]
@@ -80,7 +82,7 @@ class SyncEngine:
         self._checked = False
         self._lock = threading.RLock()
         self._outstanding = 0
-        self._finite: list[torch.Tensor] = []  # per observed unit
+        self.verdict = StepVerdict()  # the observed units' flags
         self._hooks = [model.register_forward_pre_hook(self._on_forward),
                        model.register_forward_hook(self._on_forward_end), *self.pipeline.hooks]
 
@@ -154,7 +156,13 @@ class SyncEngine:
         (the fused decode's), instead of a pass over them."""
         finite = all_finite(values) if finite is None else finite
         with self._lock:
-            self._finite.append(finite if also is None else finite & also)
+            self.verdict.observe(finite if also is None else finite & also)
+
+    def flag_slot(self, device: torch.device) -> torch.Tensor | None:
+        """Where a fused decode may write its unit's finite flag before it is observed
+        (:meth:`StepVerdict.slot`: the step then settles in one kernel)."""
+        with self._lock:
+            return self.verdict.slot(device)
 
     def finish_unit(self) -> None:
         """A unit's result is ready; the last one of a launched step settles it."""
@@ -173,28 +181,16 @@ class SyncEngine:
                 self._settle()
 
     def _settle(self) -> None:
-        device = self._finite[0].device if self._finite else self.group.device
-        ok = torch.stack(self._finite) if self._finite else torch.ones(1, dtype=torch.bool,
-                                                                        device=device)
-        if self.agree:  # per unit, count the ranks whose flag is down
-            bad, _ = self.group.all_reduce((~ok).to(torch.float32), "flag")
-            ok = bad == 0
-        finite = ok.all()  # on the device: no host read
+        agree = (lambda bad: self.group.all_reduce(bad, "flag")[0]) if self.agree else None
+        finite, ok, counted = self.verdict.settle(self.group.device, self.ledger.skipped_counter,
+                                                  agree, per_unit=bool(self.on_skip))
         self.pipeline.settle(finite)
         for name, feedback in self.feedbacks.items():
             if name != "sender":  # the pipeline settles its own
                 feedback.commit(finite)
-        for group in self.groups:
-            taken = group.take_bytes()
-            for key, kind in BYTE_KINDS:
-                self.ledger.add(key, taken.get(kind, 0.0))
-            self.ledger.add("bytes_sent", taken.get("flag", 0.0))
-            if group.link is not None:
-                self.ledger.add(f"bytes_{group.link}", sum(taken.get(kind, 0.0) for kind in
-                                                           ("payload", "factor", "flag")))
+        _take_bytes(self.groups, self.ledger)
         self.pipeline.selection.charged(self.ledger.current["factor_bytes_sent"])
-        self.ledger.settle(finite)
-        self._finite = []
+        self.ledger.settle(finite, counted)
         for callback in self.on_skip:
             callback(list(ok.unbind()))
 
@@ -209,7 +205,8 @@ class SyncEngine:
             for group in self.groups:
                 group.take_bytes()
             self.ledger.reset_phase()
-            self._outstanding, self._finite = 0, []
+            self._outstanding = 0
+            self.verdict.reset()
 
     def set_grad_scale(self, scale: float) -> None:
         """The loss scale of the coming backward: rescale the residuals if it changed."""
@@ -229,11 +226,7 @@ class SyncEngine:
         """Fail fast, on every rank, when ranks disagree on config or model structure
         (fingerprints travel as JSON text in uint8 tensors, outside the step's bytes)."""
         self._checked = True
-        everyone = self.group.all_gather_json(self.fingerprint(), "consistency")
-        problems = [problem for r, other in enumerate(everyone)
-                    for problem in _differences(everyone[0], other, r)]
-        if problems:
-            raise RuntimeError("GeoFP8: ranks disagree:\n  " + "\n  ".join(problems))
+        _refuse_disagreement(self.group.all_gather_json(self.fingerprint(), "consistency"))
 
     # -- reporting and checkpoints -----------------------------------------------------------
 
@@ -247,15 +240,10 @@ class SyncEngine:
         skipped = self.ledger.skipped_steps
         self.pipeline.report()
         last = self.ledger.last
-        sent = last["bytes_sent"] + last["factor_bytes_sent"]
         return {
             "step": self.ledger.step - skipped,
             "skipped_steps": skipped,
-            "bytes_sent": int(sent),
-            "payload_bytes_sent": int(last["bytes_sent"]),
-            "factor_bytes_sent": int(last["factor_bytes_sent"]),
-            "bytes_fp32_equivalent": int(last["bytes_fp32_equivalent"]),
-            "bytes_per_element": sent / last["elements"] if last["elements"] else 0.0,
+            **_byte_figures(last),
             "geometry_layers": self.pipeline.geometry_layers(),
             "geometry_since_step": self.pipeline.geometry_since,
             **self.pipeline.budget_stats(),
@@ -310,6 +298,38 @@ class SyncEngine:
         for name, feedback in self.feedbacks.items():
             feedback.load_state_dict(state["feedback"][name],
                                      transforms if name == "sender" else {})
+
+
+def _take_bytes(groups: list[DeviceGroup], ledger: StepLedger) -> None:
+    """The bytes every group counted at its door since the last call, into the ledger's
+    step figures (the finite flags' bytes are payload bytes; per link too)."""
+    for group in groups:
+        taken = group.take_bytes()
+        for key, kind in BYTE_KINDS:
+            ledger.add(key, taken.get(kind, 0.0))
+        ledger.add("bytes_sent", taken.get("flag", 0.0))
+        if group.link is not None:
+            ledger.add(f"bytes_{group.link}", sum(taken.get(kind, 0.0) for kind in
+                                                  ("payload", "factor", "flag")))
+
+
+def _byte_figures(last: dict) -> dict:
+    """A settled step's byte figures (``last``: its ledger figures): payload and factor
+    bytes sent, their sum, its FP32 all-reduce's, and the bytes per gradient element."""
+    sent = last["bytes_sent"] + last["factor_bytes_sent"]
+    return {"bytes_sent": int(sent), "payload_bytes_sent": int(last["bytes_sent"]),
+            "factor_bytes_sent": int(last["factor_bytes_sent"]),
+            "bytes_fp32_equivalent": int(last["bytes_fp32_equivalent"]),
+            "bytes_per_element": sent / last["elements"] if last["elements"] else 0.0}
+
+
+def _refuse_disagreement(everyone: list[dict]) -> None:
+    """A ``RuntimeError`` naming every field where a rank's fingerprint differs from rank
+    0's (``everyone``: one per rank), if any does."""
+    problems = [problem for r, other in enumerate(everyone)
+                for problem in _differences(everyone[0], other, r)]
+    if problems:
+        raise RuntimeError("GeoFP8: ranks disagree:\n  " + "\n  ".join(problems))
 
 
 def _differences(first: dict, other: dict, rank: int) -> list[str]:

@@ -152,13 +152,14 @@ class ErrorFeedback:
     def stage_bucket(self, names: list[str], residual: torch.Tensor,
                      shapes: list[tuple[int, ...]] | None = None) -> None:
         """:meth:`stage` of every tensor of a bucket (identity coordinates) at once: its flat
-        vector ← ``residual`` (FP32, that order), one copy. The vector is
-        :meth:`bucket_in`'s, or, at a :meth:`first_bucket` (``shapes`` given), made here
-        from ``residual``, each tensor's residual a view of it (no second set is ever held
-        to join them later)."""
+        vector ← ``residual`` (FP32, that order), one copy, none when ``residual`` is that
+        vector (written in place by the encode). The vector is :meth:`bucket_in`'s, or, at a
+        :meth:`first_bucket` (``shapes`` given), made here from ``residual``, each tensor's
+        residual a view of it (no second set is ever held to join them later)."""
         key = tuple(names)
         if key in self._blocks:
-            self._blocks[key].copy_(residual)
+            if residual is not self._blocks[key]:
+                self._blocks[key].copy_(residual)
         else:
             block = residual.to(torch.float32 if self.storage == "fp32" else torch.bfloat16,
                                 copy=True)

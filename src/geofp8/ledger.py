@@ -64,11 +64,20 @@ class StepLedger:
     def skipped_steps(self, value: int) -> None:
         self._skipped = int(value)
 
-    def settle(self, finite: torch.Tensor) -> None:
+    def skipped_counter(self, device: torch.device) -> torch.Tensor:
+        """The skipped steps' int64 0-dim counter on ``device``, for a caller that advances it
+        in place when it decides a verdict (then :meth:`settle` with ``counted``)."""
+        if not isinstance(self._skipped, torch.Tensor) or self._skipped.device != device:
+            self._skipped = torch.tensor(int(self._skipped), dtype=torch.int64, device=device)
+        return self._skipped
+
+    def settle(self, finite: torch.Tensor, counted: torch.Tensor | None = None) -> None:
         """Close the launched step (``finite``: its 0-dim verdict, on the device; counted
-        there when false). Its figures become :attr:`last`."""
+        there when false, unless ``counted``: the :meth:`skipped_counter` already advanced).
+        Its figures become :attr:`last`."""
         self.step += 1
-        self._skipped = (~finite).to(torch.int64) + self._skipped
+        self._skipped = counted if counted is not None else (~finite).to(torch.int64) + \
+            self._skipped
         with self._lock:
             self.last, self.current = self.current, dict.fromkeys(COUNTERS, 0.0)
         self.phase = Phase.IDLE

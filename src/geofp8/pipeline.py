@@ -264,9 +264,7 @@ class GradientPipeline:
             flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32,
                                device=grads[0].device if grads else self.group.device)
         bucket = self._bucket_residual(names, shapes) if in_place else None
-        if bucket is not None:  # Ũ = G + R over the bucket at once: G is flat already
-            residual, flag = bucket
-            flat.add_(residual if flag is None else torch.where(flag, residual, 0.0))
+        if bucket is not None:  # Ũ = G + R over the bucket at once, in the encode: G is flat
             routes = [IDENTITY] * len(names)
         else:
             routes, pos = [], 0
@@ -278,9 +276,9 @@ class GradientPipeline:
         layout = self._layout(shapes, per_sender, tuple(self.codec_of(n) for n in names))
         side = self._sender_factors(shapes, per_sender, routes, layout) if any(per_sender) \
             else None
-        if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ)), written over Ũ (not read again)
+        if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ)): into a bucket's R, or over Ũ
             sent, residual = encode_with_error(flat, layout, side, seed, self.group.rank,
-                                               error_out=flat)
+                                               error_out=flat, feedback=bucket)
             whole = bucket is not None or (in_place and all(self.plain(n) for n in names)
                                            and self.feedback.first_bucket(names))
             if whole:
@@ -298,8 +296,9 @@ class GradientPipeline:
     def _bucket_residual(self, names: list[str], shapes: list[tuple[int, ...]]
                          ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(R, flag)`` of a bucket whose every tensor is :meth:`plain` and has a residual
-        (:meth:`ErrorFeedback.bucket_in`: one flat vector): its error feedback is then one
-        add over the bucket, and its new residual one copy; else ``None`` (tensor by tensor)."""
+        (:meth:`ErrorFeedback.bucket_in`: one flat vector): the encode then adds it and
+        writes the new residual into it (:func:`~geofp8.comm.stages.encode_with_error`'s
+        ``feedback``); else ``None`` (tensor by tensor)."""
         if not self.config.error_feedback or not all(self.plain(n) for n in names):
             return None
         return self.feedback.bucket_in(names, shapes)

@@ -18,7 +18,12 @@ bucket: :func:`group_bits` then :func:`encode_placed` (scales and codes written 
 travel, the rounding error at the values' places); :func:`reduce` (the ``N`` received
 records decoded, summed sender after sender from +0, and the sum's amax) then
 :func:`encode_placed` (into the padded record); :func:`decode_placed` (a one-program finite
-check over the gathered scales, then the decode, ``/ N`` and all NaN unless finite).
+check over the gathered scales, then the decode, ``/ N`` and all NaN unless finite). The
+sender's pair takes a bucket's error feedback ``(R, keep)``: both read ``Ũ = G + where(keep,
+R, 0)`` (``R`` FP32 or BF16, ``keep`` a 0-dim device flag read in the kernel) and the encode
+writes the new residual into ``R`` (BF16: rounded to nearest even on the bits, as torch's
+``.to(torch.bfloat16)``). :func:`verdict`: a step's units' finite flags reduced, in one
+program, into its verdict and its skipped-step counter.
 
 The groups come as a *tile map* (:func:`tiles`, :func:`placed_tiles`), an int64 ``[T, 7]``
 device tensor made once per map: each tile is at most ``TILE`` elements of one run of
@@ -60,9 +65,10 @@ try:  # an optional dependency (geofp8[gpu])
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
-__all__ = ["TILE", "AmaxSlots", "amax", "attempt", "available", "decode", "decode_placed",
-           "decode_sum", "encode", "encode_placed", "group_bits", "placed_tiles", "reduce",
-           "reference", "scale_rows", "tiles"]
+__all__ = ["TILE", "AmaxSlots", "Feedback", "amax", "attempt", "available", "decode",
+           "decode_placed", "decode_sum", "encode", "encode_placed", "feedback_fits",
+           "group_bits", "placed_tiles", "reduce", "reference", "scale_rows", "tiles",
+           "verdict"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FAILED: list[Exception] = []  # the first compile or launch failure (see attempt)
@@ -255,12 +261,42 @@ if triton is not None:
         return (v | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _amax_kernel(x_ptr, r_ptr, u_ptr, tiles_ptr, bits_ptr, epoch, HAS_R: tl.constexpr,
-                     TILE: tl.constexpr):
-        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
+    def _with_feedback(x_ptr, r_ptr, keep_ptr, offs, mask, HAS_R: tl.constexpr,
+                       HAS_KEEP: tl.constexpr, BF16: tl.constexpr):
+        """``Ũ = x + where(keep, r, 0)`` (``x + r`` without ``keep``; ``x`` without ``r``) as
+        torch adds it: ``r`` widened exactly (BF16: its bits, read as int16, are the FP32's
+        high half), one FP32 add (a kept-away residual adds +0: ``-0`` becomes ``+0``)."""
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         if HAS_R:
-            x = x + tl.load(r_ptr + offs, mask=mask, other=0.0)
+            if BF16:
+                bits = tl.load(r_ptr + offs, mask=mask, other=0).to(tl.uint32)
+                r = (bits << 16).to(tl.float32, bitcast=True)
+            else:
+                r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+            if HAS_KEEP:
+                r = tl.where(tl.load(keep_ptr) != 0, r, 0.0)
+            x = x + r
+        return x
+
+    @triton.jit
+    def _store_error(err_ptr, offs, e, mask, BF16: tl.constexpr):
+        """``e`` (FP32) stored as FP32, or rounded to BF16 to nearest even in integer
+        arithmetic (c10's ``round_to_nearest_even``: NaN as ``0x7FC0``) into int16 bits."""
+        if BF16:
+            b = e.to(tl.uint32, bitcast=True)
+            r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+            r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+            tl.store(err_ptr + offs, r.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        else:
+            tl.store(err_ptr + offs, e, mask=mask)
+
+    @triton.jit
+    def _amax_kernel(x_ptr, r_ptr, keep_ptr, u_ptr, tiles_ptr, bits_ptr, epoch,
+                     HAS_R: tl.constexpr, HAS_KEEP: tl.constexpr, BF16: tl.constexpr,
+                     STORE_U: tl.constexpr, TILE: tl.constexpr):
+        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
+        x = _with_feedback(x_ptr, r_ptr, keep_ptr, offs, mask, HAS_R, HAS_KEEP, BF16)
+        if STORE_U:
             tl.store(u_ptr + offs, x, mask=mask)
         _group_max(bits_ptr, x, mask, g, start, size, g0, run0, epoch, TILE)
 
@@ -301,18 +337,19 @@ if triton is not None:
         tl.store(out_ptr + offs, acc, mask=mask)
 
     @triton.jit
-    def _encode_placed_kernel(u_ptr, bits_ptr, out_ptr, err_ptr, tiles_ptr, pad_lo, pad_hi,
-                              HAS_ERR: tl.constexpr, E5M2: tl.constexpr, FMAX: tl.constexpr,
-                              TILE: tl.constexpr):
+    def _encode_placed_kernel(u_ptr, r_ptr, keep_ptr, bits_ptr, out_ptr, err_ptr, tiles_ptr,
+                              pad_lo, pad_hi, HAS_R: tl.constexpr, HAS_KEEP: tl.constexpr,
+                              BF16: tl.constexpr, HAS_ERR: tl.constexpr, E5M2: tl.constexpr,
+                              FMAX: tl.constexpr, TILE: tl.constexpr):
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         code_at, scale_at = _places(tiles_ptr, offs, g)
         s = _scale_of(tl.load(bits_ptr + g, mask=mask, other=0), FMAX)
-        x = tl.load(u_ptr + offs, mask=mask, other=0.0)
+        x = _with_feedback(u_ptr, r_ptr, keep_ptr, offs, mask, HAS_R, HAS_KEEP, BF16)
         code, value = _fp8_round(tl.math.div_rn(x, s), E5M2)
         tl.store(out_ptr + code_at, code.to(tl.uint8), mask=mask)
         _store_f32(out_ptr + scale_at, s, mask & ((offs - run0) % size == 0))  # its 1st element
-        if HAS_ERR:  # may be u itself: each element read before it is written
-            tl.store(err_ptr + offs, x - value * s, mask=mask)
+        if HAS_ERR:  # may be u or r itself: each element read before it is written
+            _store_error(err_ptr, offs, x - value * s, mask, BF16)
         if tl.program_id(0) == 0:  # the record's padding
             for p in range(pad_lo, pad_hi, TILE):
                 at = p + tl.arange(0, TILE)
@@ -357,6 +394,18 @@ if triton is not None:
         if tl.program_id(0) == 0:
             tl.store(flag_ptr, finite.to(tl.uint8))
 
+    @triton.jit
+    def _verdict_kernel(flags_ptr, n, verdict_ptr, skipped_ptr, BLOCK: tl.constexpr):
+        """One program: ``verdict = all(flags[:n])`` (uint8 flags), ``skipped += !verdict``."""
+        bad = tl.zeros((BLOCK,), tl.int32)
+        for lo in range(0, n, BLOCK):
+            at = lo + tl.arange(0, BLOCK)
+            flag = tl.load(flags_ptr + at, mask=at < n, other=1)
+            bad = tl.maximum(bad, (flag == 0).to(tl.int32))
+        worse = tl.max(bad, 0)
+        tl.store(verdict_ptr, (1 - worse).to(tl.uint8))
+        tl.store(skipped_ptr, tl.load(skipped_ptr) + worse.to(tl.int64))
+
 
 def _grid(map_: torch.Tensor) -> tuple[int]:
     return (map_.shape[0],)
@@ -370,8 +419,9 @@ def amax(x: torch.Tensor, groups: GroupMap, residual: torch.Tensor | None = None
     t = tiles(groups, x.device)
     bits = torch.zeros(len(groups.lengths), dtype=torch.int64, device=x.device)
     u = x if residual is None else torch.empty_like(x)
-    _amax_kernel[_grid(t)](x, x if residual is None else residual, u, t, bits, 0,
-                           HAS_R=residual is not None, TILE=TILE)
+    _amax_kernel[_grid(t)](x, x if residual is None else residual, x, u, t, bits, 0,
+                           HAS_R=residual is not None, HAS_KEEP=False, BF16=False,
+                           STORE_U=residual is not None, TILE=TILE)
     scales = torch.empty(bits.numel(), dtype=torch.float32, device=x.device)
     block = 1024
     _scales_kernel[(triton.cdiv(bits.numel(), block),)](bits, scales, bits.numel(),
@@ -429,24 +479,63 @@ class AmaxSlots:
         return self.buffer, self.epoch << 32
 
 
-def group_bits(x: torch.Tensor, tiles_: torch.Tensor, slots: AmaxSlots) -> tuple:
-    """Every group's ``max |x|`` (over a tile map) into the next epoch of ``slots``, one
-    kernel; returns what :func:`encode_placed` takes its scales from."""
+Feedback = tuple[torch.Tensor, torch.Tensor | None]  # (R, keep): see group_bits
+
+
+def feedback_fits(x: torch.Tensor, feedback: Feedback | None) -> bool:
+    """Whether the kernels take ``feedback`` for the FP32 vector ``x``: ``R`` contiguous,
+    FP32 or BF16, of ``x``'s length and device; ``keep`` a 0-dim bool there or ``None``."""
+    if feedback is None:
+        return True
+    r, keep = feedback
+    return (r.dtype in (torch.float32, torch.bfloat16) and r.is_contiguous()
+            and r.numel() == x.numel() and r.device == x.device
+            and (keep is None or (keep.dtype == torch.bool and keep.dim() == 0
+                                  and keep.device == x.device)))
+
+
+def _feedback_args(x: torch.Tensor, feedback: Feedback | None) -> tuple[list, dict]:
+    """The kernels' ``(r, keep)`` pointers and constexprs for ``feedback``."""
+    if feedback is None:
+        return [x, x], {"HAS_R": False, "HAS_KEEP": False, "BF16": False}
+    r, keep = feedback
+    bf16 = r.dtype == torch.bfloat16
+    return ([r.view(torch.int16) if bf16 else r, x if keep is None else keep.view(torch.uint8)],
+            {"HAS_R": True, "HAS_KEEP": keep is not None, "BF16": bf16})
+
+
+def group_bits(x: torch.Tensor, tiles_: torch.Tensor, slots: AmaxSlots,
+               feedback: Feedback | None = None) -> torch.Tensor:
+    """Every group's ``max |Ũ|`` (over a tile map) into the next epoch of ``slots``, one
+    kernel; returns what :func:`encode_placed` takes its scales from. ``Ũ = x``, or with
+    the error feedback ``(R, keep)`` (:func:`feedback_fits`) ``Ũ = x + where(keep, R, 0)``
+    (``x + R`` when ``keep`` is ``None``), read in the kernel (``keep`` too: no host read);
+    ``x`` is not written."""
     bits, epoch = slots.next()
-    _amax_kernel[_grid(tiles_)](x, x, x, tiles_, bits, epoch, HAS_R=False, TILE=TILE)
+    pointers, flags = _feedback_args(x, feedback)
+    _amax_kernel[_grid(tiles_)](x, *pointers, x, tiles_, bits, epoch, STORE_U=False,
+                                TILE=TILE, **flags)
     return bits
 
 
 def encode_placed(out: torch.Tensor, u: torch.Tensor, bits: torch.Tensor,
                   tiles_: torch.Tensor, error: torch.Tensor | None = None,
-                  pad: tuple[int, int] = (0, 0), fmt: str = "e4m3") -> torch.Tensor:
+                  pad: tuple[int, int] = (0, 0), fmt: str = "e4m3",
+                  feedback: Feedback | None = None) -> torch.Tensor:
     """Every group's scale (from its amax slot in ``bits``) and every element's code written
     at their places in the uint8 ``out`` (a placed tile map, :func:`placed_tiles`); bytes
     ``pad`` of ``out`` zeroed; with ``error`` (FP32, may be ``u`` itself), the rounding error
-    ``u − value(code)·s`` at the elements' own positions. One kernel; returns ``out``."""
+    ``u − value(code)·s`` at the elements' own positions. With ``feedback = (R, keep)``
+    (:func:`group_bits`), ``u`` stands for ``Ũ = u + where(keep, R, 0)`` and the error is
+    written into ``R`` instead, in its dtype (BF16: rounded to nearest even, the bits of
+    torch's ``.to(torch.bfloat16)``; ``error`` is ignored). One kernel; returns ``out``."""
+    pointers, flags = _feedback_args(u, feedback)
+    if feedback is not None:
+        error = feedback[0]
+    err = u if error is None else error.view(torch.int16) if flags["BF16"] else error
     _encode_placed_kernel[_grid(tiles_)](
-        u, bits, out, u if error is None else error, tiles_, *pad, HAS_ERR=error is not None,
-        E5M2=fmt == "e5m2", FMAX=FMAX[fmt], TILE=TILE, **_NO_FUSION)
+        u, *pointers, bits, out, err, tiles_, *pad, HAS_ERR=error is not None,
+        E5M2=fmt == "e5m2", FMAX=FMAX[fmt], TILE=TILE, **flags, **_NO_FUSION)
     return out
 
 
@@ -473,19 +562,30 @@ def scale_rows(records) -> list[tuple[int, int]]:
 
 def decode_placed(out: torch.Tensor, buf: torch.Tensor, tiles_: torch.Tensor,
                   rows: torch.Tensor, slots: AmaxSlots, divisor: int | None = None,
-                  fmt: str = "e4m3") -> torch.Tensor:
+                  fmt: str = "e4m3", flag: torch.Tensor | None = None) -> torch.Tensor:
     """``out = value(code)·s_g`` (``/ divisor`` when given, an IEEE division) from the
     records in ``buf`` (``tiles_`` places every element; ``rows``: int64 ``[R, 2]``, where
     their FP32 scales lie, :func:`scale_rows`), all NaN if any scale is not finite. Returns
-    that 0-dim bool flag; two kernels (the finite check into the next epoch of a one-slot
+    that 0-dim bool flag, written into the 0-dim uint8 ``flag`` when given (e.g. a step's
+    slot, :func:`verdict`); two kernels (the finite check into the next epoch of a one-slot
     ``slots``, the decode)."""
-    flag = torch.empty((), dtype=torch.uint8, device=buf.device)
+    if flag is None:
+        flag = torch.empty((), dtype=torch.uint8, device=buf.device)
     slot, epoch = slots.next()
     _finite_kernel[(rows.shape[0],)](buf, rows, slot, epoch, BLOCK=1024)
     _decode_placed_kernel[_grid(tiles_)](buf, out, slot, epoch, flag, tiles_,
                                          float(divisor or 1), DIVIDE=divisor is not None,
                                          E5M2=fmt == "e5m2", TILE=TILE, **_NO_FUSION)
     return flag.view(torch.bool)
+
+
+def verdict(flags: torch.Tensor, n: int, skipped: torch.Tensor) -> torch.Tensor:
+    """A step's 0-dim bool verdict ``all(flags[:n])`` from its units' uint8 flags, and the
+    int64 0-dim counter ``skipped`` advanced in place when it is false: one kernel, no
+    host read."""
+    out = torch.empty((), dtype=torch.uint8, device=flags.device)
+    _verdict_kernel[(1,)](flags, n, out, skipped, BLOCK=128)
+    return out.view(torch.bool)
 
 
 def reference(x: torch.Tensor, groups: GroupMap, fmt: str = "e4m3") -> tuple[torch.Tensor, ...]:

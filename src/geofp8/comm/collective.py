@@ -111,9 +111,14 @@ class Communicator:
     done, the received shards once summed, the gathered shards once decoded; the senders'
     decoded copies go into the launch's ``out`` when it has room (no bucket-sized vector). The
     :class:`DeviceGroup` keeps the last collectives' ``Work`` objects alive, not their bytes.
+
+    ``flag_slot(device)``: where the fused decode of a launch's gathered shards writes its
+    finite flag (a 0-dim uint8, e.g. :meth:`geofp8.engine.SyncEngine.flag_slot`; ``None``:
+    a new one), the flag handed to ``then``.
     """
 
     owner = None  # ErrorFeedback of the owners' re-quantization, when enabled
+    flag_slot: Callable[[torch.device], torch.Tensor | None] | None = None
     owner_route = None  # the coordinates its residuals are kept in (the identity transform)
 
     def __init__(self, collective: str, group: DeviceGroup, kind: str = "payload",
@@ -252,8 +257,9 @@ class Communicator:
         gathered, work = self.group.all_gather(shard, self.kind, async_op=True)
 
         def finish() -> torch.Tensor:
+            flag = self.flag_slot(shard.device) if self.flag_slot is not None else None
             total, finite = decode_gathered_flagged(gathered, layout, launch.out,
-                                                    launch.divide)
+                                                    launch.divide, flag)
             release(shard, gathered)
             return launch.then(total, finite)
 

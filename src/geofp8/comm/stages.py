@@ -52,7 +52,8 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
 
 def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
                       side: list[torch.Tensor] | None = None, seed: int | None = None,
-                      sender: int = 0, error_out: torch.Tensor | None = None
+                      sender: int = 0, error_out: torch.Tensor | None = None,
+                      feedback: triton_fp8.Feedback | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sent, error)``: :func:`encode` and its :func:`rounding_error` ``flat −
     decode(sent)`` (a sender's error feedback residual, FP32; the same bits), left in flat
@@ -60,12 +61,27 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
     else decoded back from ``sent`` once it is built. ``error_out``: the FP32 vector the
     error is written into, which may be ``flat`` itself (the bucket overwritten, no
     bucket-sized temporary: the fused kernels write it in their encoding pass); else a new
-    one."""
-    if FusedPlan.applies(layout, flat, error_out) and not side:
-        error = error_out if error_out is not None else torch.empty_like(flat)
-        return triton_fp8.attempt(lambda: (_encode_fused(flat, layout, error), error),
-                                  lambda: encode_with_error(flat, layout, side, seed, sender,
-                                                            error_out))
+    one.
+
+    ``feedback = (R, keep)``: the error feedback of a bucket, ``R`` a flat residual (FP32
+    or BF16, ``flat``'s length), ``keep`` a 0-dim bool device flag or ``None`` (R valid as
+    is): ``Ũ = flat + where(keep, R, 0)`` is encoded and its error ``Ũ − deq(Q(Ũ))``
+    written into ``R`` (rounded to its dtype, as ``R.copy_`` rounds), the returned
+    ``error`` is ``R``. The fused kernels read ``R`` and ``keep`` in their two passes
+    (``flat`` is not written; no host read); elsewhere ``flat`` is made ``Ũ`` by one add,
+    the error written to ``error_out`` as above, then copied into ``R``: the same bits."""
+    fused_fits = FusedPlan.applies(layout, flat, error_out) and not side
+    if fused_fits and triton_fp8.feedback_fits(flat, feedback):
+        error = feedback[0] if feedback is not None else (
+            error_out if error_out is not None else torch.empty_like(flat))
+        return triton_fp8.attempt(
+            lambda: (_encode_fused(flat, layout, error, feedback), error),
+            lambda: encode_with_error(flat, layout, side, seed, sender, error_out, feedback))
+    if feedback is not None:
+        residual, keep = feedback
+        flat.add_(residual if keep is None else torch.where(keep, residual, 0.0))
+        sent, error = encode_with_error(flat, layout, side, seed, sender, error_out)
+        return sent, residual.copy_(error)
     if not layout.encodes_error:
         sent = _encode(flat, layout, side, seed, sender)[0]
         error = rounding_error(sent, flat, layout)
@@ -75,16 +91,18 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
     return sent, error if error_out is None or error is error_out else error_out.copy_(error)
 
 
-def _encode_fused(flat: torch.Tensor, layout: ShardLayout,
-                  error: torch.Tensor | None = None) -> torch.Tensor:
-    """The send buffer in two kernels (the groups' amax; the codes and scales written where
-    they travel and the error where ``flat`` holds the values): :class:`FusedPlan`'s
-    ``send`` map."""
+def _encode_fused(flat: torch.Tensor, layout: ShardLayout, error: torch.Tensor | None = None,
+                  feedback: triton_fp8.Feedback | None = None) -> torch.Tensor:
+    """The send buffer in two kernels (the groups' amax of ``Ũ``; the codes and scales
+    written where they travel and the error where ``flat`` holds the values, or into the
+    residual of ``feedback``, see :func:`encode_with_error`): :class:`FusedPlan`'s ``send``
+    map."""
     plan, device = layout.plan, flat.device
     tiles = plan.tiles("send", device)
     sent = flat.new_empty(plan.send_bytes, dtype=torch.uint8)
-    bits = triton_fp8.group_bits(flat, tiles, plan.slots("send", device))
-    return triton_fp8.encode_placed(sent, flat, bits, tiles, error, fmt=plan.fmt)
+    bits = triton_fp8.group_bits(flat, tiles, plan.slots("send", device), feedback)
+    return triton_fp8.encode_placed(sent, flat, bits, tiles, error, fmt=plan.fmt,
+                                    feedback=feedback)
 
 
 def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | None,
@@ -323,11 +341,14 @@ def decode_gathered(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLa
 
 
 def decode_gathered_flagged(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
-                            out: torch.Tensor | None = None, divide: int | None = None
+                            out: torch.Tensor | None = None, divide: int | None = None,
+                            flag: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(values, finite)``: :func:`decode_gathered` and, from the fused kernels, their 0-dim
     bool flag "every scale finite" (``values`` are all NaN unless it is set, and finite
-    where it is); ``None`` from the torch path (check the values, :func:`all_finite`)."""
+    where it is), written into the 0-dim uint8 ``flag`` when given (a step's slot,
+    :class:`geofp8.verdict.StepVerdict`); ``None`` from the torch path (check the values,
+    :func:`all_finite`)."""
     if isinstance(gathered, torch.Tensor):
         gathered = gathered.view(-1)
     if FusedPlan.applies(layout, _first(gathered), out):
@@ -339,7 +360,8 @@ def decode_gathered_flagged(gathered: torch.Tensor | list[torch.Tensor], layout:
             device = joined.device
             finite = triton_fp8.decode_placed(values, joined, plan.tiles("gather", device),
                                               plan.scale_rows(device),
-                                              plan.slots("finite", device), divide, plan.fmt)
+                                              plan.slots("finite", device), divide, plan.fmt,
+                                              flag)
             return values, finite
         return triton_fp8.attempt(fused, lambda: decode_gathered_flagged(gathered, layout, out,
                                                                          divide))
