@@ -37,6 +37,7 @@ same codes, on any device.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -49,6 +50,7 @@ from .base import (
     GroupMap,
     Segments,
     Shards,
+    device_scalar,
     exact_div,
     group_amax,
     group_div,
@@ -91,6 +93,9 @@ def segment_uniforms(segments: Segments, numel: int, seed: int | None,
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32)
+
+
+_HIGH = int(sys.byteorder == "little")  # which 16-bit half of an FP32 holds its top bits
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
@@ -152,10 +157,10 @@ def e2m1_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
     """
     if u is not None:
         return e2m1_round(v, u)
-    bits = _bits(v)
-    key = bits >> 16
-    key.bitwise_or_((bits & 0xFFFF) != 0).bitwise_and_(0xFFFF)
-    return torch.index_select(_encode_table(v.device), 0, key)
+    halves = v.view(torch.int16).view(-1, 2)  # each FP32 pattern's two 16-bit halves
+    key = torch.empty(v.numel(), dtype=torch.int64, device=v.device)
+    torch.bitwise_or(halves[:, _HIGH], halves[:, 1 - _HIGH] != 0, out=key)  # sign-extended
+    return torch.take(_encode_table(v.device), key)  # a negative key k reads entry k + 2¹⁶
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -175,7 +180,7 @@ def pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
         if even.storage_offset() % 2:
             even = even.clone()
         p = even.view(torch.int16)
-        out[:pairs].copy_(torch.bitwise_or(p, p >> 4))  # the cast keeps the low byte
+        torch.bitwise_or(p, p >> 4, out=out[:pairs])  # the cast to uint8 keeps the low byte
     if n % 2:
         out[pairs] = codes[-1]
 
@@ -466,8 +471,11 @@ class NVFP4Codec(Codec):
     def _encode_whole(self, x: torch.Tensor, shards: GroupMap, seeds) -> tuple[torch.Tensor, ...]:
         """``(segment scales, block scale codes, packed codes, block scales)`` of the whole
         bucket, each one tensor (torch ops)."""
-        s, code, scale = self._scales(block_amax_of(x, shards), shards.segments, shards)
-        divisor = torch.where(scale > 0, scale, 1.0)
+        amax = group_amax(x, shards)  # NaN or +Inf for a non-finite block: _scales' torch
+        if native.usable(amax):  # ops read either, the native kernel +Inf only
+            _inf_unless_finite(amax)
+        s, code, scale = self._scales(amax, shards.segments, shards)
+        divisor = torch.where(scale > 0, scale, device_scalar(1.0, scale.dtype, scale.device))
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
         v = group_div(x, divisor, shards)
