@@ -96,12 +96,11 @@ def rank_share(layout: ShardLayout, x: torch.Tensor):
     return run
 
 
-def kernels() -> list:
-    """Every Triton kernel of GeoFP8's modules loaded now (``*_kernel`` with a ``run``)."""
-    return [kernel for name, module in list(sys.modules.items())
-            if name.startswith("geofp8.") and module is not None
-            for attr, kernel in vars(module).items()
-            if attr.endswith("_kernel") and hasattr(kernel, "run")]
+KERNELS = list(dict.fromkeys(  # every Triton kernel (``*_kernel``) of GeoFP8's modules loaded
+    kernel for name, module in list(sys.modules.items())  # with the stages, once each
+    if name.startswith("geofp8.") and module is not None
+    for attr, kernel in vars(module).items()
+    if attr.endswith("_kernel") and hasattr(kernel, "run")))
 
 
 def has_fused(fmt: str) -> bool:
@@ -122,7 +121,7 @@ def fused_path(enabled: bool = True):
     def launch(*args, **kwargs):
         if Launches.active is not None:
             Launches.active.triton += 1
-    for fn in kernels():
+    for fn in KERNELS:
         runs[fn], fn.run = fn.run, launch
     try:
         yield
