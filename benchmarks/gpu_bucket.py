@@ -28,10 +28,10 @@ on).
 (each layout's first call: its maps and plans made), then a second, against the same loop
 over one layout ``K`` times (a control measured the same way: a mean over a loop, not the
 best single call of the table), the second pass and the control alternated ``--repeats``
-times, best of each; and the Python lines of a second-pass bucket against the control's.
-The host µs of a bucket must not grow with the number of buckets the model has (no cache
-keyed by layouts that ``K`` of them overflow): the second pass ≈ the control, the same
-lines.
+times, best of each; and the Python lines of one call of the control before the distinct
+layouts ran and after. The host µs of a bucket must not grow with the number of buckets
+the model has (no cache keyed by layouts that ``K`` of them overflow): the second pass ≈
+the control, the same lines.
 
     python benchmarks/gpu_bucket.py                            # the default table
     python benchmarks/gpu_bucket.py --sizes 25 --ranks 8 --methods fp8-ef nvfp4-ef
@@ -206,29 +206,20 @@ def host_us(run, repeats: int) -> tuple[int, float]:
     counting mode, less the time inside the ops and the mode's own cost per op."""
     run()  # the first call: tables, caches
     cost = _mode_cost(Launches())
-    best, launches = float("inf"), 0
-    for _ in range(repeats):
-        mode = Launches()
-        start = time.perf_counter()
-        with mode:
-            run()
-        wall = time.perf_counter() - start
-        ops = mode.launches + mode.views
-        best = min(best, wall - mode.inside - ops * cost)
-        launches = mode.launches + mode.triton
-    return launches, 1e6 * best + LAUNCH_US * launches
+    return min((loop_us([run], cost) for _ in range(repeats)), key=lambda r: r[1])
 
 
-def loop_us(runs: list, cost: float) -> float:
-    """Modelled host µs per call of ``run()`` for ``run`` in ``runs``, one loop under the
-    counting mode (as :func:`host_us`, a mean over the loop)."""
+def loop_us(runs: list, cost: float) -> tuple[int, float]:
+    """``(launches, modelled host µs)`` per call of ``run()`` for ``run`` in ``runs``, one
+    loop under the counting mode (a mean over the loop; ``cost``: the mode's own per op)."""
     mode = Launches()
     start = time.perf_counter()
     with mode:
         for run in runs:
             run()
     host = time.perf_counter() - start - mode.inside - (mode.launches + mode.views) * cost
-    return (1e6 * host + LAUNCH_US * (mode.launches + mode.triton)) / len(runs)
+    launches = (mode.launches + mode.triton) // len(runs)
+    return launches, (1e6 * host + LAUNCH_US * (mode.launches + mode.triton)) / len(runs)
 
 
 def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int,
@@ -247,10 +238,10 @@ def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int,
     lines = python_lines(control)
     runs = [share(k) for k in range(count)]
     cost = _mode_cost(Launches())
-    first, second, alone = loop_us(runs, cost), float("inf"), float("inf")
+    first, second, alone = loop_us(runs, cost)[1], float("inf"), float("inf")
     for _ in range(repeats):
-        second = min(second, loop_us(runs, cost))
-        alone = min(alone, loop_us([control] * count, cost))
+        second = min(second, loop_us(runs, cost)[1])
+        alone = min(alone, loop_us([control] * count, cost)[1])
     return first, second, alone, lines, python_lines(control)
 
 
