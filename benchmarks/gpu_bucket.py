@@ -18,12 +18,20 @@ on).
   launch (what a CUDA launch costs the host thread, a Triton launch modelled the same): the
   Python of the stages plus the launches. Best of ``--repeats``; a model of the host cost,
   not a GPU measurement;
+* **py lines**: the lines of GeoFP8's own Python the stages execute (a trace, deterministic):
+  the host work per bucket counted rather than timed, so that growth with the tensors,
+  ranks or groups of a bucket shows whatever the machine's load;
 * **wire ms**: the bytes this rank sends for the bucket at 100 and 400 Gbit/s.
 
 ``--layouts K`` also models the host µs of ``K`` distinct layouts run one after the other
-(a model with ``K`` buckets, each bucket's layout built once): a first pass over them all,
-then a second: the host µs of a bucket must not grow with the number of buckets the model
-has (no cache keyed by layouts that ``K`` of them overflow).
+(a model with ``K`` buckets, each bucket's layout built once): a first pass over them all
+(each layout's first call: its maps and plans made), then a second, against the same loop
+over one layout ``K`` times (a control measured the same way: a mean over a loop, not the
+best single call of the table), the second pass and the control alternated ``--repeats``
+times, best of each; and the Python lines of one call of the control before the distinct
+layouts ran and after. The host µs of a bucket must not grow with the number of buckets
+the model has (no cache keyed by layouts that ``K`` of them overflow): the second pass ≈
+the control, the same lines.
 
     python benchmarks/gpu_bucket.py                            # the default table
     python benchmarks/gpu_bucket.py --sizes 25 --ranks 8 --methods fp8-ef nvfp4-ef
@@ -36,11 +44,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import os
+import sys
 import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import geofp8
 from geofp8.codecs import make_codec, triton_fp4, triton_fp8
 from geofp8.comm import ShardLayout
 from geofp8.comm.stages import decode_gathered, encode, encode_with_error, reduce_encode
@@ -85,8 +96,11 @@ def rank_share(layout: ShardLayout, x: torch.Tensor):
     return run
 
 
-KERNELS = [getattr(module, name) for module in (triton_fp8, triton_fp4)
-           for name in dir(module) if name.endswith("_kernel")]  # every Triton kernel
+KERNELS = list(dict.fromkeys(  # every Triton kernel (``*_kernel``) of GeoFP8's modules loaded
+    kernel for name, module in list(sys.modules.items())  # with the stages, once each
+    if name.startswith("geofp8.") and module is not None
+    for attr, kernel in vars(module).items()
+    if attr.endswith("_kernel") and hasattr(kernel, "run")))
 
 
 def has_fused(fmt: str) -> bool:
@@ -164,44 +178,71 @@ def _mode_cost(mode: Launches) -> float:
     return best
 
 
+ROOT = os.path.dirname(geofp8.__file__) + os.sep
+
+
+def python_lines(run) -> int:
+    """The lines of GeoFP8's own Python that ``run()`` executes (a trace of its frames)."""
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        count += event == "line"
+        return local
+
+    def calls(frame, event, arg):
+        return local if frame.f_code.co_filename.startswith(ROOT) else None
+
+    sys.settrace(calls)
+    try:
+        run()
+    finally:
+        sys.settrace(None)
+    return count
+
+
 def host_us(run, repeats: int) -> tuple[int, float]:
     """``(launches, modelled host µs)`` of ``run`` (module notes): the wall time under the
     counting mode, less the time inside the ops and the mode's own cost per op."""
     run()  # the first call: tables, caches
     cost = _mode_cost(Launches())
-    best, launches = float("inf"), 0
-    for _ in range(repeats):
-        mode = Launches()
-        start = time.perf_counter()
-        with mode:
+    return min((loop_us([run], cost) for _ in range(repeats)), key=lambda r: r[1])
+
+
+def loop_us(runs: list, cost: float) -> tuple[int, float]:
+    """``(launches, modelled host µs)`` per call of ``run()`` for ``run`` in ``runs``, one
+    loop under the counting mode (a mean over the loop; ``cost``: the mode's own per op)."""
+    mode = Launches()
+    start = time.perf_counter()
+    with mode:
+        for run in runs:
             run()
-        wall = time.perf_counter() - start
-        ops = mode.launches + mode.views
-        best = min(best, wall - mode.inside - ops * cost)
-        launches = mode.launches + mode.triton
-    return launches, 1e6 * best + LAUNCH_US * launches
+    host = time.perf_counter() - start - mode.inside - (mode.launches + mode.views) * cost
+    launches = (mode.launches + mode.triton) // len(runs)
+    return launches, (1e6 * host + LAUNCH_US * (mode.launches + mode.triton)) / len(runs)
 
 
-def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int) -> tuple[float, float]:
-    """Modelled host µs per bucket over ``count`` distinct layouts (the buckets of a model,
-    each layout built once): the first pass over them all (each layout's first call, what a
-    model's first step pays) and the second (an ordinary step, every layout seen before)."""
+def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int,
+                 repeats: int) -> tuple[float, float, float, int, int]:
+    """``(first pass, second pass, control)``: modelled host µs per bucket over ``count``
+    distinct layouts, and over one more layout run ``count`` times (module notes); then the
+    Python lines of one call of that control layout before the distinct layouts ran and
+    after their passes (equal: nothing per call grows with the layouts a process has)."""
     base = shapes(mb, kind)
-    layouts = [ShardLayout.build([*base, (k + 1,)], make_codec(fmt), n, kernels="batched")
-               for k in range(count)]
-    runs = [rank_share(layout, torch.zeros(layout.numel, device="meta")) for layout in layouts]
+
+    def share(k: int):
+        layout = ShardLayout.build([*base, (k + 1,)], make_codec(fmt), n, kernels="batched")
+        return rank_share(layout, torch.zeros(layout.numel, device="meta"))
+    control = share(0)
+    control()
+    lines = python_lines(control)
+    runs = [share(k) for k in range(count)]
     cost = _mode_cost(Launches())
-    passes = []
-    for _ in range(2):
-        mode = Launches()
-        start = time.perf_counter()
-        with mode:
-            for run in runs:
-                run()
-        wall = time.perf_counter() - start
-        host = wall - mode.inside - (mode.launches + mode.views) * cost
-        passes.append((1e6 * host + LAUNCH_US * (mode.launches + mode.triton)) / count)
-    return passes[0], passes[1]
+    first, second, alone = loop_us(runs, cost)[1], float("inf"), float("inf")
+    for _ in range(repeats):
+        second = min(second, loop_us(runs, cost)[1])
+        alone = min(alone, loop_us([control] * count, cost)[1])
+    return first, second, alone, lines, python_lines(control)
 
 
 def main() -> None:
@@ -217,9 +258,9 @@ def main() -> None:
                         help="also time this many distinct layouts (module notes)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| path | method | bucket MB | tensors | ranks | launches | host µs | "
+    print("| path | method | bucket MB | tensors | ranks | launches | host µs | py lines | "
           "wire ms at 100 / 400 Gbit/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     cases = list(itertools.product(args.paths, args.methods, args.sizes, args.kinds,
                                    args.ranks))
     for path, method, mb, kind, n in cases:
@@ -229,20 +270,24 @@ def main() -> None:
                                    kernels="batched")
         x = torch.zeros(layout.numel, device="meta")
         with fused_path(path == "fused"):
-            launches, us = host_us(rank_share(layout, x), args.repeats)
+            run = rank_share(layout, x)
+            launches, us = host_us(run, args.repeats)
+            lines = python_lines(run)
         wire = [8 * layout.wire_bytes(0) / bits * 1e3 for bits in (100e9, 400e9)]
         print(f"| {path} | {method} | {mb:g} | {kind} | {n} | {launches} | {us:.0f} | "
-              f"{wire[0]:.2f} / {wire[1]:.2f} |", flush=True)
+              f"{lines} | {wire[0]:.2f} / {wire[1]:.2f} |", flush=True)
     if args.layouts:
         print(f"\n{args.layouts} distinct layouts, modelled host µs per bucket: first pass "
-              "/ second pass")
+              f"/ second pass / one layout {args.layouts}× (the control); py lines of a "
+              "control bucket before / after the distinct layouts ran")
         for path, method, mb, kind, n in cases:
             if path == "fused" and not has_fused(METHODS[method]):
                 continue
             with fused_path(path == "fused"):
-                first, second = many_layouts(METHODS[method], mb, kind, n, args.layouts)
-            print(f"{path} {method} {mb:g} MB {kind} N={n}: {first:.0f} / {second:.0f}",
-                  flush=True)
+                first, second, alone, lines, alone_lines = many_layouts(
+                    METHODS[method], mb, kind, n, args.layouts, args.repeats)
+            print(f"{path} {method} {mb:g} MB {kind} N={n}: {first:.0f} / {second:.0f} / "
+                  f"{alone:.0f} µs; {lines} / {alone_lines} lines", flush=True)
 
 
 if __name__ == "__main__":

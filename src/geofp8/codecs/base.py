@@ -25,9 +25,10 @@ import torch
 
 from .groups import GroupMap, group_map
 
-__all__ = ["Codec", "GroupMap", "Segments", "Shards", "exact_div", "finite_flag", "group_amax",
-           "group_div", "group_fp8", "group_map", "group_mul_", "group_runs", "interleave",
-           "joined", "joined_kinds", "mix_seed", "rows_amax", "segment_amax"]
+__all__ = ["Codec", "GroupMap", "Segments", "Shards", "device_scalar", "exact_div",
+           "finite_flag", "group_amax", "group_div", "group_fp8", "group_map", "group_mul_",
+           "group_runs", "interleave", "joined", "joined_kinds", "mix_seed", "rows_amax",
+           "segment_amax"]
 
 Segments = Sequence[Sequence[int]]  # per segment of a shard: its scale-group lengths
 Shards = Sequence[Segments]  # several shards, one after the other
@@ -239,8 +240,18 @@ def shape_map(codec: Codec, shape: tuple[int, ...]) -> GroupMap:
 def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
     """``x / divisor`` correctly rounded on every device. CUDA evaluates a division by a
     Python (CPU) scalar as ``x · fl(1/divisor)``, up to one ulp off the CPU's quotient; a
-    divisor held on ``x``'s device is divided exactly there, as on the CPU."""
-    return x / x.new_full((), divisor)
+    divisor held on ``x``'s device (:func:`device_scalar`) is divided exactly there, as on
+    the CPU."""
+    return x / device_scalar(divisor, x.dtype, x.device)
+
+
+@functools.cache
+def device_scalar(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-dim ``dtype`` tensor on ``device``, made once per value (a blocking
+    copy from the host, in place when it returns) and never written: an operand that costs
+    no fill kernel per call (``new_full``, or a Python scalar in ``torch.where``, launch one
+    each time)."""
+    return torch.tensor(value, dtype=dtype).to(device)
 
 
 class Codec(ABC):

@@ -37,6 +37,7 @@ same codes, on any device.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -49,6 +50,7 @@ from .base import (
     GroupMap,
     Segments,
     Shards,
+    device_scalar,
     exact_div,
     group_amax,
     group_div,
@@ -91,6 +93,9 @@ def segment_uniforms(segments: Segments, numel: int, seed: int | None,
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32)
+
+
+_HIGH = int(sys.byteorder == "little")  # which 16-bit half of an FP32 holds its top bits
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
@@ -152,10 +157,10 @@ def e2m1_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
     """
     if u is not None:
         return e2m1_round(v, u)
-    bits = _bits(v)
-    key = bits >> 16
-    key.bitwise_or_((bits & 0xFFFF) != 0).bitwise_and_(0xFFFF)
-    return torch.index_select(_encode_table(v.device), 0, key)
+    halves = v.view(torch.int16).view(-1, 2)  # each FP32 pattern's two 16-bit halves
+    key = torch.empty(v.numel(), dtype=torch.int64, device=v.device)
+    torch.bitwise_or(halves[:, _HIGH], halves[:, 1 - _HIGH] != 0, out=key)  # sign-extended
+    return torch.take(_encode_table(v.device), key)  # a negative key k reads entry k + 2¹⁶
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -175,7 +180,7 @@ def pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
         if even.storage_offset() % 2:
             even = even.clone()
         p = even.view(torch.int16)
-        out[:pairs].copy_(torch.bitwise_or(p, p >> 4))  # the cast keeps the low byte
+        torch.bitwise_or(p, p >> 4, out=out[:pairs])  # the cast to uint8 keeps the low byte
     if n % 2:
         out[pairs] = codes[-1]
 
@@ -199,34 +204,44 @@ def unpack_into(out: torch.Tensor, buf: torch.Tensor) -> None:
         out[n - 1 :] = last.view(torch.float32)[:1]
 
 
-def pack_shards(codes: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
-    """Every shard's codes (``numels[i]`` of them, one after the other) packed by
-    :func:`pack_nibbles` on its own: ``⌈numels[i]/2⌉`` bytes each."""
-    return list(pack_whole(codes, numels).split([(n + 1) // 2 for n in numels]))
+def pack_shards(codes: torch.Tensor, shards: GroupMap) -> list[torch.Tensor]:
+    """Every shard's codes (one after the other) packed by :func:`pack_nibbles` on its own:
+    ``⌈n/2⌉`` bytes for a shard of ``n`` elements."""
+    sizes = shards.memo("packed bytes", lambda: [(n + 1) // 2 for n in shards.numels])
+    return list(pack_whole(codes, shards).split(sizes))
 
 
-def pack_whole(codes: torch.Tensor, numels: Sequence[int]) -> torch.Tensor:
+def _odd(shards: GroupMap) -> tuple[bool, ...] | None:
+    """Per shard, whether its element count is odd; ``None`` when none is (made once per
+    map: nothing per call walks the shards)."""
+    def make():
+        odd = tuple(n % 2 == 1 for n in shards.numels)
+        return odd if any(odd) else None
+    return shards.memo("odd shards", make)
+
+
+def pack_whole(codes: torch.Tensor, shards: GroupMap) -> torch.Tensor:
     """:func:`pack_shards`' bytes back to back, one tensor."""
-    if any(n % 2 for n in numels):  # a zero nibble after each odd shard, as pack_nibbles
-        pad = codes.new_zeros(1)  # pads its last byte
-        codes = torch.cat([p for c, n in zip(codes.split(list(numels)), numels)
-                           for p in ((c, pad) if n % 2 else (c,))])
+    if (odd := _odd(shards)) is not None:  # a zero nibble after each odd shard, as
+        pad = codes.new_zeros(1)  # pack_nibbles pads its last byte
+        codes = torch.cat([p for c, o in zip(codes.split(list(shards.numels)), odd)
+                           for p in ((c, pad) if o else (c,))])
     packed = codes.new_empty(codes.numel() // 2)
     pack_nibbles(codes, packed)
     return packed
 
 
-def unpack_shards(out: torch.Tensor, packed: torch.Tensor, numels: Sequence[int]) -> None:
+def unpack_shards(out: torch.Tensor, packed: torch.Tensor, shards: GroupMap) -> None:
     """The inverse of :func:`pack_shards`: the values of every shard into ``out``."""
-    odd = [n % 2 for n in numels]
-    if not any(odd):
+    if (odd := _odd(shards)) is None:
         unpack_into(out, packed)
         return
+    sizes, keep = shards.memo("unpacked pieces", lambda: (  # a shard's values, its pad nibble
+        [p for n, o in zip(shards.numels, odd) for p in ((n, 1) if o else (n,))],
+        [k for o in odd for k in ((True, False) if o else (True,))]))
     values = out.new_empty(2 * packed.numel())
     unpack_into(values, packed)
-    pieces = values.split([p for n, o in zip(numels, odd) for p in ((n, 1) if o else (n,))])
-    keep = [p for (n, o) in zip(numels, odd) for p in ((True, False) if o else (True,))]
-    torch.cat([p for p, k in zip(pieces, keep) if k], out=out)
+    torch.cat([p for p, k in zip(values.split(sizes), keep) if k], out=out)
 
 
 def shard_uniforms(shards: GroupMap, seeds, device: torch.device) -> torch.Tensor:
@@ -466,12 +481,15 @@ class NVFP4Codec(Codec):
     def _encode_whole(self, x: torch.Tensor, shards: GroupMap, seeds) -> tuple[torch.Tensor, ...]:
         """``(segment scales, block scale codes, packed codes, block scales)`` of the whole
         bucket, each one tensor (torch ops)."""
-        s, code, scale = self._scales(block_amax_of(x, shards), shards.segments, shards)
-        divisor = torch.where(scale > 0, scale, 1.0)
+        amax = group_amax(x, shards)  # NaN or +Inf for a non-finite block: _scales' torch
+        if native.usable(amax):  # ops read either, the native kernel +Inf only
+            _inf_unless_finite(amax)
+        s, code, scale = self._scales(amax, shards.segments, shards)
+        divisor = torch.where(scale > 0, scale, device_scalar(1.0, scale.dtype, scale.device))
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
         v = group_div(x, divisor, shards)
-        return s, code, pack_whole(e2m1_encode(v, u), shards.numels), scale
+        return s, code, pack_whole(e2m1_encode(v, u), shards), scale
 
     def _split(self, shards: GroupMap, *whole: torch.Tensor) -> list[torch.Tensor]:
         """Every shard's parts, cut from the whole bucket's three."""
@@ -528,7 +546,7 @@ class NVFP4Codec(Codec):
     def _decode_values(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                        shards: GroupMap) -> None:
         """The FP32 values of the whole bucket's packed codes and block scales into ``out``."""
-        unpack_shards(out, packed, shards.numels)
+        unpack_shards(out, packed, shards)
         group_mul_(out, scale, shards)
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:

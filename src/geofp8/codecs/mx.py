@@ -203,7 +203,7 @@ class MXCodec(Codec):
         numels = list(shards.numels)
         return interleave(byte.split(shards.memo("groups", lambda: [sum(map(len, g))
                                                                     for g in shards])),
-                          pack_shards(codes, numels) if self.packed else codes.split(numels))
+                          pack_shards(codes, shards) if self.packed else codes.split(numels))
 
     def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
                                  ) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -222,7 +222,7 @@ class MXCodec(Codec):
         byte = joined(parts[0::2])
         codes = joined(parts[1::2])
         if self.packed:
-            unpack_shards(out, codes, list(shards.numels))
+            unpack_shards(out, codes, shards)
         else:
             e4m3_into(out, codes)
         group_mul_(out, _scales(byte, poison), shards)

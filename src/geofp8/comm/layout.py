@@ -168,7 +168,11 @@ class ShardLayout(ShardCodecs, FlatOrder):
         return found
 
     def shard_numel(self, j: int) -> int:
-        return sum(hi - lo for lo, hi in self.segments[j])
+        return self._shard_numels[j]
+
+    @cached_property
+    def _shard_numels(self) -> tuple[int, ...]:
+        return tuple(sum(hi - lo for lo, hi in spans) for spans in self.segments)
 
     @cached_property
     def runs(self) -> tuple[tuple[tuple[Codec, int, int, int, int, tuple], ...], ...]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..codecs import block_records, triton_fp4, triton_fp8
-from ..codecs.base import mix_seed
+from ..codecs.base import device_scalar, mix_seed
 from .layout import ShardLayout
 from .plan import FusedPlan
 
@@ -368,7 +368,8 @@ def decode_gathered_flagged(gathered: torch.Tensor | list[torch.Tensor], layout:
     values, finite = _decode_flat(gathered, layout, layout.max_shard_bytes, out=out,
                                   poison=True)
     values = values if finite is None else poison_unless(values, finite)
-    return (values if divide is None else values.div_(values.new_full((), divide))), None
+    return (values if divide is None else values.div_(device_scalar(divide, values.dtype,
+                                                                     values.device))), None
 
 
 def all_finite(values: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""Where a segmentwise codec's payload parts go: flat order and shard order, in bytes.
+
+A segmentwise codec (:meth:`~geofp8.codecs.base.Codec.segmentwise`) encodes the flat vector
+in one call over its segments in flat order; its parts are then put in shard order as bytes,
+not FP32 values. :class:`SegmentParts` is the part of :class:`~geofp8.comm.layout.ShardLayout`
+that knows that arrangement, made once per layout: every segment as a one-segment shard in
+flat order, the one-gather reorder of the parts (:class:`~geofp8.codecs.groups.PartsOrder`)
+where its indices are small enough, and the cuts of the records a stage receives into every
+segment's parts.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from ..codecs.base import GroupMap
+from ..codecs.groups import PartsOrder
+
+__all__ = ["SegmentParts"]
+
+MAX_INDEX_SHARE = 2  # a reorder's indices may take up to 1/2 of the payload's bytes ...
+MIN_INDEX_BYTES = 1 << 16  # ... or this much
+
+
+class SegmentParts:
+    """The segmentwise codec's parts in flat and shard order (a mixin of
+    :class:`~geofp8.comm.layout.ShardLayout`, whose metadata it reads)."""
+
+    @cached_property
+    def _by_segment(self) -> tuple | None:
+        """For a segmentwise codec (:meth:`Codec.segmentwise`) when shard-major order is not
+        flat order: ``(every segment as a one-segment shard of its groups, in flat order;
+        per shard, the flat position of each of its segments; per flat segment, its parts'
+        bytes)``. ``None`` otherwise."""
+        lengths = [hi - lo for spans in self.segments for lo, hi in spans]
+        if self.codecs or self._order is None or not self.codec.segmentwise(lengths):
+            return None
+        by_pos = self._order[3]
+        groups = [g for shard in self.groups for g in shard]  # shard-major order
+        flat_shards = GroupMap((groups[i],) for i in by_pos)
+        return (flat_shards, self._segment_split[1],
+                [self.codec.part_bytes(s) for s in flat_shards])
+
+    @cached_property
+    def _parts_order(self) -> PartsOrder | None:
+        """For the batched kernels of a segmentwise codec: every kind of part moved between
+        flat and shard order by one gather (:class:`PartsOrder`); ``None`` where its indices
+        would take more than ``1/MAX_INDEX_SHARE`` of the payload's bytes (runs whose
+        lengths share no large factor: the split-and-cat path then)."""
+        _, positions, seg_bytes = self._by_segment
+        return _within_share(PartsOrder(seg_bytes, positions))
+
+    @cached_property
+    def _reorder(self) -> PartsOrder | None:
+        """The batched kernels' reorder of the parts between flat and shard order:
+        :attr:`_parts_order` where it is taken, else, for ragged runs, one whose kinds may
+        each gather rows from any byte and fix the rows that straddle runs
+        (:class:`~geofp8.codecs.groups.RaggedGather`: three kernels a kind, not ``T·N``
+        views), within the same share of the payload's bytes; ``None`` beyond it (the
+        split-and-cat path then)."""
+        if self._parts_order is not None:
+            return self._parts_order
+        _, positions, seg_bytes = self._by_segment
+        return _within_share(PartsOrder(seg_bytes, positions, ragged=True))
+
+    @cached_property
+    def _flat_run(self) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+        """When :attr:`segmentwise`: every segment's groups in flat order, as the segments of
+        one shard, and that shard's parts' bytes (part ``p`` of every segment back to back)."""
+        segments = tuple(shard[0] for shard in self._by_segment[0])
+        return segments, tuple(self.codec.part_bytes(segments))
+
+    @property
+    def segmentwise(self) -> bool:
+        """Whether the stages run the codec over the segments in flat order and reorder bytes
+        (:meth:`encode_pieces`, :meth:`decode_flat`) rather than FP32 values."""
+        return self._by_segment is not None
+
+    @property
+    def encodes_error(self) -> bool:
+        """Whether :meth:`encode_pieces` leaves the rounding error: a segmentwise codec, whose
+        one call over the flat vector leaves its rounding error in flat order (chunked: from
+        the encoding pass where :meth:`Codec.fuses_error`; batched: decoded from the payload
+        parts before they are put in shard order, no copy of them)."""
+        return self.segmentwise
+
+    def _record_cuts(self, records: tuple[int, ...]) -> tuple[list[int], list[int]]:
+        """``(the byte sizes that cut records of these sizes into every segment's parts and
+        each record's rest, the index in them of every segment's part p at f·k + p)``, made
+        once per records' sizes (a stage passes the same ones every step)."""
+        found = self._maps.get(("records", records))
+        if found is not None:
+            return found
+        _, positions, seg_bytes = self._by_segment
+        k = len(seg_bytes[0]) if seg_bytes else 0
+        sizes, where = [], [0] * (len(seg_bytes) * k)
+        for j, record in enumerate(records):
+            for p in range(k):
+                for f in positions[j]:
+                    where[f * k + p] = len(sizes)
+                    sizes.append(seg_bytes[f][p])
+            sizes.append(record - sum(self.parts[j]))  # the record's rest (side bytes, padding)
+        self._maps[("records", records)] = sizes, where
+        return sizes, where
+
+
+def _within_share(order: PartsOrder) -> PartsOrder | None:
+    """``order`` if its indices take at most ``1/MAX_INDEX_SHARE`` of the payload's bytes (or
+    :data:`MIN_INDEX_BYTES`), else ``None``."""
+    return order if order.index_bytes <= max(order.numel // MAX_INDEX_SHARE,
+                                             MIN_INDEX_BYTES) else None
