@@ -364,8 +364,8 @@ def test_stochastic_uniforms_are_the_same_bits_from_the_native_kernel_and_torch(
 
 # every kernel's pointer and integer arguments, by name (the compile check below)
 _ARGS = {"tiles_ptr": "*i64", "bits_ptr": "*i32", "seg_ptr": "*i32", "start_ptr": "*i64",
-         "keys_ptr": "*i64", "seg_bits_ptr": "*i32", "codes_ptr": "*u8", "code_ptr": "*u8",
-         "byte_ptr": "*u8", "bad_ptr": "*i32", "code_stride": "i64", "s_stride": "i64"}
+         "where_ptr": "*i64", "seeds_ptr": "*i64", "seg_bits_ptr": "*i32", "codes_ptr": "*u8",
+         "code_ptr": "*u8", "byte_ptr": "*u8", "bad_ptr": "*i32", "code_stride": "i64", "s_stride": "i64"}
 _VARIANTS = [
     ("_block_amax_kernel", dict(HAS_R=True, B=16, TILE=1024)),
     ("_segment_amax_kernel", dict(BLOCK=1024)),

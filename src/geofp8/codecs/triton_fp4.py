@@ -7,6 +7,10 @@ E8M0 scale ``2^e`` per block of 32), rounding to nearest even or stochastically 
 :mod:`.uniforms`' counter-based draw, which the kernels compute from the seeds, the segment
 and the element's index). Each stage is one pass over the elements:
 
+Stochastic keys are mixed in the encoding pass from the shards' seeds (one int64 each, a
+small copy per call) and a per-map ``(shard, index in it)`` of every segment, so nothing per
+call is ``O(segments)`` on the host.
+
 * :func:`encode` — ``u = x (+ r)`` and every block's max ``|u|`` (whole blocks reduced in
   registers, one atomic max on the bits per block); the scales, one pass over the blocks
   (NVFP4: one more for the segments' amax over their finite blocks); then the codes of
@@ -46,7 +50,6 @@ from . import triton_fp8
 from .base import group_runs, interleave, joined
 from .groups import GroupMap, group_map
 from .triton_fp8 import _INTERPRET, _NO_FUSION, TILE, triton
-from .uniforms import key_halves
 
 if triton is not None:
     import triton.language as tl
@@ -136,6 +139,21 @@ def _segment_of(groups: GroupMap, device: torch.device) -> torch.Tensor:
         torch.tensor(groups.counts, dtype=torch.long)).to(device))
 
 
+def _segment_shards(groups: GroupMap, device: torch.device) -> torch.Tensor:
+    """Every segment's ``(shard, index in its shard)`` (int64 ``[S, 2]``, on ``device``): what
+    its stochastic key is mixed from with the shard's seed, made once per map."""
+    return groups.memo(("triton-segment-shards", torch.device(device)), lambda: torch.tensor(
+        [(j, i) for j, shard in enumerate(groups) for i in range(len(shard))] or [(0, 0)],
+        dtype=torch.int64).to(device))
+
+
+def _shard_seeds(seeds, device: torch.device) -> torch.Tensor:
+    """The shards' seeds (``None`` counting as 0), int64 on ``device``: one small copy per
+    call, ``O(shards)``, from pinned memory without a host sync."""
+    return torch.tensor([seed or 0 for seed in seeds], dtype=torch.int64,
+                        pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
 def _segment_starts(groups: GroupMap, device: torch.device) -> torch.Tensor:
     """The first element of every segment (int64, on ``device``), made once per map."""
     def make() -> torch.Tensor:
@@ -200,13 +218,28 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _uniform(offs, g, mask, seg_ptr, start_ptr, keys_ptr):
-        """:func:`.uniforms.uniforms`' draw for elements ``offs`` of blocks ``g``."""
+    def _splitmix(h, v):
+        """One step of :func:`~.base.mix_seed` (uint64, products wrapping modulo 2⁶⁴)."""
+        h = (h ^ v) * tl.full(h.shape, 0xBF58476D1CE4E5B9, tl.uint64)
+        h = (h ^ (h >> 31)) * tl.full(h.shape, 0x94D049BB133111EB, tl.uint64)
+        return h ^ (h >> 29)
+
+    @triton.jit
+    def _uniform(offs, g, mask, seg_ptr, start_ptr, where_ptr, seeds_ptr):
+        """:func:`.uniforms.uniforms`' draw for elements ``offs`` of blocks ``g``: the key
+        ``mix_seed(seed of the shard, index of the segment in it)`` mixed here, per element,
+        from the shards' seeds and the map's ``(shard, index)`` of every segment."""
         seg = tl.load(seg_ptr + g, mask=mask, other=0).to(tl.int64)
         j = offs - tl.load(start_ptr + seg, mask=mask, other=0)
-        lo = tl.load(keys_ptr + 2 * seg, mask=mask, other=0)
-        hi = tl.load(keys_ptr + 2 * seg + 1, mask=mask, other=0)
-        h = _mix32(_mix32((j + lo) & tl.full(j.shape, 0xFFFFFFFF, tl.int64)) ^ hi)
+        seed = tl.load(seeds_ptr + tl.load(where_ptr + 2 * seg, mask=mask, other=0),
+                       mask=mask, other=0).to(tl.uint64, bitcast=True)
+        index = tl.load(where_ptr + 2 * seg + 1, mask=mask, other=0).to(tl.uint64, bitcast=True)
+        key = _splitmix(_splitmix(tl.full(seed.shape, 0x9E3779B97F4A7C15, tl.uint64), seed),
+                        index) >> 1
+        m32 = tl.full(j.shape, 0xFFFFFFFF, tl.int64)
+        lo = (key & 0xFFFFFFFF).to(tl.int64, bitcast=True)
+        hi = (key >> 32).to(tl.int64, bitcast=True)
+        h = _mix32(_mix32((j + lo) & m32) ^ hi)
         return (h >> 8).to(tl.float32) * 5.9604644775390625e-08
 
     @triton.jit
@@ -231,15 +264,16 @@ if triton is not None:
         return _e4m3_round(v)[0]
 
     @triton.jit
-    def _encode_lanes(x_ptr, scale_ptr, err_ptr, offs, g, mask, seg_ptr, start_ptr, keys_ptr,
-                      HAS_ERR: tl.constexpr, STOCHASTIC: tl.constexpr, FMT: tl.constexpr):
+    def _encode_lanes(x_ptr, scale_ptr, err_ptr, offs, g, mask, seg_ptr, start_ptr, where_ptr,
+                      seeds_ptr, HAS_ERR: tl.constexpr, STOCHASTIC: tl.constexpr,
+                      FMT: tl.constexpr):
         """The codes (uint32) of elements ``offs`` of blocks ``g``; their errors stored."""
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         s = tl.load(scale_ptr + g, mask=mask, other=1.0)
         q = tl.math.div_rn(x, tl.where(s > 0.0, s, 1.0))
         if STOCHASTIC:
             code = _round_stochastic(
-                q, _uniform(offs, g, mask, seg_ptr, start_ptr, keys_ptr), FMT)
+                q, _uniform(offs, g, mask, seg_ptr, start_ptr, where_ptr, seeds_ptr), FMT)
         else:
             code = _round(q, FMT)
         if HAS_ERR:
@@ -248,22 +282,22 @@ if triton is not None:
 
     @triton.jit
     def _encode_packed_kernel(x_ptr, scale_ptr, codes_ptr, err_ptr, tiles_ptr, seg_ptr,
-                              start_ptr, keys_ptr, HAS_ERR: tl.constexpr,
+                              start_ptr, where_ptr, seeds_ptr, HAS_ERR: tl.constexpr,
                               STOCHASTIC: tl.constexpr, BYTES: tl.constexpr):
         offs, mask, lo, hi, mask_hi, g_lo, g_hi = _byte_tile(tiles_ptr, BYTES)
         low = _encode_lanes(x_ptr, scale_ptr, err_ptr, lo, g_lo, mask, seg_ptr, start_ptr,
-                            keys_ptr, HAS_ERR, STOCHASTIC, 0)
+                            where_ptr, seeds_ptr, HAS_ERR, STOCHASTIC, 0)
         high = _encode_lanes(x_ptr, scale_ptr, err_ptr, hi, g_hi, mask_hi, seg_ptr, start_ptr,
-                             keys_ptr, HAS_ERR, STOCHASTIC, 0)
+                             where_ptr, seeds_ptr, HAS_ERR, STOCHASTIC, 0)
         tl.store(codes_ptr + offs, (low | (high << 4)).to(tl.uint8), mask=mask)
 
     @triton.jit
     def _encode_bytes_kernel(x_ptr, scale_ptr, codes_ptr, err_ptr, tiles_ptr, seg_ptr,
-                             start_ptr, keys_ptr, HAS_ERR: tl.constexpr,
+                             start_ptr, where_ptr, seeds_ptr, HAS_ERR: tl.constexpr,
                              STOCHASTIC: tl.constexpr, TILE: tl.constexpr):
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         code = _encode_lanes(x_ptr, scale_ptr, err_ptr, offs, g, mask, seg_ptr, start_ptr,
-                             keys_ptr, HAS_ERR, STOCHASTIC, 1)
+                             where_ptr, seeds_ptr, HAS_ERR, STOCHASTIC, 1)
         tl.store(codes_ptr + offs, code.to(tl.uint8), mask=mask)
 
     @triton.jit
@@ -483,13 +517,12 @@ def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor |
     tiles = _tiles(groups, fmt, device)
     kernel = _encode_packed_kernel if element == E2M1 else _encode_bytes_kernel
     size = {"BYTES": TILE // 2} if element == E2M1 else {"TILE": TILE}
-    keys = None if seeds is None else torch.tensor(  # O(segments) on the host, per call
-        [key_halves(seed, i) for shard, seed in zip(groups, seeds) for i in range(len(shard))],
-        dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    stochastic = seeds is not None
     kernel[(tiles.shape[0],)](u, scale, codes, u if err is None else err, tiles,
                               _segment_of(groups, device), _segment_starts(groups, device),
-                              codes if keys is None else keys, HAS_ERR=error,
-                              STOCHASTIC=keys is not None, **size, **_NO_FUSION)
+                              _segment_shards(groups, device),
+                              _shard_seeds(seeds, device) if stochastic else codes,
+                              HAS_ERR=error, STOCHASTIC=stochastic, **size, **_NO_FUSION)
     return Encoded(u, s, block_bytes, codes, err)
 
 
