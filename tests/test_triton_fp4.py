@@ -108,14 +108,15 @@ def check() -> list[str]:
 
 
 def _check_sum(codec, groups, fmt, name) -> list[str]:
-    """(c): ``N`` senders' payloads of one shard map decoded and summed, with poison."""
+    """(c): ``N`` senders' payloads of one shard map decoded and summed (one with NaN and
+    ±Inf)."""
     import torch
 
     from geofp8.codecs import triton_fp4
 
     failures = []
     numel = sum(groups.numels)
-    for n_senders, poison in ((1, False), (3, False), (3, True), (4, False)):
+    for n_senders in (1, 3, 4):
         xs = [_bucket(numel, 7 * r + 1, special=r == 2) for r in range(n_senders)]
         with triton_fp4.torch_only():
             payloads = [codec.encode_shards(x, groups, [None] * len(groups)) for x in xs]
@@ -125,17 +126,15 @@ def _check_sum(codec, groups, fmt, name) -> list[str]:
             rows[0] = rows[0].view(torch.float32)
         else:
             rows.insert(0, None)
-        got, bad = triton_fp4.decode_sum(groups, fmt, rows[1], rows[2], rows[0], poison)
+        got = triton_fp4.decode_sum(groups, fmt, rows[1], rows[2], rows[0])
         want = torch.zeros(numel)
         with triton_fp4.torch_only():
             for p in payloads:  # the torch path's decode, then the sum in sender order
                 values = torch.empty(numel)
                 codec.decode_shards(values, p, groups, check=False)
                 want += values
-        if poison:  # the batch's scales poisoned: every value NaN
-            want.fill_(float("nan"))
-        if not (same(got, want) and bool(bad) == (n_senders > 2)):
-            failures.append(f"{name}: decode_sum N={n_senders} poison={poison}")
+        if not same(got, want):
+            failures.append(f"{name}: decode_sum N={n_senders}")
     return failures
 
 
