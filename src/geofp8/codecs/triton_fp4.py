@@ -51,6 +51,7 @@ from .base import interleave, joined
 from .block_records import Placement, place, whole_places
 from .groups import GroupMap, group_map
 from .triton_fp8 import _INTERPRET, _NO_FUSION, TILE, AmaxSlots, triton
+from .uniforms import StepSeed
 
 if triton is not None:
     import triton.language as tl
@@ -100,11 +101,19 @@ def guarded(run):
         return None
 
 
-def _shard_seeds(seeds, device: torch.device) -> torch.Tensor:
-    """The shards' seeds (``None`` counting as 0), int64 on ``device``: one small copy per
-    call, ``O(shards)``, from pinned memory without a host sync."""
-    return torch.tensor([seed or 0 for seed in seeds], dtype=torch.int64,
-                        pin_memory=device.type == "cuda").to(device, non_blocking=True)
+def _seed_args(seeds, device: torch.device) -> tuple[int, tuple, dict]:
+    """``(SEEDS, (seeds tensor or None, seed0, prefix, offset))`` of the kernels' draw: none;
+    a :class:`.uniforms.StepSeed` (scalars, mixed in the kernel: nothing copied); else the
+    shards' seeds (``None`` counting as 0), one int64 each, copied from pinned memory
+    without a host sync."""
+    if seeds is None:
+        return 0, (None, 0, 0, 0)
+    if isinstance(seeds, StepSeed):
+        return (3 if seeds.prefix is None else 2), (None, seeds.seed, seeds.prefix or 0,
+                                                    seeds.offset)
+    table = torch.tensor([seed or 0 for seed in seeds], dtype=torch.int64,
+                         pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    return 1, (table, 0, 0, 0)
 
 
 if triton is not None:
@@ -157,17 +166,28 @@ if triton is not None:
         return h ^ (h >> 29)
 
     @triton.jit
-    def _uniform(offs, g, mask, seg_ptr, start_ptr, where_ptr, seeds_ptr):
+    def _uniform(offs, g, mask, seg_ptr, start_ptr, where_ptr, seeds_ptr, seed0, prefix, offset,
+                 SEEDS: tl.constexpr):
         """:func:`.uniforms.uniforms`' draw for elements ``offs`` of blocks ``g``: the key
         ``mix_seed(seed of the shard, index of the segment in it)`` mixed here, per element,
-        from the shards' seeds and the map's ``(shard, index)`` of every segment."""
+        from the map's ``(shard, index)`` of every segment and the shard's seed: read from
+        ``seeds_ptr`` (``SEEDS`` 1), or ``mix_seed(seed0, prefix, shard + offset)`` (2), or
+        ``mix_seed(seed0, shard + offset)`` (3), mixed here too (:class:`.uniforms.StepSeed`)."""
         seg = tl.load(seg_ptr + g, mask=mask, other=0).to(tl.int64)
         j = offs - tl.load(start_ptr + seg, mask=mask, other=0)
-        seed = tl.load(seeds_ptr + tl.load(where_ptr + 2 * seg, mask=mask, other=0),
-                       mask=mask, other=0).to(tl.uint64, bitcast=True)
+        shard = tl.load(where_ptr + 2 * seg, mask=mask, other=0)
+        start = tl.full(shard.shape, 0x9E3779B97F4A7C15, tl.uint64)
+        if SEEDS == 1:
+            seed = tl.load(seeds_ptr + shard, mask=mask, other=0).to(tl.uint64, bitcast=True)
+        else:
+            h = _splitmix(start, tl.full(shard.shape, seed0, tl.int64).to(tl.uint64,
+                                                                           bitcast=True))
+            if SEEDS == 2:
+                h = _splitmix(h, tl.full(shard.shape, prefix, tl.int64).to(tl.uint64,
+                                                                            bitcast=True))
+            seed = _splitmix(h, (shard + offset).to(tl.uint64, bitcast=True)) >> 1
         index = tl.load(where_ptr + 2 * seg + 1, mask=mask, other=0).to(tl.uint64, bitcast=True)
-        key = _splitmix(_splitmix(tl.full(seed.shape, 0x9E3779B97F4A7C15, tl.uint64), seed),
-                        index) >> 1
+        key = _splitmix(_splitmix(start, seed), index) >> 1
         m32 = tl.full(j.shape, 0xFFFFFFFF, tl.int64)
         lo = (key & 0xFFFFFFFF).to(tl.int64, bitcast=True)
         hi = (key >> 32).to(tl.int64, bitcast=True)
@@ -301,8 +321,9 @@ if triton is not None:
     @triton.jit
     def _encode_lane(u_ptr, err_ptr, s_out, blk_out, elem, g, run0, size, mask, slots_ptr,
                      n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr, where_ptr,
-                     seeds_ptr, HAS_ERR: tl.constexpr, ERR_BF16: tl.constexpr,
-                     STOCHASTIC: tl.constexpr, FMT: tl.constexpr, NVFP4: tl.constexpr,
+                     seeds_ptr, seed0, prefix, offset, HAS_ERR: tl.constexpr,
+                     ERR_BF16: tl.constexpr, SEEDS: tl.constexpr, FMT: tl.constexpr,
+                     NVFP4: tl.constexpr,
                      EMAX: tl.constexpr, THRESHOLD: tl.constexpr):
         """The codes (uint32) of elements ``elem`` of blocks ``g``: their blocks' scales from
         the slots, written (and the segment's) by a block's first element; the rounding
@@ -317,9 +338,10 @@ if triton is not None:
             _store_f32(s_out + tl.load(seg_at_ptr + seg, mask=lead, other=0), s, lead)
         x = tl.load(u_ptr + elem, mask=mask, other=0.0)
         q = tl.math.div_rn(x, tl.where(scale > 0.0, scale, 1.0))
-        if STOCHASTIC:
-            code = _round_stochastic(
-                q, _uniform(elem, g, mask, seg_of_ptr, seg_start_ptr, where_ptr, seeds_ptr), FMT)
+        if SEEDS:
+            u = _uniform(elem, g, mask, seg_of_ptr, seg_start_ptr, where_ptr, seeds_ptr, seed0,
+                         prefix, offset, SEEDS)
+            code = _round_stochastic(q, u, FMT)
         else:
             code = _round(q, FMT)
         if HAS_ERR:  # may be u itself: each element read before it is written
@@ -347,11 +369,10 @@ if triton is not None:
     @triton.jit
     def _encode_packed_kernel(u_ptr, err_ptr, s_out, blk_out, code_out, pairs_ptr, slots_ptr,
                               n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr,
-                              where_ptr, seeds_ptr, pad_lo, pad_hi, empty_ptr, n_empty,
-                              HAS_ERR: tl.constexpr,
-                              ERR_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
-                              NVFP4: tl.constexpr, EMAX: tl.constexpr, THRESHOLD: tl.constexpr,
-                              BYTES: tl.constexpr):
+                              where_ptr, seeds_ptr, seed0, prefix, offset, pad_lo, pad_hi,
+                              empty_ptr, n_empty, HAS_ERR: tl.constexpr, ERR_BF16: tl.constexpr,
+                              SEEDS: tl.constexpr, NVFP4: tl.constexpr, EMAX: tl.constexpr,
+                              THRESHOLD: tl.constexpr, BYTES: tl.constexpr):
         row = pairs_ptr + 11 * tl.program_id(0)
         a = tl.arange(0, BYTES).to(tl.int64)
         byte = tl.load(row) + a
@@ -362,28 +383,28 @@ if triton is not None:
                                       tl.load(row + 8), tl.load(row + 9))
         low = _encode_lane(u_ptr, err_ptr, s_out, blk_out, lo, lo_g0 + (lo - lo_run) // lo_size,
                            lo_run, lo_size, mask, slots_ptr, n_groups, block_at_ptr, seg_at_ptr,
-                           seg_of_ptr, seg_start_ptr, where_ptr, seeds_ptr, HAS_ERR, ERR_BF16,
-                           STOCHASTIC, 0, NVFP4, EMAX, THRESHOLD)
+                           seg_of_ptr, seg_start_ptr, where_ptr, seeds_ptr, seed0, prefix,
+                           offset, HAS_ERR, ERR_BF16, SEEDS, 0, NVFP4, EMAX, THRESHOLD)
         high = _encode_lane(u_ptr, err_ptr, s_out, blk_out, hi, hi_g0 + (hi - hi_run) // hi_size,
                             hi_run, hi_size, a < tl.load(row + 10), slots_ptr, n_groups,
                             block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr, where_ptr,
-                            seeds_ptr, HAS_ERR, ERR_BF16, STOCHASTIC, 0, NVFP4, EMAX, THRESHOLD)
+                            seeds_ptr, seed0, prefix, offset, HAS_ERR, ERR_BF16, SEEDS, 0,
+                            NVFP4, EMAX, THRESHOLD)
         tl.store(code_out + byte, (low | (high << 4)).to(tl.uint8), mask=mask)
         _first_program(code_out, pad_lo, pad_hi, s_out, empty_ptr, n_empty, 2 * BYTES)
 
     @triton.jit
     def _encode_bytes_kernel(u_ptr, err_ptr, s_out, blk_out, code_out, tiles_ptr, slots_ptr,
                              n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr,
-                             where_ptr, seeds_ptr, pad_lo, pad_hi, empty_ptr, n_empty,
-                             HAS_ERR: tl.constexpr,
-                             ERR_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
-                             NVFP4: tl.constexpr, EMAX: tl.constexpr, THRESHOLD: tl.constexpr,
-                             TILE: tl.constexpr):
+                             where_ptr, seeds_ptr, seed0, prefix, offset, pad_lo, pad_hi,
+                             empty_ptr, n_empty, HAS_ERR: tl.constexpr, ERR_BF16: tl.constexpr,
+                             SEEDS: tl.constexpr, NVFP4: tl.constexpr, EMAX: tl.constexpr,
+                             THRESHOLD: tl.constexpr, TILE: tl.constexpr):
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         code = _encode_lane(u_ptr, err_ptr, s_out, blk_out, offs, g, run0, size, mask,
                             slots_ptr, n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr,
-                            seg_start_ptr, where_ptr, seeds_ptr, HAS_ERR, ERR_BF16, STOCHASTIC,
-                            1, NVFP4, EMAX, THRESHOLD)
+                            seg_start_ptr, where_ptr, seeds_ptr, seed0, prefix, offset, HAS_ERR,
+                            ERR_BF16, SEEDS, 1, NVFP4, EMAX, THRESHOLD)
         tl.store(code_out + _places(tiles_ptr, offs, g)[0], code.to(tl.uint8), mask=mask)
         _first_program(code_out, pad_lo, pad_hi, s_out, empty_ptr, n_empty, TILE)
 
@@ -505,10 +526,10 @@ def encode_placed(u: torch.Tensor, bits: torch.Tensor, p: Placement, fmt: str,
     them in the uint8 ``outs`` ``(segment scales, block scales, codes)`` (one buffer thrice
     for a record or a send buffer); bytes ``pad`` of ``outs[2]`` zeroed; with ``error``
     (FP32 or BF16, may be ``u`` itself) the rounding error at the values' places; ``seeds``
-    (one per shard): stochastic rounding. One kernel."""
+    (one per shard, or a :class:`.uniforms.StepSeed`): stochastic rounding. One kernel."""
     element, device = _element(fmt), u.device
     emax, threshold = _MX.get(fmt, (0, 0))
-    stochastic = seeds is not None
+    mode, (table, *scalars) = _seed_args(seeds, device)
     err = u if error is None else (error.view(torch.int16) if error.dtype == torch.bfloat16
                                    else error)
     if element == E2M1:
@@ -517,10 +538,10 @@ def encode_placed(u: torch.Tensor, bits: torch.Tensor, p: Placement, fmt: str,
         kernel, grid, size = _encode_bytes_kernel, p.tiles, {"TILE": TILE}
     kernel[(grid.shape[0],)](
         u, err, *outs, grid, bits, p.n_groups, p.block_at, p.seg_at, p.seg_of, p.seg_start,
-        p.seg_where, _shard_seeds(seeds, device) if stochastic else p.seg_start, *pad,
+        p.seg_where, p.seg_start if table is None else table, *scalars, *pad,
         p.seg_empty, p.n_empty if fmt == "nvfp4" else 0,
         HAS_ERR=error is not None, ERR_BF16=error is not None and error.dtype == torch.bfloat16,
-        STOCHASTIC=stochastic, NVFP4=fmt == "nvfp4", EMAX=emax, THRESHOLD=threshold, **size,
+        SEEDS=mode, NVFP4=fmt == "nvfp4", EMAX=emax, THRESHOLD=threshold, **size,
         **_NO_FUSION)
 
 

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs import block_records, triton_fp4, triton_fp8
+from ..codecs import triton_fp4, triton_fp8
 from ..codecs.base import mix_seed
+from . import block_plan
+from .block_plan import BlockPlan
 from .layout import ShardLayout
 from .plan import FusedPlan
 
@@ -52,7 +54,8 @@ def encode(flat: torch.Tensor, layout: ShardLayout,
 
 def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
                       side: list[torch.Tensor] | None = None, seed: int | None = None,
-                      sender: int = 0, error_out: torch.Tensor | None = None
+                      sender: int = 0, error_out: torch.Tensor | None = None,
+                      feedback: tuple[torch.Tensor, torch.Tensor | None] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sent, error)``: :func:`encode` and its :func:`rounding_error` ``flat −
     decode(sent)`` (a sender's error feedback residual, FP32; the same bits), left in flat
@@ -60,7 +63,28 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
     else decoded back from ``sent`` once it is built. ``error_out``: the FP32 vector the
     error is written into, which may be ``flat`` itself (the bucket overwritten, no
     bucket-sized temporary: the fused kernels write it in their encoding pass); else a new
-    one."""
+    one.
+
+    ``feedback = (R, keep)``: the error feedback of a bucket, ``R`` a flat residual (FP32
+    or BF16, ``flat``'s length), ``keep`` a 0-dim bool device flag or ``None`` (R valid as
+    is): ``Ũ = flat + where(keep, R, 0)`` is encoded and its error ``Ũ − deq(Q(Ũ))``
+    written into ``R`` (rounded to its dtype, as ``R.copy_`` rounds); the returned
+    ``error`` is ``R``. The block-scaled fused kernels (:mod:`.block_plan`) add it in the
+    amax pass, writing ``Ũ`` over ``flat``, and write ``R`` in the encoding pass;
+    elsewhere ``flat`` is made ``Ũ`` by one add, then the error is copied into ``R``: the
+    same bits."""
+    if BlockPlan.applies(layout, flat, error_out, *(feedback or ())[:1]) and not side:
+        error = feedback[0] if feedback is not None else (
+            error_out if error_out is not None else torch.empty_like(flat))
+        sent = triton_fp4.guarded(lambda: block_plan.encode_send(
+            flat, layout, seed, sender, error, feedback))
+        if sent is not None:
+            return sent, error
+    if feedback is not None:
+        residual, keep = feedback
+        flat.add_(residual if keep is None else torch.where(keep, residual, 0.0))
+        sent, error = encode_with_error(flat, layout, side, seed, sender, error_out)
+        return sent, residual.copy_(error)
     if FusedPlan.applies(layout, flat, error_out) and not side:
         error = error_out if error_out is not None else torch.empty_like(flat)
         return triton_fp8.attempt(lambda: (_encode_fused(flat, layout, error), error),
@@ -96,6 +120,10 @@ def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | 
     if not with_error and not side and FusedPlan.applies(layout, flat):
         return triton_fp8.attempt(lambda: (_encode_fused(flat, layout), None),
                                   lambda: _encode(flat, layout, side, seed, sender))
+    if not with_error and not side and BlockPlan.applies(layout, flat) and (
+            sent := triton_fp4.guarded(lambda: block_plan.encode_send(
+                flat, layout, seed, sender))) is not None:
+        return sent, None
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
     if not (layout.batched(flat.device) or layout.segmentwise):
         sizes = _send_sizes(layout)
@@ -251,22 +279,12 @@ def reduce_encode(received: torch.Tensor, layout: ShardLayout, shard: int,
             return _encode_record(total, bits, layout, shard), total
         return triton_fp8.attempt(fused, lambda: reduce_encode(received, layout, shard, seed,
                                                                scratch))
-    if FusedPlan.reduces_blocks(layout, received, shard) and (
-            done := _reduce_blocks(received, layout, shard, seed)) is not None:
+    if BlockPlan.applies(layout, received) and layout.shard_numel(shard) > 0 and (
+            done := triton_fp4.guarded(lambda: block_plan.reduce_encode(
+                received, layout, shard, seed))) is not None:
         return done
     total = decode_sum(received, layout, shard, scratch=scratch)
     return encode_reduced(total, layout, shard, seed), total
-
-
-def _reduce_blocks(received: torch.Tensor, layout: ShardLayout, shard: int,
-                   seed: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`reduce_encode` with the block-scaled kernels, record to record (``None`` after
-    a kernel failure on CUDA: the torch path then)."""
-    codec, n = layout.codec, layout.world_size
-    seeds = [_shard_seed(seed, n + shard)] if codec.rounding == "stochastic" else None
-    return triton_fp4.guarded(lambda: block_records.reduce_record(
-        received, layout.group_map([shard]), codec.format, layout.parts[shard],
-        layout.max_shard_bytes, seeds))
 
 
 def _encode_record(values: torch.Tensor, bits: torch.Tensor, layout: ShardLayout,
@@ -343,6 +361,11 @@ def decode_gathered_flagged(gathered: torch.Tensor | list[torch.Tensor], layout:
             return values, finite
         return triton_fp8.attempt(fused, lambda: decode_gathered_flagged(gathered, layout, out,
                                                                          divide))
+    if BlockPlan.applies(layout, _first(gathered), out) and (
+            done := triton_fp4.guarded(lambda: block_plan.decode_gathered(
+                gathered if isinstance(gathered, torch.Tensor) else torch.cat(gathered),
+                layout, out, divide))) is not None:
+        return done
     values, finite = _decode_flat(gathered, layout, layout.max_shard_bytes, out=out,
                                   poison=True)
     values = values if finite is None else poison_unless(values, finite)
