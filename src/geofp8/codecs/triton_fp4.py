@@ -5,30 +5,36 @@ The formats are :mod:`.fp4`'s (NVFP4: E2M1 codes, an E4M3 scale ``β_b`` per blo
 an FP32 scale ``s`` per segment) and :mod:`.mx`'s (MXFP4 / MXFP8: E2M1 / E4M3 codes, an
 E8M0 scale ``2^e`` per block of 32), rounding to nearest even or stochastically (with
 :mod:`.uniforms`' counter-based draw, which the kernels compute from the seeds, the segment
-and the element's index). Each stage is one pass over the elements:
+and the element's index). Every kernel reads and writes where a
+:class:`~.block_records.Placement` says (the codec's whole-bucket parts, or a layout's send
+buffer, records and flat vector: :mod:`geofp8.comm.block_plan`), two kernels a stage:
 
-Stochastic keys are mixed in the encoding pass from the shards' seeds (one int64 each, a
-small copy per call) and a per-map ``(shard, index in it)`` of every segment, so nothing per
-call is ``O(segments)`` on the host.
+* :func:`amax` — ``u = x + where(keep, r, 0)`` (the error feedback add, ``r`` FP32 or
+  BF16) and every block's max ``|u|`` (a tile's whole blocks reduced in registers, one
+  atomic max per block) and, for NVFP4, every segment's max over its finite blocks (one
+  atomic per tile), into epoch-tagged slots (:class:`~.triton_fp8.AmaxSlots`: zeroed once
+  per map, never per call);
+* :func:`encode_placed` — every block's scale computed from the slots where it is used
+  (NVFP4: ``s = max(A / 2688, 2⁻¹⁴⁹)``, ``β`` the smallest E4M3 ``≥ a / (6 s)``; MX: the
+  E8M0 exponent), written with the segment's by the block's first element, and the codes of
+  ``u / d_b`` (``d_b`` the block's scale, 1 where that is 0 or NaN), packed two per byte for
+  E2M1, and, optionally, the rounding error ``u − value(code)·scale_b`` in FP32 or BF16
+  (to nearest even, as ``Tensor.to`` rounds);
+* :func:`reduce` — the ``N`` senders' payloads of a shard decoded and summed in FP32 in
+  sender order from +0, and the sum's amax as :func:`amax` takes it;
+* :func:`decode_placed` — a finite check over the stored scales (into a one-slot epoch),
+  then ``value(code)·scale_b`` (``/ N``), every value NaN unless finite (``poison``, as
+  :func:`~.base.poison_scales_` does), and that flag.
 
-* :func:`encode` — ``u = x (+ r)`` and every block's max ``|u|`` (whole blocks reduced in
-  registers, one atomic max on the bits per block); the scales, one pass over the blocks
-  (NVFP4: one more for the segments' amax over their finite blocks); then the codes of
-  ``u / d_b`` (``d_b`` the block's scale, 1 where that is 0 or NaN), packed two per byte
-  for E2M1, and, optionally, the sender's rounding error ``u − value(code)·scale_b``;
-* :func:`decode` — ``value(code)·scale_b``; :func:`decode_sum` — the ``N`` senders' copies
-  of a shard decoded and summed in FP32 in sender order. Both first take the blocks' FP32
-  scales from the payload in a pass over the blocks, counting the non-finite ones: the
-  finite flag, and ``poison`` (every value NaN when any scale is not finite, as
-  :func:`~.base.poison_scales_` does).
+Stochastic keys are mixed in the encoding pass from a per-map ``(shard, index in it)`` of
+every segment and the shard's seed: the step's seed and the stage's prefix as kernel
+scalars (:class:`.uniforms.StepSeed`), or a table of one int64 per shard (the codecs' own
+calls), so nothing per call is ``O(segments)`` on the host.
 
 Packed codes are laid out as :func:`~.fp4.pack_shards` lays them: each shard's ``⌈n/2⌉``
-bytes, element ``2i`` of the shard in the low nibble of its byte ``i``. The packed kernels
-walk a *byte tile map* (:func:`byte_tiles`, made once per :class:`~.groups.GroupMap`): a
-tile is at most ``TILE / 2`` bytes of one shard whose low and high elements each lie in one
-run of equal-length blocks, ``(first byte, end, first element, shard end, g₀, length, run
-start)`` for the low elements and ``(g₀, length, run start)`` for the high ones (they differ
-only in a one-byte tile that straddles two runs: a segment of odd length).
+bytes, element ``2i`` of the shard in the low nibble of its byte ``i``; the packed encode
+walks the placement's byte rows (``pairs``), each lane a byte and its two elements, which
+may lie in two segments far apart in the flat vector.
 
 Bit-exactness as in :mod:`.triton_fp8`: every rounding is integer arithmetic on the FP32
 bits or exact comparisons (E2M1 to nearest even: seven thresholds; E4M3 as c10 casts,
@@ -61,7 +67,7 @@ if triton is not None:
 __all__ = ["FORMATS", "Encoded", "amax", "available", "block_length", "decode",
            "decode_placed", "decode_shards", "decode_sum", "decode_whole", "encode",
            "encode_placed", "encode_shards", "encode_whole", "guarded", "placement", "reduce",
-           "slots", "torch_only"]
+           "torch_only"]
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8")
 E2M1, E4M3 = 0, 1  # element formats (constexpr)
@@ -488,11 +494,6 @@ def placement(groups: GroupMap, fmt: str, device: torch.device) -> Placement:
         return place(whole_places(groups, fmt == "nvfp4", packed), packed, block_length(fmt),
                      device)
     return groups.memo(("triton-fp4-placement", fmt, torch.device(device)), make)
-
-
-def slots(p: Placement, device: torch.device) -> AmaxSlots:
-    """Amax slots for a placement's blocks and segments (one per block and per segment)."""
-    return AmaxSlots(p.n_groups + p.n_segments, device)
 
 
 def _memo_slots(groups: GroupMap, what: str, n: int, device: torch.device) -> AmaxSlots:

@@ -39,6 +39,7 @@ class BlockPlan:
     def __init__(self, layout) -> None:
         self.layout = layout
         self.fmt = layout.codec.format
+        self.send_bytes = sum(layout.shard_bytes(j) for j in range(layout.world_size))
         self._maps: dict[tuple, object] = {}
 
     @staticmethod
@@ -116,8 +117,7 @@ def encode_send(flat: torch.Tensor, layout, seed: int | None = None, sender: int
     residual, keep = feedback or (None, None)
     u, bits = triton_fp4.amax(flat, p, plan.slots("send", device), plan.fmt, residual, keep,
                               u=flat)
-    sent = flat.new_empty(sum(layout.shard_bytes(j) for j in range(layout.world_size)),
-                          dtype=torch.uint8)
+    sent = flat.new_empty(plan.send_bytes, dtype=torch.uint8)
     seeds = _seeds(layout, seed, sender, 0)
     triton_fp4.encode_placed(u, bits, p, plan.fmt, (sent, sent, sent),
                              residual if feedback is not None else error, seeds)
