@@ -425,9 +425,9 @@ _BYTES = ("s_in", "blk_in", "code_in", "s_out", "blk_out", "code_out")
 _ENCODE = dict(HAS_ERR=True, ERR_BF16=True, SEEDS=2, NVFP4=True, EMAX=0, THRESHOLD=0)
 _VARIANTS = [
     ("_amax_kernel", dict(HAS_R=True, KEEP=True, NVFP4=True, B=16, TILE=1024)),
-    ("_encode_packed_kernel", dict(_ENCODE, BYTES=512)),
-    ("_encode_bytes_kernel", dict(_ENCODE, SEEDS=1, NVFP4=False, EMAX=8, THRESHOLD=0x600000,
-                                  TILE=1024)),
+    ("_encode_kernel", dict(_ENCODE, FMT=0, TILE=1024)),
+    ("_encode_kernel", dict(_ENCODE, SEEDS=1, FMT=1, NVFP4=False, EMAX=8, THRESHOLD=0x600000,
+                            TILE=1024)),
     ("_reduce_kernel", dict(FMT=0, NVFP4=True, B=16, TILE=1024)),
     ("_finite_kernel", dict(NVFP4=True, BLOCK=1024)),
     ("_decode_kernel", dict(DIVIDE=True, POISON=True, FMT=0, NVFP4=True, TILE=1024)),

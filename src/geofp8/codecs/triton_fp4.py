@@ -373,45 +373,38 @@ if triton is not None:
                            i < n_empty)
 
     @triton.jit
-    def _encode_packed_kernel(u_ptr, err_ptr, s_out, blk_out, code_out, pairs_ptr, slots_ptr,
-                              n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr,
-                              where_ptr, seeds_ptr, seed0, prefix, offset, pad_lo, pad_hi,
-                              empty_ptr, n_empty, HAS_ERR: tl.constexpr, ERR_BF16: tl.constexpr,
-                              SEEDS: tl.constexpr, NVFP4: tl.constexpr, EMAX: tl.constexpr,
-                              THRESHOLD: tl.constexpr, BYTES: tl.constexpr):
-        row = pairs_ptr + 11 * tl.program_id(0)
-        a = tl.arange(0, BYTES).to(tl.int64)
-        byte = tl.load(row) + a
-        mask = byte < tl.load(row + 1)
-        lo, lo_g0, lo_size, lo_run = (tl.load(row + 2) + 2 * a, tl.load(row + 3),
-                                      tl.load(row + 4), tl.load(row + 5))
-        hi, hi_g0, hi_size, hi_run = (tl.load(row + 6) + 2 * a, tl.load(row + 7),
-                                      tl.load(row + 8), tl.load(row + 9))
-        low = _encode_lane(u_ptr, err_ptr, s_out, blk_out, lo, lo_g0 + (lo - lo_run) // lo_size,
-                           lo_run, lo_size, mask, slots_ptr, n_groups, block_at_ptr, seg_at_ptr,
-                           seg_of_ptr, seg_start_ptr, where_ptr, seeds_ptr, seed0, prefix,
-                           offset, HAS_ERR, ERR_BF16, SEEDS, 0, NVFP4, EMAX, THRESHOLD)
-        high = _encode_lane(u_ptr, err_ptr, s_out, blk_out, hi, hi_g0 + (hi - hi_run) // hi_size,
-                            hi_run, hi_size, a < tl.load(row + 10), slots_ptr, n_groups,
-                            block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr, where_ptr,
-                            seeds_ptr, seed0, prefix, offset, HAS_ERR, ERR_BF16, SEEDS, 0,
-                            NVFP4, EMAX, THRESHOLD)
-        tl.store(code_out + byte, (low | (high << 4)).to(tl.uint8), mask=mask)
-        _first_program(code_out, pad_lo, pad_hi, s_out, empty_ptr, n_empty, 2 * BYTES)
-
-    @triton.jit
-    def _encode_bytes_kernel(u_ptr, err_ptr, s_out, blk_out, code_out, tiles_ptr, slots_ptr,
-                             n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr,
-                             where_ptr, seeds_ptr, seed0, prefix, offset, pad_lo, pad_hi,
-                             empty_ptr, n_empty, HAS_ERR: tl.constexpr, ERR_BF16: tl.constexpr,
-                             SEEDS: tl.constexpr, NVFP4: tl.constexpr, EMAX: tl.constexpr,
-                             THRESHOLD: tl.constexpr, TILE: tl.constexpr):
-        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
-        code = _encode_lane(u_ptr, err_ptr, s_out, blk_out, offs, g, run0, size, mask,
-                            slots_ptr, n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr,
-                            seg_start_ptr, where_ptr, seeds_ptr, seed0, prefix, offset, HAS_ERR,
-                            ERR_BF16, SEEDS, 1, NVFP4, EMAX, THRESHOLD)
-        tl.store(code_out + _places(tiles_ptr, offs, g)[0], code.to(tl.uint8), mask=mask)
+    def _encode_kernel(u_ptr, err_ptr, s_out, blk_out, code_out, rows_ptr, slots_ptr, n_groups,
+                       block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr, where_ptr, seeds_ptr,
+                       seed0, prefix, offset, pad_lo, pad_hi, empty_ptr, n_empty,
+                       HAS_ERR: tl.constexpr, ERR_BF16: tl.constexpr, SEEDS: tl.constexpr,
+                       FMT: tl.constexpr, NVFP4: tl.constexpr, EMAX: tl.constexpr,
+                       THRESHOLD: tl.constexpr, TILE: tl.constexpr):
+        """The encoding pass: E2M1 over the placement's byte rows (``rows_ptr`` its
+        ``pairs``: a lane per byte, its low and high elements), E4M3 over its tiles."""
+        if FMT == 0:
+            row = rows_ptr + 11 * tl.program_id(0)
+            a = tl.arange(0, TILE // 2).to(tl.int64)
+            byte = tl.load(row) + a
+            mask = byte < tl.load(row + 1)
+            code = tl.zeros(a.shape, tl.uint32)
+            for k in tl.static_range(2):  # the low nibble's element, then the high one's
+                elem = tl.load(row + 2 + 4 * k) + 2 * a
+                size, run0 = tl.load(row + 4 + 4 * k), tl.load(row + 5 + 4 * k)
+                lane = mask if k == 0 else a < tl.load(row + 10)
+                code |= _encode_lane(
+                    u_ptr, err_ptr, s_out, blk_out, elem,
+                    tl.load(row + 3 + 4 * k) + (elem - run0) // size, run0, size, lane,
+                    slots_ptr, n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr,
+                    where_ptr, seeds_ptr, seed0, prefix, offset, HAS_ERR, ERR_BF16, SEEDS, FMT,
+                    NVFP4, EMAX, THRESHOLD) << (4 * k)
+            tl.store(code_out + byte, code.to(tl.uint8), mask=mask)
+        else:
+            offs, mask, g, start, size, g0, run0 = _tile(rows_ptr, TILE)
+            code = _encode_lane(u_ptr, err_ptr, s_out, blk_out, offs, g, run0, size, mask,
+                                slots_ptr, n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr,
+                                seg_start_ptr, where_ptr, seeds_ptr, seed0, prefix, offset,
+                                HAS_ERR, ERR_BF16, SEEDS, FMT, NVFP4, EMAX, THRESHOLD)
+            tl.store(code_out + _places(rows_ptr, offs, g)[0], code.to(tl.uint8), mask=mask)
         _first_program(code_out, pad_lo, pad_hi, s_out, empty_ptr, n_empty, TILE)
 
     @triton.jit
@@ -533,17 +526,14 @@ def encode_placed(u: torch.Tensor, bits: torch.Tensor, p: Placement, fmt: str,
     mode, (table, *scalars) = _seed_args(seeds, device)
     err = u if error is None else (error.view(torch.int16) if error.dtype == torch.bfloat16
                                    else error)
-    if element == E2M1:
-        kernel, grid, size = _encode_packed_kernel, p.pairs, {"BYTES": TILE // 2}
-    else:
-        kernel, grid, size = _encode_bytes_kernel, p.tiles, {"TILE": TILE}
-    kernel[(grid.shape[0],)](
-        u, err, *outs, grid, bits, p.n_groups, p.block_at, p.seg_at, p.seg_of, p.seg_start,
+    rows = p.pairs if element == E2M1 else p.tiles
+    _encode_kernel[(rows.shape[0],)](
+        u, err, *outs, rows, bits, p.n_groups, p.block_at, p.seg_at, p.seg_of, p.seg_start,
         p.seg_where, p.seg_start if table is None else table, *scalars, *pad,
         p.seg_empty, p.n_empty if fmt == "nvfp4" else 0,
         HAS_ERR=error is not None, ERR_BF16=error is not None and error.dtype == torch.bfloat16,
-        SEEDS=mode, NVFP4=fmt == "nvfp4", EMAX=emax, THRESHOLD=threshold, **size,
-        **_NO_FUSION)
+        SEEDS=mode, FMT=element, NVFP4=fmt == "nvfp4", EMAX=emax, THRESHOLD=threshold,
+        TILE=TILE, **_NO_FUSION)
 
 
 def reduce(rows: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor], p: Placement,
