@@ -300,19 +300,26 @@ if triton is not None:
             tl.atomic_max(slots_ptr + n_groups + seg, finite.to(tl.int64) + epoch)
 
     @triton.jit
+    def _plus_residual(x, r_ptr, keep_ptr, offs, mask, KEEP: tl.constexpr):
+        """``x + where(keep, r, 0)`` in FP32 (``r`` FP32 or BF16, ``keep`` a 0-dim flag)."""
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if KEEP:
+            r = tl.where(tl.load(keep_ptr) != 0, r, 0.0)
+        return x + r
+
+    @triton.jit
     def _amax_kernel(x_ptr, r_ptr, keep_ptr, u_ptr, tiles_ptr, seg_of_ptr, slots_ptr,
                      n_groups, epoch, HAS_R: tl.constexpr, KEEP: tl.constexpr,
-                     NVFP4: tl.constexpr, B: tl.constexpr, TILE: tl.constexpr):
-        """``u = x + where(keep, r, 0)`` (``r`` FP32 or BF16; ``u`` may be ``x``) and the
-        blocks' and segments' amax (:func:`_block_max`)."""
+                     STORE_U: tl.constexpr, NVFP4: tl.constexpr, B: tl.constexpr,
+                     TILE: tl.constexpr):
+        """``u = x + where(keep, r, 0)`` (stored with ``STORE_U``) and the blocks' and
+        segments' amax of ``u`` (:func:`_block_max`)."""
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         if HAS_R:
-            r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if KEEP:
-                r = tl.where(tl.load(keep_ptr) != 0, r, 0.0)
-            x = x + r
-            tl.store(u_ptr + offs, x, mask=mask)
+            x = _plus_residual(x, r_ptr, keep_ptr, offs, mask, KEEP)
+            if STORE_U:
+                tl.store(u_ptr + offs, x, mask=mask)
         _block_max(slots_ptr, x, mask, start, size, g0, run0, seg_of_ptr, n_groups, epoch,
                    NVFP4, B, TILE)
 
@@ -325,15 +332,17 @@ if triton is not None:
         return r.to(tl.uint16).to(tl.int16, bitcast=True)
 
     @triton.jit
-    def _encode_lane(u_ptr, err_ptr, s_out, blk_out, elem, g, run0, size, mask, slots_ptr,
+    def _encode_lane(u_ptr, r_ptr, keep_ptr, err_ptr, s_out, blk_out, elem, g, run0, size, mask,
+                     slots_ptr,
                      n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr, where_ptr,
-                     seeds_ptr, seed0, prefix, offset, HAS_ERR: tl.constexpr,
-                     ERR_BF16: tl.constexpr, SEEDS: tl.constexpr, FMT: tl.constexpr,
-                     NVFP4: tl.constexpr,
+                     seeds_ptr, seed0, prefix, offset, HAS_R: tl.constexpr,
+                     KEEP: tl.constexpr, HAS_ERR: tl.constexpr, ERR_BF16: tl.constexpr,
+                     SEEDS: tl.constexpr, FMT: tl.constexpr, NVFP4: tl.constexpr,
                      EMAX: tl.constexpr, THRESHOLD: tl.constexpr):
         """The codes (uint32) of elements ``elem`` of blocks ``g``: their blocks' scales from
         the slots, written (and the segment's) by a block's first element; the rounding
-        error ``u − value(code)·scale`` stored (FP32, or BF16 to nearest even)."""
+        error ``u − value(code)·scale`` stored (FP32, or BF16 to nearest even); ``u`` plus
+        ``where(keep, r, 0)`` with ``HAS_R``."""
         seg = tl.load(seg_of_ptr + g, mask=mask, other=0).to(tl.int64)
         scale, byte, s = _block_scale(slots_ptr, g, seg, mask, n_groups, NVFP4, EMAX, THRESHOLD)
         first = mask & ((elem - run0) % size == 0)
@@ -343,6 +352,8 @@ if triton is not None:
             lead = first & (elem == tl.load(seg_start_ptr + seg, mask=first, other=-1))
             _store_f32(s_out + tl.load(seg_at_ptr + seg, mask=lead, other=0), s, lead)
         x = tl.load(u_ptr + elem, mask=mask, other=0.0)
+        if HAS_R:  # Ũ again, as the amax pass made it (R is read before it is written)
+            x = _plus_residual(x, r_ptr, keep_ptr, elem, mask, KEEP)
         q = tl.math.div_rn(x, tl.where(scale > 0.0, scale, 1.0))
         if SEEDS:
             u = _uniform(elem, g, mask, seg_of_ptr, seg_start_ptr, where_ptr, seeds_ptr, seed0,
@@ -373,12 +384,13 @@ if triton is not None:
                            i < n_empty)
 
     @triton.jit
-    def _encode_kernel(u_ptr, err_ptr, s_out, blk_out, code_out, rows_ptr, slots_ptr, n_groups,
-                       block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr, where_ptr, seeds_ptr,
-                       seed0, prefix, offset, pad_lo, pad_hi, empty_ptr, n_empty,
-                       HAS_ERR: tl.constexpr, ERR_BF16: tl.constexpr, SEEDS: tl.constexpr,
-                       FMT: tl.constexpr, NVFP4: tl.constexpr, EMAX: tl.constexpr,
-                       THRESHOLD: tl.constexpr, TILE: tl.constexpr):
+    def _encode_kernel(u_ptr, r_ptr, keep_ptr, err_ptr, s_out, blk_out, code_out, rows_ptr,
+                       slots_ptr, n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr,
+                       where_ptr, seeds_ptr, seed0, prefix, offset, pad_lo, pad_hi, empty_ptr,
+                       n_empty, HAS_R: tl.constexpr, KEEP: tl.constexpr, HAS_ERR: tl.constexpr,
+                       ERR_BF16: tl.constexpr, SEEDS: tl.constexpr, FMT: tl.constexpr,
+                       NVFP4: tl.constexpr, EMAX: tl.constexpr, THRESHOLD: tl.constexpr,
+                       TILE: tl.constexpr):
         """The encoding pass: E2M1 over the placement's byte rows (``rows_ptr`` its
         ``pairs``: a lane per byte, its low and high elements), E4M3 over its tiles."""
         if FMT == 0:
@@ -392,18 +404,19 @@ if triton is not None:
                 size, run0 = tl.load(row + 4 + 4 * k), tl.load(row + 5 + 4 * k)
                 lane = mask if k == 0 else a < tl.load(row + 10)
                 code |= _encode_lane(
-                    u_ptr, err_ptr, s_out, blk_out, elem,
+                    u_ptr, r_ptr, keep_ptr, err_ptr, s_out, blk_out, elem,
                     tl.load(row + 3 + 4 * k) + (elem - run0) // size, run0, size, lane,
                     slots_ptr, n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr,
-                    where_ptr, seeds_ptr, seed0, prefix, offset, HAS_ERR, ERR_BF16, SEEDS, FMT,
-                    NVFP4, EMAX, THRESHOLD) << (4 * k)
+                    where_ptr, seeds_ptr, seed0, prefix, offset, HAS_R, KEEP, HAS_ERR,
+                    ERR_BF16, SEEDS, FMT, NVFP4, EMAX, THRESHOLD) << (4 * k)
             tl.store(code_out + byte, code.to(tl.uint8), mask=mask)
         else:
             offs, mask, g, start, size, g0, run0 = _tile(rows_ptr, TILE)
-            code = _encode_lane(u_ptr, err_ptr, s_out, blk_out, offs, g, run0, size, mask,
-                                slots_ptr, n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr,
-                                seg_start_ptr, where_ptr, seeds_ptr, seed0, prefix, offset,
-                                HAS_ERR, ERR_BF16, SEEDS, FMT, NVFP4, EMAX, THRESHOLD)
+            code = _encode_lane(u_ptr, r_ptr, keep_ptr, err_ptr, s_out, blk_out, offs, g, run0,
+                                size, mask, slots_ptr, n_groups, block_at_ptr, seg_at_ptr,
+                                seg_of_ptr, seg_start_ptr, where_ptr, seeds_ptr, seed0, prefix,
+                                offset, HAS_R, KEEP, HAS_ERR, ERR_BF16, SEEDS, FMT, NVFP4, EMAX,
+                                THRESHOLD)
             tl.store(code_out + _places(rows_ptr, offs, g)[0], code.to(tl.uint8), mask=mask)
         _first_program(code_out, pad_lo, pad_hi, s_out, empty_ptr, n_empty, TILE)
 
@@ -496,41 +509,48 @@ def _memo_slots(groups: GroupMap, what: str, n: int, device: torch.device) -> Am
 
 def amax(x: torch.Tensor, p: Placement, amax_slots: AmaxSlots, fmt: str,
          residual: torch.Tensor | None = None, keep: torch.Tensor | None = None,
-         u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(u, bits)``: ``u = x + where(keep, residual, 0)`` (``x`` without a residual; written
-    into ``u``, which may be ``x``, else a new vector; ``residual`` FP32 or BF16, ``keep`` a
-    0-dim bool device tensor or ``None`` for true) and every block's and segment's amax in
-    the next epoch of ``amax_slots`` (what :func:`encode_placed` reads). One kernel."""
-    if residual is not None and u is None:
-        u = torch.empty_like(x)
+         u: torch.Tensor | None = None) -> torch.Tensor:
+    """Every block's and segment's amax of ``u = x + where(keep, residual, 0)`` (``x``
+    without a residual; ``residual`` FP32 or BF16, ``keep`` a 0-dim bool device tensor or
+    ``None`` for true) in the next epoch of ``amax_slots``: what :func:`encode_placed`
+    reads. ``u``: where ``u`` is written, else nowhere. One kernel."""
     bits, epoch = amax_slots.next()
     _amax_kernel[(p.tiles.shape[0],)](
-        x, x if residual is None else residual, x if keep is None else keep.view(torch.uint8),
-        x if residual is None else u, p.tiles, p.seg_of, bits, p.n_groups, epoch,
-        HAS_R=residual is not None, KEEP=keep is not None, NVFP4=fmt == "nvfp4",
+        x, x if residual is None else residual, _keep_arg(x, keep), x if u is None else u,
+        p.tiles, p.seg_of, bits, p.n_groups, epoch, HAS_R=residual is not None,
+        KEEP=keep is not None, STORE_U=u is not None, NVFP4=fmt == "nvfp4",
         B=block_length(fmt), TILE=TILE)
-    return (x if residual is None else u), bits
+    return bits
+
+
+def _keep_arg(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    return x if keep is None else keep.view(torch.uint8)
 
 
 def encode_placed(u: torch.Tensor, bits: torch.Tensor, p: Placement, fmt: str,
                   outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                   error: torch.Tensor | None = None, seeds=None,
-                  pad: tuple[int, int] = (0, 0)) -> None:
+                  pad: tuple[int, int] = (0, 0),
+                  feedback: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
     """The scales (from the amax ``bits``) and codes of ``u`` written where ``p`` places
     them in the uint8 ``outs`` ``(segment scales, block scales, codes)`` (one buffer thrice
     for a record or a send buffer); bytes ``pad`` of ``outs[2]`` zeroed; with ``error``
     (FP32 or BF16, may be ``u`` itself) the rounding error at the values' places; ``seeds``
-    (one per shard, or a :class:`.uniforms.StepSeed`): stochastic rounding. One kernel."""
+    (one per shard, or a :class:`.uniforms.StepSeed`): stochastic rounding.
+    ``feedback=(R, keep)``: the values are ``u + where(keep, R, 0)`` (as :func:`amax` took
+    them; ``error`` may be ``R``). One kernel."""
     element, device = _element(fmt), u.device
     emax, threshold = _MX.get(fmt, (0, 0))
     mode, (table, *scalars) = _seed_args(seeds, device)
     err = u if error is None else (error.view(torch.int16) if error.dtype == torch.bfloat16
                                    else error)
     rows = p.pairs if element == E2M1 else p.tiles
+    residual, keep = feedback or (None, None)
     _encode_kernel[(rows.shape[0],)](
-        u, err, *outs, rows, bits, p.n_groups, p.block_at, p.seg_at, p.seg_of, p.seg_start,
-        p.seg_where, p.seg_start if table is None else table, *scalars, *pad,
-        p.seg_empty, p.n_empty if fmt == "nvfp4" else 0,
+        u, u if residual is None else residual, _keep_arg(u, keep), err, *outs, rows, bits,
+        p.n_groups, p.block_at, p.seg_at, p.seg_of, p.seg_start, p.seg_where,
+        p.seg_start if table is None else table, *scalars, *pad, p.seg_empty,
+        p.n_empty if fmt == "nvfp4" else 0, HAS_R=residual is not None, KEEP=keep is not None,
         HAS_ERR=error is not None, ERR_BF16=error is not None and error.dtype == torch.bfloat16,
         SEEDS=mode, FMT=element, NVFP4=fmt == "nvfp4", EMAX=emax, THRESHOLD=threshold,
         TILE=TILE, **_NO_FUSION)
@@ -586,26 +606,20 @@ def _part_sizes(groups: GroupMap, fmt: str) -> tuple[int, int, int]:
 
 def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor | None = None,
            error: bool = False, seeds=None, into: tuple | None = None,
-           error_out: torch.Tensor | None = None,
-           feedback: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> Encoded:
+           error_out: torch.Tensor | None = None) -> Encoded:
     """``fmt``'s payload of ``u = x (+ residual)`` over ``groups`` (module notes): the amax
     pass and the encoding pass. ``seeds`` (one per shard, ``None`` counting as 0): round
     stochastically with :mod:`.uniforms`' draws, else to nearest. ``into``: ``(segment
     scales or None, block bytes, codes)``, contiguous tensors the payload is written into,
     else new ones; ``error_out``: where the rounding error goes, ``x`` itself included,
-    else a new vector. ``feedback=(R, keep)``: error feedback in place, ``u = x + where(keep,
-    R, 0)`` written over ``x`` and the new error ``u − value·scale`` written into ``R`` in
-    its dtype (FP32 or BF16 to nearest even; ``keep`` a 0-dim bool device tensor or
-    ``None``)."""
+    else a new vector (the stages' error feedback in place: :func:`encode_placed`'s
+    ``feedback``)."""
     device = x.device
     p = placement(groups, fmt, device)
-    keep, err = None, None
-    if error:
-        err = error_out if error_out is not None else torch.empty_like(x)
-    if feedback is not None:
-        (residual, keep), err = feedback, feedback[0]
-    u, bits = amax(x, p, _memo_slots(groups, fmt, p.n_groups + p.n_segments, device), fmt,
-                   residual, keep, x if feedback is not None else None)
+    slots = _memo_slots(groups, fmt, p.n_groups + p.n_segments, device)
+    err = (error_out if error_out is not None else torch.empty_like(x)) if error else None
+    u = x if residual is None else torch.empty_like(x)
+    bits = amax(x, p, slots, fmt, residual, u=None if residual is None else u)
     sizes = _part_sizes(groups, fmt)
     s, block_bytes, codes = into or (None, None, None)
     if s is None and fmt == "nvfp4":

@@ -6,8 +6,9 @@ so each stage of the exact collective is two kernels that read the flat vector o
 records where they lie and write where the next step reads, as :class:`.plan.FusedPlan`
 does for FP8:
 
-* :func:`encode_send` — the amax pass (``u = x + where(keep, R, 0)``, every block's and
-  segment's amax), then the encoding pass: scales and codes written into the all-to-all's
+* :func:`encode_send` — the amax pass (every block's and segment's amax of ``Ũ = x +
+  where(keep, R, 0)``), then the encoding pass (``Ũ`` made again from ``x`` and ``R``):
+  scales and codes written into the all-to-all's
   send buffer (shard ``j``'s record at ``Σ_{i<j} shard_bytes(i)``), the rounding error into
   the caller's buffer (``R`` in its dtype, or the bucket);
 * :func:`reduce_encode` — the owner's decode-and-sum of the ``N`` received records with
@@ -110,17 +111,18 @@ def encode_send(flat: torch.Tensor, layout, seed: int | None = None, sender: int
                 ) -> torch.Tensor:
     """The send buffer of ``flat`` in two kernels (module notes); shard ``j`` rounded with
     ``mix_seed(seed, sender, j)`` when the codec rounds stochastically. ``error``: where the
-    rounding error goes (FP32, may be ``flat``). ``feedback=(R, keep)``: ``u = flat +
-    where(keep, R, 0)`` written over ``flat`` and the new error into ``R`` (its dtype)."""
+    rounding error goes (FP32, may be ``flat``). ``feedback=(R, keep)``: ``Ũ = flat +
+    where(keep, R, 0)`` encoded (made in both kernels; ``flat`` is not written) and the
+    new error written into ``R`` (its dtype)."""
     plan, device = _plan(layout), flat.device
     p = plan.place("send", device)
-    residual, keep = feedback or (None, None)
-    u, bits = triton_fp4.amax(flat, p, plan.slots("send", device), plan.fmt, residual, keep,
-                              u=flat)
+    bits = triton_fp4.amax(flat, p, plan.slots("send", device), plan.fmt,
+                           *(feedback or (None, None)))
     sent = flat.new_empty(plan.send_bytes, dtype=torch.uint8)
     seeds = _seeds(layout, seed, sender, 0)
-    triton_fp4.encode_placed(u, bits, p, plan.fmt, (sent, sent, sent),
-                             residual if feedback is not None else error, seeds)
+    triton_fp4.encode_placed(flat, bits, p, plan.fmt, (sent, sent, sent),
+                             error if feedback is None else feedback[0], seeds,
+                             feedback=feedback)
     return sent
 
 

@@ -69,10 +69,10 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
     or BF16, ``flat``'s length), ``keep`` a 0-dim bool device flag or ``None`` (R valid as
     is): ``Ũ = flat + where(keep, R, 0)`` is encoded and its error ``Ũ − deq(Q(Ũ))``
     written into ``R`` (rounded to its dtype, as ``R.copy_`` rounds); the returned
-    ``error`` is ``R``. The block-scaled fused kernels (:mod:`.block_plan`) add it in the
-    amax pass, writing ``Ũ`` over ``flat``, and write ``R`` in the encoding pass;
-    elsewhere ``flat`` is made ``Ũ`` by one add, then the error is copied into ``R``: the
-    same bits."""
+    ``error`` is ``R``. The block-scaled fused kernels (:mod:`.block_plan`) add it in
+    both passes (``flat`` is not written) and write ``R`` in the encoding pass; elsewhere
+    ``flat`` is made ``Ũ`` by one add, then the error is copied into ``R``: the same
+    bits."""
     if BlockPlan.applies(layout, flat, error_out, *(feedback or ())[:1]) and not side:
         error = feedback[0] if feedback is not None else (
             error_out if error_out is not None else torch.empty_like(flat))
