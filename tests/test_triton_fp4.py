@@ -232,15 +232,17 @@ OWNER_CASES = (("nvfp4", "nearest", 1), ("nvfp4", "stochastic", 5), ("mxfp4", "n
 
 def check_owner() -> list[str]:
     """Every owner's stages 3 and 4 record to record (:func:`block_plan.reduce_encode`, taken
-    by :func:`stages.reduce_encode` on a batched layout) against the CPU's chunked path: the
-    record and the sum, bitwise, odd shards, with NaN and ±Inf in one sender's input."""
+    by :func:`stages.reduce_encode` on a batched layout; :func:`stages.decode_sum` and
+    :func:`stages.encode_reduced` with its error) against the CPU's chunked path: the
+    record, the sum and the error, bitwise, odd shards, with NaN and ±Inf in one sender's
+    input."""
     import torch
 
     from geofp8.codecs import make_codec
     from geofp8.comm import ShardLayout, block_plan
-    from geofp8.comm.stages import encode, reduce_encode
+    from geofp8.comm.stages import decode_sum, encode, encode_reduced, reduce_encode
 
-    calls = _counted(block_plan, ("reduce_encode",))
+    calls = _counted(block_plan, ("reduce_sum", "encode_reduced"))
     failures, shapes = [], SHAPES[1]
     numel = sum(math.prod(s) for s in shapes)
     for fmt, rounding, n in OWNER_CASES:
@@ -257,7 +259,14 @@ def check_owner() -> list[str]:
             got, want = (reduce_encode(received, lay, j, seed=5) for lay in (fused, chunked))
             if not (same(got[0], want[0]) and same(got[1], want[1])):
                 failures.append(f"owner {fmt}/{rounding} N={n} shard {j}")
-    if calls["reduce_encode"] != sum(n for *_, n in OWNER_CASES):
+            # a reduce-scatter's end, and a sum re-encoded with its error over it
+            sums = [decode_sum(received, lay, j) for lay in (fused, chunked)]
+            records = [encode_reduced(t, lay, j, seed=5, error_out=t)
+                       for t, lay in zip(sums, (fused, chunked))]
+            if not (same(*records) and same(*sums)):
+                failures.append(f"owner's decode_sum, encode_reduced {fmt}/{rounding} N={n}")
+    shards = sum(n for *_, n in OWNER_CASES)
+    if calls != {"reduce_sum": 2 * shards, "encode_reduced": 2 * shards}:
         failures.append(f"the owner's record-to-record kernels ran {calls} times")
     return failures
 

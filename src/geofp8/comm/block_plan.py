@@ -12,7 +12,9 @@ does for FP8:
   send buffer (shard ``j``'s record at ``Σ_{i<j} shard_bytes(i)``), the rounding error into
   the caller's buffer (``R`` in its dtype, or the bucket);
 * :func:`reduce_encode` — the owner's decode-and-sum of the ``N`` received records with
-  its amax, then the re-encode into the padded record the all-gather sends;
+  its amax (:func:`reduce_sum`, a reduce-scatter's end), then the re-encode into the
+  padded record the all-gather sends (:func:`encode_reduced`, which also takes a sum made
+  elsewhere: one amax pass more);
 * :func:`decode_gathered` — the gathered records' finite check, then the decode into the
   flat vector with the division by ``N`` and all NaN unless every scale is finite.
 
@@ -31,7 +33,8 @@ from ..codecs.block_records import Placement, ShardPlace, place
 from ..codecs.triton_fp8 import AmaxSlots
 from ..codecs.uniforms import StepSeed
 
-__all__ = ["BlockPlan", "decode_gathered", "encode_send", "reduce_encode"]
+__all__ = ["BlockPlan", "decode_gathered", "encode_reduced", "encode_send", "reduce_encode",
+           "reduce_sum"]
 
 
 class BlockPlan:
@@ -126,21 +129,42 @@ def encode_send(flat: torch.Tensor, layout, seed: int | None = None, sender: int
     return sent
 
 
+def reduce_sum(received: torch.Tensor, layout, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The owner of ``shard``: ``(the FP32 sum of the N senders' copies, in sender order from
+    +0, read from their records back to back in ``received``; its amax slots)``, one
+    kernel."""
+    plan, device, n = _plan(layout), received.device, layout.world_size
+    nbytes = layout.send_bytes(shard)
+    rows = received[: n * nbytes].view(n, nbytes)
+    return triton_fp4.reduce((rows, rows, rows), plan.place(shard, device),
+                             plan.slots(shard, device), plan.fmt)
+
+
+def encode_reduced(values: torch.Tensor, layout, shard: int, seed: int | None = None,
+                   error: torch.Tensor | None = None, bits: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Shard ``shard``'s record, zero-padded to ``max_shard_bytes``, from its ``values``:
+    the amax pass (unless ``bits`` of :func:`reduce_sum` are given) and the encoding pass;
+    re-encoded with ``mix_seed(seed, N + shard)`` when stochastic; ``error``: where the
+    rounding error goes (FP32, may be ``values``)."""
+    plan, device = _plan(layout), values.device
+    p = plan.place(shard, device)
+    if bits is None:
+        bits = triton_fp4.amax(values, p, plan.slots(shard, device), plan.fmt)
+    record = values.new_empty(layout.max_shard_bytes, dtype=torch.uint8)
+    triton_fp4.encode_placed(values, bits, p, plan.fmt, (record, record, record), error,
+                             _seeds(layout, seed, None, layout.world_size + shard),
+                             pad=(layout.shard_bytes(shard), layout.max_shard_bytes))
+    return record
+
+
 def reduce_encode(received: torch.Tensor, layout, shard: int, seed: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The owner of ``shard``: ``(its re-encoded record, zero-padded to max_shard_bytes, the
     FP32 sum it encodes)`` from the ``N`` senders' records back to back in ``received``, in
-    two kernels; re-encoded with ``mix_seed(seed, N + shard)`` when stochastic."""
-    plan, device, n = _plan(layout), received.device, layout.world_size
-    nbytes = layout.send_bytes(shard)
-    rows = received[: n * nbytes].view(n, nbytes)
-    p, slots = plan.place(shard, device), plan.slots(shard, device)
-    total, bits = triton_fp4.reduce((rows, rows, rows), p, slots, plan.fmt)
-    record = received.new_empty(layout.max_shard_bytes)
-    seeds = _seeds(layout, seed, None, n + shard)
-    triton_fp4.encode_placed(total, bits, p, plan.fmt, (record, record, record), seeds=seeds,
-                             pad=(nbytes, layout.max_shard_bytes))
-    return record, total
+    two kernels (:func:`reduce_sum`, :func:`encode_reduced`)."""
+    total, bits = reduce_sum(received, layout, shard)
+    return encode_reduced(total, layout, shard, seed, bits=bits), total
 
 
 def decode_gathered(gathered: torch.Tensor, layout, out: torch.Tensor | None = None,

@@ -233,6 +233,10 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
     if unmap is None and FusedPlan.applies(layout, received):
         return triton_fp8.attempt(lambda: _reduce_fused(received, layout, shard)[0],
                                   lambda: decode_sum(received, layout, shard, unmap, scratch))
+    if unmap is None and _blocks_run(layout, shard, received) and (
+            done := triton_fp4.guarded(lambda: block_plan.reduce_sum(
+                received, layout, shard)[0])) is not None:
+        return done
     n, nbytes = layout.world_size, layout.send_bytes(shard)
     size = n * layout.shard_numel(shard)
     fits = scratch is not None and scratch.numel() >= size
@@ -279,12 +283,18 @@ def reduce_encode(received: torch.Tensor, layout: ShardLayout, shard: int,
             return _encode_record(total, bits, layout, shard), total
         return triton_fp8.attempt(fused, lambda: reduce_encode(received, layout, shard, seed,
                                                                scratch))
-    if BlockPlan.applies(layout, received) and layout.shard_numel(shard) > 0 and (
+    if _blocks_run(layout, shard, received) and (
             done := triton_fp4.guarded(lambda: block_plan.reduce_encode(
                 received, layout, shard, seed))) is not None:
         return done
     total = decode_sum(received, layout, shard, scratch=scratch)
     return encode_reduced(total, layout, shard, seed), total
+
+
+def _blocks_run(layout: ShardLayout, shard: int, *tensors: torch.Tensor | None) -> bool:
+    """Whether an owner's stage of ``shard`` (not empty) runs the block-scaled placed
+    kernels (:class:`BlockPlan`)."""
+    return BlockPlan.applies(layout, *tensors) and layout.shard_numel(shard) > 0
 
 
 def _encode_record(values: torch.Tensor, bits: torch.Tensor, layout: ShardLayout,
@@ -310,6 +320,10 @@ def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
             return _encode_record(shard_sum, bits, layout, shard, error_out)
         return triton_fp8.attempt(fused, lambda: encode_reduced(shard_sum, layout, shard, seed,
                                                                 error_out))
+    if _blocks_run(layout, shard, shard_sum, error_out) and (
+            done := triton_fp4.guarded(lambda: block_plan.encode_reduced(
+                shard_sum, layout, shard, seed, error_out))) is not None:
+        return done
     nbytes = layout.shard_bytes(shard)
     if not layout.batched(shard_sum.device):
         out = shard_sum.new_empty(layout.max_shard_bytes, dtype=torch.uint8)
