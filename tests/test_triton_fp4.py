@@ -108,14 +108,15 @@ def check() -> list[str]:
 
 
 def _check_sum(codec, groups, fmt, name) -> list[str]:
-    """(c): ``N`` senders' payloads of one shard map decoded and summed, with poison."""
+    """(c): ``N`` senders' payloads of one shard map decoded and summed (one with NaN and
+    ±Inf)."""
     import torch
 
     from geofp8.codecs import triton_fp4
 
     failures = []
     numel = sum(groups.numels)
-    for n_senders, poison in ((1, False), (3, False), (3, True), (4, False)):
+    for n_senders in (1, 3, 4):
         xs = [_bucket(numel, 7 * r + 1, special=r == 2) for r in range(n_senders)]
         with triton_fp4.torch_only():
             payloads = [codec.encode_shards(x, groups, [None] * len(groups)) for x in xs]
@@ -125,62 +126,123 @@ def _check_sum(codec, groups, fmt, name) -> list[str]:
             rows[0] = rows[0].view(torch.float32)
         else:
             rows.insert(0, None)
-        got, bad = triton_fp4.decode_sum(groups, fmt, rows[1], rows[2], rows[0], poison)
+        got = triton_fp4.decode_sum(groups, fmt, rows[1], rows[2], rows[0])
         want = torch.zeros(numel)
         with triton_fp4.torch_only():
             for p in payloads:  # the torch path's decode, then the sum in sender order
                 values = torch.empty(numel)
                 codec.decode_shards(values, p, groups, check=False)
                 want += values
-        if poison:  # the batch's scales poisoned: every value NaN
-            want.fill_(float("nan"))
-        if not (same(got, want) and bool(bad) == (n_senders > 2)):
-            failures.append(f"{name}: decode_sum N={n_senders} poison={poison}")
+        if not same(got, want):
+            failures.append(f"{name}: decode_sum N={n_senders}")
     return failures
+
+
+# (format, rounding, N, NaN and ±Inf on the last sender: every value NaN then)
+COLLECTIVES = (("nvfp4", "nearest", 4, False), ("nvfp4", "stochastic", 3, True),
+               ("mxfp4", "nearest", 3, True), ("mxfp4", "stochastic", 1, False),
+               ("mxfp8", "stochastic", 3, False), ("mxfp8", "nearest", 4, True))
+
+
+def _counted(module, names: tuple[str, ...]) -> dict[str, int]:
+    """Calls of ``module``'s functions ``names`` counted from now on (a wrapper each)."""
+    calls = dict.fromkeys(names, 0)
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    for name in names:
+        setattr(module, name, counting(name, getattr(module, name)))
+    return calls
 
 
 def check_codecs() -> list[str]:
-    """The exact collective through the codecs' batched path (which takes the kernels on its
-    own) against the CPU's chunked path, both roundings (a seeded step)."""
-    from geofp8.codecs import make_codec, triton_fp4
-    from geofp8.comm import ShardLayout
+    """The exact collective of a block-scaled layout on the batched path (the placed stages
+    of :mod:`geofp8.comm.block_plan`: sender, owner, gathered decode) against the CPU's
+    chunked path, both roundings (a seeded step), N = 1, 3, 4, odd shards, a NaN and ±Inf
+    on one sender (every value NaN then) for each format."""
+    from geofp8.codecs import make_codec
+    from geofp8.comm import ShardLayout, block_plan
     from geofp8.comm.stages import simulate_exact_allreduce
 
-    calls, encode = [], triton_fp4.encode
-    triton_fp4.encode = lambda *args, **kwargs: calls.append(1) or encode(*args, **kwargs)
+    calls = _counted(block_plan, ("encode_send", "reduce_encode", "decode_gathered"))
     failures = []
-    shapes = SHAPES[0]
+    shapes = SHAPES[1]
     numel = sum(math.prod(s) for s in shapes)
-    for fmt, n, rounding in (("nvfp4", 4, "nearest"), ("mxfp4", 3, "nearest"),
-                             ("mxfp8", 3, "stochastic")):
-        inputs = [_bucket(numel, r, special=False) for r in range(n)]
+    for fmt, rounding, n, special in COLLECTIVES:
         codec = make_codec(fmt, rounding=rounding)
+        inputs = [_bucket(numel, r, special=special and r == n - 1) for r in range(n)]
         results = [simulate_exact_allreduce(inputs, ShardLayout.build(
             shapes, codec, n, kernels=kernels), seed=11) for kernels in ("batched", "chunked")]
         if not same(*results):
-            failures.append(f"collective {fmt}/{rounding} N={n}")
-    triton_fp4.encode = encode
-    if not calls:
-        failures.append("the batched path did not run the fused kernels")
+            failures.append(f"collective {fmt}/{rounding} N={n} special={special}")
+    runs = sum(n for _, _, n, _ in COLLECTIVES)
+    if list(calls.values()) != [runs, runs, len(COLLECTIVES)]:
+        failures.append(f"the placed stages ran {calls}")
     return failures
 
 
-OWNER_CASES = (("nvfp4", "nearest", 1), ("nvfp4", "nearest", 3), ("nvfp4", "nearest", 4),
-               ("nvfp4", "stochastic", 5), ("mxfp4", "nearest", 5), ("mxfp8", "stochastic", 3))
+def check_feedback() -> list[str]:
+    """The sender's stage with error feedback ``(R, keep)`` (:func:`stages.encode_with_error`
+    on a batched layout: the placed kernels) against the torch path: the send buffer, the
+    new residual in R's dtype (BF16 to nearest even or FP32), the bucket not written, for
+    keep true, false and ``None``, with NaN and ±Inf in the bucket; and the gathered
+    decode with ``/ N``, its flag and the poison."""
+    import torch
+
+    from geofp8.codecs import make_codec
+    from geofp8.comm import ShardLayout
+    from geofp8.comm.stages import decode_gathered_flagged, encode_with_error
+
+    failures, shapes = [], SHAPES[0]
+    numel = sum(math.prod(s) for s in shapes)
+    for fmt, n in (("nvfp4", 3), ("mxfp4", 4), ("mxfp8", 3)):
+        fused, chunked = (ShardLayout.build(shapes, make_codec(fmt), n, kernels=k)
+                          for k in ("batched", "chunked"))
+        sents = []
+        for dtype, keep, special in ((torch.bfloat16, True, False), (torch.float32, False, True),
+                                     (torch.bfloat16, None, True)):
+            x = _bucket(numel, 3, special)
+            r = (torch.randn(numel) * 1e-2).to(dtype)
+            flag = None if keep is None else torch.tensor(keep)
+            got_x, got_r = x.clone(), r.clone()
+            sent, error = encode_with_error(got_x, fused, feedback=(got_r, flag))
+            sents.append(sent)
+            want_x = x + (r if keep is not False else torch.zeros_like(r))
+            want_sent, want_error = encode_with_error(want_x.clone(), chunked)
+            if not (same(sent, want_sent) and error is got_r and same(got_x, x)
+                    and same(got_r.float(), want_error.to(dtype).float())):
+                failures.append(f"feedback {fmt} R={dtype} keep={keep} special={special}")
+        for sent in sents[1:3]:  # N padded records (a send buffer's bytes: any will do)
+            gathered = torch.zeros(n, fused.max_shard_bytes, dtype=torch.uint8)
+            for j in range(n):
+                gathered[j, : fused.shard_bytes(j)] = sent[: fused.shard_bytes(j)]
+            (got, finite), (want, _) = (decode_gathered_flagged(gathered, lay, divide=n)
+                                        for lay in (fused, chunked))
+            if not (same(got, want) and bool(finite) == bool(torch.isfinite(want).all())):
+                failures.append(f"gathered decode {fmt} N={n}")
+    return failures
+
+
+# (the collectives above run every owner too, clean or with a poisoned sum)
+OWNER_CASES = (("nvfp4", "nearest", 1), ("nvfp4", "stochastic", 5), ("mxfp4", "nearest", 5))
 
 
 def check_owner() -> list[str]:
-    """Every owner's stages 3 and 4 record to record (:func:`block_records.reduce_record`, taken
-    by :func:`stages.reduce_encode` on a batched layout) against the CPU's chunked path: the
-    record and the sum, bitwise, odd shards, with NaN and ±Inf in one sender's input."""
+    """Every owner's stages 3 and 4 record to record (:func:`block_plan.reduce_encode`, taken
+    by :func:`stages.reduce_encode` on a batched layout; :func:`stages.decode_sum` and
+    :func:`stages.encode_reduced` with its error) against the CPU's chunked path: the
+    record, the sum and the error, bitwise, odd shards, with NaN and ±Inf in one sender's
+    input."""
     import torch
 
-    from geofp8.codecs import block_records, make_codec
-    from geofp8.comm import ShardLayout
-    from geofp8.comm.stages import encode, reduce_encode
+    from geofp8.codecs import make_codec
+    from geofp8.comm import ShardLayout, block_plan
+    from geofp8.comm.stages import decode_sum, encode, encode_reduced, reduce_encode
 
-    calls, reduce_record = [], block_records.reduce_record
-    block_records.reduce_record = lambda *a, **k: calls.append(1) or reduce_record(*a, **k)
+    calls = _counted(block_plan, ("reduce_sum", "encode_reduced"))
     failures, shapes = [], SHAPES[1]
     numel = sum(math.prod(s) for s in shapes)
     for fmt, rounding, n in OWNER_CASES:
@@ -197,9 +259,15 @@ def check_owner() -> list[str]:
             got, want = (reduce_encode(received, lay, j, seed=5) for lay in (fused, chunked))
             if not (same(got[0], want[0]) and same(got[1], want[1])):
                 failures.append(f"owner {fmt}/{rounding} N={n} shard {j}")
-    block_records.reduce_record = reduce_record
-    if len(calls) != sum(n for *_, n in OWNER_CASES):
-        failures.append(f"the owner's record-to-record kernels ran {len(calls)} times")
+            # a reduce-scatter's end, and a sum re-encoded with its error over it
+            sums = [decode_sum(received, lay, j) for lay in (fused, chunked)]
+            records = [encode_reduced(t, lay, j, seed=5, error_out=t)
+                       for t, lay in zip(sums, (fused, chunked))]
+            if not (same(*records) and same(*sums)):
+                failures.append(f"owner's decode_sum, encode_reduced {fmt}/{rounding} N={n}")
+    shards = sum(n for *_, n in OWNER_CASES)
+    if calls != {"reduce_sum": 2 * shards, "encode_reduced": 2 * shards}:
+        failures.append(f"the owner's record-to-record kernels ran {calls} times")
     return failures
 
 
@@ -224,23 +292,19 @@ def check_gpu_rows() -> list[str]:
     return failures + ([] if len(rows) == 6 else [f"gpu-check: {len(rows)} block rows"])
 
 
-def launches(fmt: str, owner: int | None = None) -> tuple[int, int]:
-    """``(Triton kernels, torch kernels)`` of a bucket's four stages at the kernel level (a
-    sender's encode with error feedback, the owner's decode-and-sum of 3 senders and
-    re-encode, the decode of the gathered shards), counted without running them (no count
-    depends on the data); with ``owner``, those of the owner's stages as
-    :func:`stages.reduce_encode` runs them, the same for ``owner`` and ``owner + 2`` senders
+def launches(fmt: str, rounding: str = "nearest") -> tuple[tuple[int, int], ...] | set:
+    """``((Triton kernels, torch kernels) of the sender's stage with error feedback, of the
+    owner's, of the gathered decode)`` of a bucket as :mod:`geofp8.comm.stages` runs them,
+    counted without running them (no count depends on the data); the same for N = 3 and 5
     and buckets of 2 and 4 tensors (else the set of counts seen)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from geofp8.codecs import make_codec, triton_fp4
+    from geofp8.comm import ShardLayout
+    from geofp8.comm.stages import decode_gathered_flagged, encode_with_error, reduce_encode
 
     counted = {"triton": 0, "aten": 0}
-    for name in dir(triton_fp4):
-        if name.endswith("_kernel"):
-            getattr(triton_fp4, name).run = lambda *a, **k: counted.__setitem__(
-                "triton", counted["triton"] + 1)
 
     class Aten(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -249,43 +313,44 @@ def launches(fmt: str, owner: int | None = None) -> tuple[int, int]:
                 counted["aten"] += 1
             return func(*args, **(kwargs or {}))
 
-    groups = _shards(make_codec(fmt), [(64, 300), (5,)], 3)
-    x = torch.randn(sum(groups.numels))
-    enc = triton_fp4.encode(x, groups, fmt)  # the map's tiles, made once per layout
-    received = [None if t is None else torch.stack([t] * 3) for t in enc[1:4]]  # 3 senders
+    def stages(layout, x, r, keep, received, gathered) -> list[tuple[int, int]]:
+        counts = []
+        for stage in (lambda: encode_with_error(x, layout, seed=3, feedback=(r, keep)),
+                      lambda: reduce_encode(received, layout, 0, seed=3),
+                      lambda: decode_gathered_flagged(gathered, layout, divide=2)):
+            counted["triton"] = counted["aten"] = 0
+            with Aten():
+                stage()
+            counts.append((counted["triton"], counted["aten"]))
+        return counts
 
-    def stages():
-        triton_fp4.encode(x, groups, fmt, residual=x, error=True)  # the sender
-        total, _ = triton_fp4.decode_sum(groups, fmt, *received[1:], received[0])  # the owner
-        enc = triton_fp4.encode(total, groups, fmt)
-        triton_fp4.decode(total, groups, fmt, enc.block_bytes, enc.codes, enc.segment_scales)
-
-    stages()
-    counted["triton"] = 0
-    with Aten():
-        stages()
-    if owner is None:
-        return counted["triton"], counted["aten"]
-    from geofp8.comm import ShardLayout
-    from geofp8.comm.stages import reduce_encode
-
-    counts = set()
-    for shapes, n in (([(64, 300), (5,)], owner), ([(7, 9), (1,), (40,), (33, 3)], owner + 2)):
-        layout = ShardLayout.build(shapes, make_codec(fmt), n, kernels="batched")
+    runs = {}
+    for name in dir(triton_fp4):
+        if name.endswith("_kernel"):
+            kernel = getattr(triton_fp4, name)
+            runs[kernel] = kernel.run
+            kernel.run = lambda *a, **k: counted.__setitem__("triton", counted["triton"] + 1)
+    seen = set()
+    for shapes, n in (([(64, 300), (5,)], 3), ([(7, 9), (1,), (40,), (33, 3)], 5)):
+        layout = ShardLayout.build(shapes, make_codec(fmt, rounding=rounding), n,
+                                   kernels="batched")
+        x = torch.randn(layout.numel)
+        r, keep = torch.zeros(layout.numel, dtype=torch.bfloat16), torch.tensor(True)
         received = torch.zeros(n * layout.send_bytes(0), dtype=torch.uint8)
-        reduce_encode(received, layout, 0)  # the layout's maps, made once
-        counted["triton"] = counted["aten"] = 0
-        with Aten():
-            reduce_encode(received, layout, 0)
-        counts.add((counted["triton"], counted["aten"]))
-    return counts.pop() if len(counts) == 1 else counts
+        gathered = torch.zeros(n, layout.max_shard_bytes, dtype=torch.uint8)
+        stages(layout, x, r, keep, received, gathered)  # the layout's maps, made once
+        seen.add(tuple(stages(layout, x, r, keep, received, gathered)))
+    for kernel, run in runs.items():
+        kernel.run = run
+    return seen.pop() if len(seen) == 1 else seen
 
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    for failure in check() + check_codecs() + check_owner() + check_gpu_rows():
+    for failure in (check() + check_codecs() + check_feedback() + check_owner()
+                    + check_gpu_rows()):
         print(failure)
-    print("owner", *(launches(fmt, owner=3) for fmt in FORMATS))
+    print("stochastic", *(launches(fmt, "stochastic") for fmt in FORMATS))
     print("launches", *(launches(fmt) for fmt in FORMATS))
 
 
@@ -296,15 +361,13 @@ def test_fused_block_kernels_are_bit_identical_to_the_torch_reference_under_the_
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert lines[:-2] == [], "\n".join(lines)
-    # (Triton, torch) per format: NVFP4 4 + 2 + 4 + 2 kernels, MX 3 + 2 + 3 + 2, each stage
-    # with one zeroed buffer; whatever the number of tensors, shards or senders
-    assert lines[-1] == "launches (12, 4) (10, 4) (10, 4)"
-    # the owner's stages through stages.reduce_encode, record to record: the decode-and-sum
-    # (2 kernels) and the re-encode (4 NVFP4 / 3 MX) and one zeroed buffer for the flag and
-    # the amax slots (+1 where the record is padded: not here); the same for N = 3 and 5
-    # and buckets of 2 and 4 tensors (through the codecs' parts it was 6 + 7 or 6 + 11
-    # NVFP4, 5 + 6 or 5 + 10 MX, by layout)
-    assert lines[-2] == "owner (6, 1) (5, 1) (5, 1)"
+    # (Triton, torch) per stage of a bucket (sender with error feedback, owner, gathered
+    # decode) for every format: two kernels each, six a bucket, no torch kernel, whatever
+    # the number of tensors or ranks (it was 4 + 7 / 6 + 1 / 2 + ~10 NVFP4 through the
+    # codecs' parts and the record-to-record owner)
+    assert lines[-1] == "launches" + " ((2, 0), (2, 0), (2, 0))" * 3
+    # rounding: the same, the step's seed a kernel scalar (nothing copied)
+    assert lines[-2] == "stochastic" + " ((2, 0), (2, 0), (2, 0))" * 3
 
 
 def test_a_kernel_failure_on_the_device_falls_back_to_torch_once_and_warns_once(monkeypatch):
@@ -363,19 +426,23 @@ def test_stochastic_uniforms_are_the_same_bits_from_the_native_kernel_and_torch(
 
 
 # every kernel's pointer and integer arguments, by name (the compile check below)
-_ARGS = {"tiles_ptr": "*i64", "bits_ptr": "*i32", "seg_ptr": "*i32", "start_ptr": "*i64",
-         "keys_ptr": "*i64", "seg_bits_ptr": "*i32", "codes_ptr": "*u8", "code_ptr": "*u8",
-         "byte_ptr": "*u8", "bad_ptr": "*i32", "code_stride": "i64", "s_stride": "i64"}
+_ARGS = {"tiles_ptr": "*i64", "pairs_ptr": "*i64", "slots_ptr": "*i64", "slot_ptr": "*i64",
+         "seg_of_ptr": "*i32", "keep_ptr": "*u8", "err_ptr": "*i16", "flag_ptr": "*u8",
+         "epoch": "i64", "seed0": "i64", "prefix": "i64", "offset": "i64", "pad_lo": "i64",
+         "pad_hi": "i64", "s_stride": "i64", "blk_stride": "i64", "code_stride": "i64",
+         "r_ptr": "*bf16", "divisor": "fp32"}
+_BYTES = ("s_in", "blk_in", "code_in", "s_out", "blk_out", "code_out")
+_ENCODE = dict(HAS_R=True, KEEP=True, HAS_ERR=True, ERR_BF16=True, SEEDS=2, NVFP4=True,
+               EMAX=0, THRESHOLD=0)
 _VARIANTS = [
-    ("_block_amax_kernel", dict(HAS_R=True, B=16, TILE=1024)),
-    ("_segment_amax_kernel", dict(BLOCK=1024)),
-    ("_nvfp4_scales_kernel", dict(BLOCK=1024)),
-    ("_mx_scales_kernel", dict(EMAX=8, THRESHOLD=0x600000, BLOCK=1024)),
-    ("_encode_packed_kernel", dict(HAS_ERR=True, STOCHASTIC=True, BYTES=512)),
-    ("_encode_bytes_kernel", dict(HAS_ERR=True, STOCHASTIC=True, TILE=1024)),
-    ("_payload_scales_kernel", dict(NVFP4=True, BLOCK=1024)),
-    ("_decode_kernel", dict(FMT=0, SUM=True, POISON=True, TILE=1024)),
-    ("_decode_kernel", dict(FMT=1, SUM=False, POISON=False, TILE=1024)),
+    ("_amax_kernel", dict(HAS_R=True, KEEP=True, STORE_U=True, NVFP4=True, B=16, TILE=1024)),
+    ("_encode_kernel", dict(_ENCODE, FMT=0, TILE=1024)),
+    ("_encode_kernel", dict(_ENCODE, SEEDS=1, FMT=1, NVFP4=False, EMAX=8, THRESHOLD=0x600000,
+                            TILE=1024)),
+    ("_reduce_kernel", dict(FMT=0, NVFP4=True, B=16, TILE=1024)),
+    ("_finite_kernel", dict(NVFP4=True, BLOCK=1024)),
+    ("_decode_kernel", dict(DIVIDE=True, POISON=True, FMT=0, NVFP4=True, TILE=1024)),
+    ("_decode_kernel", dict(DIVIDE=False, POISON=False, FMT=1, NVFP4=False, TILE=1024)),
 ]
 
 
@@ -393,8 +460,10 @@ def test_every_block_kernel_compiles_for_an_h100_without_fma_and_with_ieee_divis
 
     for name, constexprs in _VARIANTS:
         fn = getattr(triton_fp4, name)
-        signature = {a: "constexpr" if a in constexprs else _ARGS.get(
-            a, "*fp32" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
+        signature = {a: "constexpr" if a in constexprs else "*u8" if a in _BYTES else _ARGS.get(
+            a, "*i64" if a.endswith("_ptr") and a != "u_ptr" and a != "x_ptr"
+            and a != "out_ptr" else "*fp32" if a.endswith("_ptr") else "i32")
+            for a in fn.arg_names}
         try:
             kernel = triton.compile(ASTSource(fn, signature, {
                 (fn.arg_names.index(a),): v for a, v in constexprs.items()}),

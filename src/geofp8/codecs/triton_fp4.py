@@ -5,26 +5,36 @@ The formats are :mod:`.fp4`'s (NVFP4: E2M1 codes, an E4M3 scale ``β_b`` per blo
 an FP32 scale ``s`` per segment) and :mod:`.mx`'s (MXFP4 / MXFP8: E2M1 / E4M3 codes, an
 E8M0 scale ``2^e`` per block of 32), rounding to nearest even or stochastically (with
 :mod:`.uniforms`' counter-based draw, which the kernels compute from the seeds, the segment
-and the element's index). Each stage is one pass over the elements:
+and the element's index). Every kernel reads and writes where a
+:class:`~.block_records.Placement` says (the codec's whole-bucket parts, or a layout's send
+buffer, records and flat vector: :mod:`geofp8.comm.block_plan`), two kernels a stage:
 
-* :func:`encode` — ``u = x (+ r)`` and every block's max ``|u|`` (whole blocks reduced in
-  registers, one atomic max on the bits per block); the scales, one pass over the blocks
-  (NVFP4: one more for the segments' amax over their finite blocks); then the codes of
-  ``u / d_b`` (``d_b`` the block's scale, 1 where that is 0 or NaN), packed two per byte
-  for E2M1, and, optionally, the sender's rounding error ``u − value(code)·scale_b``;
-* :func:`decode` — ``value(code)·scale_b``; :func:`decode_sum` — the ``N`` senders' copies
-  of a shard decoded and summed in FP32 in sender order. Both first take the blocks' FP32
-  scales from the payload in a pass over the blocks, counting the non-finite ones: the
-  finite flag, and ``poison`` (every value NaN when any scale is not finite, as
-  :func:`~.base.poison_scales_` does).
+* :func:`amax` — ``u = x + where(keep, r, 0)`` (the error feedback add, ``r`` FP32 or
+  BF16) and every block's max ``|u|`` (a tile's whole blocks reduced in registers, one
+  atomic max per block) and, for NVFP4, every segment's max over its finite blocks (one
+  atomic per tile), into epoch-tagged slots (:class:`~.triton_fp8.AmaxSlots`: zeroed once
+  per map, never per call);
+* :func:`encode_placed` — every block's scale computed from the slots where it is used
+  (NVFP4: ``s = max(A / 2688, 2⁻¹⁴⁹)``, ``β`` the smallest E4M3 ``≥ a / (6 s)``; MX: the
+  E8M0 exponent), written with the segment's by the block's first element, and the codes of
+  ``u / d_b`` (``d_b`` the block's scale, 1 where that is 0 or NaN), packed two per byte for
+  E2M1, and, optionally, the rounding error ``u − value(code)·scale_b`` in FP32 or BF16
+  (to nearest even, as ``Tensor.to`` rounds);
+* :func:`reduce` — the ``N`` senders' payloads of a shard decoded and summed in FP32 in
+  sender order from +0, and the sum's amax as :func:`amax` takes it;
+* :func:`decode_placed` — a finite check over the stored scales (into a one-slot epoch),
+  then ``value(code)·scale_b`` (``/ N``), every value NaN unless finite (``poison``, as
+  :func:`~.base.poison_scales_` does), and that flag.
+
+Stochastic keys are mixed in the encoding pass from a per-map ``(shard, index in it)`` of
+every segment and the shard's seed: the step's seed and the stage's prefix as kernel
+scalars (:class:`.uniforms.StepSeed`), or a table of one int64 per shard (the codecs' own
+calls), so nothing per call is ``O(segments)`` on the host.
 
 Packed codes are laid out as :func:`~.fp4.pack_shards` lays them: each shard's ``⌈n/2⌉``
-bytes, element ``2i`` of the shard in the low nibble of its byte ``i``. The packed kernels
-walk a *byte tile map* (:func:`byte_tiles`, made once per :class:`~.groups.GroupMap`): a
-tile is at most ``TILE / 2`` bytes of one shard whose low and high elements each lie in one
-run of equal-length blocks, ``(first byte, end, first element, shard end, g₀, length, run
-start)`` for the low elements and ``(g₀, length, run start)`` for the high ones (they differ
-only in a one-byte tile that straddles two runs: a segment of odd length).
+bytes, element ``2i`` of the shard in the low nibble of its byte ``i``; the packed encode
+walks the placement's byte rows (``pairs``), each lane a byte and its two elements, which
+may lie in two segments far apart in the flat vector.
 
 Bit-exactness as in :mod:`.triton_fp8`: every rounding is integer arithmetic on the FP32
 bits or exact comparisons (E2M1 to nearest even: seven thresholds; E4M3 as c10 casts,
@@ -43,18 +53,20 @@ from typing import NamedTuple
 import torch
 
 from . import triton_fp8
-from .base import group_runs, interleave, joined
+from .base import interleave, joined
+from .block_records import Placement, place, whole_places
 from .groups import GroupMap, group_map
-from .triton_fp8 import _INTERPRET, _NO_FUSION, TILE, triton
-from .uniforms import key_halves
+from .triton_fp8 import _INTERPRET, _NO_FUSION, TILE, AmaxSlots, triton
+from .uniforms import StepSeed
 
 if triton is not None:
     import triton.language as tl
 
-    from .triton_fp8 import _e4m3_round, _e4m3_value, _tile
+    from .triton_fp8 import _e4m3_round, _e4m3_value, _load_f32, _places, _store_f32, _tile
 
-__all__ = ["FORMATS", "Encoded", "amax_slots", "available", "byte_tiles", "decode", "decode_shards",
-           "decode_sum", "decode_whole", "encode", "encode_shards", "encode_whole", "guarded",
+__all__ = ["FORMATS", "Encoded", "amax", "available", "block_length", "decode",
+           "decode_placed", "decode_shards", "decode_sum", "decode_whole", "encode",
+           "encode_placed", "encode_shards", "encode_whole", "guarded", "placement", "reduce",
            "torch_only"]
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8")
@@ -95,69 +107,22 @@ def guarded(run):
         return None
 
 
-def byte_tiles(groups: GroupMap, device: torch.device) -> torch.Tensor:
-    """The byte tile map of ``groups`` (module notes), int64 ``[T, 10]`` on ``device``, made
-    once per map."""
-    def make() -> torch.Tensor:
-        runs = [(first, first + count * size, g0, size) for first, g0, count, size
-                in group_runs(groups.segments) if count and size]
-        rows, j, pos, byte, step = [], 0, 0, 0, TILE // 2
-
-        def run_at(e: int) -> tuple[int, int, int]:
-            nonlocal j
-            while runs[j][1] <= e:
-                j += 1
-            first, _, g0, size = runs[j]
-            return g0, size, first
-
-        for n in groups.numels:
-            stop = pos + n
-            while pos < stop:
-                low = run_at(pos)
-                end = min(runs[j][1], stop)
-                pairs = (end - pos) // 2
-                rows += [(byte + a, byte + min(a + step, pairs), pos + 2 * a, stop, *low, *low)
-                         for a in range(0, pairs, step)]
-                pos, byte = pos + 2 * pairs, byte + pairs
-                if pos < end:  # a byte whose high element is in the next run, or padding
-                    high = run_at(pos + 1) if pos + 1 < stop else low
-                    rows.append((byte, byte + 1, pos, stop, *low, *high))
-                    pos, byte = pos + 2, byte + 1
-            pos = stop
-        return torch.tensor(rows or [(0, 0, 0, 0, 0, 1, 0, 0, 1, 0)],
-                            dtype=torch.int64).to(device)
-    return groups.memo(("triton-byte-tiles", TILE, torch.device(device)), make)
-
-
-def _segment_of(groups: GroupMap, device: torch.device) -> torch.Tensor:
-    """The segment of every block (int32, on ``device``), made once per map."""
-    return groups.memo(("triton-segment-of", torch.device(device)), lambda: torch.repeat_interleave(
-        torch.arange(len(groups.counts), dtype=torch.int32),
-        torch.tensor(groups.counts, dtype=torch.long)).to(device))
-
-
-def _segment_starts(groups: GroupMap, device: torch.device) -> torch.Tensor:
-    """The first element of every segment (int64, on ``device``), made once per map."""
-    def make() -> torch.Tensor:
-        sizes = torch.tensor([sum(seg) for seg in groups.segments], dtype=torch.int64)
-        return (torch.cumsum(sizes, 0) - sizes).to(device)
-    return groups.memo(("triton-segment-starts", torch.device(device)), make)
+def _seed_args(seeds, device: torch.device) -> tuple[int, tuple, dict]:
+    """``(SEEDS, (seeds tensor or None, seed0, prefix, offset))`` of the kernels' draw: none;
+    a :class:`.uniforms.StepSeed` (scalars, mixed in the kernel: nothing copied); else the
+    shards' seeds (``None`` counting as 0), one int64 each, copied from pinned memory
+    without a host sync."""
+    if seeds is None:
+        return 0, (None, 0, 0, 0)
+    if isinstance(seeds, StepSeed):
+        return (3 if seeds.prefix is None else 2), (None, seeds.seed, seeds.prefix or 0,
+                                                    seeds.offset)
+    table = torch.tensor([seed or 0 for seed in seeds], dtype=torch.int64,
+                         pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    return 1, (table, 0, 0, 0)
 
 
 if triton is not None:
-
-    @triton.jit
-    def _byte_tile(tiles_ptr, BYTES: tl.constexpr):
-        """``(byte, mask, low element, high element, high mask, low block, high block)``."""
-        row = tiles_ptr + 10 * tl.program_id(0)
-        start = tl.load(row)
-        offs = start + tl.arange(0, BYTES).to(tl.int64)
-        mask = offs < tl.load(row + 1)
-        lo = tl.load(row + 2) + 2 * (offs - start)
-        hi = lo + 1
-        g_lo = tl.load(row + 4) + (lo - tl.load(row + 6)) // tl.load(row + 5)
-        g_hi = tl.load(row + 7) + (hi - tl.load(row + 9)) // tl.load(row + 8)
-        return offs, mask, lo, hi, mask & (hi < tl.load(row + 3)), g_lo, g_hi
 
     @triton.jit
     def _e2m1_round(q):
@@ -200,13 +165,39 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _uniform(offs, g, mask, seg_ptr, start_ptr, keys_ptr):
-        """:func:`.uniforms.uniforms`' draw for elements ``offs`` of blocks ``g``."""
+    def _splitmix(h, v):
+        """One step of :func:`~.base.mix_seed` (uint64, products wrapping modulo 2⁶⁴)."""
+        h = (h ^ v) * tl.full(h.shape, 0xBF58476D1CE4E5B9, tl.uint64)
+        h = (h ^ (h >> 31)) * tl.full(h.shape, 0x94D049BB133111EB, tl.uint64)
+        return h ^ (h >> 29)
+
+    @triton.jit
+    def _uniform(offs, g, mask, seg_ptr, start_ptr, where_ptr, seeds_ptr, seed0, prefix, offset,
+                 SEEDS: tl.constexpr):
+        """:func:`.uniforms.uniforms`' draw for elements ``offs`` of blocks ``g``: the key
+        ``mix_seed(seed of the shard, index of the segment in it)`` mixed here, per element,
+        from the map's ``(shard, index)`` of every segment and the shard's seed: read from
+        ``seeds_ptr`` (``SEEDS`` 1), or ``mix_seed(seed0, prefix, shard + offset)`` (2), or
+        ``mix_seed(seed0, shard + offset)`` (3), mixed here too (:class:`.uniforms.StepSeed`)."""
         seg = tl.load(seg_ptr + g, mask=mask, other=0).to(tl.int64)
         j = offs - tl.load(start_ptr + seg, mask=mask, other=0)
-        lo = tl.load(keys_ptr + 2 * seg, mask=mask, other=0)
-        hi = tl.load(keys_ptr + 2 * seg + 1, mask=mask, other=0)
-        h = _mix32(_mix32((j + lo) & tl.full(j.shape, 0xFFFFFFFF, tl.int64)) ^ hi)
+        shard = tl.load(where_ptr + 2 * seg, mask=mask, other=0)
+        start = tl.full(shard.shape, 0x9E3779B97F4A7C15, tl.uint64)
+        if SEEDS == 1:
+            seed = tl.load(seeds_ptr + shard, mask=mask, other=0).to(tl.uint64, bitcast=True)
+        else:
+            h = _splitmix(start, tl.full(shard.shape, seed0, tl.int64).to(tl.uint64,
+                                                                           bitcast=True))
+            if SEEDS == 2:
+                h = _splitmix(h, tl.full(shard.shape, prefix, tl.int64).to(tl.uint64,
+                                                                            bitcast=True))
+            seed = _splitmix(h, (shard + offset).to(tl.uint64, bitcast=True)) >> 1
+        index = tl.load(where_ptr + 2 * seg + 1, mask=mask, other=0).to(tl.uint64, bitcast=True)
+        key = _splitmix(_splitmix(start, seed), index) >> 1
+        m32 = tl.full(j.shape, 0xFFFFFFFF, tl.int64)
+        lo = (key & 0xFFFFFFFF).to(tl.int64, bitcast=True)
+        hi = (key >> 32).to(tl.int64, bitcast=True)
+        h = _mix32(_mix32((j + lo) & m32) ^ hi)
         return (h >> 8).to(tl.float32) * 5.9604644775390625e-08
 
     @triton.jit
@@ -231,96 +222,10 @@ if triton is not None:
         return _e4m3_round(v)[0]
 
     @triton.jit
-    def _encode_lanes(x_ptr, scale_ptr, err_ptr, offs, g, mask, seg_ptr, start_ptr, keys_ptr,
-                      HAS_ERR: tl.constexpr, STOCHASTIC: tl.constexpr, FMT: tl.constexpr):
-        """The codes (uint32) of elements ``offs`` of blocks ``g``; their errors stored."""
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        s = tl.load(scale_ptr + g, mask=mask, other=1.0)
-        q = tl.math.div_rn(x, tl.where(s > 0.0, s, 1.0))
-        if STOCHASTIC:
-            code = _round_stochastic(
-                q, _uniform(offs, g, mask, seg_ptr, start_ptr, keys_ptr), FMT)
-        else:
-            code = _round(q, FMT)
-        if HAS_ERR:
-            tl.store(err_ptr + offs, x - _value(code, FMT) * s, mask=mask)
-        return code
-
-    @triton.jit
-    def _encode_packed_kernel(x_ptr, scale_ptr, codes_ptr, err_ptr, tiles_ptr, seg_ptr,
-                              start_ptr, keys_ptr, HAS_ERR: tl.constexpr,
-                              STOCHASTIC: tl.constexpr, BYTES: tl.constexpr):
-        offs, mask, lo, hi, mask_hi, g_lo, g_hi = _byte_tile(tiles_ptr, BYTES)
-        low = _encode_lanes(x_ptr, scale_ptr, err_ptr, lo, g_lo, mask, seg_ptr, start_ptr,
-                            keys_ptr, HAS_ERR, STOCHASTIC, 0)
-        high = _encode_lanes(x_ptr, scale_ptr, err_ptr, hi, g_hi, mask_hi, seg_ptr, start_ptr,
-                             keys_ptr, HAS_ERR, STOCHASTIC, 0)
-        tl.store(codes_ptr + offs, (low | (high << 4)).to(tl.uint8), mask=mask)
-
-    @triton.jit
-    def _encode_bytes_kernel(x_ptr, scale_ptr, codes_ptr, err_ptr, tiles_ptr, seg_ptr,
-                             start_ptr, keys_ptr, HAS_ERR: tl.constexpr,
-                             STOCHASTIC: tl.constexpr, TILE: tl.constexpr):
-        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
-        code = _encode_lanes(x_ptr, scale_ptr, err_ptr, offs, g, mask, seg_ptr, start_ptr,
-                             keys_ptr, HAS_ERR, STOCHASTIC, 1)
-        tl.store(codes_ptr + offs, code.to(tl.uint8), mask=mask)
-
-    @triton.jit
-    def _block_amax_kernel(x_ptr, r_ptr, u_ptr, tiles_ptr, bits_ptr, HAS_R: tl.constexpr,
-                           B: tl.constexpr, TILE: tl.constexpr):
-        """``u = x (+ r)`` and every block's max ``|u|`` (bits, atomic max): a tile of whole
-        blocks of the format's length ``B`` reduces them in registers, one atomic per block;
-        the short blocks (a tensor's last) take one per element (:mod:`.triton_fp8`)."""
-        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        if HAS_R:
-            x = x + tl.load(r_ptr + offs, mask=mask, other=0.0)
-            tl.store(u_ptr + offs, x, mask=mask)
-        bits = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-        if size == B:  # whole blocks (a tile holds whole groups)
-            rows = tl.arange(0, TILE // B)
-            tl.atomic_max(bits_ptr + g0 + (start - run0) // B + rows,
-                          tl.max(tl.reshape(bits, (TILE // B, B)), axis=1),
-                          mask=rows * B < tl.sum(mask.to(tl.int32), axis=0))
-        else:
-            tl.atomic_max(bits_ptr + g, bits, mask=mask)
-
-    @triton.jit
-    def _segment_amax_kernel(bits_ptr, seg_ptr, seg_bits_ptr, n, BLOCK: tl.constexpr):
-        """Every segment's max over its finite blocks' amax (bits, atomic)."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        bits = tl.load(bits_ptr + offs, mask=offs < n, other=0)
-        mask = (offs < n) & (bits < 0x7F800000)
-        tl.atomic_max(seg_bits_ptr + tl.load(seg_ptr + offs, mask=mask, other=0), bits,
-                      mask=mask)
-
-    @triton.jit
     def _segment_scale(amax):
         """``max(A / (6·448), 2⁻¹⁴⁹)`` (FP32)."""
         tiny = tl.full(amax.shape, 1, tl.int32).to(tl.float32, bitcast=True)
         return tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 2688.0, tl.float32)), tiny)
-
-    @triton.jit
-    def _nvfp4_scales_kernel(bits_ptr, seg_ptr, seg_bits_ptr, s_ptr, code_ptr, scale_ptr,
-                             n, n_seg, BLOCK: tl.constexpr):
-        """``s = max(A / 2688, 2⁻¹⁴⁹)`` of the segments; each block's E4M3 ``β`` (the
-        smallest ``≥ a / (6 s)``, NaN ``0x7F`` for a non-finite block) and ``β·s``."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        seg_amax = tl.load(seg_bits_ptr + offs, mask=offs < n_seg, other=0).to(
-            tl.float32, bitcast=True)
-        s = _segment_scale(seg_amax)
-        tl.store(s_ptr + offs, s, mask=offs < n_seg)
-        mask = offs < n
-        bits = tl.load(bits_ptr + offs, mask=mask, other=0)
-        seg = tl.load(seg_ptr + offs, mask=mask, other=0)
-        seg_amax = tl.load(seg_bits_ptr + seg, mask=mask, other=0).to(tl.float32, bitcast=True)
-        s = _segment_scale(seg_amax)
-        r = tl.minimum(tl.math.div_rn(bits.to(tl.float32, bitcast=True), 6.0 * s), 448.0)
-        code, value = _e4m3_round(r)
-        code = tl.where(bits < 0x7F800000, code + (value < r).to(tl.uint32), 0x7F)
-        tl.store(code_ptr + offs, code.to(tl.uint8), mask=mask)
-        tl.store(scale_ptr + offs, _e4m3_value(code) * s, mask=mask)
 
     @triton.jit
     def _e8m0_value(byte):
@@ -329,87 +234,240 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _mx_scales_kernel(bits_ptr, byte_ptr, scale_ptr, n, EMAX: tl.constexpr,
-                          THRESHOLD: tl.constexpr, BLOCK: tl.constexpr):
-        """E8M0 ``e`` (the smallest with ``a ≤ fmax·2^e``, in ``[−127, 127]``; ``0xFF`` for a
-        non-finite block) from the amax bits, as ``frexp`` gives it."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        bits = tl.load(bits_ptr + offs, mask=mask, other=0)
+    def _block_scale(slots_ptr, g, seg, mask, n_groups, NVFP4: tl.constexpr,
+                     EMAX: tl.constexpr, THRESHOLD: tl.constexpr):
+        """``(FP32 scale, scale byte, FP32 segment scale)`` of blocks ``g`` from the low words
+        of their amax slots. NVFP4: ``s = max(A / 2688, 2⁻¹⁴⁹)`` of the segment, ``β`` the
+        smallest E4M3 ``≥ a / (6 s)`` (``0x7F``, NaN, for a non-finite block), the scale
+        ``β·s``; MX: the E8M0 ``e``, the smallest with ``a ≤ fmax·2^e`` in ``[−127, 127]``
+        (``0xFF`` for a non-finite block), as ``frexp`` gives it."""
+        bits = tl.load(slots_ptr + g, mask=mask, other=0).to(tl.int32)
+        if NVFP4:
+            seg_amax = tl.load(slots_ptr + n_groups + seg, mask=mask, other=0).to(tl.int32)
+            s = _segment_scale(seg_amax.to(tl.float32, bitcast=True))
+            r = tl.minimum(tl.math.div_rn(bits.to(tl.float32, bitcast=True), 6.0 * s), 448.0)
+            code, value = _e4m3_round(r)
+            code = tl.where(bits < 0x7F800000, code + (value < r).to(tl.uint32), 0x7F)
+            return _e4m3_value(code) * s, code, s
         k = (bits >> 23) - 126  # amax = m·2^k, m in [0.5, 1), for a normal amax
         e = k - EMAX - 1 + ((bits & 0x7FFFFF) > THRESHOLD).to(tl.int32)
         e = tl.where(bits == 0, -EMAX - 1, tl.where(bits < 0x00800000, -127, e))
         byte = tl.where(bits < 0x7F800000, tl.minimum(tl.maximum(e, -127), 127) + 127, 0xFF)
-        tl.store(byte_ptr + offs, byte.to(tl.uint8), mask=mask)
-        tl.store(scale_ptr + offs, _e8m0_value(byte.to(tl.uint32)), mask=mask)
+        scale = _e8m0_value(byte.to(tl.uint32))
+        return scale, byte.to(tl.uint32), scale
 
     @triton.jit
-    def _payload_scales_kernel(code_ptr, code_stride, s_ptr, s_stride, seg_ptr, scale_ptr,
-                               bad_ptr, n, NVFP4: tl.constexpr, BLOCK: tl.constexpr):
-        """Sender ``r``'s FP32 block scales from its payload (NVFP4: ``β·s``, ``s`` read as
-        the bytes of row ``r`` of ``s_ptr``; MX: ``2^e``) into row ``r`` of ``scale``; a
-        non-finite one counted in ``bad``."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        r = tl.program_id(1).to(tl.int64)
-        mask = offs < n
-        code = tl.load(code_ptr + r * code_stride + offs, mask=mask, other=0).to(tl.uint32)
-        if NVFP4:  # the FP32 segment scale from its 4 bytes (a record need not be aligned)
-            at = s_ptr + r * s_stride + 4 * tl.load(seg_ptr + offs, mask=mask, other=0)
-            s = tl.zeros(offs.shape, tl.uint32)
-            for k in tl.static_range(4):
-                s |= tl.load(at + k, mask=mask, other=0).to(tl.uint32) << (8 * k)
-            scale = _e4m3_value(code) * s.to(tl.float32, bitcast=True)
-        else:
-            scale = _e8m0_value(code)
-        tl.store(scale_ptr + r * n + offs, scale, mask=mask)
-        inf_or_nan = (scale.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
-        bad = tl.where(mask & inf_or_nan, 1, 0)
-        tl.atomic_max(bad_ptr, tl.max(bad, 0))
+    def _stored_scale(s_ptr, blk_ptr, g, mask, block_at_ptr, seg_at_ptr, seg_of_ptr,
+                      NVFP4: tl.constexpr):
+        """The FP32 scale of blocks ``g`` as a payload holds it (NVFP4: ``β·s``, ``s`` read
+        from its 4 bytes at any alignment; MX: ``2^e``)."""
+        code = tl.load(blk_ptr + tl.load(block_at_ptr + g, mask=mask, other=0), mask=mask,
+                       other=0).to(tl.uint32)
+        if NVFP4:
+            seg = tl.load(seg_of_ptr + g, mask=mask, other=0)
+            s = _load_f32(s_ptr + tl.load(seg_at_ptr + seg, mask=mask, other=0), mask)
+            return _e4m3_value(code) * s
+        return _e8m0_value(code)
 
     @triton.jit
-    def _code_at(ptr, mask, shift, FMT: tl.constexpr):
-        """The codes at ``ptr`` (uint32): a byte, or its nibble at ``shift`` for E2M1."""
-        c = tl.load(ptr, mask=mask, other=0).to(tl.uint32)
+    def _code_at(code_ptr, slot, mask, FMT: tl.constexpr):
+        """The codes (uint32) at code slots ``slot``: nibbles of packed bytes for E2M1."""
         if FMT == 0:
-            c = (c >> shift) & 15
-        return c
+            c = tl.load(code_ptr + slot // 2, mask=mask, other=0).to(tl.uint32)
+            return (c >> (4 * (slot & 1)).to(tl.uint32)) & 15
+        return tl.load(code_ptr + slot, mask=mask, other=0).to(tl.uint32)
 
     @triton.jit
-    def _sum_lanes(codes_ptr, code_stride, byte, shift, scale_ptr, g, n_groups, mask,
-                   n_senders, FMT: tl.constexpr, SUM: tl.constexpr):
-        """``Σ_r value(code_r)·scale_{r,g}`` from +0 (``SUM``), or sender 0's value."""
-        if SUM:
-            acc = tl.zeros(byte.shape, tl.float32)
-            for r in range(0, n_senders):
-                c = _code_at(codes_ptr + r * code_stride + byte, mask, shift, FMT)
-                acc += _value(c, FMT) * tl.load(scale_ptr + r * n_groups + g, mask=mask,
-                                                other=1.0)
-            return acc
-        c = _code_at(codes_ptr + byte, mask, shift, FMT)
-        return _value(c, FMT) * tl.load(scale_ptr + g, mask=mask, other=1.0)
+    def _block_max(slots_ptr, x, mask, start, size, g0, run0, seg_of_ptr, n_groups, epoch,
+                   NVFP4: tl.constexpr, B: tl.constexpr, TILE: tl.constexpr):
+        """Every block's max ``|x|`` of a tile of whole blocks (in registers, one atomic per
+        block) into its slot, and (NVFP4) the tile's max over its finite blocks into its
+        segment's slot, both tagged with ``epoch`` (:class:`~.triton_fp8.AmaxSlots`)."""
+        bits = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+        first = g0 + (start - run0) // size
+        if size == B:  # whole blocks of the format's length
+            rows = tl.arange(0, TILE // B)
+            blocks = tl.max(tl.reshape(bits, (TILE // B, B)), axis=1)
+            valid = rows * B < tl.sum(mask.to(tl.int32), axis=0)
+            tl.atomic_max(slots_ptr + first + rows, blocks.to(tl.int64) + epoch, mask=valid)
+            finite = tl.max(tl.where(valid & (blocks < 0x7F800000), blocks, 0), axis=0)
+        else:  # one shorter block
+            one = tl.max(bits, axis=0)
+            tl.atomic_max(slots_ptr + first, one.to(tl.int64) + epoch)
+            finite = tl.where(one < 0x7F800000, one, 0)
+        if NVFP4:
+            seg = tl.load(seg_of_ptr + first).to(tl.int64)
+            tl.atomic_max(slots_ptr + n_groups + seg, finite.to(tl.int64) + epoch)
 
     @triton.jit
-    def _decode_kernel(codes_ptr, code_stride, scale_ptr, out_ptr, tiles_ptr, bad_ptr,
-                       n_senders, n_groups, FMT: tl.constexpr, SUM: tl.constexpr,
-                       POISON: tl.constexpr, TILE: tl.constexpr):
-        if FMT == 0:  # packed: byte tiles, two lanes
-            offs, mask, lo, hi, mask_hi, g_lo, g_hi = _byte_tile(tiles_ptr, TILE // 2)
-            low = _sum_lanes(codes_ptr, code_stride, offs, 0, scale_ptr, g_lo, n_groups, mask,
-                             n_senders, FMT, SUM)
-            high = _sum_lanes(codes_ptr, code_stride, offs, 4, scale_ptr, g_hi, n_groups,
-                              mask_hi, n_senders, FMT, SUM)
-            if POISON:
-                low = tl.where(tl.load(bad_ptr) != 0, float("nan"), low)
-                high = tl.where(tl.load(bad_ptr) != 0, float("nan"), high)
-            tl.store(out_ptr + lo, low, mask=mask)
-            tl.store(out_ptr + hi, high, mask=mask_hi)
+    def _plus_residual(x, r_ptr, keep_ptr, offs, mask, KEEP: tl.constexpr):
+        """``x + where(keep, r, 0)`` in FP32 (``r`` FP32 or BF16, ``keep`` a 0-dim flag)."""
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if KEEP:
+            r = tl.where(tl.load(keep_ptr) != 0, r, 0.0)
+        return x + r
+
+    @triton.jit
+    def _amax_kernel(x_ptr, r_ptr, keep_ptr, u_ptr, tiles_ptr, seg_of_ptr, slots_ptr,
+                     n_groups, epoch, HAS_R: tl.constexpr, KEEP: tl.constexpr,
+                     STORE_U: tl.constexpr, NVFP4: tl.constexpr, B: tl.constexpr,
+                     TILE: tl.constexpr):
+        """``u = x + where(keep, r, 0)`` (stored with ``STORE_U``) and the blocks' and
+        segments' amax of ``u`` (:func:`_block_max`)."""
+        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if HAS_R:
+            x = _plus_residual(x, r_ptr, keep_ptr, offs, mask, KEEP)
+            if STORE_U:
+                tl.store(u_ptr + offs, x, mask=mask)
+        _block_max(slots_ptr, x, mask, start, size, g0, run0, seg_of_ptr, n_groups, epoch,
+                   NVFP4, B, TILE)
+
+    @triton.jit
+    def _bf16_bits(x):
+        """The BF16 bits (int16) of FP32 ``x``, to nearest even (c10's; NaN: ``0x7FC0``)."""
+        b = x.to(tl.uint32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+        return r.to(tl.uint16).to(tl.int16, bitcast=True)
+
+    @triton.jit
+    def _encode_lane(u_ptr, r_ptr, keep_ptr, err_ptr, s_out, blk_out, elem, g, run0, size, mask,
+                     slots_ptr,
+                     n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr, where_ptr,
+                     seeds_ptr, seed0, prefix, offset, HAS_R: tl.constexpr,
+                     KEEP: tl.constexpr, HAS_ERR: tl.constexpr, ERR_BF16: tl.constexpr,
+                     SEEDS: tl.constexpr, FMT: tl.constexpr, NVFP4: tl.constexpr,
+                     EMAX: tl.constexpr, THRESHOLD: tl.constexpr):
+        """The codes (uint32) of elements ``elem`` of blocks ``g``: their blocks' scales from
+        the slots, written (and the segment's) by a block's first element; the rounding
+        error ``u − value(code)·scale`` stored (FP32, or BF16 to nearest even); ``u`` plus
+        ``where(keep, r, 0)`` with ``HAS_R``."""
+        seg = tl.load(seg_of_ptr + g, mask=mask, other=0).to(tl.int64)
+        scale, byte, s = _block_scale(slots_ptr, g, seg, mask, n_groups, NVFP4, EMAX, THRESHOLD)
+        first = mask & ((elem - run0) % size == 0)
+        tl.store(blk_out + tl.load(block_at_ptr + g, mask=first, other=0), byte.to(tl.uint8),
+                 mask=first)
+        if NVFP4:
+            lead = first & (elem == tl.load(seg_start_ptr + seg, mask=first, other=-1))
+            _store_f32(s_out + tl.load(seg_at_ptr + seg, mask=lead, other=0), s, lead)
+        x = tl.load(u_ptr + elem, mask=mask, other=0.0)
+        if HAS_R:  # Ũ again, as the amax pass made it (R is read before it is written)
+            x = _plus_residual(x, r_ptr, keep_ptr, elem, mask, KEEP)
+        q = tl.math.div_rn(x, tl.where(scale > 0.0, scale, 1.0))
+        if SEEDS:
+            u = _uniform(elem, g, mask, seg_of_ptr, seg_start_ptr, where_ptr, seeds_ptr, seed0,
+                         prefix, offset, SEEDS)
+            code = _round_stochastic(q, u, FMT)
         else:
-            offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
-            value = _sum_lanes(codes_ptr, code_stride, offs, 0, scale_ptr, g, n_groups, mask,
-                               n_senders, FMT, SUM)
-            if POISON:
-                value = tl.where(tl.load(bad_ptr) != 0, float("nan"), value)
-            tl.store(out_ptr + offs, value, mask=mask)
+            code = _round(q, FMT)
+        if HAS_ERR:  # may be u itself: each element read before it is written
+            err = x - _value(code, FMT) * scale
+            if ERR_BF16:
+                tl.store(err_ptr + elem, _bf16_bits(err), mask=mask)
+            else:
+                tl.store(err_ptr + elem, err, mask=mask)
+        return code
+
+    @triton.jit
+    def _first_program(out_ptr, pad_lo, pad_hi, s_out, empty_ptr, n_empty, TILE: tl.constexpr):
+        """Program 0's extra stores: the record's padding zeroed; the scale ``2⁻¹⁴⁹`` of every
+        segment without a block (NVFP4)."""
+        if tl.program_id(0) == 0:
+            for p in range(pad_lo, pad_hi, TILE):
+                at = p + tl.arange(0, TILE)
+                tl.store(out_ptr + at, tl.zeros((TILE,), tl.uint8), mask=at < pad_hi)
+            for k in range(0, n_empty, TILE):
+                i = k + tl.arange(0, TILE)
+                tiny = tl.full((TILE,), 1, tl.int32).to(tl.float32, bitcast=True)
+                _store_f32(s_out + tl.load(empty_ptr + i, mask=i < n_empty, other=0), tiny,
+                           i < n_empty)
+
+    @triton.jit
+    def _encode_kernel(u_ptr, r_ptr, keep_ptr, err_ptr, s_out, blk_out, code_out, rows_ptr,
+                       slots_ptr, n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr,
+                       where_ptr, seeds_ptr, seed0, prefix, offset, pad_lo, pad_hi, empty_ptr,
+                       n_empty, HAS_R: tl.constexpr, KEEP: tl.constexpr, HAS_ERR: tl.constexpr,
+                       ERR_BF16: tl.constexpr, SEEDS: tl.constexpr, FMT: tl.constexpr,
+                       NVFP4: tl.constexpr, EMAX: tl.constexpr, THRESHOLD: tl.constexpr,
+                       TILE: tl.constexpr):
+        """The encoding pass: E2M1 over the placement's byte rows (``rows_ptr`` its
+        ``pairs``: a lane per byte, its low and high elements), E4M3 over its tiles."""
+        if FMT == 0:
+            row = rows_ptr + 11 * tl.program_id(0)
+            a = tl.arange(0, TILE // 2).to(tl.int64)
+            byte = tl.load(row) + a
+            mask = byte < tl.load(row + 1)
+            code = tl.zeros(a.shape, tl.uint32)
+            for k in tl.static_range(2):  # the low nibble's element, then the high one's
+                elem = tl.load(row + 2 + 4 * k) + 2 * a
+                size, run0 = tl.load(row + 4 + 4 * k), tl.load(row + 5 + 4 * k)
+                lane = mask if k == 0 else a < tl.load(row + 10)
+                code |= _encode_lane(
+                    u_ptr, r_ptr, keep_ptr, err_ptr, s_out, blk_out, elem,
+                    tl.load(row + 3 + 4 * k) + (elem - run0) // size, run0, size, lane,
+                    slots_ptr, n_groups, block_at_ptr, seg_at_ptr, seg_of_ptr, seg_start_ptr,
+                    where_ptr, seeds_ptr, seed0, prefix, offset, HAS_R, KEEP, HAS_ERR,
+                    ERR_BF16, SEEDS, FMT, NVFP4, EMAX, THRESHOLD) << (4 * k)
+            tl.store(code_out + byte, code.to(tl.uint8), mask=mask)
+        else:
+            offs, mask, g, start, size, g0, run0 = _tile(rows_ptr, TILE)
+            code = _encode_lane(u_ptr, r_ptr, keep_ptr, err_ptr, s_out, blk_out, offs, g, run0,
+                                size, mask, slots_ptr, n_groups, block_at_ptr, seg_at_ptr,
+                                seg_of_ptr, seg_start_ptr, where_ptr, seeds_ptr, seed0, prefix,
+                                offset, HAS_R, KEEP, HAS_ERR, ERR_BF16, SEEDS, FMT, NVFP4, EMAX,
+                                THRESHOLD)
+            tl.store(code_out + _places(rows_ptr, offs, g)[0], code.to(tl.uint8), mask=mask)
+        _first_program(code_out, pad_lo, pad_hi, s_out, empty_ptr, n_empty, TILE)
+
+    @triton.jit
+    def _reduce_kernel(s_in, s_stride, blk_in, blk_stride, code_in, code_stride, n_senders,
+                       out_ptr, tiles_ptr, block_at_ptr, seg_at_ptr, seg_of_ptr, slots_ptr,
+                       n_groups, epoch, FMT: tl.constexpr, NVFP4: tl.constexpr,
+                       B: tl.constexpr, TILE: tl.constexpr):
+        """``0 + Σ_r value(code_r)·scale_r`` in sender order (FP32) of the ``N`` payloads
+        (rows of the three part pointers), and its blocks' and segments' amax."""
+        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
+        slot = _places(tiles_ptr, offs, g)[0]
+        acc = tl.zeros((TILE,), tl.float32)  # from +0 (-0 + 0 = +0), sender after sender
+        for r in range(0, n_senders):
+            scale = _stored_scale(s_in + r * s_stride, blk_in + r * blk_stride, g, mask,
+                                  block_at_ptr, seg_at_ptr, seg_of_ptr, NVFP4)
+            acc += _value(_code_at(code_in + r * code_stride, slot, mask, FMT), FMT) * scale
+        tl.store(out_ptr + offs, acc, mask=mask)
+        _block_max(slots_ptr, acc, mask, start, size, g0, run0, seg_of_ptr, n_groups, epoch,
+                   NVFP4, B, TILE)
+
+    @triton.jit
+    def _finite_kernel(s_in, blk_in, block_at_ptr, seg_at_ptr, seg_of_ptr, slot_ptr, epoch, n,
+                       NVFP4: tl.constexpr, BLOCK: tl.constexpr):
+        """Whether the stored scales of blocks ``[pid·BLOCK, …)`` are all finite: the slot's
+        atomic max is ``epoch`` if every block's are, ``epoch + 1`` if not."""
+        g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = g < n
+        scale = _stored_scale(s_in, blk_in, g, mask, block_at_ptr, seg_at_ptr, seg_of_ptr, NVFP4)
+        bad = (((scale.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000) & mask)
+        tl.atomic_max(slot_ptr, epoch + tl.max(bad.to(tl.int64), 0))
+
+    @triton.jit
+    def _decode_kernel(s_in, blk_in, code_in, out_ptr, tiles_ptr, block_at_ptr, seg_at_ptr,
+                       seg_of_ptr, slot_ptr, epoch, flag_ptr, divisor, DIVIDE: tl.constexpr,
+                       POISON: tl.constexpr, FMT: tl.constexpr, NVFP4: tl.constexpr,
+                       TILE: tl.constexpr):
+        """``value(code)·scale`` (``/ divisor``) of every element, all NaN unless the finite
+        check's slot says ``epoch`` (``POISON``); that flag stored."""
+        offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
+        slot = _places(tiles_ptr, offs, g)[0]
+        scale = _stored_scale(s_in, blk_in, g, mask, block_at_ptr, seg_at_ptr, seg_of_ptr, NVFP4)
+        v = _value(_code_at(code_in, slot, mask, FMT), FMT) * scale
+        if DIVIDE:
+            v = tl.math.div_rn(v, tl.full(v.shape, divisor, tl.float32))
+        finite = tl.load(slot_ptr) == epoch
+        if POISON:
+            v = tl.where(finite, v, float("nan"))
+        tl.store(out_ptr + offs, v, mask=mask)
+        if tl.program_id(0) == 0:
+            tl.store(flag_ptr, finite.to(tl.uint8))
 
 
 class Encoded(NamedTuple):
@@ -429,108 +487,173 @@ def _element(fmt: str) -> int:
     return E4M3 if fmt == "mxfp8" else E2M1
 
 
-def _tiles(groups: GroupMap, fmt: str, device: torch.device) -> torch.Tensor:
-    return (byte_tiles if _element(fmt) == E2M1 else triton_fp8.tiles)(groups, device)
+def block_length(fmt: str) -> int:
+    """Elements per block: 16 for NVFP4, 32 for MX."""
+    return 16 if _element(fmt) == E2M1 and fmt == "nvfp4" else 32
 
 
-def amax_slots(groups: GroupMap, fmt: str) -> int:
-    """The int32 amax slots :func:`encode` takes: one per block (and per segment, NVFP4)."""
-    return len(groups.lengths) + (len(groups.counts) if fmt == "nvfp4" else 0)
+def placement(groups: GroupMap, fmt: str, device: torch.device) -> Placement:
+    """The placed maps of the codec's whole-bucket parts of ``groups``
+    (:func:`~.block_records.whole_places`), made once per map."""
+    def make() -> Placement:
+        packed = _element(fmt) == E2M1
+        return place(whole_places(groups, fmt == "nvfp4", packed), packed, block_length(fmt),
+                     device)
+    return groups.memo(("triton-fp4-placement", fmt, torch.device(device)), make)
+
+
+def _memo_slots(groups: GroupMap, what: str, n: int, device: torch.device) -> AmaxSlots:
+    return groups.memo(("triton-fp4-slots", what, torch.device(device)),
+                       lambda: AmaxSlots(n, device))
+
+
+def amax(x: torch.Tensor, p: Placement, amax_slots: AmaxSlots, fmt: str,
+         residual: torch.Tensor | None = None, keep: torch.Tensor | None = None,
+         u: torch.Tensor | None = None) -> torch.Tensor:
+    """Every block's and segment's amax of ``u = x + where(keep, residual, 0)`` (``x``
+    without a residual; ``residual`` FP32 or BF16, ``keep`` a 0-dim bool device tensor or
+    ``None`` for true) in the next epoch of ``amax_slots``: what :func:`encode_placed`
+    reads. ``u``: where ``u`` is written, else nowhere. One kernel."""
+    bits, epoch = amax_slots.next()
+    _amax_kernel[(p.tiles.shape[0],)](
+        x, x if residual is None else residual, _keep_arg(x, keep), x if u is None else u,
+        p.tiles, p.seg_of, bits, p.n_groups, epoch, HAS_R=residual is not None,
+        KEEP=keep is not None, STORE_U=u is not None, NVFP4=fmt == "nvfp4",
+        B=block_length(fmt), TILE=TILE)
+    return bits
+
+
+def _keep_arg(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    return x if keep is None else keep.view(torch.uint8)
+
+
+def encode_placed(u: torch.Tensor, bits: torch.Tensor, p: Placement, fmt: str,
+                  outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                  error: torch.Tensor | None = None, seeds=None,
+                  pad: tuple[int, int] = (0, 0),
+                  feedback: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+    """The scales (from the amax ``bits``) and codes of ``u`` written where ``p`` places
+    them in the uint8 ``outs`` ``(segment scales, block scales, codes)`` (one buffer thrice
+    for a record or a send buffer); bytes ``pad`` of ``outs[2]`` zeroed; with ``error``
+    (FP32 or BF16, may be ``u`` itself) the rounding error at the values' places; ``seeds``
+    (one per shard, or a :class:`.uniforms.StepSeed`): stochastic rounding.
+    ``feedback=(R, keep)``: the values are ``u + where(keep, R, 0)`` (as :func:`amax` took
+    them; ``error`` may be ``R``). One kernel."""
+    element, device = _element(fmt), u.device
+    emax, threshold = _MX.get(fmt, (0, 0))
+    mode, (table, *scalars) = _seed_args(seeds, device)
+    err = u if error is None else (error.view(torch.int16) if error.dtype == torch.bfloat16
+                                   else error)
+    rows = p.pairs if element == E2M1 else p.tiles
+    residual, keep = feedback or (None, None)
+    _encode_kernel[(rows.shape[0],)](
+        u, u if residual is None else residual, _keep_arg(u, keep), err, *outs, rows, bits,
+        p.n_groups, p.block_at, p.seg_at, p.seg_of, p.seg_start, p.seg_where,
+        p.seg_start if table is None else table, *scalars, *pad, p.seg_empty,
+        p.n_empty if fmt == "nvfp4" else 0, HAS_R=residual is not None, KEEP=keep is not None,
+        HAS_ERR=error is not None, ERR_BF16=error is not None and error.dtype == torch.bfloat16,
+        SEEDS=mode, FMT=element, NVFP4=fmt == "nvfp4", EMAX=emax, THRESHOLD=threshold,
+        TILE=TILE, **_NO_FUSION)
+
+
+def reduce(rows: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor], p: Placement,
+           amax_slots: AmaxSlots, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum, bits)``: ``0 + Σ_r value(code_r)·scale_{r,b}`` in sender order (FP32) of the
+    ``N`` payloads whose parts are the rows of ``rows`` ``(segment scales' bytes or None,
+    block scales, codes)`` (uint8 ``[N, ·]``, any row stride, placed as ``p`` says), and its
+    blocks' and segments' amax in the next epoch of ``amax_slots``. One kernel."""
+    s, blk, codes = rows
+    s = blk if s is None else s
+    n_senders, device = codes.shape[0], codes.device
+    out = torch.empty(p.numel, dtype=torch.float32, device=device)
+    bits, epoch = amax_slots.next()
+    _reduce_kernel[(p.tiles.shape[0],)](
+        s, s.stride(0), blk, blk.stride(0), codes, codes.stride(0), n_senders, out, p.tiles,
+        p.block_at, p.seg_at, p.seg_of, bits, p.n_groups, epoch, FMT=_element(fmt),
+        NVFP4=fmt == "nvfp4", B=block_length(fmt), TILE=TILE, **_NO_FUSION)
+    return out, bits
+
+
+def decode_placed(out: torch.Tensor, ins: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor],
+                  p: Placement, finite_slot: AmaxSlots, fmt: str, divisor: int | None = None,
+                  poison: bool = False, flag: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = value(code)·scale`` (``/ divisor`` when given) of the payloads in ``ins``
+    ``(segment scales' bytes or None, block scales, codes)``, placed as ``p`` says; all NaN
+    unless every stored scale is finite (``poison``). Returns that 0-dim bool flag, written
+    into the 0-dim uint8 ``flag`` when given (a step's slot); two kernels (the finite check
+    into the next epoch of the one-slot ``finite_slot``, the decode)."""
+    s, blk, codes = ins
+    s = blk if s is None else s
+    nvfp4 = fmt == "nvfp4"
+    if flag is None:
+        flag = torch.empty((), dtype=torch.uint8, device=out.device)
+    slot, epoch = finite_slot.next()
+    _finite_kernel[(triton.cdiv(max(p.n_groups, 1), BLOCK),)](
+        s, blk, p.block_at, p.seg_at, p.seg_of, slot, epoch, p.n_groups, NVFP4=nvfp4,
+        BLOCK=BLOCK)
+    _decode_kernel[(p.tiles.shape[0],)](
+        s, blk, codes, out, p.tiles, p.block_at, p.seg_at, p.seg_of, slot, epoch, flag,
+        float(divisor or 1), DIVIDE=divisor is not None, POISON=poison, FMT=_element(fmt),
+        NVFP4=nvfp4, TILE=TILE, **_NO_FUSION)
+    return flag.view(torch.bool)
+
+
+def _part_sizes(groups: GroupMap, fmt: str) -> tuple[int, int, int]:
+    """Bytes of the whole bucket's ``(segment scales, block scales, codes)``."""
+    codes = (sum((n + 1) // 2 for n in groups.numels) if _element(fmt) == E2M1
+             else sum(groups.numels))
+    return (4 * len(groups.counts) if fmt == "nvfp4" else 0), len(groups.lengths), codes
 
 
 def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor | None = None,
            error: bool = False, seeds=None, into: tuple | None = None,
-           bits: torch.Tensor | None = None, error_out: torch.Tensor | None = None) -> Encoded:
+           error_out: torch.Tensor | None = None) -> Encoded:
     """``fmt``'s payload of ``u = x (+ residual)`` over ``groups`` (module notes): the amax
-    pass, one or two per-block passes, the encoding pass. ``seeds`` (one per shard, ``None``
-    counting as 0): round stochastically with :mod:`.uniforms`' draws, else to nearest.
-    ``into``: ``(segment scales or None, block bytes, codes)``, contiguous tensors the
-    payload is written into (e.g. views of the record it travels in), else new ones;
-    ``bits``: zeroed int32 amax slots to use (:func:`amax_slots` of ``groups``);
-    ``error_out``: where the rounding error goes, ``x`` itself included (each element is
-    read by the encoding pass before its error is written), else a new vector."""
-    element, device = _element(fmt), x.device
-    n_groups, n_seg = len(groups.lengths), len(groups.counts)
-    if bits is None:
-        bits = torch.zeros(amax_slots(groups, fmt), dtype=torch.int32, device=device)
+    pass and the encoding pass. ``seeds`` (one per shard, ``None`` counting as 0): round
+    stochastically with :mod:`.uniforms`' draws, else to nearest. ``into``: ``(segment
+    scales or None, block bytes, codes)``, contiguous tensors the payload is written into,
+    else new ones; ``error_out``: where the rounding error goes, ``x`` itself included,
+    else a new vector (the stages' error feedback in place: :func:`encode_placed`'s
+    ``feedback``)."""
+    device = x.device
+    p = placement(groups, fmt, device)
+    slots = _memo_slots(groups, fmt, p.n_groups + p.n_segments, device)
+    err = (error_out if error_out is not None else torch.empty_like(x)) if error else None
     u = x if residual is None else torch.empty_like(x)
-    tiles = triton_fp8.tiles(groups, device)
-    _block_amax_kernel[(tiles.shape[0],)](x, x if residual is None else residual, u, tiles,
-                                          bits, HAS_R=residual is not None,
-                                          B=16 if fmt == "nvfp4" else 32, TILE=TILE)
+    bits = amax(x, p, slots, fmt, residual, u=None if residual is None else u)
+    sizes = _part_sizes(groups, fmt)
     s, block_bytes, codes = into or (None, None, None)
+    if s is None and fmt == "nvfp4":
+        s = torch.empty(sizes[0] // 4, dtype=torch.float32, device=device)
     if block_bytes is None:
-        block_bytes = torch.empty(n_groups, dtype=torch.uint8, device=device)
-    scale = torch.empty(n_groups, dtype=torch.float32, device=device)
-    if fmt == "nvfp4":
-        seg, seg_bits = _segment_of(groups, device), bits[n_groups:]
-        _segment_amax_kernel[(triton.cdiv(n_groups, BLOCK),)](bits, seg, seg_bits, n_groups,
-                                                              BLOCK=BLOCK)
-        if s is None:
-            s = torch.empty(n_seg, dtype=torch.float32, device=device)
-        _nvfp4_scales_kernel[(triton.cdiv(max(n_groups, n_seg), BLOCK),)](
-            bits, seg, seg_bits, s, block_bytes, scale, n_groups, n_seg, BLOCK=BLOCK)
-    else:
-        emax, threshold = _MX[fmt]
-        _mx_scales_kernel[(triton.cdiv(n_groups, BLOCK),)](bits, block_bytes, scale, n_groups,
-                                                           EMAX=emax, THRESHOLD=threshold,
-                                                           BLOCK=BLOCK)
-    numel = u.numel()
+        block_bytes = torch.empty(sizes[1], dtype=torch.uint8, device=device)
     if codes is None:
-        codes = torch.empty(sum((n + 1) // 2 for n in groups.numels) if element == E2M1
-                            else numel, dtype=torch.uint8, device=device)
-    err = (error_out if error_out is not None else torch.empty_like(u)) if error else None
-    tiles = _tiles(groups, fmt, device)
-    kernel = _encode_packed_kernel if element == E2M1 else _encode_bytes_kernel
-    size = {"BYTES": TILE // 2} if element == E2M1 else {"TILE": TILE}
-    keys = None if seeds is None else torch.tensor(  # O(segments) on the host, per call
-        [key_halves(seed, i) for shard, seed in zip(groups, seeds) for i in range(len(shard))],
-        dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
-    kernel[(tiles.shape[0],)](u, scale, codes, u if err is None else err, tiles,
-                              _segment_of(groups, device), _segment_starts(groups, device),
-                              codes if keys is None else keys, HAS_ERR=error,
-                              STOCHASTIC=keys is not None, **size, **_NO_FUSION)
+        codes = torch.empty(sizes[2], dtype=torch.uint8, device=device)
+    encode_placed(u, bits, p, fmt, (block_bytes if s is None else s.view(torch.uint8),
+                                    block_bytes, codes), err, seeds)
     return Encoded(u, s, block_bytes, codes, err)
 
 
 def decode_sum(groups: GroupMap, fmt: str, block_bytes: torch.Tensor, codes: torch.Tensor,
-               segment_scales: torch.Tensor | None = None, poison: bool = False,
-               out: torch.Tensor | None = None, total: bool = True,
-               bad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, bad)``: ``0 + Σ_r value(code_r)·scale_{r,b}`` in sender order (FP32) of the
-    ``N`` senders' payloads of ``groups`` (rows of ``block_bytes`` ``[N, G]``, ``codes``
-    ``[N, C]``, NVFP4's ``segment_scales`` ``[N, S]``; each row contiguous), and ``bad``, a
-    0-dim int32 tensor, non-zero when any block scale is not finite. ``poison``: every value
-    NaN then. ``total=False`` (one sender): its values, not added to ``+0``. The segment
-    scales may be the rows' bytes (uint8 ``[N, 4·S]``, any alignment); ``bad``: a zeroed
-    0-dim int32 tensor to use."""
-    element, device = _element(fmt), codes.device
-    n_senders, n_groups = codes.shape[0], len(groups.lengths)
-    scale = torch.empty(n_senders, n_groups, dtype=torch.float32, device=device)
-    if bad is None:
-        bad = torch.zeros((), dtype=torch.int32, device=device)
-    nvfp4 = fmt == "nvfp4"
-    s = segment_scales.view(torch.uint8) if nvfp4 else scale
-    _payload_scales_kernel[(triton.cdiv(n_groups, BLOCK), n_senders)](
-        block_bytes, block_bytes.stride(0), s, s.stride(0),
-        _segment_of(groups, device) if nvfp4 else block_bytes, scale, bad, n_groups,
-        NVFP4=nvfp4, BLOCK=BLOCK, **_NO_FUSION)
-    if out is None:
-        out = torch.empty(sum(groups.numels), dtype=torch.float32, device=device)
-    tiles = _tiles(groups, fmt, device)
-    _decode_kernel[(tiles.shape[0],)](codes, codes.stride(0), scale, out, tiles, bad, n_senders,
-                                      n_groups, FMT=element, SUM=total, POISON=poison,
-                                      TILE=TILE, **_NO_FUSION)
-    return out, bad
+               segment_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """``0 + Σ_r value(code_r)·scale_{r,b}`` in sender order (FP32) of the ``N`` senders'
+    payloads of ``groups`` (rows of ``block_bytes`` ``[N, G]``, ``codes`` ``[N, C]``,
+    NVFP4's ``segment_scales`` ``[N, S]`` FP32 or their bytes; each row contiguous): one
+    kernel (:func:`reduce`)."""
+    p = placement(groups, fmt, codes.device)
+    s = None if segment_scales is None else segment_scales.view(torch.uint8)
+    return reduce((s, block_bytes, codes), p,
+                  _memo_slots(groups, fmt, p.n_groups + p.n_segments, codes.device), fmt)[0]
 
 
 def decode(out: torch.Tensor, groups: GroupMap, fmt: str, block_bytes: torch.Tensor,
            codes: torch.Tensor, segment_scales: torch.Tensor | None = None,
            poison: bool = False) -> torch.Tensor:
-    """``out = value(code)·scale_b`` (FP32) of one payload; returns ``bad`` (as
-    :func:`decode_sum`)."""
-    rows = [t[None] if t is not None else None for t in (block_bytes, codes, segment_scales)]
-    return decode_sum(groups, fmt, *rows, poison=poison, out=out, total=False)[1]
+    """``out = value(code)·scale_b`` (FP32) of one payload; returns the 0-dim bool flag
+    "every block scale finite" (every value NaN unless it is set, with ``poison``)."""
+    s = None if segment_scales is None else segment_scales.view(torch.uint8)
+    return decode_placed(out, (s, block_bytes, codes), placement(groups, fmt, out.device),
+                         _memo_slots(groups, "finite", 1, out.device), fmt, poison=poison)
 
 
 def encode_whole(codec, x: torch.Tensor, shards, seeds=None, error: bool = False,
@@ -578,8 +701,8 @@ def decode_whole(codec, out: torch.Tensor, wholes, shards, check: bool = True,
 
     def run():
         s = wholes[0].view(torch.float32) if len(wholes) == 3 else None
-        bad = decode(out, groups, codec.format, wholes[-2], wholes[-1], s, poison)
-        return True, (bad.eq(0) if check and not poison else None)
+        finite = decode(out, groups, codec.format, wholes[-2], wholes[-1], s, poison)
+        return True, (finite if check and not poison else None)
     done = guarded(run)
     return (False, None) if done is None else done
 

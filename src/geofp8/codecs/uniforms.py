@@ -15,14 +15,33 @@ generators draw different streams on the CPU and on CUDA.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import native
 from .base import mix_seed
 
-__all__ = ["M32", "key_halves", "mix32", "uniforms_into"]
+__all__ = ["M32", "StepSeed", "key_halves", "mix32", "uniforms_into"]
 
 M32 = 0xFFFFFFFF
+
+
+class StepSeed(NamedTuple):
+    """The shards' seeds of one step as scalars: shard ``j``'s is ``mix_seed(seed, prefix,
+    j + offset)``, or ``mix_seed(seed, j + offset)`` without a prefix (the exact collective's
+    sender ``r`` and owner of shard ``j``: ``(seed, r, 0)`` and ``(seed, None, N + j)``).
+    The Triton kernels mix them per element from these, so no per-shard table is built or
+    copied per call."""
+
+    seed: int
+    prefix: int | None
+    offset: int
+
+    def of(self, j: int) -> int:
+        """Shard ``j``'s seed."""
+        return mix_seed(self.seed, *(() if self.prefix is None else (self.prefix,)),
+                        j + self.offset)
 
 
 def key_halves(seed: int | None, index: int) -> tuple[int, int]:

@@ -12,9 +12,8 @@ values or bytes in between:
   re-encoded shard the all-gather sends, padded to ``max_shard_bytes``);
 * ``gather``: the all-gather's ``N`` padded records → the flat vector.
 
-A block-scaled layout (one NVFP4 / MX codec, :attr:`FusedPlan.blocks`) is not placed by
-tile maps yet: only its owner's stages run record to record
-(:func:`~geofp8.codecs.block_records.reduce_record`), the others through the codec's kernels.
+A block-scaled layout (one NVFP4 / MX codec, :attr:`FusedPlan.blocks`) is placed by
+:class:`~geofp8.comm.block_plan.BlockPlan` (its own placed maps, two kernels a stage).
 
 The maps are int64 device tensors, a few per layout and device, built on first use and
 kept as long as the layout: nothing per call is ``O(tensors)`` or ``O(groups)`` on the
@@ -45,7 +44,7 @@ class FusedPlan:
         self.send_bytes = sum(layout.shard_bytes(j) for j in range(layout.world_size))
         plain = not layout.codecs and not any(layout.side)  # one codec, no side bytes
         self.fits = plain and self.fmt in triton_fp8.FMAX
-        self.blocks = plain and self.fmt in triton_fp4.FORMATS  # NVFP4, MXFP4, MXFP8
+        self.blocks = plain and self.fmt in triton_fp4.FORMATS  # NVFP4, MXFP4, MXFP8: BlockPlan
 
     @staticmethod
     def applies(layout, *tensors: torch.Tensor | None) -> bool:
@@ -57,15 +56,6 @@ class FusedPlan:
         return (layout.plan.fits and layout.batched(given[0].device)
                 and triton_fp8.available(*given)
                 and all(t.dtype in _PLAIN and t.is_contiguous() for t in given))
-
-    @staticmethod
-    def reduces_blocks(layout, received: torch.Tensor, shard: int) -> bool:
-        """Whether the owner of ``shard`` (not empty) reduces and re-encodes it record to record
-        with the block-scaled kernels (:func:`~geofp8.codecs.block_records.reduce_record`): one
-        NVFP4 / MX codec, no side bytes, batched kernels on the device, the kernels there."""
-        return (layout.plan.blocks and layout.shard_numel(shard) > 0
-                and layout.batched(received.device) and triton_fp4.available(received)
-                and received.dtype == torch.uint8 and received.is_contiguous())
 
     def _segments(self, shards, record_at, flat: bool):
         """Per segment of ``shards``: ``(first element, first group, its groups, first code

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs import block_records, triton_fp4, triton_fp8
+from ..codecs import triton_fp4, triton_fp8
 from ..codecs.base import device_scalar, mix_seed
+from . import block_plan
+from .block_plan import BlockPlan
 from .layout import ShardLayout
 from .plan import FusedPlan
 
@@ -66,10 +68,19 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
     ``feedback = (R, keep)``: the error feedback of a bucket, ``R`` a flat residual (FP32
     or BF16, ``flat``'s length), ``keep`` a 0-dim bool device flag or ``None`` (R valid as
     is): ``Ũ = flat + where(keep, R, 0)`` is encoded and its error ``Ũ − deq(Q(Ũ))``
-    written into ``R`` (rounded to its dtype, as ``R.copy_`` rounds), the returned
-    ``error`` is ``R``. The fused kernels read ``R`` and ``keep`` in their two passes
-    (``flat`` is not written; no host read); elsewhere ``flat`` is made ``Ũ`` by one add,
-    the error written to ``error_out`` as above, then copied into ``R``: the same bits."""
+    written into ``R`` (rounded to its dtype, as ``R.copy_`` rounds); the returned
+    ``error`` is ``R``. The fused kernels (:class:`FusedPlan` for FP8, :mod:`.block_plan`
+    for the block-scaled formats) read ``R`` and ``keep`` in their two passes (``flat`` is
+    not written; no host read) and write ``R`` in the encoding pass; elsewhere ``flat`` is
+    made ``Ũ`` by one add, the error written to ``error_out`` as above, then copied into
+    ``R``: the same bits."""
+    if BlockPlan.applies(layout, flat, error_out, *(feedback or ())[:1]) and not side:
+        error = feedback[0] if feedback is not None else (
+            error_out if error_out is not None else torch.empty_like(flat))
+        sent = triton_fp4.guarded(lambda: block_plan.encode_send(
+            flat, layout, seed, sender, error, feedback))
+        if sent is not None:
+            return sent, error
     fused_fits = FusedPlan.applies(layout, flat, error_out) and not side
     if fused_fits and triton_fp8.feedback_fits(flat, feedback):
         error = feedback[0] if feedback is not None else (
@@ -114,6 +125,10 @@ def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | 
     if not with_error and not side and FusedPlan.applies(layout, flat):
         return triton_fp8.attempt(lambda: (_encode_fused(flat, layout), None),
                                   lambda: _encode(flat, layout, side, seed, sender))
+    if not with_error and not side and BlockPlan.applies(layout, flat) and (
+            sent := triton_fp4.guarded(lambda: block_plan.encode_send(
+                flat, layout, seed, sender))) is not None:
+        return sent, None
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
     if not (layout.batched(flat.device) or layout.segmentwise):
         sizes = _send_sizes(layout)
@@ -223,6 +238,10 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
     if unmap is None and FusedPlan.applies(layout, received):
         return triton_fp8.attempt(lambda: _reduce_fused(received, layout, shard)[0],
                                   lambda: decode_sum(received, layout, shard, unmap, scratch))
+    if unmap is None and _blocks_run(layout, shard, received) and (
+            done := triton_fp4.guarded(lambda: block_plan.reduce_sum(
+                received, layout, shard)[0])) is not None:
+        return done
     n, nbytes = layout.world_size, layout.send_bytes(shard)
     size = n * layout.shard_numel(shard)
     fits = scratch is not None and scratch.numel() >= size
@@ -269,22 +288,18 @@ def reduce_encode(received: torch.Tensor, layout: ShardLayout, shard: int,
             return _encode_record(total, bits, layout, shard), total
         return triton_fp8.attempt(fused, lambda: reduce_encode(received, layout, shard, seed,
                                                                scratch))
-    if FusedPlan.reduces_blocks(layout, received, shard) and (
-            done := _reduce_blocks(received, layout, shard, seed)) is not None:
+    if _blocks_run(layout, shard, received) and (
+            done := triton_fp4.guarded(lambda: block_plan.reduce_encode(
+                received, layout, shard, seed))) is not None:
         return done
     total = decode_sum(received, layout, shard, scratch=scratch)
     return encode_reduced(total, layout, shard, seed), total
 
 
-def _reduce_blocks(received: torch.Tensor, layout: ShardLayout, shard: int,
-                   seed: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`reduce_encode` with the block-scaled kernels, record to record (``None`` after
-    a kernel failure on CUDA: the torch path then)."""
-    codec, n = layout.codec, layout.world_size
-    seeds = [_shard_seed(seed, n + shard)] if codec.rounding == "stochastic" else None
-    return triton_fp4.guarded(lambda: block_records.reduce_record(
-        received, layout.group_map([shard]), codec.format, layout.parts[shard],
-        layout.max_shard_bytes, seeds))
+def _blocks_run(layout: ShardLayout, shard: int, *tensors: torch.Tensor | None) -> bool:
+    """Whether an owner's stage of ``shard`` (not empty) runs the block-scaled placed
+    kernels (:class:`BlockPlan`)."""
+    return BlockPlan.applies(layout, *tensors) and layout.shard_numel(shard) > 0
 
 
 def _encode_record(values: torch.Tensor, bits: torch.Tensor, layout: ShardLayout,
@@ -310,6 +325,10 @@ def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
             return _encode_record(shard_sum, bits, layout, shard, error_out)
         return triton_fp8.attempt(fused, lambda: encode_reduced(shard_sum, layout, shard, seed,
                                                                 error_out))
+    if _blocks_run(layout, shard, shard_sum, error_out) and (
+            done := triton_fp4.guarded(lambda: block_plan.encode_reduced(
+                shard_sum, layout, shard, seed, error_out))) is not None:
+        return done
     nbytes = layout.shard_bytes(shard)
     if not layout.batched(shard_sum.device):
         out = shard_sum.new_empty(layout.max_shard_bytes, dtype=torch.uint8)
@@ -365,6 +384,11 @@ def decode_gathered_flagged(gathered: torch.Tensor | list[torch.Tensor], layout:
             return values, finite
         return triton_fp8.attempt(fused, lambda: decode_gathered_flagged(gathered, layout, out,
                                                                          divide))
+    if BlockPlan.applies(layout, _first(gathered), out) and (
+            done := triton_fp4.guarded(lambda: block_plan.decode_gathered(
+                gathered if isinstance(gathered, torch.Tensor) else torch.cat(gathered),
+                layout, out, divide, flag))) is not None:
+        return done
     values, finite = _decode_flat(gathered, layout, layout.max_shard_bytes, out=out,
                                   poison=True)
     values = values if finite is None else poison_unless(values, finite)
