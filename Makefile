@@ -20,7 +20,7 @@ TORCHTITAN_PACKAGES ?= torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 \
 	docstring_parser==0.18.0 typeguard==4.6.1 triton==3.9.0 torchdata==0.11.0 \
 	tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1
 
-.PHONY: install test lint demo bench gpu-check clean
+.PHONY: install test lint demo bench gpu-check gpu-round clean
 
 # the environment and its torch (kept when present)
 $(VENV)/.torch:
@@ -57,12 +57,19 @@ demo: $(VENV)/.demo
 bench: $(VENV)/.demo
 	$(PY) -m geofp8.tools.cli bench
 
-# On a machine with one NVIDIA GPU (`make gpu-check TORCH_INDEX=`, or a CUDA build of torch
-# installed into .venv first): correctness on the device, a 1-rank NCCL run of every method,
-# codec/transform throughput vs a D2D copy. Without network:
-# PYTHONPATH=src python3 -m geofp8.tools.gpu_check (README "Check it on a GPU").
-gpu-check: $(VENV)/.demo
-	$(PY) -m geofp8.tools.gpu_check
+# On a machine with one NVIDIA GPU and a CUDA build of torch (no network, nothing installed:
+# .venv's python if there is one, else $(PYTHON); GPU_PYTHON= to choose), on this checkout:
+# gpu-check: correctness of every codec, fused kernel and stage on the device, a 1-rank NCCL
+# run of every method, timed 25 MiB buckets (docs/performance.md, "On a GPU");
+# gpu-round: gpu-check, the bucket stages timed with CUDA events and the overlap trace, all
+# into $(OUT) with one summary table (benchmarks/gpu_round.sh; about 5 minutes, at most 8).
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+OUT ?= runs/gpu-round
+gpu-check:
+	PYTHONPATH=src $(GPU_PYTHON) -m geofp8.tools.gpu_check
+
+gpu-round:
+	PYTHON=$(GPU_PYTHON) bash benchmarks/gpu_round.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis src/*.egg-info build

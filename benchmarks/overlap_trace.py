@@ -66,16 +66,16 @@ def _rank(rank: int, args) -> None:
     dist.destroy_process_group()
 
 
-def is_codec(name: str) -> bool:
-    """Whether a kernel is one of GeoFP8's fused Triton kernels (by its function's name)."""
-    return any(name == k.rsplit(".", 1)[-1] for k in triton_kernels())
-
-
 def report(path: str) -> bool:
     """Print the kernels and busy µs per stream, and the µs of GeoFP8's codec kernels that
     ran on another stream while one of backward's GEMMs ran (backward's stream: the one
     with the most GEMMs); then the verdict. ``True``: codec kernels ran on a stream other
     than backward's and some of them overlapped a GEMM."""
+    codec_names = {k.rsplit(".", 1)[-1] for k in triton_kernels()}
+
+    def is_codec(name: str) -> bool:  # one of GeoFP8's fused Triton kernels, by its name
+        return name in codec_names
+
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"]
                   if e.get("cat") == "kernel" and "dur" in e]

@@ -45,6 +45,7 @@ SHAPES = [(257, 1031), (64, 33), (96,)]  # a bucket: shard cuts inside rows and 
 NO_TRITON = ("triton does not import: pip install -e '.[gpu]' in a checkout "
              "(pip install 'geofp8[gpu]' from a wheel)")
 GOAL_US = {"e4m3": 100.0, "nvfp4": 150.0}  # issue 40: one 25 MB bucket's stages, one rank
+BUCKET_NUMEL = 25 << 20 >> 2  # the timed bucket: 25 MiB of FP32
 
 
 def cuda_seconds(fn, repeats: int = 20) -> float:
@@ -522,11 +523,14 @@ def check_bucket_stages(rows: list) -> None:
 
     for fmt, n in ((f, n) for f in GOAL_US for n in (2, 8)):
         def timed(fmt=fmt, n=n):
-            layout = ShardLayout.build([(25 << 20 >> 2,)], make_codec(fmt), n,
-                                       kernels="batched")
-            t = 1e6 * cuda_seconds(stage_share(layout, torch.randn(layout.numel, device=DEVICE)))
-            return f"{t:.0f} µs (goal <= {GOAL_US[fmt]:.0f})", "ok" if t <= GOAL_US[fmt] else "SLOW"
-        _row(rows, f"stages {fmt} 25 MiB N={n}", timed)
+            layout = ShardLayout.build([(BUCKET_NUMEL,)], make_codec(fmt), n, kernels="batched")
+            run = stage_share(layout, torch.randn(layout.numel, device=DEVICE))
+            with kernel_census() as launched:
+                run()
+            t = 1e6 * cuda_seconds(run)
+            return (f"{t:.0f} µs (goal <= {GOAL_US[fmt]:.0f}), {len(launched)} Triton kernels",
+                    "ok" if t <= GOAL_US[fmt] else "SLOW")
+        _row(rows, f"stages {fmt} {BUCKET_NUMEL >> 18} MiB N={n}", timed)
 
 
 def check_throughput(rows: list) -> None:
@@ -567,9 +571,11 @@ def triton_kernels() -> dict[str, object]:
 
 @contextlib.contextmanager
 def kernel_census():
-    """``launched``: the set of :func:`triton_kernels` launched inside (``run`` wrapped)."""
+    """``launched``: the set of :func:`triton_kernels` launched inside (each one's ``run``
+    wrapped, and the one it had put back after; censuses nest)."""
     launched: set[str] = set()
     kernels = triton_kernels()
+    before = {name: vars(fn).get("run") for name, fn in kernels.items()}
     for name, fn in kernels.items():
         def run(*args, _run=fn.run, _name=name, **kwargs):
             launched.add(_name)
@@ -578,8 +584,11 @@ def kernel_census():
     try:
         yield launched
     finally:
-        for fn in kernels.values():
-            del fn.run  # the class's own method again
+        for name, fn in kernels.items():
+            if before[name] is None:
+                del fn.run  # the class's own method again
+            else:
+                fn.run = before[name]
 
 
 SECTIONS = {"fused": check_fused, "fused-stages": check_fused_stages,
@@ -590,7 +599,7 @@ SECTIONS = {"fused": check_fused, "fused-stages": check_fused_stages,
 FUSED = ("fused", "fused-stages", "fused-blocks", "fused-block-stages")  # every kernel's rows
 
 
-def run_sections(names, rows: list, out=sys.stdout) -> None:
+def run_sections(names, rows: list) -> None:
     """The sections ``names`` in order, each row printed as it is made (a run cut short by a
     timeout still shows what it did); when every :data:`FUSED` section ran, a row saying
     whether each of :func:`triton_kernels` was launched by them."""
@@ -607,7 +616,7 @@ def run_sections(names, rows: list, out=sys.stdout) -> None:
                              + (f"; never: {', '.join(never)}" if never else ""),
                              "FAIL" if never else "ok"))
             for row in rows[first:]:
-                print(f"[{name}] {row[0]}  {row[2]}  {row[1]}", file=out, flush=True)
+                print(f"[{name}] {row[0]}  {row[2]}  {row[1]}", flush=True)
 
 
 def main(argv=()) -> int:
