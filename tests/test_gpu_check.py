@@ -159,8 +159,9 @@ def test_the_gpu_round_runs_each_step_and_summarizes_it(tmp_path):
 def test_the_bucket_timer_runs_the_stages_on_the_cpu():
     done = subprocess.run(
         [sys.executable, "cuda_bucket.py", "--device", "cpu", "--sizes", "0.01", "--ranks",
-         "2", "--repeats", "1", "--methods", "fp8-ef"], cwd=ROOT / "benchmarks", capture_output=True, text=True,
-        timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+         "2", "--repeats", "1", "--methods", "fp8-ef"], cwd=ROOT / "benchmarks",
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
             if line.startswith("| fused") or line.startswith("| torch")]
