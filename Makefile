@@ -57,17 +57,18 @@ demo: $(VENV)/.demo
 bench: $(VENV)/.demo
 	$(PY) -m geofp8.tools.cli bench
 
-# On a machine with one NVIDIA GPU and a CUDA build of torch (no network, nothing installed:
-# .venv's python if there is one, else $(PYTHON); GPU_PYTHON= to choose), on this checkout:
-# gpu-check: correctness of every codec, fused kernel and stage on the device, a 1-rank NCCL
-# run of every method, timed 25 MiB buckets (docs/performance.md, "On a GPU");
-# gpu-round: gpu-check, the bucket stages timed with CUDA events and the overlap trace, all
-# into $(OUT) with one summary table (benchmarks/gpu_round.sh; about 5 minutes, at most 8).
+# On a machine with one NVIDIA GPU (`make gpu-check TORCH_INDEX=`, or a CUDA build of torch
+# installed into .venv first): correctness on the device, a 1-rank NCCL run of every method,
+# codec/transform throughput vs a D2D copy. Without network:
+# PYTHONPATH=src python3 -m geofp8.tools.gpu_check (README "Check it on a GPU").
+gpu-check: $(VENV)/.demo
+	$(PY) -m geofp8.tools.gpu_check
+
+# The GPU round (docs/performance.md, "On a GPU"): gpu-check, one bucket's stages timed with
+# CUDA events, the overlap trace, into $(OUT) with one summary table; about 5 minutes, at
+# most 8. No network and nothing installed: .venv's python if there is one, else $(PYTHON).
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 OUT ?= runs/gpu-round
-gpu-check:
-	PYTHONPATH=src $(GPU_PYTHON) -m geofp8.tools.gpu_check
-
 gpu-round:
 	PYTHON=$(GPU_PYTHON) bash benchmarks/gpu_round.sh $(OUT)
 
