@@ -527,6 +527,8 @@ def _units(model: nn.Module, mesh) -> list[tuple[_Unit, FSDPModule]]:
 def _unit(name: str, module: FSDPModule, names: dict[int, str], mesh) -> _Unit | None:
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None and hasattr(state, "_fsdp_param_group"):  # torch < 2.12: one or None
+        groups = [g for g in (state._fsdp_param_group,) if g is not None]
     if groups is None or not isinstance(groups, list):
         raise RuntimeError(f"GeoFP8: FSDP internals changed: module {name!r} has no "
                            "_fsdp_param_groups list (built for torch 2.13)")
