@@ -26,13 +26,32 @@ def test_the_install_hint_names_the_gpu_extra_of_this_checkout(monkeypatch):
         "optional-dependencies"]
     assert any(dep.startswith("triton") for dep in extras["gpu"])
     assert "pip install -e '.[gpu]'" in gpu_check.NO_TRITON
-    monkeypatch.setattr(triton_fp8, "available", lambda *tensors: False)
     monkeypatch.setattr(gpu_check, "DEVICE", torch.device("cpu"))
+    monkeypatch.setattr(triton_fp8, "_INTERPRET", False)  # the CPU: no kernels here
+    rows = []
+    gpu_check.check_fused(rows)
+    gpu_check.check_fused_blocks(rows)
+    if triton_fp8.triton is not None:  # it imports: the device is why
+        assert rows == [
+            ("fused kernels", "triton_fp8 does not run on cpu (CUDA, or the CPU under "
+             "TRITON_INTERPRET=1)", "FAIL"),
+            ("fused block kernels", "triton_fp4 does not run on cpu (CUDA, or the CPU under "
+             "TRITON_INTERPRET=1)", "FAIL")]
+    monkeypatch.setattr(triton_fp8, "triton", None)
     rows = []
     gpu_check.check_fused(rows)
     gpu_check.check_fused_blocks(rows)
     assert rows == [("fused kernels", gpu_check.NO_TRITON, "FAIL"),
                     ("fused block kernels", gpu_check.NO_TRITON, "FAIL")]
+
+
+def test_every_method_builds_from_the_settings_its_gpu_rows_give_it():
+    from geofp8.methods import METHODS
+
+    for name, spec in METHODS.items():  # the budget's methods need a budget
+        given = spec.takes(**gpu_check.SETTINGS)
+        spec.config(**given)  # raises on a setting missing or refused
+        assert ("budget" in given) == ("budget" in spec.required), name
 
 
 @needs_triton

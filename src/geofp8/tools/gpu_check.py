@@ -44,6 +44,21 @@ WORLD = 4  # ranks of the simulated collective
 SHAPES = [(257, 1031), (64, 33), (96,)]  # a bucket: shard cuts inside rows and blocks
 NO_TRITON = ("triton does not import: pip install -e '.[gpu]' in a checkout "
              "(pip install 'geofp8[gpu]' from a wheel)")
+# what every method's run takes its part of (Method.takes): a refresh and an auto / profile
+# decision inside six steps; the byte budget's methods need a budget (no default)
+SETTINGS = {"refresh_every": 2, "profile_steps": 2, "budget": 0.85}
+
+
+def _no_kernels(module) -> str:
+    """Why ``module``'s fused kernels do not run on :data:`DEVICE`."""
+    from ..codecs import triton_fp8
+
+    if triton_fp8.triton is None:
+        return NO_TRITON
+    broken = triton_fp8._FAILED or getattr(module, "_STATE", {}).get("broken")
+    failed = "; a kernel failed on it before (warned then)" if broken else ""
+    return (f"{module.__name__.rsplit('.', 1)[-1]} does not run on {DEVICE} (CUDA, or the "
+            f"CPU under TRITON_INTERPRET=1){failed}")
 GOAL_US = {"e4m3": 100.0, "nvfp4": 150.0}  # issue 40: one 25 MB bucket's stages, one rank
 BUCKET_NUMEL = 25 << 20 >> 2  # the timed bucket: 25 MiB of FP32
 
@@ -230,7 +245,7 @@ def check_methods(rows: list) -> None:
             continue
 
         def step(spec=spec):
-            config = spec.config()
+            config = spec.config(**spec.takes(**SETTINGS))
             codec = make_codec(config.format, config.scaling, config.block_size,
                                config.rounding)
             layout = ShardLayout.build(shapes, codec, WORLD)
@@ -262,7 +277,7 @@ def _train_worker(method: str, port: int) -> dict:
         model = build_preset("llama-tiny", 256).cuda()
         spec = METHODS[method]
         ddp = DDP(model, device_ids=[0], bucket_cap_mb=1024 if spec.one_bucket else 1)
-        state, hook, _ = spec.build(model, **spec.takes(refresh_every=2, profile_steps=2))
+        state, hook, _ = spec.build(model, **spec.takes(**SETTINGS))
         ddp.register_comm_hook(state, hook)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(0)
@@ -315,7 +330,7 @@ def check_fused(rows: list) -> None:
     from ..codecs.groups import GroupMap
 
     if not triton_fp8.available(torch.zeros(1, device=DEVICE)):
-        rows.append(("fused kernels", NO_TRITON, "FAIL"))
+        rows.append(("fused kernels", _no_kernels(triton_fp8), "FAIL"))
         return
     inputs = [bucket(r, SHAPES).to(DEVICE) for r in range(WORLD)]
     inputs[1][5] = float("nan")  # a non-finite group on one sender
@@ -370,7 +385,7 @@ def check_fused_blocks(rows: list) -> None:
     from ..comm import ShardLayout
 
     if not triton_fp4.available(torch.zeros(1, device=DEVICE)):
-        rows.append(("fused block kernels", NO_TRITON, "FAIL"))
+        rows.append(("fused block kernels", _no_kernels(triton_fp4), "FAIL"))
         return
     inputs = [bucket(r, SHAPES).to(DEVICE) for r in range(WORLD)]
     inputs[1][5] = float("nan")  # a non-finite block on one sender
