@@ -43,13 +43,8 @@ def seconds(run, device: torch.device, repeats: int) -> float:
     """Median seconds of ``run()`` on ``device``: CUDA events there, else the wall clock."""
     if device.type == "cuda":
         return cuda_seconds(run, repeats)
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    run()  # as cuda_seconds: a first call, untimed
+    return host_seconds(run, device, repeats)
 
 
 def host_seconds(run, device: torch.device, repeats: int) -> float:
