@@ -17,11 +17,13 @@
 #
 # Time (sized on the CPU, for Triton 3.6 on an H100 host; the session's device budget is
 # 15 minutes with the machine's start): 17 Triton kernels (gpu_check's "every Triton kernel
-# launched" row counts them), about 60 specializations across formats and constexpr flags
-# at about 1 s of compile each, is 1 minute; the 31 methods' 1-rank NCCL runs about 3 s
-# each, 1.5 minutes; the rest of gpu_check under a minute; cuda_bucket 8 rows (its kernels
-# already in Triton's cache) and overlap_trace (NCCL start, 4 steps) under a minute each.
-# About 4-5 minutes in all; the timeouts below cap it at 8 (20 + 270 + 90 + 90 s).
+# launched" row counts them) in 47 specializations (dtypes, constexprs, integer
+# divisibility) counted in gpu_check's fused sections under the interpreter, 60-80 with the
+# other sections, at about 1 s of compile each: 1-1.5 minutes; the 31 methods' 1-rank NCCL
+# runs about 3 s each, 1.5 minutes; the rest of gpu_check under a minute; cuda_bucket 8
+# rows (its kernels already in Triton's cache) and overlap_trace (NCCL start, 4 steps)
+# under a minute each. About 4-5 minutes in all; the timeouts below cap it at 8
+# (20 + 270 + 90 + 90 s).
 set -u
 OUT=${1:?usage: bash benchmarks/gpu_round.sh OUT_DIR}
 PYTHON=${PYTHON:-python3}
