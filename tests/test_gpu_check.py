@@ -189,3 +189,32 @@ def test_the_bucket_timer_runs_the_stages_on_the_cpu():
     triton_ran = os.environ.get("TRITON_INTERPRET") == "1" and triton_fp8.triton is not None
     assert int(rows[0][5]) > 0 if triton_ran else int(rows[0][5]) == 0
     assert int(rows[1][5]) == 0  # the torch path launches no Triton kernel
+
+
+def test_the_stage_rows_take_up_a_sender_encode_with_the_buckets_residual(monkeypatch):
+    from geofp8.codecs import make_codec
+    from geofp8.comm import stages
+
+    plain = stages.encode_with_error
+
+    def with_feedback(flat, layout, *args, feedback=None, ignore_keep=False, **kwargs):
+        """The sender stage of the EF contract: ``G + where(keep, R, 0)`` encoded, its new
+        residual written into ``R``."""
+        r, keep = feedback
+        flat.add_(r.float() if ignore_keep else torch.where(keep, r.float(), 0.0))
+        sent, error = plain(flat, layout, *args, **kwargs)
+        r.copy_(error)
+        return sent, error
+
+    monkeypatch.setattr(gpu_check, "DEVICE", torch.device("cpu"))
+    monkeypatch.setattr(gpu_check, "SHAPES", [(5, 40), (21,)])
+    monkeypatch.setattr(stages, "encode_with_error", with_feedback)
+    detail, ok = gpu_check._collective_matches(make_codec("e4m3", "row", 32))
+    assert ok and detail.startswith("EF encode (R kept, dropped)"), detail
+
+    def batched_ignores_keep(flat, layout, *args, feedback=None, **kwargs):
+        return with_feedback(flat, layout, *args, feedback=feedback,
+                             ignore_keep=layout.kernels == "batched", **kwargs)
+    monkeypatch.setattr(stages, "encode_with_error", batched_ignores_keep)
+    detail, ok = gpu_check._collective_matches(make_codec("e4m3", "row", 32))
+    assert not ok and "[True, False, True, True]" in detail, detail

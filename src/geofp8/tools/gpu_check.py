@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import inspect
 import os
 import socket
 import sys
@@ -315,11 +316,12 @@ def check_training(rows: list) -> None:
 def _bits_equal(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Bitwise equal, any NaN where the other has one (which NaN a product of two keeps is
     the kernel's choice)."""
-    if got.dtype == torch.uint8:
+    if not got.is_floating_point():
         return torch.equal(got, want)
+    bits = {2: torch.int16, 4: torch.int32}[got.element_size()]
     nan = got.isnan()
     return torch.equal(nan, want.isnan()) and torch.equal(
-        got.masked_fill(nan, 0).view(torch.int32), want.masked_fill(nan, 0).view(torch.int32))
+        got.masked_fill(nan, 0).view(bits), want.masked_fill(nan, 0).view(bits))
 
 
 def check_fused(rows: list) -> None:
@@ -463,19 +465,28 @@ def _collective_matches(codec, seed: int | None = None) -> tuple[str, bool]:
     """The exact collective of ``codec`` through the public stages of
     :mod:`geofp8.comm.stages` (whatever kernels they dispatch to) on the device's batched
     path against the CPU's chunked path, bitwise: a sender's encode with its rounding error
-    written over the bucket (error feedback), then the whole collective, clean and with a
-    NaN on one sender."""
+    written over the bucket (error feedback), and where the stage takes the bucket's
+    residual (``feedback=(R, keep)``: it encodes ``G + where(keep, R, 0)`` and writes the
+    new residual into ``R``) with a BF16 ``R``, kept and dropped; then the whole collective,
+    clean and with a NaN on one sender."""
     from ..comm import ShardLayout
     from ..comm.stages import encode_with_error, simulate_exact_allreduce
 
     layouts = {device: ShardLayout.build(SHAPES, codec, WORLD, kernels=kernels)
                for device, kernels in ((DEVICE, "batched"), ("cpu", "chunked"))}
-    sent = {}
-    for device, layout in layouts.items():
-        x = bucket(0, SHAPES).to(device)
-        sent[device] = [t.cpu() for t in encode_with_error(x, layout, seed=seed, error_out=x)]
-    ok = [torch.equal(sent[DEVICE][0], sent["cpu"][0]) and _bits_equal(sent[DEVICE][1],
-                                                                      sent["cpu"][1])]
+    feedback = "feedback" in inspect.signature(encode_with_error).parameters
+    ok = []
+    for keep in (True, False) if feedback else (None,):
+        got = []
+        for device, layout in layouts.items():
+            x = bucket(0, SHAPES).to(device)
+            given = {}
+            if keep is not None:
+                r = (bucket(1, SHAPES) * 1e-2).to(device, torch.bfloat16)
+                given["feedback"] = (r, torch.tensor(keep, device=device))
+            out = list(encode_with_error(x, layout, seed=seed, error_out=x, **given))
+            got.append([t.cpu() for t in out + list(given.get("feedback", ()))[:1]])
+        ok.append(all(map(_bits_equal, *got)))
     for nan in (False, True):
         inputs = [bucket(r, SHAPES) for r in range(WORLD)]
         inputs[1][7] = float("nan") if nan else inputs[1][7]
@@ -483,7 +494,8 @@ def _collective_matches(codec, seed: int | None = None) -> tuple[str, bool]:
                                               seed=seed).cpu()
                      for device, layout in layouts.items())
         ok.append(_bits_equal(got, want))
-    return f"EF encode; collective, clean and with a NaN: {ok}", all(ok)
+    return (f"EF encode{' (R kept, dropped)' if feedback else ''}; collective, clean and "
+            f"with a NaN: {ok}"), all(ok)
 
 
 def check_fused_block_stages(rows: list) -> None:
