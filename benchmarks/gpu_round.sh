@@ -27,8 +27,8 @@
 set -u
 OUT=${1:?usage: bash benchmarks/gpu_round.sh OUT_DIR}
 PYTHON=${PYTHON:-python3}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2  # absolute: the steps run from the root
 cd "$(dirname "$0")/.." || exit 2
-mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 declare -a STEPS=()
 

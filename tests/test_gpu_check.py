@@ -157,10 +157,10 @@ def test_the_gpu_round_runs_each_step_and_summarizes_it(tmp_path):
     stub = tmp_path / "python3"
     stub.write_text(STUB)
     stub.chmod(0o755)
-    out = tmp_path / "out"
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_round.sh"), str(out)],
+    out = tmp_path / "out"  # given relative to where the round is started
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_round.sh"), "out"],
                           env={**os.environ, "PYTHON": str(stub)}, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     summary = (out / "summary.txt").read_text()
     assert sorted(p.name for p in out.iterdir()) == [
