@@ -20,7 +20,7 @@ TORCHTITAN_PACKAGES ?= torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 \
 	docstring_parser==0.18.0 typeguard==4.6.1 triton==3.9.0 torchdata==0.11.0 \
 	tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1
 
-.PHONY: install test lint demo bench gpu-check clean
+.PHONY: install test lint demo bench gpu-check gpu-round clean
 
 # the environment and its torch (kept when present)
 $(VENV)/.torch:
@@ -63,6 +63,14 @@ bench: $(VENV)/.demo
 # PYTHONPATH=src python3 -m geofp8.tools.gpu_check (README "Check it on a GPU").
 gpu-check: $(VENV)/.demo
 	$(PY) -m geofp8.tools.gpu_check
+
+# The GPU round (docs/performance.md, "On a GPU"): gpu-check, one bucket's stages timed with
+# CUDA events, the overlap trace, into $(OUT) with one summary table; about 5 minutes, at
+# most 8. No network and nothing installed: .venv's python if there is one, else $(PYTHON).
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+OUT ?= runs/gpu-round
+gpu-round:
+	PYTHON=$(GPU_PYTHON) bash benchmarks/gpu_round.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis src/*.egg-info build

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from geofp8 import FP8Config, FP8State, fp8_hook
+from geofp8.tools.gpu_check import triton_kernels
 
 GEMM = ("gemm", "cutlass", "sm80_", "sm90_", "ampere", "hopper")
 
@@ -59,34 +60,56 @@ def _rank(rank: int, args) -> None:
         prof.export_chrome_trace(args.trace)
         print(f"trace: {args.trace}")
         if cuda:
-            _report(args.trace)
+            report(args.trace)
         else:
             print("CPU (gloo): no streams to compare; run on CUDA for the overlap figures")
     dist.destroy_process_group()
 
 
-def _report(path: str) -> None:
-    """Kernels and busy µs per stream; µs of other streams' kernels under backward GEMMs."""
+def report(path: str) -> bool:
+    """Print the kernels and busy µs per stream, and the µs of GeoFP8's codec kernels that
+    ran on another stream while one of backward's GEMMs ran (backward's stream: the one
+    with the most GEMMs); then the verdict. ``True``: codec kernels ran on a stream other
+    than backward's and some of them overlapped a GEMM."""
+    codec_names = {k.rsplit(".", 1)[-1] for k in triton_kernels()}
+
+    def is_codec(name: str) -> bool:  # one of GeoFP8's fused Triton kernels, by its name
+        return name in codec_names
+
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"]
                   if e.get("cat") == "kernel" and "dur" in e]
-    streams: dict[int, list] = {}
+    streams: dict[object, list] = {}
     for e in events:
-        streams.setdefault(e["args"].get("stream", e.get("tid")), []).append(e)
+        streams.setdefault(e.get("args", {}).get("stream", e.get("tid")), []).append(e)
     gemms = {s: [e for e in k if any(g in e["name"].lower() for g in GEMM)]
              for s, k in streams.items()}
-    main = max(gemms, key=lambda s: len(gemms[s]))  # backward's stream: most GEMMs
+    if not any(gemms.values()):
+        print("VERDICT: no GEMM kernel in the trace: nothing to overlap with")
+        return False
+    main = max(gemms, key=lambda s: len(gemms[s]))
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in gemms[main]]
-    print(f"{'stream':>8} {'kernels':>8} {'busy us':>9} {'us under a GEMM':>16}")
+    print(f"{'stream':>14} {'kernels':>8} {'codec':>6} {'busy us':>9} "
+          f"{'codec us under a GEMM':>22}")
+    side_codec, under_total = 0, 0.0
     for s, kernels in sorted(streams.items(), key=lambda kv: str(kv[0])):
+        codec = [e for e in kernels if is_codec(e["name"])]
         under = 0.0
         if s != main:
-            for e in kernels:
+            side_codec += len(codec)
+            for e in codec:
                 a, b = e["ts"], e["ts"] + e["dur"]
                 under += sum(max(0.0, min(b, hi) - max(a, lo)) for lo, hi in spans)
+        under_total += under
         label = f"{s}{' (backward)' if s == main else ''}"
-        print(f"{label:>8} {len(kernels):>8} {sum(e['dur'] for e in kernels):>9.1f} "
-              f"{under:>16.1f}")
+        print(f"{label:>14} {len(kernels):>8} {len(codec):>6} "
+              f"{sum(e['dur'] for e in kernels):>9.1f} {under:>22.1f}")
+    on_main = sum(is_codec(e["name"]) for e in streams[main])
+    overlap = side_codec > 0 and under_total > 0
+    print(f"VERDICT: overlap {'yes' if overlap else 'NO'}: {side_codec} codec kernels on "
+          f"side streams ({on_main} on backward's), {under_total:.1f} µs of them under a "
+          "backward GEMM")
+    return overlap
 
 
 def main() -> None:

@@ -113,7 +113,7 @@ class SyncEngine:
     def _on_forward(self, *_) -> None:
         self.pipeline.shared.new_forward()
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # torch.compiler.disable, importing dynamo at the first call
     def _on_forward_end(self, module: nn.Module, *_) -> None:
         """Every rank's training forward returns here, whichever layers it ran: the point
         where the statistics' collectives are launched (:meth:`GradientPipeline.forward_done`)."""

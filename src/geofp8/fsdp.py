@@ -55,7 +55,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .comm import Communicator, ShardLayout, encode, encode_with_error, fp32_allreduce_wire_bytes
-from .comm.group import DeviceGroup
+from .comm.group import DeviceGroup, collective
 from .comm.stages import all_finite
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
@@ -285,7 +285,8 @@ class Fidelity:
         """FSDP's FP32 reduce-scatter of the exact input (before it is routed in place)."""
         if self.enabled:
             ref = torch.empty(flat.numel() // dg.size, dtype=torch.float32, device=flat.device)
-            dist.reduce_scatter_single(ref, flat.clone(), op=dist.ReduceOp.SUM, group=dg.group)
+            collective("reduce_scatter_single")(ref, flat.clone(), op=dist.ReduceOp.SUM,
+                                                group=dg.group)
             self._refs[unit.name] = ref.div_(divisor)
 
     def keep(self, unit: _Unit, exact_shard: torch.Tensor) -> None:
@@ -526,6 +527,8 @@ def _units(model: nn.Module, mesh) -> list[tuple[_Unit, FSDPModule]]:
 def _unit(name: str, module: FSDPModule, names: dict[int, str], mesh) -> _Unit | None:
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None and hasattr(state, "_fsdp_param_group"):  # torch < 2.12: one or None
+        groups = [g for g in (state._fsdp_param_group,) if g is not None]
     if groups is None or not isinstance(groups, list):
         raise RuntimeError(f"GeoFP8: FSDP internals changed: module {name!r} has no "
                            "_fsdp_param_groups list (built for torch 2.13)")

@@ -28,9 +28,18 @@ import json
 import torch
 import torch.distributed as dist
 
-__all__ = ["KEEP", "DeviceGroup", "release"]
+__all__ = ["KEEP", "DeviceGroup", "collective", "release"]
 
 KEEP = 4  # collectives whose Work a group keeps alive (module notes)
+_BEFORE_2_12 = {"all_gather_single": "all_gather_into_tensor",  # torch < 2.12's names,
+                "reduce_scatter_single": "reduce_scatter_tensor"}  # the same arguments
+
+
+def collective(name: str):
+    """``torch.distributed``'s ``name``, looked up at each call (a test or a byte counter may
+    wrap it), or where this torch predates it (< 2.12) the same collective under its older
+    name (:data:`_BEFORE_2_12`)."""
+    return getattr(dist, name, None) or getattr(dist, _BEFORE_2_12[name])
 
 
 def release(*buffers: torch.Tensor) -> None:
@@ -106,7 +115,7 @@ class DeviceGroup:
         t = self.on_device(t)
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # gloo: concatenated form
         self.charge(kind, (self.size - 1) * t.numel() * t.element_size())
-        work = dist.all_gather_single(out, t, group=self.group, async_op=True)
+        work = collective("all_gather_single")(out, t, group=self.group, async_op=True)
         return out.view(self.size, *t.shape), self._keep(work, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, kind: str,
@@ -114,9 +123,9 @@ class DeviceGroup:
         """``reduce_scatter_single`` (the ``N − 1`` shards for others are sent); its work
         when ``async_op``, else it is waited for here."""
         self.charge(kind, (self.size - 1) * out.numel() * out.element_size())
-        return self._keep(dist.reduce_scatter_single(self.on_device(out), self.on_device(inp),
-                                                     op=op, group=self.group, async_op=True),
-                          async_op)
+        return self._keep(collective("reduce_scatter_single")(
+            self.on_device(out), self.on_device(inp), op=op, group=self.group, async_op=True),
+            async_op)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
                    in_splits: list[int], kind: str):

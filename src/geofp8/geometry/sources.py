@@ -84,7 +84,9 @@ class SharedInputs:
             return self.owner.get(name, name) == name
         return self._first_sight(name, x)
 
-    @torch.compiler.disable  # by input identity: not for a graph (the first forward only)
+    # by input identity: not for a graph (the first forward only); torch.compiler.disable,
+    # importing dynamo at the first call, not with geofp8 (0.7 s of the CLI's start)
+    @torch._disable_dynamo
     def _first_sight(self, name: str, x: torch.Tensor) -> bool:
         if name not in self.owner:
             seen = self._seen.get(id(x))

@@ -28,7 +28,10 @@ passed, 1 if any failed, 2 if no CUDA device is visible.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime
+import inspect
 import os
 import socket
 import sys
@@ -40,9 +43,28 @@ import torch
 DEVICE = torch.device("cuda")  # where the checks run (a test may put a stand-in here)
 WORLD = 4  # ranks of the simulated collective
 SHAPES = [(257, 1031), (64, 33), (96,)]  # a bucket: shard cuts inside rows and blocks
+NO_TRITON = ("triton does not import: pip install -e '.[gpu]' in a checkout "
+             "(pip install 'geofp8[gpu]' from a wheel)")
+# what every method's run takes its part of (Method.takes): a refresh and an auto / profile
+# decision inside six steps; the byte budget's methods need a budget (no default)
+SETTINGS = {"refresh_every": 2, "profile_steps": 2, "budget": 0.85}
 
 
-def _timed(fn, repeats: int = 20) -> float:
+def _no_kernels(module) -> str:
+    """Why ``module``'s fused kernels do not run on :data:`DEVICE`."""
+    from ..codecs import triton_fp8
+
+    if triton_fp8.triton is None:
+        return NO_TRITON
+    broken = triton_fp8._FAILED or getattr(module, "_STATE", {}).get("broken")
+    failed = "; a kernel failed on it before (warned then)" if broken else ""
+    return (f"{module.__name__.rsplit('.', 1)[-1]} does not run on {DEVICE} (CUDA, or the "
+            f"CPU under TRITON_INTERPRET=1){failed}")
+GOAL_US = {"e4m3": 100.0, "nvfp4": 150.0}  # issue 40: one 25 MB bucket's stages, one rank
+BUCKET_NUMEL = 25 << 20 >> 2  # the timed bucket: 25 MiB of FP32
+
+
+def cuda_seconds(fn, repeats: int = 20) -> float:
     """Median seconds of ``fn`` on the current CUDA stream (CUDA events)."""
     fn()
     torch.cuda.synchronize()
@@ -58,10 +80,11 @@ def _timed(fn, repeats: int = 20) -> float:
 
 
 def _row(rows: list, name: str, check) -> None:
-    """Run ``check() -> (detail, ok)``; an exception is this row's failure, not the table's."""
+    """Run ``check() -> (detail, ok)``; an exception is this row's failure, not the table's.
+    ``ok``: a bool (``ok`` / ``FAIL``) or the verdict itself (``SLOW``: a goal missed)."""
     try:
         detail, ok = check()
-        rows.append((name, detail, "ok" if ok else "FAIL"))
+        rows.append((name, detail, ok if isinstance(ok, str) else "ok" if ok else "FAIL"))
     except Exception:  # noqa: BLE001 - report and go on, the table fails at the end
         rows.append((name, traceback.format_exc().splitlines()[-1], "FAIL"))
 
@@ -223,7 +246,7 @@ def check_methods(rows: list) -> None:
             continue
 
         def step(spec=spec):
-            config = spec.config()
+            config = spec.config(**spec.takes(**SETTINGS))
             codec = make_codec(config.format, config.scaling, config.block_size,
                                config.rounding)
             layout = ShardLayout.build(shapes, codec, WORLD)
@@ -255,7 +278,7 @@ def _train_worker(method: str, port: int) -> dict:
         model = build_preset("llama-tiny", 256).cuda()
         spec = METHODS[method]
         ddp = DDP(model, device_ids=[0], bucket_cap_mb=1024 if spec.one_bucket else 1)
-        state, hook, _ = spec.build(model, **spec.takes(refresh_every=2, profile_steps=2))
+        state, hook, _ = spec.build(model, **spec.takes(**SETTINGS))
         ddp.register_comm_hook(state, hook)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(0)
@@ -293,11 +316,12 @@ def check_training(rows: list) -> None:
 def _bits_equal(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Bitwise equal, any NaN where the other has one (which NaN a product of two keeps is
     the kernel's choice)."""
-    if got.dtype == torch.uint8:
+    if not got.is_floating_point():
         return torch.equal(got, want)
+    bits = {2: torch.int16, 4: torch.int32}[got.element_size()]
     nan = got.isnan()
     return torch.equal(nan, want.isnan()) and torch.equal(
-        got.masked_fill(nan, 0).view(torch.int32), want.masked_fill(nan, 0).view(torch.int32))
+        got.masked_fill(nan, 0).view(bits), want.masked_fill(nan, 0).view(bits))
 
 
 def check_fused(rows: list) -> None:
@@ -308,8 +332,7 @@ def check_fused(rows: list) -> None:
     from ..codecs.groups import GroupMap
 
     if not triton_fp8.available(torch.zeros(1, device=DEVICE)):
-        rows.append(("fused kernels", "triton does not import: pip install geofp8[gpu]",
-                     "FAIL"))
+        rows.append(("fused kernels", _no_kernels(triton_fp8), "FAIL"))
         return
     inputs = [bucket(r, SHAPES).to(DEVICE) for r in range(WORLD)]
     inputs[1][5] = float("nan")  # a non-finite group on one sender
@@ -351,10 +374,8 @@ def check_fused(rows: list) -> None:
         codes, _ = triton_fp8.encode(u, scales, groups, error=True)
         triton_fp8.decode(u, codes, scales, groups)
 
-    t, copy = _timed(stages), _timed(lambda: x.clone())
-    moved = 22 * x.numel()  # bytes: x, r read, u written; u read twice, codes, error; decode
-    rows.append(("fused e4m3 q+EF+d 25 MiB", f"{1e6 * t:.0f} µs, "
-                 f"{moved / t / (8 * x.numel() / copy):.0%} of D2D copy bandwidth", "ok"))
+    # bytes: x, r read, u written; u read twice, codes, error; decode
+    _bandwidth_row(rows, "fused e4m3 q+EF+d 25 MiB", stages, x, 22)
 
 
 def check_fused_blocks(rows: list) -> None:
@@ -366,8 +387,7 @@ def check_fused_blocks(rows: list) -> None:
     from ..comm import ShardLayout
 
     if not triton_fp4.available(torch.zeros(1, device=DEVICE)):
-        rows.append(("fused block kernels", "triton does not import: pip install geofp8[gpu]",
-                     "FAIL"))
+        rows.append(("fused block kernels", _no_kernels(triton_fp4), "FAIL"))
         return
     inputs = [bucket(r, SHAPES).to(DEVICE) for r in range(WORLD)]
     inputs[1][5] = float("nan")  # a non-finite block on one sender
@@ -425,80 +445,119 @@ def check_fused_blocks(rows: list) -> None:
         triton_fp4.decode(enc.u, groups, "nvfp4", enc.block_bytes, enc.codes,
                           enc.segment_scales)
 
-    t, copy = _timed(stages), _timed(lambda: x.clone())
-    moved = 25 * x.numel()  # bytes: x, r read, u written; u read, codes, error; decode
-    rows.append(("fused nvfp4 q+EF+d 25 MiB", f"{1e6 * t:.0f} µs, "
-                 f"{moved / t / (8 * x.numel() / copy):.0%} of D2D copy bandwidth", "ok"))
+    # bytes: x, r read, u written; u read, codes, error; decode
+    _bandwidth_row(rows, "fused nvfp4 q+EF+d 25 MiB", stages, x, 25)
+
+
+def _bandwidth_row(rows: list, name: str, stages, x: torch.Tensor, bytes_per_element: int
+                   ) -> None:
+    """A timed row: ``stages()`` moves ``bytes_per_element · x.numel()`` bytes; its
+    bandwidth against a device-to-device copy of ``x`` (8 bytes an element: the HBM's
+    practical reach). ``SLOW`` (a goal missed, not a failure) under half of it (issue 40)."""
+    t, copy = cuda_seconds(stages), cuda_seconds(lambda: x.clone())
+    share = bytes_per_element * x.numel() / t / (8 * x.numel() / copy)
+    rows.append((name, f"{1e6 * t:.0f} µs, {bytes_per_element * x.numel() / t / 1e9:.0f} GB/s, "
+                 f"{share:.0%} of a D2D copy's {8 * x.numel() / copy / 1e9:.0f} GB/s "
+                 "(goal >= 50 %)", "ok" if share >= 0.5 else "SLOW"))
 
 
 def _collective_matches(codec, seed: int | None = None) -> tuple[str, bool]:
-    """The exact collective of ``codec`` on the device's batched path (the fused stages where
-    they apply) against the CPU's chunked path, bitwise, clean and with a NaN on one
-    sender."""
+    """The exact collective of ``codec`` through the public stages of
+    :mod:`geofp8.comm.stages` (whatever kernels they dispatch to) on the device's batched
+    path against the CPU's chunked path, bitwise: a sender's encode with its rounding error
+    written over the bucket (error feedback), and where the stage takes the bucket's
+    residual (``feedback=(R, keep)``: it encodes ``G + where(keep, R, 0)`` and writes the
+    new residual into ``R``) with a BF16 ``R``, kept and dropped; then the whole collective,
+    clean and with a NaN on one sender."""
     from ..comm import ShardLayout
-    from ..comm.stages import simulate_exact_allreduce
+    from ..comm.stages import encode_with_error, simulate_exact_allreduce
 
+    layouts = {device: ShardLayout.build(SHAPES, codec, WORLD, kernels=kernels)
+               for device, kernels in ((DEVICE, "batched"), ("cpu", "chunked"))}
+    feedback = "feedback" in inspect.signature(encode_with_error).parameters
     ok = []
+    for keep in (True, False) if feedback else (None,):
+        got = []
+        for device, layout in layouts.items():
+            x = bucket(0, SHAPES).to(device)
+            given = {}
+            if keep is not None:
+                r = (bucket(1, SHAPES) * 1e-2).to(device, torch.bfloat16)
+                given["feedback"] = (r, torch.tensor(keep, device=device))
+            out = list(encode_with_error(x, layout, seed=seed, error_out=x, **given))
+            got.append([t.cpu() for t in out + list(given.get("feedback", ()))[:1]])
+        ok.append(all(map(_bits_equal, *got)))
     for nan in (False, True):
         inputs = [bucket(r, SHAPES) for r in range(WORLD)]
         inputs[1][7] = float("nan") if nan else inputs[1][7]
-        got, want = (simulate_exact_allreduce(
-            [x.to(device) for x in inputs],
-            ShardLayout.build(SHAPES, codec, WORLD, kernels=kernels), seed=seed).cpu()
-            for device, kernels in ((DEVICE, "batched"), ("cpu", "chunked")))
+        got, want = (simulate_exact_allreduce([x.to(device) for x in inputs], layout,
+                                              seed=seed).cpu()
+                     for device, layout in layouts.items())
         ok.append(_bits_equal(got, want))
-    return f"collective, clean and with a NaN: {ok}", all(ok)
+    return (f"EF encode{' (R kept, dropped)' if feedback else ''}; collective, clean and "
+            f"with a NaN: {ok}"), all(ok)
 
 
 def check_fused_block_stages(rows: list) -> None:
     """The exact collective on a block-scaled codec's batched path (NVFP4 both roundings,
     MXFP4; the owners' stages record to record,
     :func:`~geofp8.comm.block_plan.reduce_encode`) against the CPU's chunked path,
-    bitwise, clean and with a NaN on one sender; then one 25 MiB NVFP4 bucket's owner
-    stages timed (N = 8)."""
-    from ..codecs import make_codec, triton_fp4
-    from ..comm import ShardLayout
-    from ..comm import stages as st
+    bitwise, clean and with a NaN on one sender."""
+    from ..codecs import make_codec
 
     for fmt, rounding in (("nvfp4", "nearest"), ("nvfp4", "stochastic"), ("mxfp4", "nearest")):
         _row(rows, f"fused stages {fmt}/{rounding} N={WORLD}", lambda fmt=fmt, rounding=rounding:
              _collective_matches(make_codec(fmt, rounding=rounding), seed=5))
-    if DEVICE.type != "cuda" or not triton_fp4.available(torch.zeros(1, device=DEVICE)):
-        return
-    n, x = 8, torch.randn(25 << 20 >> 2, device=DEVICE)  # 25 MiB of FP32
-    layout = ShardLayout.build([tuple(x.shape)], make_codec("nvfp4"), n, kernels="batched")
-    received = torch.cat([st.encode(x, layout)[: layout.send_bytes(0)]] * n)
-    t = _timed(lambda: st.reduce_encode(received, layout, 0))
-    rows.append(("fused nvfp4 owner stages 25 MiB N=8", f"{1e6 * t:.0f} µs", "ok"))
 
 
 def check_fused_stages(rows: list) -> None:
     """The exact collective's stages on the fused kernels (:class:`geofp8.comm.plan.FusedPlan`)
     against the CPU's chunked path, bitwise (a sender's encode with its error written over
-    the bucket, the whole collective with a NaN on one sender); then one 25 MiB E4M3
-    bucket's stages timed (one rank's share, N = 8)."""
-    from ..codecs import make_codec, triton_fp8
-    from ..comm import ShardLayout
-    from ..comm import stages as st
+    the bucket, the whole collective with a NaN on one sender)."""
+    from ..codecs import make_codec
 
     for fmt, scaling in (("e4m3", "row"), ("e4m3", "block"), ("e5m2", "tensor")):
         _row(rows, f"fused stages {fmt}/{scaling} N={WORLD}", lambda fmt=fmt, scaling=scaling:
              _collective_matches(make_codec(fmt, scaling, 32)))
-    if DEVICE.type != "cuda" or not triton_fp8.available(torch.zeros(1, device=DEVICE)):
-        return
-    n, x = 8, torch.randn(25 << 20 >> 2, device=DEVICE)  # 25 MiB of FP32
-    layout = ShardLayout.build([tuple(x.shape)], make_codec("e4m3"), n, kernels="batched")
-    received = torch.cat([st.encode(x, layout)[: layout.send_bytes(0)]] * n)
-    gathered = torch.cat([st.reduce_encode(received, layout, 0)[0]] * n)
 
-    def stages():
+
+def stage_share(layout, x: torch.Tensor):
+    """One rank's share of one bucket's exact collective, as a function of nothing: the
+    encode with its rounding error written over the bucket ``x`` (error feedback), the
+    owner's decode-and-sum of the ``N`` copies of its shard and its re-encode, the decode
+    of the gathered shards divided by ``N`` (:mod:`geofp8.comm.stages`; the inputs of the
+    later stages are made here, on ``x``'s device)."""
+    from ..comm import stages as st
+
+    n, rank = layout.world_size, layout.world_size - 1
+    sent = st.encode(x, layout)
+    received = torch.cat([sent[sum(layout.send_bytes(j) for j in range(rank)):]] * n)
+    gathered = torch.cat([st.reduce_encode(received, layout, rank)[0]] * n)  # an all-gather's
+
+    def run() -> None:
         st.encode_with_error(x, layout, error_out=x)
-        st.reduce_encode(received, layout, 0)
+        st.reduce_encode(received, layout, rank)
         st.decode_gathered(gathered, layout, out=x, divide=n)
+    return run
 
-    t = _timed(stages)
-    rows.append(("fused e4m3 stages 25 MiB N=8", f"{1e6 * t:.0f} µs (the goal: <= 100)",
-                 "ok"))  # a figure, as the other timed rows: a goal, not a check
+
+def check_bucket_stages(rows: list) -> None:
+    """One rank's share of a 25 MiB bucket's stages (:func:`stage_share`) timed on the
+    device for E4M3 and NVFP4 at ``N`` = 2 and 8, against issue 40's goals
+    (:data:`GOAL_US`): ``SLOW`` marks a goal missed (a figure, not a failure)."""
+    from ..codecs import make_codec
+    from ..comm import ShardLayout
+
+    for fmt, n in ((f, n) for f in GOAL_US for n in (2, 8)):
+        def timed(fmt=fmt, n=n):
+            layout = ShardLayout.build([(BUCKET_NUMEL,)], make_codec(fmt), n, kernels="batched")
+            run = stage_share(layout, torch.randn(layout.numel, device=DEVICE))
+            with kernel_census() as launched:
+                run()
+            t = 1e6 * cuda_seconds(run)
+            return (f"{t:.0f} µs (goal <= {GOAL_US[fmt]:.0f}), {len(launched)} Triton kernels",
+                    "ok" if t <= GOAL_US[fmt] else "SLOW")
+        _row(rows, f"stages {fmt} {BUCKET_NUMEL >> 18} MiB N={n}", timed)
 
 
 def check_throughput(rows: list) -> None:
@@ -507,20 +566,92 @@ def check_throughput(rows: list) -> None:
     from ..geometry.transforms import LowRankInput
 
     x = torch.randn(64 << 20 >> 2, device="cuda")  # 64 MiB of FP32
-    copy = _timed(lambda: x.clone())
+    copy = cuda_seconds(lambda: x.clone())
     for fmt in FORMATS:
         codec = make_codec(fmt)
-        t = _timed(lambda codec=codec: codec.round_trip(x))
+        t = cuda_seconds(lambda codec=codec: codec.round_trip(x))
         rows.append((f"q+d {fmt} (64 MiB)", f"{copy / t:.2f}× D2D copy", "ok"))
     G = torch.randn(4096, 4096, device="cuda")
     A = torch.randn(4096, 64, device="cuda")
     T = LowRankInput(LowRankFactor.from_matrix((A @ A.T).double(), 32), 0.1)
     T.U, T.d_fwd = T.U.float().cuda(), T.d_fwd.float().cuda()
-    t = _timed(lambda: T.forward(G))
-    rows.append(("lowrank-32 map 4096²", f"{_timed(lambda: G.clone()) / t:.2f}× D2D copy", "ok"))
+    t, copy = cuda_seconds(lambda: T.forward(G)), cuda_seconds(lambda: G.clone())
+    rows.append(("lowrank-32 map 4096²", f"{copy / t:.2f}× D2D copy", "ok"))
 
 
-def main() -> int:
+def triton_kernels() -> dict[str, object]:
+    """Every Triton kernel of GeoFP8's loaded modules (a ``*_kernel`` JIT function, as
+    :mod:`~geofp8.codecs.triton_fp8` and :mod:`~geofp8.codecs.triton_fp4` name them; new
+    modules' kernels are found the same way), by ``module.name``, each once; none where
+    Triton does not import."""
+    from ..codecs import block_records, triton_fp4, triton_fp8  # noqa: F401 - their kernels
+
+    found: dict[int, tuple[str, object]] = {}
+    for module_name, module in sorted(sys.modules.items()):
+        if not module_name.startswith("geofp8.") or module is None:
+            continue
+        for name, fn in vars(module).items():
+            if name.endswith("_kernel") and hasattr(fn, "run") and id(fn) not in found:
+                found[id(fn)] = (f"{module_name.rsplit('.', 1)[-1]}.{name}", fn)
+    return dict(found.values())
+
+
+@contextlib.contextmanager
+def kernel_census():
+    """``launched``: the set of :func:`triton_kernels` launched inside (each one's ``run``
+    wrapped, and the one it had put back after; censuses nest)."""
+    launched: set[str] = set()
+    kernels = triton_kernels()
+    before = {name: vars(fn).get("run") for name, fn in kernels.items()}
+    for name, fn in kernels.items():
+        def run(*args, _run=fn.run, _name=name, **kwargs):
+            launched.add(_name)
+            return _run(*args, **kwargs)
+        fn.run = run
+    try:
+        yield launched
+    finally:
+        for name, fn in kernels.items():
+            if before[name] is None:
+                del fn.run  # the class's own method again
+            else:
+                fn.run = before[name]
+
+
+SECTIONS = {"fused": check_fused, "fused-stages": check_fused_stages,
+            "fused-blocks": check_fused_blocks, "fused-block-stages": check_fused_block_stages,
+            "bucket": check_bucket_stages, "codecs": check_codecs,
+            "transforms": check_transforms, "methods": check_methods,
+            "throughput": check_throughput, "training": check_training}
+FUSED = ("fused", "fused-stages", "fused-blocks", "fused-block-stages")  # every kernel's rows
+
+
+def run_sections(names, rows: list) -> None:
+    """The sections ``names`` in order, each row printed as it is made (a run cut short by a
+    timeout still shows what it did); when every :data:`FUSED` section ran, a row saying
+    whether each of :func:`triton_kernels` was launched by them."""
+    with kernel_census() as launched:
+        for name in names:
+            first = len(rows)
+            try:
+                SECTIONS[name](rows)
+            except Exception:  # noqa: BLE001 - a section's set-up failed: its rows so far stand
+                rows.append((name, traceback.format_exc().splitlines()[-1], "FAIL"))
+            if name == FUSED[-1] and set(FUSED) <= set(names):
+                never = sorted(set(triton_kernels()) - launched)
+                rows.append(("every Triton kernel launched", f"{len(launched)} launched"
+                             + (f"; never: {', '.join(never)}" if never else ""),
+                             "FAIL" if never else "ok"))
+            for row in rows[first:]:
+                print(f"[{name}] {row[0]}  {row[2]}  {row[1]}", flush=True)
+
+
+def main(argv=()) -> int:
+    parser = argparse.ArgumentParser(prog="python -m geofp8.tools.gpu_check",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
+                        help="which checks, in this order (default: all)")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("geofp8 gpu-check: FAILED — no CUDA device is visible to PyTorch "
               f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); run it on a "
@@ -528,22 +659,17 @@ def main() -> int:
         return 2
     t0 = time.perf_counter()
     rows: list[tuple[str, str, str]] = []
-    for check in (check_codecs, check_fused, check_fused_stages, check_fused_blocks,
-                  check_fused_block_stages, check_transforms, check_methods, check_training,
-                  check_throughput):
-        try:
-            check(rows)
-        except Exception:  # noqa: BLE001 - a section's set-up failed: its rows so far stand
-            rows.append((check.__name__, traceback.format_exc().splitlines()[-1], "FAIL"))
+    run_sections(args.sections, rows)
     width = max(len(r[0]) for r in rows)
-    print(f"GeoFP8 gpu-check on {torch.cuda.get_device_name(0)} "
-          f"({time.perf_counter() - t0:.0f} s)\n")
+    print(f"\nGeoFP8 gpu-check on {torch.cuda.get_device_name(0)} "
+          f"({time.perf_counter() - t0:.0f} s; torch {torch.__version__})\n")
     for name, detail, verdict in rows:
         print(f"{name:<{width}}  {verdict:<4}  {detail}")
-    failed = [r for r in rows if r[2] != "ok"]
-    print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed")
+    failed = sum(r[2] == "FAIL" for r in rows)
+    slow = sum(r[2] == "SLOW" for r in rows)
+    print(f"\n{len(rows) - failed - slow} passed, {failed} failed, {slow} over their goal")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

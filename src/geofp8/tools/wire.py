@@ -29,6 +29,7 @@ class ByteCounter:
             "all_reduce": lambda t, *a, **k: 2 * (n - 1) * self._size(t) // n,
             "all_gather": lambda out, t, *a, **k: (n - 1) * self._size(t),
             "all_gather_single": lambda out, t, *a, **k: (n - 1) * self._size(t),
+            "all_gather_into_tensor": lambda out, t, *a, **k: (n - 1) * self._size(t),  # < 2.12
             "broadcast": lambda t, src, *a, **k: (n - 1) * self._size(t) if src == self.rank
             else 0,
             "all_to_all_single": lambda out, t, out_splits=None, in_splits=None, *a, **k:
@@ -38,7 +39,8 @@ class ByteCounter:
 
     @contextlib.contextmanager
     def counting(self):
-        originals = {name: getattr(dist, name) for name in self.charges()}
+        originals = {name: getattr(dist, name) for name in self.charges()
+                     if hasattr(dist, name)}  # torch < 2.12 has no all_gather_single
 
         def wrap(name, fn, charge):
             def counted(*args, **kwargs):
@@ -51,7 +53,8 @@ class ByteCounter:
             return counted
 
         for name, charge in self.charges().items():
-            setattr(dist, name, wrap(name, originals[name], charge))
+            if name in originals:
+                setattr(dist, name, wrap(name, originals[name], charge))
         try:
             yield self
         finally:
