@@ -11,10 +11,11 @@ inside a kernel are not counted) and, apart, the collectives (``c10d`` ops). The
 launches must not grow with the tensors per bucket: ``--tensors`` varies them with one
 bucket per step; ``--buckets`` splits the same layers into several buckets.
 
-A geometry method reaches its ordinary step first: its factors refresh every 2 steps
-(the first refresh at step 2), a profile scores step 0 alone and keeps ``--mapped`` layers
-(all by default), and the step counted is step 3 (neither a refresh nor a measurement), so
-the layers it selected go through their maps (the ``mapped`` column: layers on a map then).
+A geometry method reaches its ordinary step first: its factors refresh every 3 steps
+(the first refresh at step 3, where ``auto`` measures too, deciding at step 4), a profile
+scores step 0 alone and keeps ``--mapped`` layers (all by default), and the step counted is
+step 5 (no refresh, measurement nor decision), so the layers selected go through their maps
+(the ``mapped`` column: layers on a map then).
 
     python benchmarks/hook_launches.py                       # fp8-ef, 1 bucket of 2 / 8 tensors
     python benchmarks/hook_launches.py --tensors 2 8 32 --buckets 1 4
@@ -42,7 +43,7 @@ from gpu_bucket import ALLOCATIONS  # noqa: E402
 from host_syncs import on_ranks  # noqa: E402
 
 WIDTH = 64  # Linear(WIDTH, WIDTH, bias=False): 16 KiB of FP32 gradient a tensor
-COUNTED = 3  # the step counted: ordinary for every method (see the module notes)
+COUNTED = 5  # the step counted: ordinary for every method (see the module notes)
 
 
 class HookLaunches(Launches):
@@ -72,12 +73,12 @@ class HookLaunches(Launches):
 
 def _hooked(model, method: str, mapped: int | None):
     """``(state, hook)`` of ``method`` on ``model``; a geometry method with refreshes every
-    2 steps and (a profile) step 0 scored, its ``mapped`` best layers kept (all if None)."""
+    3 steps and (a profile) step 0 scored, its ``mapped`` best layers kept (all if None)."""
     from geofp8.ddp import GeoFP8State, geofp8_hook
     from geofp8.methods import METHODS
 
     spec = METHODS[method]
-    settings = {"refresh_every": 2, "profile_steps": 1, "kernels": "batched"}
+    settings = {"refresh_every": 3, "profile_steps": 1, "kernels": "batched"}
     config = spec.config(**{k: v for k, v in settings.items() if k in spec.overrides})
     if config is None:
         return spec.build(model)[:2]

@@ -41,7 +41,7 @@ from ..comm.layout import ShardLayout
 from ..comm.stages import encode
 from ..comm.streams import used_here
 from .factory import make_transform, needs
-from .statistics import SecondMoment, nystrom_factor, sketch_matrix
+from .statistics import JoinedMoments, SecondMoment, nystrom_factor, sketch_matrix
 from .transforms import LowRankInput, Transform, transform_from_state
 
 __all__ = ["FactorSource", "FixedFactors", "FreshFactors", "Layer", "LocalFactors",
@@ -221,7 +221,6 @@ class RefreshFactors(FactorSource):
         self.config, self.group, self.kind = config, group, str(config.transform)
         self.pending: dict[str, dict[str, SecondMoment]] = {}
         self.window: dict[str, dict[str, SecondMoment]] = {}
-        self._dropped: dict[tuple[str, str], torch.Tensor] = {}  # non-finite, per moment
         for name, layer in layers.items():
             mode = config.statistics
             if mode == "auto":
@@ -234,6 +233,21 @@ class RefreshFactors(FactorSource):
                 store[name] = {s: SecondMoment(d, m, sketch_size=config.k + config.oversample,
                                                seed=config.seed, device=devices[name])
                                for s, (d, m) in sides.items()}
+        self._joined = self._join()
+
+    def _join(self) -> list[tuple[list[str], JoinedMoments, JoinedMoments, torch.Tensor]]:
+        """Per device: ``(layers, pending, window, dropped)``, every moment's pending and
+        window sums in one buffer each and, per moment, the count of finite steps whose
+        statistic was not finite (dropped; read at the refresh)."""
+        groups: dict[tuple, list] = {}
+        for name, sides in self.pending.items():
+            for side, p in sides.items():
+                groups.setdefault((p.total.device, p.dtype), []).append(
+                    (name, p, self.window[name][side]))
+        return [([n for n, _, _ in g], JoinedMoments([p for _, p, _ in g]),
+                 JoinedMoments([w for _, _, w in g]),
+                 torch.zeros(len(g), dtype=torch.int64, device=device))
+                for (device, _), g in groups.items()]
 
     def attach(self, modules):
         hooks = []
@@ -263,15 +277,15 @@ class RefreshFactors(FactorSource):
 
     def settle(self, finite: torch.Tensor) -> None:
         """A finite step's statistics join the window, each moment only if all of it is
-        finite (decided on the device: a non-finite moment of a finite step is dropped,
-        counted at the refresh; a skipped step's are dropped uncounted)."""
-        for (n, s, p), (_, _, w) in zip(self._moments(self.pending), self._moments(self.window)):
-            ok = torch.stack([torch.isfinite(t).all() for t in p.tensors()]).all()
-            keep = ok & finite.to(ok.device)
-            for a, b in zip(w.tensors(), p.tensors()):
-                a.add_(torch.where(keep, b, 0))
-            self._dropped[n, s] = self._dropped.get((n, s), 0) + (finite.to(ok.device) & ~ok)
-            p.reset()
+        finite (decided on the device, every moment at once: a non-finite moment of a
+        finite step is dropped, counted at the refresh; a skipped step's are dropped
+        uncounted)."""
+        for _, pending, window, dropped in self._joined:
+            bad = pending.nonfinite()
+            finite_here = finite.to(bad.device)
+            window.add_where(finite_here & ~bad, pending)
+            dropped.add_(finite_here & bad)
+            pending.flat.zero_()
         super().settle(finite)
 
     def start_step(self, step: int) -> None:
@@ -323,8 +337,10 @@ class RefreshFactors(FactorSource):
         flags = [torch.stack([torch.isfinite(t).all() for m in ms for t in m.tensors()]).all()
                  for ms in windows]
         usable = dict(zip(units, torch.stack(flags).tolist() if flags else []))
-        dropped = [n for (n, _), count in self._dropped.items() for _ in range(int(count))]
-        self._dropped = {}
+        dropped = []
+        for names, _, _, counts in self._joined:
+            dropped += [n for n, count in zip(names, counts.tolist()) for _ in range(count)]
+            counts.zero_()
         self._rejected(dropped, "a step's input statistic")
         self._rejected([n for n, ok in usable.items() if not ok], "the refresh's statistic")
         return usable
