@@ -172,10 +172,13 @@ class GradientPipeline(BucketPath):
 
     def plain(self, name: str) -> bool:
         """Whether ``Ũ = G + R`` of ``name`` needs nothing of its whole gradient this step
-        (not a geometry candidate, not observed, routed through identity, no owner's
+        (no map of this step to prepare, not observed, routed through identity, no owner's
         residual to hand over): an adapter may then add the residual piece by piece
-        instead of calling :meth:`prepare_into`."""
-        return (not (name in self.layers and self.source is not None)
+        instead of calling :meth:`prepare_into`, or over the whole bucket at once. A
+        candidate the selection has not chosen is plain unless its source builds maps
+        every step (fresh, local: :attr:`FactorSource.per_step`)."""
+        candidate = name in self.layers and self.source is not None
+        return (not (candidate and (self.source.per_step or name in self.selection.selected))
                 and not (self._observing and self.selection.observes(name))
                 and self.route(name) is IDENTITY
                 and (self.owner is None or name not in self.owner.residuals))

@@ -120,6 +120,8 @@ def _training(module: nn.Module) -> bool:
 class FactorSource:
     """Base: committed maps by layer name; no statistics."""
 
+    per_step = False  # whether prepare() builds a map every step (else it does nothing)
+
     def __init__(self, layers: dict[str, Layer], ledger) -> None:
         self.layers, self.ledger = layers, ledger
         self.shared = SharedInputs()
@@ -381,6 +383,8 @@ class RefreshFactors(FactorSource):
 
 class _SketchedFactors(FactorSource):
     """Shared parts of the per-step sources: Ω per width and the low-rank map of a sketch."""
+
+    per_step = True
 
     def __init__(self, layers, ledger, config) -> None:
         super().__init__(layers, ledger)
