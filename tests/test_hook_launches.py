@@ -13,9 +13,10 @@ BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
 FUSED_STAGES = 6  # Triton kernels of one bucket's four stages (comm.plan.FusedPlan)
 
 
-def _measure(method, cases):
+def _measure(method, cases, fields=slice(0, 4)):
     code = ("import json, sys, hook_launches as h\n"
-            f"print(json.dumps([h.measure({method!r}, t, b)[:4] for t, b in {cases!r}]))")
+            f"print(json.dumps([h.measure({method!r}, t, b)[{fields.start}:{fields.stop}] "
+            f"for t, b in {cases!r}]))")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([os.path.abspath(BENCHMARKS), *sys.path])}
     done = subprocess.run([sys.executable, "-c", code], cwd=BENCHMARKS, env=env,
@@ -34,3 +35,34 @@ def test_fp8_ef_hook_launches_per_bucket_do_not_grow_with_its_tensors():
     # residual write (one copy) with its scalar; nothing per tensor, no div_ nor finite pass
     per_bucket = (ops4 - ops8) / 3
     assert per_bucket <= 4, (ops8, ops4)
+
+
+# torch launches per layer on a low-rank map, beyond the flat bucket's: the forward map
+# (G·c, G U, ·d, addmm) and the inverse (the same four: the maps' two skinny GEMMs each way),
+# the decode's copy of G T⁻¹ over the sum, c's cast to FP32 and the residual's read in the
+# map's coordinates and its add (new_zeros, where, add) and its write (copy)
+MAPPED_LAYER = 14
+
+
+def test_geometry_hook_launches_grow_only_by_each_mapped_layers_maps():
+    """geofp8 at an ordinary step with every layer on its refreshed map: the fused stages
+    and the step's settling (the statistics' finite check and window add included) do not
+    grow with the layers; each layer adds its maps' GEMMs and a fixed handful of ops."""
+    (b2, tri2, ops2, _, names2, on2), (b8, tri8, ops8, _, names8, on8) = _measure(
+        "geofp8", [(2, 1), (8, 1)], slice(0, 6))
+    assert (b2, b8, on2, on8) == (1, 1, 2, 8)  # every layer on a map
+    assert tri2 == tri8 == FUSED_STAGES
+    gemms = {n: names8.get(n, 0) - names2.get(n, 0) for n in ("aten.mm.default",
+                                                              "aten.addmm.default")}
+    assert gemms == {"aten.mm.default": 2 * 6, "aten.addmm.default": 2 * 6}, gemms
+    assert ops8 - ops2 == MAPPED_LAYER * 6, (ops2, ops8)
+
+
+def test_geometry_hook_launches_without_a_map_are_the_flat_buckets():
+    """geofp8-auto at an ordinary step with no layer on a map: its candidates join the flat
+    bucket path, so the launches do not grow with the tensors at all."""
+    (b2, tri2, ops2, _, _, on2), (b8, tri8, ops8, _, _, on8) = _measure(
+        "geofp8-auto", [(2, 1), (8, 1)], slice(0, 6))
+    assert (b2, b8, on2, on8) == (1, 1, 0, 0)
+    assert tri2 == tri8 == FUSED_STAGES
+    assert ops8 == ops2, (ops2, ops8)
