@@ -34,7 +34,8 @@ def sender_factors(source, shapes, per_sender, routes: list[Transform], layout: 
             continue
         d, k = shape[1], source.rank_of(shape[1])
         if isinstance(t, LowRankInput):
-            parts = [t.U.reshape(-1), t.d_inv, t.U.new_full((1,), t.c_inv)]
+            parts = [t.U.reshape(-1), t.d_inv,  # c_inv: a float, or 0-dim on the device
+                     torch.as_tensor(t.c_inv, dtype=torch.float32, device=device).reshape(1)]
         else:  # no factor on this rank this step: the identity map
             parts = [torch.zeros(d * k + k, device=device), torch.ones(1, device=device)]
         blobs[i] = torch.cat([p.to(device, torch.float32) for p in parts]).view(torch.uint8)
