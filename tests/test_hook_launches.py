@@ -38,10 +38,10 @@ def test_fp8_ef_hook_launches_per_bucket_do_not_grow_with_its_tensors():
 
 
 # torch launches per layer on a low-rank map, beyond the flat bucket's: the forward map
-# (G·c, G U, ·d, addmm) and the inverse (the same four: the maps' two skinny GEMMs each way),
-# the decode's copy of G T⁻¹ over the sum, c's cast to FP32 and the residual's read in the
-# map's coordinates and its add (new_zeros, where, add) and its write (copy)
-MAPPED_LAYER = 14
+# (G·c, G U, ·d, addmm) and the inverse, written over the sum (the same four: the maps' two
+# skinny GEMMs each way), the BF16 residual's read in the map's coordinates (to FP32,
+# new_zeros, where), its add and its write (copy)
+MAPPED_LAYER = 13
 
 
 def test_geometry_hook_launches_grow_only_by_each_mapped_layers_maps():

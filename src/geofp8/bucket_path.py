@@ -102,7 +102,7 @@ class BucketPath:
             n = torch.Size(shape).numel()
             if not mapped and route is not IDENTITY:
                 y = total[pos : pos + n].view(shape)
-                y.copy_(route.inverse(y))
+                route.inverse_over(y)
             pos += n
         return total
 

@@ -203,7 +203,7 @@ class GeoFP8ReduceScatter(ReduceScatter):
         for (pos, rows, width), route in zip(self.unit.rows(n), routes):
             if route is not IDENTITY:
                 Y = total[pos : pos + rows * width].view(rows, width)
-                Y.copy_(route.inverse(Y))
+                route.inverse_over(Y)
 
 
 class ReplicaAllReduce:
