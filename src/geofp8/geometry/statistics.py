@@ -178,7 +178,8 @@ class JoinedMoments:
     def nonfinite(self) -> torch.Tensor:
         """Per moment: whether any of its elements is NaN or ±Inf (bool, on the device)."""
         bad = (~torch.isfinite(self.flat)).to(self.flat.dtype)
-        return torch.segment_reduce(bad, "max", lengths=self.lengths) > 0
+        # unsafe: no check of the lengths (a host read on CUDA); they are ours, exact
+        return torch.segment_reduce(bad, "max", lengths=self.lengths, unsafe=True) > 0
 
     def add_where(self, keep: torch.Tensor, other: JoinedMoments) -> None:
         """``self += where(keep[i], other's moment i, 0)``, moment by moment (the same
