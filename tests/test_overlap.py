@@ -164,6 +164,7 @@ def _protocol_worker(rank, world, fields):
     (2, dict(hierarchy="flat")),
     (2, dict(hierarchy="flat", owner_feedback=True, transform="euclidean")),
     (4, dict(node_size=2)),  # two nodes of two: the hierarchical path
+    (2, dict(hierarchy="flat", factor_source="fresh")),  # this step's maps, built in the hook
 ])
 def test_bucket_work_runs_on_the_side_stream_in_the_same_order_on_every_rank(world, fields):
     results = run_ranks(_protocol_worker, world, args=(fields,), timeout=180)
@@ -195,6 +196,10 @@ def test_bucket_work_runs_on_the_side_stream_in_the_same_order_on_every_rank(wor
                 assert any(e[0] == "record_stream" for e in bucket)  # DDP's bucket
             events = {e[0] for e in log}
             assert {"encode", "wait", "set_result"} <= events
+            if fields.get("factor_source") == "fresh":  # the forward's reduced sketches
+                sketches = [e for e in log[:hooks[0]] if e[0] == "issue" and e[3] == "factor"]
+                marked = [e for e in log[hooks[0]:] if e[:2] == ("record_stream", "side")]
+                assert sketches and len(marked) > len(hooks)  # DDP's buckets and the sketches
             for e in log:
                 if e[0] in ("encode", "wait", "set_result"):
                     assert e[1] == "side", e  # never on the autograd thread's stream
