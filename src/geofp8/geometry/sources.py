@@ -408,8 +408,9 @@ class _SketchedFactors(FactorSource):
         Y = torch.where(ok, sketch.view(d, omega.shape[1]) / count, omega)
         trace = torch.where(ok, moments[0] / count, float(d)).double()
         fresh = LowRankInput(nystrom_factor(Y, omega, min(cfg.k, d), trace), cfg.damping)
-        ok = ok & torch.stack([torch.isfinite(torch.as_tensor(getattr(fresh, f))).all()
-                               for f in LowRankInput.fields]).all()
+        fields = torch.cat([torch.as_tensor(getattr(fresh, f)).reshape(-1)  # one finite pass
+                            for f in LowRankInput.fields])  # (FP64: the scalars promote)
+        ok = ok & torch.isfinite(fields).all()
         self._step[key] = _chosen(ok, fresh, self.transforms.get(key))
         self._flags.append((key, ~ok & (tokens > 0)))
 
