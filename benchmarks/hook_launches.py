@@ -11,9 +11,16 @@ inside a kernel are not counted) and, apart, the collectives (``c10d`` ops). The
 launches must not grow with the tensors per bucket: ``--tensors`` varies them with one
 bucket per step; ``--buckets`` splits the same layers into several buckets.
 
+A geometry method reaches its ordinary step first: its factors refresh every 3 steps
+(the first refresh at step 3, where ``auto`` measures too, deciding at step 4), a profile
+scores step 0 alone and keeps ``--mapped`` layers (all by default), and the step counted is
+step 5 (no refresh, measurement nor decision), so the layers selected go through their maps
+(the ``mapped`` column: layers on a map then).
+
     python benchmarks/hook_launches.py                       # fp8-ef, 1 bucket of 2 / 8 tensors
     python benchmarks/hook_launches.py --tensors 2 8 32 --buckets 1 4
     python benchmarks/hook_launches.py --methods fp8-ef fp8
+    python benchmarks/hook_launches.py --methods geofp8 geofp8-auto --tensors 2 8 --ops
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated (childr
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import itertools  # noqa: E402
 
@@ -35,6 +43,7 @@ from gpu_bucket import ALLOCATIONS  # noqa: E402
 from host_syncs import on_ranks  # noqa: E402
 
 WIDTH = 64  # Linear(WIDTH, WIDTH, bias=False): 16 KiB of FP32 gradient a tensor
+COUNTED = 5  # the step counted: ordinary for every method (see the module notes)
 
 
 class HookLaunches(Launches):
@@ -62,17 +71,29 @@ class HookLaunches(Launches):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def count(rank: int, world: int, method: str, tensors: int, buckets: int) -> tuple:
-    """``(buckets, Triton, torch, collectives)`` of the hook in one ordinary step on this
-    rank (``tensors`` layers in ``buckets`` DDP buckets of equal size)."""
+def _hooked(model, method: str, mapped: int | None):
+    """``(state, hook)`` of ``method`` on ``model``; a geometry method with refreshes every
+    3 steps and (a profile) step 0 scored, its ``mapped`` best layers kept (all if None)."""
+    from geofp8.ddp import GeoFP8State, geofp8_hook
     from geofp8.methods import METHODS
 
+    spec = METHODS[method]
+    settings = {"refresh_every": 3, "profile_steps": 1, "kernels": "batched"}
+    config = spec.config(**{k: v for k, v in settings.items() if k in spec.overrides})
+    if config is None:
+        return spec.build(model)[:2]
+    config = dataclasses.replace(config, profile_top=mapped or len(model))
+    return GeoFP8State(model, config), geofp8_hook
+
+
+def count(rank: int, world: int, method: str, tensors: int, buckets: int,
+          mapped: int | None = None) -> tuple:
+    """``(buckets, Triton, torch, collectives, ops, layers on a map)`` of the hook in one
+    ordinary step on this rank (``tensors`` layers in ``buckets`` DDP buckets of equal
+    size)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(tensors)])
-    spec = METHODS[method]
-    settings = {"refresh_every": 1000, "kernels": "batched"}
-    state, hook, _ = spec.build(model, **{k: v for k, v in settings.items()
-                                          if k in spec.overrides and spec.kind == "geofp8"})
+    state, hook = _hooked(model, method, mapped)
     mb = tensors // buckets * WIDTH * WIDTH * 4 / (1 << 20)  # DDP's first bucket: up to 1 MB
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
     counter: list[HookLaunches | None] = [None]
@@ -83,31 +104,34 @@ def count(rank: int, world: int, method: str, tensors: int, buckets: int) -> tup
         with counter[0]:
             return hook(state, bucket)
     ddp.register_comm_hook(state, counted)
-    for step in range(3):
-        counter[0] = HookLaunches() if step == 2 else None
+    for step in range(COUNTED + 1):
+        counter[0] = HookLaunches() if step == COUNTED else None
         ddp(torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step + 10 * rank))
             ).pow(2).mean().backward()
         ddp.zero_grad()
     c = counter[0]
+    pipeline = getattr(getattr(state, "engine", None), "pipeline", None)
+    on_map = len(pipeline.geometry_layers()) if pipeline is not None else 0
     return len(ddp.reducer._get_zeros_like_grad_buckets()), c.triton, c.torch, c.collectives, \
-        c.ops
+        c.ops, on_map
 
 
 def _worker(rank: int, world: int, port: int, method: str, queue, tensors: int,
-            buckets: int) -> None:
+            buckets: int, mapped: int | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=300))
-    queue.put((rank, *count(rank, world, method, tensors, buckets)))
+    queue.put((rank, *count(rank, world, method, tensors, buckets, mapped)))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def measure(method: str, tensors: int, buckets: int, ranks: int = 2) -> tuple:
-    """``(buckets, Triton, torch, collectives, torch ops by name)`` of one ordinary step on
-    rank 0 of ``ranks`` spawned gloo ranks (see :func:`count`)."""
-    return on_ranks(_worker, ranks, method, tensors, buckets)
+def measure(method: str, tensors: int, buckets: int, ranks: int = 2,
+            mapped: int | None = None) -> tuple:
+    """``(buckets, Triton, torch, collectives, torch ops by name, layers on a map)`` of one
+    ordinary step on rank 0 of ``ranks`` spawned gloo ranks (see :func:`count`)."""
+    return on_ranks(_worker, ranks, method, tensors, buckets, mapped)
 
 
 def main() -> None:
@@ -116,13 +140,17 @@ def main() -> None:
     parser.add_argument("--tensors", nargs="+", type=int, default=[2, 8])
     parser.add_argument("--buckets", nargs="+", type=int, default=[1])
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--mapped", type=int, default=None,
+                        help="a profile's layers kept on a map (default: all)")
     parser.add_argument("--ops", action="store_true", help="list the torch ops counted")
     args = parser.parse_args()
-    print("| method | tensors | buckets | Triton | torch | launches | per bucket | collectives |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| method | tensors | mapped | buckets | Triton | torch | launches | per bucket | "
+          "collectives |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for method, tensors, buckets in itertools.product(args.methods, args.tensors, args.buckets):
-        got, triton, ops, colls, names = measure(method, tensors, buckets, args.ranks)
-        print(f"| {method} | {tensors} | {got} | {triton} | {ops} | {triton + ops} | "
+        got, triton, ops, colls, names, on_map = measure(method, tensors, buckets, args.ranks,
+                                                         args.mapped)
+        print(f"| {method} | {tensors} | {on_map} | {got} | {triton} | {ops} | {triton + ops} | "
               f"{(triton + ops) / got:.1f} | {colls} |", flush=True)
         if args.ops:
             print("   ", dict(names.most_common()))

@@ -10,14 +10,17 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
-FUSED_STAGES = 6  # Triton kernels of one bucket's four stages (comm.plan.FusedPlan)
+FUSED_STAGES = 6  # Triton kernels of one bucket's four stages (comm.plan.FusedPlan, comm.block_plan)
 SETTLE = 1  # the step's verdict from its buckets' flags (geofp8.verdict.StepVerdict)
 
 
-def _measure(method, cases):
+def _measure(method, cases, fields=slice(0, 4)):
     code = ("import json, sys, hook_launches as h\n"
-            f"print(json.dumps([h.measure({method!r}, t, b)[:4] for t, b in {cases!r}]))")
+            f"print(json.dumps([h.measure({method!r}, t, b)[{fields.start}:{fields.stop}] "
+            f"for t, b in {cases!r}]))")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([os.path.abspath(BENCHMARKS), *sys.path])}
     done = subprocess.run([sys.executable, "-c", code], cwd=BENCHMARKS, env=env,
@@ -26,9 +29,11 @@ def _measure(method, cases):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_fp8_ef_hook_launches_six_kernels_per_bucket_and_one_per_step():
+@pytest.mark.parametrize("method", ["fp8-ef", "nvfp4-ef"])
+def test_the_hook_launches_six_kernels_per_bucket_and_one_per_step(method):
+    """E4M3 (comm.plan.FusedPlan) and NVFP4 (comm.block_plan) with error feedback."""
     (b2, tri2, ops2, _), (b8, tri8, ops8, _), (b4, tri4, ops4, _) = _measure(
-        "fp8-ef", [(2, 1), (8, 1), (8, 4)])
+        method, [(2, 1), (8, 1), (8, 4)])
     assert (b2, b8, b4) == (1, 1, 4)
     # the fused stages, the error feedback folded into them (no where, add_ nor copy_), and
     # the step's verdict and skipped-step counter in one kernel: nothing per tensor, no
@@ -104,3 +109,34 @@ def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_one_kernel_verdic
         for key in ("saw_bad", "step", "skipped", "kept", "params"):
             assert out[key] == ref[key], key  # the torch path's, bit for bit
     assert fused[0]["params"] == fused[1]["params"]  # bit-identical parameters on both ranks
+
+
+# torch launches per layer on a low-rank map, beyond the flat bucket's: the forward map
+# (G·c, G U, ·d, addmm) and the inverse, written over the sum (the same four: the maps' two
+# skinny GEMMs each way), the BF16 residual's read in the map's coordinates (to FP32,
+# new_zeros, where), its add and its write (copy)
+MAPPED_LAYER = 13
+
+
+def test_geometry_hook_launches_grow_only_by_each_mapped_layers_maps():
+    """geofp8 at an ordinary step with every layer on its refreshed map: the fused stages
+    and the step's settling (the statistics' finite check and window add included) do not
+    grow with the layers; each layer adds its maps' GEMMs and a fixed handful of ops."""
+    (b2, tri2, ops2, _, names2, on2), (b8, tri8, ops8, _, names8, on8) = _measure(
+        "geofp8", [(2, 1), (8, 1)], slice(0, 6))
+    assert (b2, b8, on2, on8) == (1, 1, 2, 8)  # every layer on a map
+    assert tri2 == tri8 == FUSED_STAGES
+    def gemms(names):  # G U and the addmm with Uᵀ (written over the sum: addmm.out)
+        return sum(c for n, c in names.items() if n.startswith(("aten.mm.", "aten.addmm.")))
+    assert gemms(names8) - gemms(names2) == 4 * 6, (names2, names8)  # 2 each way per layer
+    assert ops8 - ops2 == MAPPED_LAYER * 6, (ops2, ops8)
+
+
+def test_geometry_hook_launches_without_a_map_are_the_flat_buckets():
+    """geofp8-auto at an ordinary step with no layer on a map: its candidates join the flat
+    bucket path, so the launches do not grow with the tensors at all."""
+    (b2, tri2, ops2, _, _, on2), (b8, tri8, ops8, _, _, on8) = _measure(
+        "geofp8-auto", [(2, 1), (8, 1)], slice(0, 6))
+    assert (b2, b8, on2, on8) == (1, 1, 0, 0)
+    assert tri2 == tri8 == FUSED_STAGES
+    assert ops8 == ops2, (ops2, ops8)

@@ -124,33 +124,43 @@ def _whole_step_worker(rank, world, method):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(8)])
     spec = METHODS[method]
-    state, hook, _ = spec.build(model, **spec.takes(refresh_every=1000))
+    state, hook, _ = spec.build(model, **spec.takes(refresh_every=3, profile_steps=1))
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     reads = []
-    for step in range(4):
+    for step in range(WHOLE_STEPS):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step + 10 * rank))
         with _HostReads() as counted:
             ddp(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
         reads.append(counted.count)
-    return reads, state.stats()["skipped_steps"]
+    return reads, state.stats()["skipped_steps"], len(state.engine.pipeline.geometry_layers())
 
 
 # The step's finite agreement and the error-feedback commit stay on the device (a skipped
 # step's residuals are chosen away by torch.where; its count is read by stats()): an
 # ordinary step reads nothing back at all, forward, backward and optimizer step included, so
-# the host can queue the next step while the device works: with geometry too (geofp8's
-# refreshed factors between refreshes, geofp8-auto's). A step that measures the layers'
-# round-trip errors to switch them (geofp8-fresh's first ones) reads its errors back by design.
-@pytest.mark.parametrize("method", ["fp8-ef", "nvfp4-ef", "geofp8", "geofp8-auto"])
+# the host can queue the next step while the device works: with geometry too, on the path
+# users run: the factors refresh every 3 steps, geofp8's profile scores step 0 and chooses at
+# step 1, geofp8-auto measures at step 3 and chooses at step 4 (those steps read by design),
+# and at step 5 the chosen layers go through their maps; geofp8-local builds each rank's own
+# map on every step, on the device. Ordinary steps per method, and layers on a map at the end:
+WHOLE_STEPS = 6
+ORDINARY = {"fp8-ef": ([1, 2, 3, 4, 5], 0), "nvfp4-ef": ([1, 2, 3, 4, 5], 0),
+            "geofp8": ([2, 4, 5], 2), "geofp8-auto": ([1, 2, 5], None),
+            "geofp8-local": ([1, 2, 3, 4, 5], 8)}
+
+
+@pytest.mark.parametrize("method", list(ORDINARY))
 def test_an_ordinary_whole_step_reads_nothing_back(method):
-    for reads, skipped in run_ranks(_whole_step_worker, 2, args=(method,)):
+    ordinary, mapped = ORDINARY[method]
+    for reads, skipped, on_map in run_ranks(_whole_step_worker, 2, args=(method,)):
         assert reads[0] > 0  # step 0 checks the ranks' configurations: reads are counted
-        assert reads[1:] == [0, 0, 0], reads
+        assert [reads[s] for s in ordinary] == [0] * len(ordinary), reads
         assert skipped == 0
+        assert mapped is None or on_map == mapped  # auto: whatever its measurement chose
 
 
 def _ops_worker(rank, world, methods):

@@ -55,6 +55,30 @@ class RecordingStreams:
         self.log.append(("record_stream", stream.name, tensor.data_ptr()))
 
 
+class LoggedWork:
+    """A collective's work whose ``wait()`` is logged with the stream current then."""
+
+    def __init__(self, work, log: list, on) -> None:
+        self.work, self.log, self.on = work, log, on
+
+    def wait(self):
+        self.log.append(("wait", self.on()))
+        return self.work.wait()
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _log_waits(group, log: list, on) -> None:
+    """Every work a :class:`DeviceGroup` keeps is a :class:`LoggedWork`."""
+    keep = group.DeviceGroup._keep
+
+    def logged_keep(self, work, async_op=True):
+        return keep(self, LoggedWork(work, log, on), async_op)
+
+    group.DeviceGroup._keep = logged_keep
+
+
 class Uneven(nn.Module):
     """Several buckets; ``spare`` is used on odd steps only (``find_unused_parameters``)."""
 
@@ -78,23 +102,7 @@ def _protocol_worker(rank, world, fields):
     streams.streams_for = lambda device: api
     on = lambda: api.current().name  # noqa: E731
 
-    class LoggedWork:
-        def __init__(self, work) -> None:
-            self.work = work
-
-        def wait(self):
-            log.append(("wait", on()))
-            return self.work.wait()
-
-        def __getattr__(self, name):
-            return getattr(self.work, name)
-
-    keep = group.DeviceGroup._keep
-
-    def logged_keep(self, work, async_op=True):
-        return keep(self, LoggedWork(work), async_op)
-
-    group.DeviceGroup._keep = logged_keep
+    _log_waits(group, log, on)
     def logged_issue(op, original):
         def issue(self, *args, **kw):
             kind = kw.get("kind", next((a for a in args if isinstance(a, str)), None))
@@ -156,6 +164,7 @@ def _protocol_worker(rank, world, fields):
     (2, dict(hierarchy="flat")),
     (2, dict(hierarchy="flat", owner_feedback=True, transform="euclidean")),
     (4, dict(node_size=2)),  # two nodes of two: the hierarchical path
+    (2, dict(hierarchy="flat", factor_source="fresh")),  # this step's maps, built in the hook
 ])
 def test_bucket_work_runs_on_the_side_stream_in_the_same_order_on_every_rank(world, fields):
     results = run_ranks(_protocol_worker, world, args=(fields,), timeout=180)
@@ -187,6 +196,10 @@ def test_bucket_work_runs_on_the_side_stream_in_the_same_order_on_every_rank(wor
                 assert any(e[0] == "record_stream" for e in bucket)  # DDP's bucket
             events = {e[0] for e in log}
             assert {"encode", "wait", "set_result"} <= events
+            if fields.get("factor_source") == "fresh":  # the forward's reduced sketches
+                sketches = [e for e in log[:hooks[0]] if e[0] == "issue" and e[3] == "factor"]
+                marked = [e for e in log[hooks[0]:] if e[:2] == ("record_stream", "side")]
+                assert sketches and len(marked) > len(hooks)  # DDP's buckets and the sketches
             for e in log:
                 if e[0] in ("encode", "wait", "set_result"):
                     assert e[1] == "side", e  # never on the autograd thread's stream
@@ -213,3 +226,71 @@ def test_hierarchy_runs_are_one_stage_per_hook():
     assert order == [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0), (1, 2), (2, 1), (3, 0),
                      (2, 2), (3, 1), (3, 2)]
     assert [float(f.value()) for f in futures] == [0.0, 10.0, 20.0, 30.0]
+
+
+def _fsdp_worker(rank, world, source):
+    """FSDP2 with GeoFP8's reduce-scatter, FSDP's reduce-scatter stream stood in by
+    ``"fsdp"`` (FSDP2 calls the custom reduce-scatter under its own stream, after waiting
+    for the current one: on the CPU it has none, so the call is wrapped here as FSDP2 does
+    it on CUDA). Per step: the log of stream events, reduce-scatters and the settling."""
+    from torch.distributed.fsdp import fully_shard
+
+    import geofp8.fsdp
+    from geofp8 import GeoFP8Config
+    from geofp8.comm import group, streams
+
+    log: list = []
+    api = RecordingStreams(log)
+    streams.streams_for = lambda device: api
+    on = lambda: api.current().name  # noqa: E731
+    fsdp_stream = FakeStream("fsdp", log)
+    call = geofp8.fsdp.GeoFP8ReduceScatter.__call__
+
+    def on_fsdp_stream(self, *args, **kw):
+        with api.use(fsdp_stream):
+            log.append(("reduce_scatter", on()))
+            return call(self, *args, **kw)
+
+    geofp8.fsdp.GeoFP8ReduceScatter.__call__ = on_fsdp_stream
+    _log_waits(group, log, on)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
+    fully_shard(net[0])
+    fully_shard(net[2])
+    fully_shard(net)
+    state = geofp8.fsdp.enable(net, GeoFP8Config(candidates="linear", layers="all", k=4,
+                                                 factor_source=source, refresh_every=2))
+    settle = state.engine._settle
+
+    def logged_settle():
+        log.append(("settle", on()))
+        settle()
+
+    state.engine._settle = logged_settle
+    steps = []
+    for step in range(4):
+        del log[:]
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        net(x).pow(2).mean().backward()
+        steps.append(list(log))
+    return steps, len(state.pipeline.geometry_layers()), state.stats()["skipped_steps"]
+
+
+@pytest.mark.parametrize("source", ["refresh", "fresh"])
+def test_fsdp_units_run_on_fsdps_stream_and_the_step_settles_after_them(source):
+    """Each unit's codec work and collective waits run on the stream FSDP2 calls the
+    reduce-scatter on; the step settles (reading the units' finite flags) on the current
+    stream only after it has waited for that stream; fresh factors' reduced sketches are
+    marked as used by it."""
+    for steps, on_map, skipped in run_ranks(_fsdp_worker, 2, args=(source,), timeout=180):
+        assert (on_map, skipped) == (2, 0)  # the layers went through their maps
+        for log in steps[2:]:  # maps in use (refreshed at step 2; fresh ones every step)
+            units = [i for i, e in enumerate(log) if e[0] == "reduce_scatter"]
+            assert len(units) == 2 and all(log[i][1] == "fsdp" for i in units)  # 2 units
+            joined = log.index(("wait_stream", "default", "fsdp"))
+            settled = log.index(("settle", "default"))
+            assert units[-1] < joined < settled
+            waits = [e[1] for e in log[:joined] if e[0] == "wait"]
+            assert waits and set(waits) == {"fsdp"}, log  # the all-to-alls' waits
+            if source == "fresh":  # the reduced sketches, read on FSDP's stream
+                assert ("record_stream", "fsdp") in [e[:2] for e in log[:joined]], log

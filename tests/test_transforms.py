@@ -19,6 +19,7 @@ from geofp8.geometry.transforms import (
     OutputSide,
     TwoSided,
     rebase,
+    transform_from_state,
 )
 
 F64 = torch.float64
@@ -87,6 +88,25 @@ def test_inverse_recovers_input(name):
     assert _rel(T.forward(T.inverse(G)), G) < 1e-10
     if name != "identity":
         assert _rel(Gt, G) > 1e-3  # it really is a change of coordinates
+
+
+@pytest.mark.parametrize("name", list(_all_transforms()))
+def test_inverse_over_writes_the_bits_of_inverse_in_place(name):
+    """The decode maps the sum back in place (a low-rank map's GEMM writes over it): the
+    same bits as ``inverse``, in float64 and, from FP32 statistics, FP32; with ``c`` a
+    Python float (refreshed, restored) or a 0-dim tensor (built on the device)."""
+    T = _all_transforms()[name]
+    G = _grad(D_OUT, _width(name))
+    Y = G.clone()
+    assert T.inverse_over(Y) is Y and torch.equal(Y, T.inverse(G))
+    if isinstance(T, LowRankInput):
+        for c in (T.c_inv, torch.tensor(T.c_inv, dtype=F64)):
+            T32 = transform_from_state("lowrank", {k: v.float() if v.dim() else v
+                                                   for k, v in T.state().items()})
+            T32.c_inv = c
+            Y32, G32 = G.float().clone(), G.float()
+            T32.inverse_over(Y32)
+            assert torch.equal(Y32, T32.inverse(G32))
 
 
 def test_lowrank_with_full_rank_is_the_damped_inverse_square_root():

@@ -57,6 +57,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from .comm import Communicator, ShardLayout, encode, encode_with_error, fp32_allreduce_wire_bytes
 from .comm.group import DeviceGroup, collective
 from .comm.stages import all_finite
+from .comm.streams import StreamsUsed
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
 from .feedback import STORAGES
@@ -202,7 +203,7 @@ class GeoFP8ReduceScatter(ReduceScatter):
         for (pos, rows, width), route in zip(self.unit.rows(n), routes):
             if route is not IDENTITY:
                 Y = total[pos : pos + rows * width].view(rows, width)
-                Y.copy_(route.inverse(Y))
+                route.inverse_over(Y)
 
 
 class ReplicaAllReduce:
@@ -388,6 +389,7 @@ class GeoFP8FSDP:
         self._communicators: dict[int, Communicator] = {}
         self._armed = False
         self._reduced: list[_Unit] = []  # units reduced in the step in flight
+        self._streams = StreamsUsed(device)  # FSDP's streams the units ran on, this step
         self.engine.on_skip.append(self._poison_reduced)
         units = _units(model, mesh)
         self.units = [u for u, _ in units]
@@ -420,6 +422,7 @@ class GeoFP8FSDP:
             if not self._armed:
                 self._armed = _queue_end_of_backward(self._end_of_backward)
             self._reduced.append(unit)
+            self._streams.note()  # FSDP's reduce-scatter (or all-reduce) stream, on CUDA
             work(*args)
             engine.finish_unit()
         except BaseException:
@@ -432,6 +435,9 @@ class GeoFP8FSDP:
         self._end_step()
 
     def _end_step(self) -> None:
+        """Settle the step, on the current stream, after the units' work on FSDP's streams
+        (their finite flags are read there)."""
+        self._streams.join()
         self.engine.end_step()
         self._reduced = []
 

@@ -19,41 +19,29 @@ bracket a step; per tensor, :meth:`~GradientPipeline.prepare_into` and
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .bucket_path import BucketPath, Encoded
 from .candidates import find_candidates
 from .codecs import make_codec
 from .comm.group import DeviceGroup
 from .comm.layout import ShardLayout
-from .comm.stages import encode, encode_with_error
 from .feedback import ErrorFeedback
 from .geometry.sources import LocalFactors, SharedInputs, make_source
-from .geometry.transforms import IDENTITY, LowRankInput, Transform
+from .geometry.transforms import IDENTITY, Transform
+from .handover import hand_over
 from .ledger import StepLedger
 from .selection import BudgetSelection, make_selection
+from .sender_factors import factor_bytes, sender_factors, unmap_per_sender
 
 __all__ = ["Encoded", "GradientPipeline"]
 
 
-
-@dataclass
-class Encoded:
-    """One encoded set of gradients and what is needed to map the sum back."""
-
-    sent: torch.Tensor  # uint8: every shard's payload (and side bytes)
-    layout: ShardLayout
-    names: list[str]
-    shapes: list[tuple[int, ...]]
-    routes: list[Transform]
-    per_sender: tuple[bool, ...]  # mapped back by the receiver with each sender's own map
-    side_bytes: int  # bytes of sender factors in what this rank sends to the others
-
-
-class GradientPipeline:
-    """Routing, factors, selection, error feedback and encoding of one model's gradients.
+class GradientPipeline(BucketPath):
+    """Routing, factors, selection, error feedback and encoding of one model's gradients
+    (the bucket's encode and decode: :class:`~geofp8.bucket_path.BucketPath`).
 
     Args:
         model: the module whose parameters are communicated.
@@ -159,21 +147,9 @@ class GradientPipeline:
     def prepare_into(self, name: str, G: torch.Tensor, out: torch.Tensor,
                      in_place: bool = False) -> Transform:
         """Write ``Ũ = G T + R`` (FP32, ``G``'s shape) into ``out``; returns ``T``.
-        ``in_place``: ``out`` is ``G``'s own memory (read before it is written).
-
-        **Owner hand-over** (``owner_feedback``): the second rounding's residual ``O`` of a
-        tensor lives in Euclidean coordinates, on the rank that owns its piece of the reduced
-        shard, and is kept only while the tensor is sent without a map
-        (:meth:`owner_keys`). In the first step in which the tensor takes a map again (a
-        budget's or an ``auto`` selection's change of route), its owner's residual cannot
-        be re-based on the owner's piece (``T`` mixes whole rows): it is *handed over* to
-        this rank's send instead, ``Ũ = G T + R + O T`` (``O`` zero outside the piece), and
-        so reaches the sum whole, its rounding error going on in the sender's residual
-        ``R`` (with ``error_feedback``), which is re-based with the route. Every rank does
-        so with the piece it owns. The owner's residual is dropped at once; a non-finite
-        step resets the sender's residual it wrote to zero, so the handed-over error is
-        then lost, as every residual of a skipped step is. A change of format alone (``nvfp4`` ↔
-        ``e4m3``) keeps the owner's residual as it is, as the sender's."""
+        ``in_place``: ``out`` is ``G``'s own memory (read before it is written). With
+        ``owner_feedback``, a tensor that takes a map again gets its owner's residual ``O``
+        handed over: ``Ũ = G T + R + O T`` (:mod:`geofp8.handover`)."""
         candidate = name in self.layers and self.source is not None
         if candidate:
             self.source.prepare(name)
@@ -196,10 +172,13 @@ class GradientPipeline:
 
     def plain(self, name: str) -> bool:
         """Whether ``Ũ = G + R`` of ``name`` needs nothing of its whole gradient this step
-        (not a geometry candidate, not observed, routed through identity, no owner's
+        (no map of this step to prepare, not observed, routed through identity, no owner's
         residual to hand over): an adapter may then add the residual piece by piece
-        instead of calling :meth:`prepare_into`."""
-        return (not (name in self.layers and self.source is not None)
+        instead of calling :meth:`prepare_into`, or over the whole bucket at once. A
+        candidate the selection has not chosen is plain unless its source builds maps
+        every step (fresh, local: :attr:`FactorSource.per_step`)."""
+        candidate = name in self.layers and self.source is not None
+        return (not (candidate and (self.source.per_step or name in self.selection.selected))
                 and not (self._observing and self.selection.observes(name))
                 and self.route(name) is IDENTITY
                 and (self.owner is None or name not in self.owner.residuals))
@@ -214,23 +193,12 @@ class GradientPipeline:
         return route is IDENTITY and not self._per_sender(name)
 
     def _hand_over(self, name: str, route: Transform, shape) -> torch.Tensor | None:
-        """``O T``: this rank's owner residual of ``name`` as a whole tensor in ``route``'s
-        coordinates, removing it (:meth:`prepare_into`); ``None`` when it has none or
-        keeps it."""
+        """``O T``: this rank's owner residual of ``name`` in ``route``'s coordinates, removed
+        (:mod:`geofp8.handover`); ``None`` when it has none or keeps it."""
         owner = self.owner
         if owner is None or name not in owner.residuals or self._owner_keeps(name, route):
             return None
-        piece = owner.residual_in(name, IDENTITY).reshape(-1)
-        # this rank's piece of the tensor as the exact collective cuts it (by itself)
-        alone = ShardLayout.build([tuple(shape)], self.codec, self.world_size)
-        [(lo, hi)] = alone.segments[self.rank] or [(0, 0)]
-        if piece.numel() != hi - lo:
-            raise RuntimeError(f"GeoFP8: the owner residual of {name} has {piece.numel()} "
-                               f"elements, not its piece's {hi - lo}")
-        whole = torch.zeros(alone.numel, dtype=torch.float32, device=piece.device)
-        whole[lo:hi] = piece
-        owner.drop(name)
-        whole = whole.view(shape)
+        whole = hand_over(owner, name, shape, self.codec, self.world_size, self.rank)
         return whole if route is IDENTITY else route.forward(whole)
 
     def owner_keys(self, encoded: Encoded) -> list[str | None]:
@@ -250,138 +218,19 @@ class GradientPipeline:
         """``Y T⁻¹`` (identity routes pass ``Y`` through)."""
         return Y if route is IDENTITY else route.inverse(Y)
 
-    # -- a set of gradients in one flat payload (a DDP bucket) --------------------------------
-
-    def encode(self, names: list[str], grads: list[torch.Tensor],
-               seed: int | None = None, flat: torch.Tensor | None = None) -> Encoded:
-        """Route, add residuals, encode (``seed``: stochastic rounding's, the same on every
-        rank for this step and bucket); write the new residuals. ``flat``: where ``Ũ`` is
-        written, FP32, one tensor after the other (the buffer that ``grads`` tile in order,
-        as a DDP bucket's do: each is read before its place is written); else a new one."""
-        shapes = [tuple(g.shape) for g in grads]
-        in_place = flat is not None
-        if flat is None:
-            flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32,
-                               device=grads[0].device if grads else self.group.device)
-        bucket = self._bucket_residual(names, shapes) if in_place else None
-        if bucket is not None:  # Ũ = G + R over the bucket at once, in the encode: G is flat
-            routes = [IDENTITY] * len(names)
-        else:
-            routes, pos = [], 0
-            for name, g in zip(names, grads):
-                slot = flat[pos : pos + g.numel()].view(g.shape)
-                routes.append(self.prepare_into(name, g, slot, in_place))
-                pos += g.numel()
-        per_sender = tuple(self._per_sender(n) for n in names)
-        layout = self._layout(shapes, per_sender, tuple(self.codec_of(n) for n in names))
-        side = self._sender_factors(shapes, per_sender, routes, layout) if any(per_sender) \
-            else None
-        if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ)): into a bucket's R, or over Ũ
-            sent, residual = encode_with_error(flat, layout, side, seed, self.group.rank,
-                                               error_out=flat, feedback=bucket)
-            whole = bucket is not None or (in_place and all(self.plain(n) for n in names)
-                                           and self.feedback.first_bucket(names))
-            if whole:
-                self.feedback.stage_bucket(names, residual, shapes)
-            pos = 0
-            for name, shape, route in zip(names, shapes, routes) if not whole else ():
-                n = torch.Size(shape).numel()
-                self.feedback.stage(name, residual[pos : pos + n].view(shape), route)
-                pos += n
-        else:
-            sent = encode(flat, layout, side, seed, sender=self.group.rank)
-        side_bytes = sum(layout.side[j] for j in range(self.world_size) if j != self.rank)
-        return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes)
-
-    def _bucket_residual(self, names: list[str], shapes: list[tuple[int, ...]]
-                         ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``(R, flag)`` of a bucket whose every tensor is :meth:`plain` and has a residual
-        (:meth:`ErrorFeedback.bucket_in`: one flat vector): the encode then adds it and
-        writes the new residual into it (:func:`~geofp8.comm.stages.encode_with_error`'s
-        ``feedback``); else ``None`` (tensor by tensor)."""
-        if not self.config.error_feedback or not all(self.plain(n) for n in names):
-            return None
-        return self.feedback.bucket_in(names, shapes)
-
-    def decode(self, encoded: Encoded, total: torch.Tensor, divided: bool = False
-               ) -> torch.Tensor:
-        """The mean ``(Σ / N) T⁻¹`` of every tensor, written over the collective's FP32 sum
-        ``total`` (one tensor after the other, as :meth:`encode` laid them; ``divided``:
-        ``Σ / N`` already, the collective's ``divide``); returns it."""
-        if not divided:
-            total.div_(total.new_full((), self.world_size))  # exact on CUDA (codecs.exact_div)
-        pos = 0
-        for shape, route, mapped in zip(encoded.shapes, encoded.routes, encoded.per_sender):
-            n = torch.Size(shape).numel()
-            if not mapped and route is not IDENTITY:
-                y = total[pos : pos + n].view(shape)
-                y.copy_(route.inverse(y))
-            pos += n
-        return total
-
-    def codec_of(self, name: str):
-        """The wire codec of ``name`` this step (the selection's under a budget)."""
-        return self.selection.codec_of(name) or self.codec
-
-    def _layout(self, shapes: list[tuple[int, ...]], per_sender: tuple[bool, ...],
-                codecs: tuple) -> ShardLayout:
-        key = (tuple(shapes), per_sender, codecs)
-        if key not in self._layouts:
-            side = [self._factor_bytes(shape[1]) if mapped else 0
-                    for shape, mapped in zip(shapes, per_sender)]
-            self._layouts[key] = ShardLayout.build(shapes, self.codec, self.world_size,
-                                                   list(per_sender), side, list(codecs),
-                                                   kernels=self.config.kernels)
-        return self._layouts[key]
-
-    # -- per-sender (local) factors ----------------------------------------------------------
+    # -- per-sender (local) factors: geofp8.sender_factors -----------------------------------
 
     def _factor_bytes(self, d_in: int) -> int:
-        """``U`` (``d_in × k``), ``d_inv`` (``k``) and ``c_inv`` as float32."""
-        k = self.source.rank_of(d_in)
-        return 4 * (d_in * k + k + 1)
+        return factor_bytes(self.source, d_in)
 
     def _sender_factors(self, shapes, per_sender, routes, layout: ShardLayout
                         ) -> list[torch.Tensor]:
-        """Per shard: this sender's inverse map of every per-sender-decoded tensor in it."""
-        blobs, device = {}, self.group.device
-        for i, (shape, mapped, t) in enumerate(zip(shapes, per_sender, routes)):
-            if not mapped:
-                continue
-            d, k = shape[1], self.source.rank_of(shape[1])
-            if isinstance(t, LowRankInput):
-                parts = [t.U.reshape(-1), t.d_inv, t.U.new_full((1,), t.c_inv)]
-            else:  # no factor on this rank this step: the identity map
-                parts = [torch.zeros(d * k + k, device=device), torch.ones(1, device=device)]
-            blobs[i] = torch.cat([p.to(device, torch.float32) for p in parts]).view(torch.uint8)
-        return [torch.cat([blobs[i] for i in layout.owners[j] if i in blobs] or
-                          [torch.zeros(0, dtype=torch.uint8, device=device)])
-                for j in range(layout.world_size)]
+        return sender_factors(self.source, shapes, per_sender, routes, layout,
+                              self.group.device)
 
     def unmap(self, encoded: Encoded):
-        """``unmap(rows, sides)`` for this receiver's shard (``[N, shard]`` decoded copies and
-        ``[N, side bytes]``): ``V T_r⁻¹`` per sender ``r`` (``None`` when nothing in
-        ``encoded`` is decoded per sender)."""
-        if not any(encoded.per_sender):
-            return None
-        j, layout, shapes = self.rank, encoded.layout, encoded.shapes
-
-        def unmap(rows: torch.Tensor, sides: torch.Tensor) -> torch.Tensor:
-            for values, side in zip(rows, sides):  # one sender's factors each
-                pos = spos = 0
-                for (lo, hi), i in zip(layout.segments[j], layout.owners[j]):
-                    if encoded.per_sender[i]:
-                        d, k = shapes[i][1], self.source.rank_of(shapes[i][1])
-                        nb = self._factor_bytes(d)
-                        f = side[spos : spos + nb].clone().view(torch.float32)
-                        U, d_inv, c_inv = f[: d * k].view(d, k), f[d * k : d * k + k], f[-1]
-                        V = values[pos : pos + hi - lo].view(-1, d)
-                        values[pos : pos + hi - lo] = (V * c_inv
-                                                       + ((V @ U) * d_inv) @ U.T).view(-1)
-                        spos += nb
-                    pos += hi - lo
-            return rows
-        return unmap
+        """``V T_r⁻¹`` per sender for this receiver's shard (:func:`unmap_per_sender`)."""
+        return unmap_per_sender(self.source, encoded, self.rank)
 
     # -- reporting and checkpoints -----------------------------------------------------------
 

@@ -27,7 +27,7 @@ import contextlib
 
 import torch
 
-__all__ = ["SideStream", "TorchStreams", "streams_for", "used_here"]
+__all__ = ["SideStream", "StreamsUsed", "TorchStreams", "streams_for", "used_here"]
 
 
 class TorchStreams:
@@ -56,8 +56,36 @@ def used_here(*tensors: torch.Tensor) -> None:
     used by the current stream too, so their memory is not handed to that stream's later
     kernels while the current one's queued work still reads them (a no-op off CUDA)."""
     for t in tensors:
-        if t.is_cuda:
-            t.record_stream(torch.cuda.current_stream(t.device))
+        api = streams_for(t.device)
+        if api is not None:
+            api.record(t, api.current(t.device))
+
+
+class StreamsUsed:
+    """The streams that some of a step's work ran on (FSDP2 runs a unit's reduce-scatter on
+    its own stream, HSDP's all-reduce hook on another): :meth:`note` the current one from
+    inside the work; :meth:`join` makes the current stream wait for every stream noted (on
+    the device: no host wait), so what it queues next (the step's settling, which reads the
+    units' finite flags) is ordered after all of their work. A no-op without streams."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.api = streams_for(self.device)
+        self.used: list = []
+
+    def note(self) -> None:
+        if self.api is not None:
+            stream = self.api.current(self.device)
+            if all(stream is not s for s in self.used):
+                self.used.append(stream)
+
+    def join(self) -> None:
+        if self.api is not None:
+            current = self.api.current(self.device)
+            for stream in self.used:
+                if stream is not current:
+                    current.wait_stream(stream)
+        self.used = []
 
 
 class SideStream:

@@ -41,7 +41,7 @@ from ..comm.layout import ShardLayout
 from ..comm.stages import encode
 from ..comm.streams import used_here
 from .factory import make_transform, needs
-from .statistics import SecondMoment, nystrom_factor, sketch_matrix
+from .statistics import JoinedMoments, SecondMoment, nystrom_factor, sketch_matrix
 from .transforms import LowRankInput, Transform, transform_from_state
 
 __all__ = ["FactorSource", "FixedFactors", "FreshFactors", "Layer", "LocalFactors",
@@ -121,6 +121,8 @@ def _training(module: nn.Module) -> bool:
 
 class FactorSource:
     """Base: committed maps by layer name; no statistics."""
+
+    per_step = False  # whether prepare() builds a map every step (else it does nothing)
 
     def __init__(self, layers: dict[str, Layer], ledger) -> None:
         self.layers, self.ledger = layers, ledger
@@ -223,7 +225,6 @@ class RefreshFactors(FactorSource):
         self.config, self.group, self.kind = config, group, str(config.transform)
         self.pending: dict[str, dict[str, SecondMoment]] = {}
         self.window: dict[str, dict[str, SecondMoment]] = {}
-        self._dropped: dict[tuple[str, str], torch.Tensor] = {}  # non-finite, per moment
         for name, layer in layers.items():
             mode = config.statistics
             if mode == "auto":
@@ -236,6 +237,21 @@ class RefreshFactors(FactorSource):
                 store[name] = {s: SecondMoment(d, m, sketch_size=config.k + config.oversample,
                                                seed=config.seed, device=devices[name])
                                for s, (d, m) in sides.items()}
+        self._joined = self._join()
+
+    def _join(self) -> list[tuple[list[str], JoinedMoments, JoinedMoments, torch.Tensor]]:
+        """Per device: ``(layers, pending, window, dropped)``, every moment's pending and
+        window sums in one buffer each and, per moment, the count of finite steps whose
+        statistic was not finite (dropped; read at the refresh)."""
+        groups: dict[tuple, list] = {}
+        for name, sides in self.pending.items():
+            for side, p in sides.items():
+                groups.setdefault((p.total.device, p.dtype), []).append(
+                    (name, p, self.window[name][side]))
+        return [([n for n, _, _ in g], JoinedMoments([p for _, p, _ in g]),
+                 JoinedMoments([w for _, _, w in g]),
+                 torch.zeros(len(g), dtype=torch.int64, device=device))
+                for (device, _), g in groups.items()]
 
     def attach(self, modules):
         hooks = []
@@ -265,15 +281,15 @@ class RefreshFactors(FactorSource):
 
     def settle(self, finite: torch.Tensor) -> None:
         """A finite step's statistics join the window, each moment only if all of it is
-        finite (decided on the device: a non-finite moment of a finite step is dropped,
-        counted at the refresh; a skipped step's are dropped uncounted)."""
-        for (n, s, p), (_, _, w) in zip(self._moments(self.pending), self._moments(self.window)):
-            ok = torch.stack([torch.isfinite(t).all() for t in p.tensors()]).all()
-            keep = ok & finite.to(ok.device)
-            for a, b in zip(w.tensors(), p.tensors()):
-                a.add_(torch.where(keep, b, 0))
-            self._dropped[n, s] = self._dropped.get((n, s), 0) + (finite.to(ok.device) & ~ok)
-            p.reset()
+        finite (decided on the device, every moment at once: a non-finite moment of a
+        finite step is dropped, counted at the refresh; a skipped step's are dropped
+        uncounted)."""
+        for _, pending, window, dropped in self._joined:
+            bad = pending.nonfinite()
+            finite_here = finite.to(bad.device)
+            window.add_where(finite_here & ~bad, pending)
+            dropped.add_(finite_here & bad)
+            pending.flat.zero_()
         super().settle(finite)
 
     def start_step(self, step: int) -> None:
@@ -325,8 +341,10 @@ class RefreshFactors(FactorSource):
         flags = [torch.stack([torch.isfinite(t).all() for m in ms for t in m.tensors()]).all()
                  for ms in windows]
         usable = dict(zip(units, torch.stack(flags).tolist() if flags else []))
-        dropped = [n for (n, _), count in self._dropped.items() for _ in range(int(count))]
-        self._dropped = {}
+        dropped = []
+        for names, _, _, counts in self._joined:
+            dropped += [n for n, count in zip(names, counts.tolist()) for _ in range(count)]
+            counts.zero_()
         self._rejected(dropped, "a step's input statistic")
         self._rejected([n for n, ok in usable.items() if not ok], "the refresh's statistic")
         return usable
@@ -368,10 +386,48 @@ class RefreshFactors(FactorSource):
 class _SketchedFactors(FactorSource):
     """Shared parts of the per-step sources: Ω per width and the low-rank map of a sketch."""
 
+    per_step = True
+    unusable = "this step's input sketch"  # what the warning of a non-finite one names
+
     def __init__(self, layers, ledger, config) -> None:
         super().__init__(layers, ledger)
         self.config = config
         self._omegas: dict[int, torch.Tensor] = {}
+        self._flags: list[tuple[str, torch.Tensor]] = []  # (layer, sketch not finite)
+        self._unsaid: dict[str, torch.Tensor] = {}  # layer: steps whose sketch was not finite
+
+    def _build_step(self, key: str, sketch: torch.Tensor, moments: torch.Tensor,
+                    omega: torch.Tensor) -> None:
+        """This step's map of ``key`` from its summed ``sketch`` ``Σ x xᵀ Ω`` and ``moments``
+        ``[Σ‖x‖², tokens]``, on the device: nothing is read back to the host (a non-finite
+        sketch, or one with no tokens this step, keeps the last map — the identity before
+        the first — chosen by ``torch.where``; counted and warned at :meth:`report`)."""
+        d, cfg = self.layers[key].d_in, self.config
+        tokens = moments[1]
+        ok = torch.isfinite(sketch).all() & torch.isfinite(moments).all() & (tokens > 0)
+        count = tokens.clamp_min(1)  # the tokens (1 when none: never used then)
+        # where the sketch is unusable, a stand-in (A = I) that factors safely, never used
+        Y = torch.where(ok, sketch.view(d, omega.shape[1]) / count, omega)
+        trace = torch.where(ok, moments[0] / count, float(d)).double()
+        fresh = LowRankInput(nystrom_factor(Y, omega, min(cfg.k, d), trace), cfg.damping)
+        fields = torch.cat([torch.as_tensor(getattr(fresh, f)).reshape(-1)  # one finite pass
+                            for f in LowRankInput.fields])  # (FP64: the scalars promote)
+        ok = ok & torch.isfinite(fields).all()
+        self._step[key] = _chosen(ok, fresh, self.transforms.get(key))
+        self._flags.append((key, ~ok & (tokens > 0)))
+
+    def report(self) -> None:
+        """Count the steps whose sketch or map of a layer was not finite since the last
+        report; warn once per layer."""
+        unsaid, self._unsaid = self._unsaid, {}
+        for key, count in unsaid.items():
+            self._rejected([key] * int(count), self.unusable)
+
+    def settle(self, finite: torch.Tensor) -> None:
+        for key, bad in self._flags:  # folded on the device, read by report()
+            self._unsaid[key] = self._unsaid.get(key, 0) + bad.to(torch.int64)
+        self._flags = []
+        super().settle(finite)
 
     def omega(self, dim: int, device) -> torch.Tensor:
         """The Gaussian test matrix for width ``dim`` from the shared seed (same everywhere)."""
@@ -409,8 +465,6 @@ class FreshFactors(_SketchedFactors):
         self._local: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # this forward's sums
         self._launched: list[_Reduced] = []  # this step's reductions, one per forward
         self._reduced: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._flags: list[tuple[str, torch.Tensor]] = []  # (layer, sketch not finite)
-        self._unsaid: dict[str, torch.Tensor] = {}  # layer: steps whose sketch was not finite
         self._codec = None if config.sketch_format is None else make_codec(config.sketch_format)
         self._sketches = Communicator("exact", group, kind="factor")
         self._layouts: dict[int, ShardLayout] = {}
@@ -498,28 +552,9 @@ class FreshFactors(_SketchedFactors):
             self._reduced = self._await()
         sketch, moments = self._reduced[key]
         used_here(sketch, moments)  # reduced on backward's stream, read here on the side one
-        d, cfg = self.layers[key].d_in, self.config
-        omega = self.omega(d, sketch.device)
-        tokens = moments[1]
-        ok = torch.isfinite(sketch).all() & torch.isfinite(moments).all() & (tokens > 0)
-        count = tokens.clamp_min(1)  # the tokens (1 when none: never used then)
-        # where the sketch is unusable, a stand-in (A = I) that factors safely, never used
-        Y = torch.where(ok, sketch.view(d, omega.shape[1]) / count, omega)
-        trace = torch.where(ok, moments[0] / count, float(d)).double()
-        fresh = LowRankInput(nystrom_factor(Y, omega, min(cfg.k, d), trace), cfg.damping)
-        ok = ok & torch.stack([torch.isfinite(torch.as_tensor(getattr(fresh, f))).all()
-                               for f in LowRankInput.fields]).all()
-        self._step[key] = _chosen(ok, fresh, self.transforms.get(key))
-        self._flags.append((key, ~ok & (tokens > 0)))
+        self._build_step(key, sketch, moments, self.omega(self.layers[key].d_in,
+                                                          sketch.device))
         self._timed("transform_s", t0)
-
-    def report(self) -> None:
-        """Count the steps whose sketch or map of a layer was not finite since the last
-        report; warn once per layer (the same reduced sketch on every rank: the same
-        verdict)."""
-        unsaid, self._unsaid = self._unsaid, {}
-        for key, count in unsaid.items():
-            self._rejected([key] * int(count), "this step's input sketch")
 
     def _drain(self) -> None:
         """Issue the pending sketch all-gather and complete every reduced sketch."""
@@ -528,11 +563,9 @@ class FreshFactors(_SketchedFactors):
 
     def settle(self, finite: torch.Tensor) -> None:
         self._drain()  # every rank at the same point, whether or not a layer read its sketch
-        for key, bad in self._flags:  # folded on the device, read by report()
-            self._unsaid[key] = self._unsaid.get(key, 0) + bad.to(torch.int64)
         for reduced in self._launched:  # a step no map read (FP32 warm-up): done all the same
             reduced.work.wait()
-        self._launched, self._reduced, self._flags, self._local = [], None, [], {}
+        self._launched, self._reduced, self._local = [], None, {}
         super().settle(finite)
 
 
@@ -577,7 +610,11 @@ class _Reduced:
 
 
 class LocalFactors(_SketchedFactors):
-    """Each rank's own factor of this step (module notes); never reduced."""
+    """Each rank's own factor of this step (module notes); never reduced. A rank that did
+    not run a layer this step, or whose statistic is not finite, keeps its last map (the
+    identity before the first), as a skipped sketch of :class:`FreshFactors` does."""
+
+    unusable = "this rank's input statistic"
 
     def __init__(self, layers, ledger, config, devices) -> None:
         super().__init__(layers, ledger, config)
@@ -593,18 +630,16 @@ class LocalFactors(_SketchedFactors):
         self.pending[name].update(x)
 
     def prepare(self, name: str) -> None:
+        """This rank's map of ``name``'s unit from its own statistic, on the device (see
+        :meth:`_build_step`: nothing read back to the host)."""
         key = self.shared.of(name)
+        if key in self._step:
+            return
+        t0 = time.perf_counter()
         stats = self.pending[key]
-        if key in self._step or float(stats.weight) <= 0:
-            return
-        k = self.rank_of(self.layers[key].d_in)
-        factor = stats.factor(k)
-        if factor.rank < k:
-            return
-        if bool(torch.isfinite(factor.U).all() & torch.isfinite(factor.eigvals).all()):
-            self._step[key] = LowRankInput(factor, self.config.damping)
-        else:  # this rank's own statistic: it keeps its last map (shipped as ever)
-            self._rejected([key], "this rank's input statistic")
+        self._build_step(key, stats.total.reshape(-1),
+                         torch.stack([stats.trace_total, stats.weight]), stats.omega)
+        self._timed("transform_s", t0)
 
     def settle(self, finite: torch.Tensor) -> None:
         for stats in self.pending.values():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LowRankFactor", "SecondMoment", "nystrom_factor", "sketch_matrix"]
+__all__ = ["JoinedMoments", "LowRankFactor", "SecondMoment", "nystrom_factor", "sketch_matrix"]
 
 
 @dataclass
@@ -123,6 +123,22 @@ class SecondMoment:
             t.zero_()
 
     @property
+    def numel(self) -> int:
+        """Elements of the sums (:meth:`tensors`)."""
+        return sum(t.numel() for t in self.tensors())
+
+    def place(self, storage: torch.Tensor) -> None:
+        """Keep the sums as views of ``storage`` (1-D, :attr:`numel` elements of this
+        moment's dtype and device), their values copied in: moments placed side by side in
+        one buffer are then checked and summed at once (:class:`JoinedMoments`)."""
+        views, pos = [], 0
+        for t in self.tensors():
+            views.append(storage[pos : pos + t.numel()].view(t.shape).copy_(t))
+            pos += t.numel()
+        self.total, self.trace_total, self.weight = views
+
+
+    @property
     def nbytes(self) -> int:
         extra = self.omega.numel() * self.omega.element_size() if self.omega is not None else 0
         return sum(t.numel() * t.element_size() for t in self.tensors()) + extra
@@ -141,6 +157,35 @@ class SecondMoment:
         if self.mode == "exact":
             return LowRankFactor.from_matrix(self.mean(), k)
         return nystrom_factor(self.total / self.weight.clamp_min(1), self.omega, k, self.trace())
+
+
+class JoinedMoments:
+    """Moments of one dtype and device whose sums lie side by side in one flat buffer
+    (:meth:`SecondMoment.place`), so a step's work on all of them takes a fixed number of
+    launches, whatever their count: ``bad[i]`` = 1 where moment ``i`` has a non-finite
+    element, and ``window += where(keep[i], moment, 0)`` over the buffer."""
+
+    def __init__(self, moments: list[SecondMoment]) -> None:
+        first = moments[0].total
+        self.flat = torch.zeros(sum(m.numel for m in moments), dtype=first.dtype,
+                                device=first.device)
+        pos = 0
+        for m in moments:
+            m.place(self.flat[pos : pos + m.numel])
+            pos += m.numel
+        self.lengths = torch.tensor([m.numel for m in moments], device=first.device)
+
+    def nonfinite(self) -> torch.Tensor:
+        """Per moment: whether any of its elements is NaN or ±Inf (bool, on the device)."""
+        bad = (~torch.isfinite(self.flat)).to(self.flat.dtype)
+        # unsafe: no check of the lengths (a host read on CUDA); they are ours, exact
+        return torch.segment_reduce(bad, "max", lengths=self.lengths, unsafe=True) > 0
+
+    def add_where(self, keep: torch.Tensor, other: JoinedMoments) -> None:
+        """``self += where(keep[i], other's moment i, 0)``, moment by moment (the same
+        moments' layout)."""
+        kept = torch.repeat_interleave(keep, self.lengths, output_size=self.flat.numel())
+        self.flat.add_(torch.where(kept, other.flat, 0))
 
 
 def nystrom_factor(Y: torch.Tensor, omega: torch.Tensor, k: int,

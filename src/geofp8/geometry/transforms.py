@@ -90,6 +90,10 @@ class Transform:
     def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def inverse_over(self, Gt: torch.Tensor) -> torch.Tensor:
+        """``Gt T⁻¹`` written over ``Gt`` (the bits of :meth:`inverse`); returns ``Gt``."""
+        return Gt.copy_(self.inverse(Gt))
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the map depends on (for hashing, memory and checkpoints)."""
         return []
@@ -160,20 +164,27 @@ class LowRankInput(Transform):
         self.d_inv = (eig.sqrt() - self.c_inv).to(dtype)
         self.U = factor.U
 
-    def _apply(self, G: torch.Tensor, c: float | torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    def _apply(self, G: torch.Tensor, c: float | torch.Tensor, d: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         if G.dim() != 2:
             raise ValueError(f"{type(self).__name__} needs a 2-D gradient, got {tuple(G.shape)}")
         G = G.to(self.U.dtype)
         # one formula whether c is a float or a 0-dim tensor (a map built on the device, or
         # restored): the same bits either way, so a resumed run matches an uninterrupted one
         c = c.to(G.dtype) if isinstance(c, torch.Tensor) else c
-        return torch.addmm(G * c, (G @ self.U) * d, self.U.T)
+        # G is read only by the two products, before the GEMM writes ``out`` (which may be G)
+        return torch.addmm(G * c, (G @ self.U) * d, self.U.T, out=out)
 
     def forward(self, G: torch.Tensor) -> torch.Tensor:
         return self._apply(G, self.c_fwd, self.d_fwd)
 
     def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
         return self._apply(Gt, self.c_inv, self.d_inv)
+
+    def inverse_over(self, Gt: torch.Tensor) -> torch.Tensor:
+        if Gt.dtype != self.U.dtype:  # the GEMM writes U's dtype
+            return super().inverse_over(Gt)
+        return self._apply(Gt, self.c_inv, self.d_inv, out=Gt)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.U, self.d_fwd, self.d_inv]

@@ -1,0 +1,121 @@
+"""A bucket's gradients in one flat payload, and the collective's sum back (DDP's path).
+
+:class:`BucketPath` is the part of :class:`~geofp8.pipeline.GradientPipeline` that works on a
+whole set of gradients at once (one DDP bucket): ``Ũ`` of every tensor laid one after the
+other (per tensor through :meth:`~geofp8.pipeline.GradientPipeline.prepare_into`, or, when
+every tensor is plain, ``Ũ = G + R`` over the bucket at once), the layout of the exact
+collective, the encode with the new residuals, and the decode ``(Σ / N) T⁻¹`` of the sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .comm.layout import ShardLayout
+from .comm.stages import encode, encode_with_error
+from .geometry.transforms import IDENTITY, Transform
+
+__all__ = ["BucketPath", "Encoded"]
+
+
+@dataclass
+class Encoded:
+    """One encoded set of gradients and what is needed to map the sum back."""
+
+    sent: torch.Tensor  # uint8: every shard's payload (and side bytes)
+    layout: ShardLayout
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    routes: list[Transform]
+    per_sender: tuple[bool, ...]  # mapped back by the receiver with each sender's own map
+    side_bytes: int  # bytes of sender factors in what this rank sends to the others
+
+
+class BucketPath:
+    """Encode and decode of one flat payload (mixed into
+    :class:`~geofp8.pipeline.GradientPipeline`, whose routes, feedback and selection it
+    uses)."""
+
+    def encode(self, names: list[str], grads: list[torch.Tensor],
+               seed: int | None = None, flat: torch.Tensor | None = None) -> Encoded:
+        """Route, add residuals, encode (``seed``: stochastic rounding's, the same on every
+        rank for this step and bucket); write the new residuals. ``flat``: where ``Ũ`` is
+        written, FP32, one tensor after the other (the buffer that ``grads`` tile in order,
+        as a DDP bucket's do: each is read before its place is written); else a new one."""
+        shapes = [tuple(g.shape) for g in grads]
+        in_place = flat is not None
+        if flat is None:
+            flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32,
+                               device=grads[0].device if grads else self.group.device)
+        bucket = self._bucket_residual(names, shapes) if in_place else None
+        if bucket is not None:  # Ũ = G + R over the bucket at once, in the encode: G is flat
+            routes = [IDENTITY] * len(names)
+        else:
+            routes, pos = [], 0
+            for name, g in zip(names, grads):
+                slot = flat[pos : pos + g.numel()].view(g.shape)
+                routes.append(self.prepare_into(name, g, slot, in_place))
+                pos += g.numel()
+        per_sender = tuple(self._per_sender(n) for n in names)
+        layout = self._layout(shapes, per_sender, tuple(self.codec_of(n) for n in names))
+        side = self._sender_factors(shapes, per_sender, routes, layout) if any(per_sender) \
+            else None
+        if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ)): into a bucket's R, or over Ũ
+            sent, residual = encode_with_error(flat, layout, side, seed, self.group.rank,
+                                               error_out=flat, feedback=bucket)
+            whole = bucket is not None or (in_place and all(self.plain(n) for n in names)
+                                           and self.feedback.first_bucket(names))
+            if whole:
+                self.feedback.stage_bucket(names, residual, shapes)
+            pos = 0
+            for name, shape, route in zip(names, shapes, routes) if not whole else ():
+                n = torch.Size(shape).numel()
+                self.feedback.stage(name, residual[pos : pos + n].view(shape), route)
+                pos += n
+        else:
+            sent = encode(flat, layout, side, seed, sender=self.group.rank)
+        side_bytes = sum(layout.side[j] for j in range(self.world_size) if j != self.rank)
+        return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes)
+
+    def _bucket_residual(self, names: list[str], shapes: list[tuple[int, ...]]
+                         ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(R, flag)`` of a bucket whose every tensor is :meth:`plain` and has a residual
+        (:meth:`ErrorFeedback.bucket_in`: one flat vector): the encode then adds it and
+        writes the new residual into it (:func:`~geofp8.comm.stages.encode_with_error`'s
+        ``feedback``); else ``None`` (tensor by tensor)."""
+        if not self.config.error_feedback or not all(self.plain(n) for n in names):
+            return None
+        return self.feedback.bucket_in(names, shapes)
+
+    def decode(self, encoded: Encoded, total: torch.Tensor, divided: bool = False
+               ) -> torch.Tensor:
+        """The mean ``(Σ / N) T⁻¹`` of every tensor, written over the collective's FP32 sum
+        ``total`` (one tensor after the other, as :meth:`encode` laid them; ``divided``:
+        ``Σ / N`` already, the collective's ``divide``); returns it."""
+        if not divided:
+            total.div_(total.new_full((), self.world_size))  # exact on CUDA (codecs.exact_div)
+        pos = 0
+        for shape, route, mapped in zip(encoded.shapes, encoded.routes, encoded.per_sender):
+            n = torch.Size(shape).numel()
+            if not mapped and route is not IDENTITY:
+                y = total[pos : pos + n].view(shape)
+                route.inverse_over(y)
+            pos += n
+        return total
+
+    def codec_of(self, name: str):
+        """The wire codec of ``name`` this step (the selection's under a budget)."""
+        return self.selection.codec_of(name) or self.codec
+
+    def _layout(self, shapes: list[tuple[int, ...]], per_sender: tuple[bool, ...],
+                codecs: tuple) -> ShardLayout:
+        key = (tuple(shapes), per_sender, codecs)
+        if key not in self._layouts:
+            side = [self._factor_bytes(shape[1]) if mapped else 0
+                    for shape, mapped in zip(shapes, per_sender)]
+            self._layouts[key] = ShardLayout.build(shapes, self.codec, self.world_size,
+                                                   list(per_sender), side, list(codecs),
+                                                   kernels=self.config.kernels)
+        return self._layouts[key]
