@@ -58,7 +58,7 @@ def test_every_method_builds_from_the_settings_its_gpu_rows_give_it():
 def test_the_kernel_census_sees_every_fused_kernel_and_nests(monkeypatch):
     kernels = gpu_check.triton_kernels()
     assert {"triton_fp8._encode_placed_kernel", "triton_fp8._decode_placed_kernel",
-            "triton_fp4._encode_packed_kernel", "triton_fp4._decode_kernel"} <= set(kernels)
+            "triton_fp4._encode_kernel", "triton_fp4._decode_kernel"} <= set(kernels)
     fn = kernels["triton_fp8._reduce_kernel"]
     calls = []
     monkeypatch.setattr(fn, "run", lambda *args, **kwargs: calls.append(args), raising=False)
@@ -218,3 +218,29 @@ def test_the_stage_rows_take_up_a_sender_encode_with_the_buckets_residual(monkey
     monkeypatch.setattr(stages, "encode_with_error", batched_ignores_keep)
     detail, ok = gpu_check._collective_matches(make_codec("e4m3", "row", 32))
     assert not ok and "[True, False, True, True]" in detail, detail
+
+
+_FUSED_SECTIONS = """
+import torch
+from geofp8.tools import gpu_check as g
+g.SHAPES, g.DEVICE = [(3, 40), (21,)], torch.device("cpu")  # small; the interpreter's CPU
+rows = []
+g.run_sections(g.FUSED, rows)
+"""
+
+
+@needs_triton
+def test_the_fused_sections_pass_and_launch_every_kernel_under_the_interpreter():
+    """What ``make gpu-check`` runs first on a GPU, here under ``TRITON_INTERPRET=1`` on
+    small shapes: every row passes, and the census row finds no kernel that no row launched
+    (a kernel added without a gpu_check row would fail the GPU round)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", _FUSED_SECTIONS], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    assert len(lines) > 25, done.stdout
+    assert not [line for line in lines if "  FAIL  " in line], done.stdout
+    census = [line for line in lines if "every Triton kernel launched" in line]
+    assert census and "  ok  " in census[0], done.stdout

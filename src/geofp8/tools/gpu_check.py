@@ -363,6 +363,17 @@ def check_fused(rows: list) -> None:
 
         _row(rows, f"fused {fmt}/{scaling} encode with EF", encode)
         _row(rows, f"fused {fmt}/{scaling} decode", decode)
+
+    def verdict():  # the step's verdict from its units' slots (geofp8.verdict.StepVerdict)
+        ok = []
+        for flags in ([1] * 70, [1] * 69 + [0], [0] + [1] * 5):
+            slots = torch.tensor(flags + [0] * 3, dtype=torch.uint8, device=DEVICE)
+            skipped = torch.full((), 7, dtype=torch.int64, device=DEVICE)
+            finite = triton_fp8.verdict(slots, len(flags), skipped)
+            ok.append(bool(finite) == all(flags) and int(skipped) == 7 + (not all(flags)))
+        return f"all of 70 / 6 slots, skipped counter: {ok}", all(ok)
+
+    _row(rows, "fused step verdict", verdict)
     if DEVICE.type != "cuda":  # the interpreter's stand-in run checks the bits only
         return
     x = torch.randn(25 << 20 >> 2, device=DEVICE)  # 25 MiB of FP32
