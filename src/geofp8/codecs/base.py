@@ -214,9 +214,9 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
 def poison_scales_(scales: torch.Tensor) -> None:
     """``scales`` in place, all NaN unless every one is finite, so that every value they
     decode is NaN then (:func:`finite_flag` folded into the scales: no pass over the decoded
-    values). ``s + Σ s·0`` is ``s + 0 = s`` when all are finite (scales are never ``-0``) and
-    NaN otherwise."""
-    scales.add_(scales.mul(0).sum())
+    values). ``s + 0·max(s)`` is ``s + 0 = s`` when all are finite (scales are never ``-0``;
+    the maximum propagates NaN and never overflows) and NaN otherwise; two kernels."""
+    scales.add_(scales.amax(), alpha=0)
 
 
 def scales_flag(scales: torch.Tensor, check: bool = True,
