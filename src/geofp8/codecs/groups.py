@@ -131,11 +131,11 @@ class RunGather:
             self._memo[key] = self._rows(backward).to(torch.int32).to(key[0])
         return self._memo[key]
 
-    def plan(self, backward: bool) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The reorder as :func:`gather_rows` takes it (host int64): every destination row
-        whole from its source start, no element to fix."""
+    def plan(self, backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reorder as :func:`gather_rows` takes it, rows of :attr:`row` (host int64):
+        every destination row whole from its source start, no element to fix."""
         none = torch.empty(0, dtype=torch.long)
-        return self.row, self._rows(backward) * self.row, none, none
+        return self._rows(backward) * self.row, none, none
 
     def forward(self, src: torch.Tensor) -> torch.Tensor:
         """The runs of the contiguous ``src`` in destination order (a new tensor)."""
@@ -194,14 +194,14 @@ class RaggedGather:
         dst = fix.nonzero().view(-1)
         return starts[:, 0].masked_fill(~whole, 0), dst, src[dst]
 
-    def plan(self, backward: bool) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The reorder as :func:`gather_rows` takes it (host int64)."""
-        return (self.row, *self._plans[backward])
+    def plan(self, backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reorder as :func:`gather_rows` takes it, rows of :attr:`row` (host int64)."""
+        return self._plans[backward]
 
     def _move(self, src: torch.Tensor, backward: bool) -> torch.Tensor:
         device = torch.device(src.device)
         if (device, backward) not in self._memo:
-            self._memo[device, backward] = on_device(self._plans[backward], device)
+            self._memo[device, backward] = on_device(self.plan(backward), device)
         return gather_rows(src, self.row, *self._memo[device, backward], self.numel)
 
     def forward(self, src: torch.Tensor) -> torch.Tensor:
@@ -290,7 +290,7 @@ class PartsOrder:
         back to back in shard order, moved to where they lie in the records (host int64):
         shard ``j``'s part of the kind starts after the records before it and its kinds
         before this one (a row never straddles two shards' parts)."""
-        _, starts, dst, elements = gather.plan(backward=True)
+        starts, dst, elements = gather.plan(backward=True)
         parts = torch.tensor(self.shard_bytes[kind], dtype=torch.long)
         before = torch.tensor([sum(b[j] for b in self.shard_bytes[:kind])
                                for j in range(len(records))], dtype=torch.long)
