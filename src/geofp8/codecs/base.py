@@ -18,6 +18,7 @@ Policies every codec follows:
 from __future__ import annotations
 
 import functools
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -177,8 +178,8 @@ def joined_kinds(parts: Sequence[torch.Tensor], aligns: Sequence[int],
     if len(missing) == 1:
         out[missing[0]] = torch.cat(list(kinds[missing[0]]))
     elif missing:
-        whole = torch.cat([part for p in missing for part in kinds[p]])
-        sizes = [sum(part.numel() for part in kinds[p]) for p in missing]
+        whole = torch.cat(list(itertools.chain.from_iterable(kinds[p] for p in missing)))
+        sizes = [sum(map(torch.Tensor.numel, kinds[p])) for p in missing]  # no Python per part
         for p, piece in zip(missing, whole.split(sizes)):
             out[p] = piece
     return out

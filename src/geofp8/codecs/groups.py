@@ -271,7 +271,7 @@ class PartsOrder:
     def to_shards(self, wholes: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Per shard, its parts (views of one shard-ordered tensor per kind)."""
         kinds = [g.forward(w).split(b) for g, w, b in zip(self.gathers, wholes, self.shard_bytes)]
-        return [list(parts) for parts in zip(*kinds)]
+        return list(map(list, zip(*kinds)))  # no Python per shard
 
     def from_records(self, buf: torch.Tensor, records: Sequence[int]) -> list[torch.Tensor]:
         """The kinds whole, in flat order, from every shard's record of ``records[j]`` bytes
