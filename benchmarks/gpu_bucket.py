@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import geofp8
 from geofp8.codecs import make_codec, triton_fp4, triton_fp8
 from geofp8.comm import ShardLayout
-from geofp8.comm.stages import decode_gathered, encode, encode_with_error, reduce_encode
+from geofp8.tools.gpu_check import stage_share as rank_share  # one rank's stages of a bucket
 
 LAUNCH_US = 8.0  # host cost of one eager CUDA launch (torch dispatch + cudaLaunchKernel)
 ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
@@ -79,21 +79,6 @@ def shapes(mb: float, kind: str) -> list[tuple[int, ...]]:
             return out or [(target,)]
         out.append(shape)
         total += numel
-
-
-def rank_share(layout: ShardLayout, x: torch.Tensor):
-    """One rank's stages of one bucket as the collective runs them (module notes), as a
-    function of nothing (its inputs made here, on ``x``'s device)."""
-    n, rank = layout.world_size, layout.world_size - 1
-    sent = encode(x, layout)
-    received = torch.cat([sent[sum(layout.send_bytes(j) for j in range(rank)):]] * n)
-    gathered = torch.cat([reduce_encode(received, layout, rank)[0]] * n)  # an all-gather's
-
-    def run() -> None:
-        encode_with_error(x, layout, error_out=x)  # its rounding error, as EF takes it
-        reduce_encode(received, layout, rank)
-        decode_gathered(gathered, layout, out=x, divide=n)
-    return run
 
 
 KERNELS = list(dict.fromkeys(  # every Triton kernel (``*_kernel``) of GeoFP8's modules loaded

@@ -1,8 +1,9 @@
 """Aten ops and wall time of the exact collective's stages per bucket, in one process.
 
-One rank's share of a bucket: :func:`encode_with_error` (its payload and its error feedback
-residual), :func:`decode_sum` of the ``N`` copies of its shard,
-:func:`encode_reduced` and :func:`decode_gathered`. Ops are counted with a dispatch mode and
+One rank's share of a bucket (:func:`geofp8.tools.gpu_check.stage_share`, the one definition
+the benchmarks share): its encode with the error feedback residual written over the bucket,
+the owner's decode-and-sum of the ``N`` copies of its shard and its re-encode, the decode of
+the gathered shards divided by ``N``. Ops are counted with a dispatch mode and
 the peak of the bytes allocated and not yet freed (the profiler's allocation records; the
 inputs, made beforehand, not counted) is taken against the bucket's FP32 bytes: both
 deterministic. Times are the best of 3 on one thread, next to a memcpy of the bucket.
@@ -39,13 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from geofp8.codecs import make_codec
 from geofp8.comm import ShardLayout
-from geofp8.comm.stages import (
-    decode_gathered,
-    decode_sum,
-    encode,
-    encode_reduced,
-    encode_with_error,
-)
+from geofp8.tools.gpu_check import stage_share
 
 BUCKETS = {"1MB": [(256, 256)] * 4, "25MB": [(512, 512)] * 25}  # tensors of a bucket
 MODEL_BUCKETS = ("llama-small",)  # every parameter of a model preset (4096 tokens), in one bucket
@@ -115,21 +110,6 @@ def best(fn, repeats: int = 3) -> float:
     return min(times)
 
 
-def rank_share(layout: ShardLayout, x: torch.Tensor):
-    """One rank's stages of one bucket, as a function of nothing (inputs made here, on
-    ``x``'s device)."""
-    n = layout.world_size
-    received = torch.cat([encode(x, layout)[: layout.send_bytes(0)]] * n)
-    gathered = torch.stack([encode_reduced(torch.randn(layout.shard_numel(j), device=x.device),
-                                           layout, j) for j in range(n)])  # an all-gather's
-
-    def run() -> None:
-        encode_with_error(x, layout)  # its rounding error too, as error feedback takes it
-        encode_reduced(decode_sum(received, layout, 0), layout, 0)
-        decode_gathered(gathered, layout)
-    return run
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", default=["e4m3", "nvfp4"])
@@ -148,8 +128,8 @@ def main() -> None:
                                                    args.ranks):
         layout = ShardLayout.build(bucket_shapes(name), make_codec(fmt), n, kernels=kernels)
         x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
-        run = rank_share(layout, x)
-        counted = rank_share(layout, x.to("meta")) if kernels == "batched" else run
+        run = stage_share(layout, x)
+        counted = stage_share(layout, x.to("meta")) if kernels == "batched" else run
         counted()  # first call: the codecs' tables
         counter = Counter()
         with counter:

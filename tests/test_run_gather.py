@@ -7,7 +7,7 @@ import torch
 
 from geofp8.codecs import make_codec
 from geofp8.codecs.base import segment_amax
-from geofp8.codecs.groups import RunGather
+from geofp8.codecs.groups import PartsOrder, RaggedGather, RunGather
 from geofp8.comm import ShardLayout
 from geofp8.comm.stages import encode_with_error, simulate_exact_allreduce
 
@@ -53,3 +53,28 @@ def test_segment_amax_keeps_the_non_finite_policy_and_the_sign_of_zero():
     amax = segment_amax(x, torch.tensor([2, 2, 2, 2, 1]))
     assert amax[:2].tolist() == [2.0, 0.0] and amax[1].signbit().item() is False
     assert amax[2:4].isnan().all() and amax[4].item() == 0.0
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_parts_are_gathered_straight_from_records_with_side_bytes(ragged):
+    """``PartsOrder.from_records``: every kind whole in flat order, read straight from
+    records that carry bytes after their parts (side bytes, padding), as the parts cut out
+    of the records, joined kind by kind and moved back by each kind's own gather."""
+    gen = torch.Generator().manual_seed(2)
+    blocks = torch.randint(500, 1500, (12,), generator=gen) if ragged else torch.randint(
+        1, 9, (12,), generator=gen) * 4  # block counts sharing no factor (ragged) or 4
+    seg_bytes = [[4, int(b), 8 * int(b)] for b in blocks]
+    positions = [list(range(j, 12, 3)) for j in range(3)]  # shard j: every third segment
+    order = PartsOrder(seg_bytes, positions, ragged=ragged)
+    assert any(isinstance(g, RaggedGather) for g in order.gathers) == ragged
+    payload = [sum(b[j] for b in order.shard_bytes) for j in range(3)]
+    records = [p + extra for p, extra in zip(payload, (0, 5, 3))]
+    buf = torch.randint(0, 256, (sum(records) + 7,), dtype=torch.uint8, generator=gen)
+    parts = [[] for _ in order.gathers]
+    for j, record in enumerate(buf[: sum(records)].split(records)):
+        for p, piece in enumerate(record[: payload[j]].split([b[j] for b in order.shard_bytes])):
+            parts[p].append(piece)
+    want = [g.backward(torch.cat(kind)) for g, kind in zip(order.gathers, parts)]
+    for _ in range(2):  # the plan made, then reused
+        got = order.from_records(buf, records)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

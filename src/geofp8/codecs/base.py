@@ -18,6 +18,7 @@ Policies every codec follows:
 from __future__ import annotations
 
 import functools
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -177,8 +178,8 @@ def joined_kinds(parts: Sequence[torch.Tensor], aligns: Sequence[int],
     if len(missing) == 1:
         out[missing[0]] = torch.cat(list(kinds[missing[0]]))
     elif missing:
-        whole = torch.cat([part for p in missing for part in kinds[p]])
-        sizes = [sum(part.numel() for part in kinds[p]) for p in missing]
+        whole = torch.cat(list(itertools.chain.from_iterable(kinds[p] for p in missing)))
+        sizes = [sum(map(torch.Tensor.numel, kinds[p])) for p in missing]  # no Python per part
         for p, piece in zip(missing, whole.split(sizes)):
             out[p] = piece
     return out
@@ -214,9 +215,9 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
 def poison_scales_(scales: torch.Tensor) -> None:
     """``scales`` in place, all NaN unless every one is finite, so that every value they
     decode is NaN then (:func:`finite_flag` folded into the scales: no pass over the decoded
-    values). ``s + Σ s·0`` is ``s + 0 = s`` when all are finite (scales are never ``-0``) and
-    NaN otherwise."""
-    scales.add_(scales.mul(0).sum())
+    values). ``s + 0·max(s)`` is ``s + 0 = s`` when all are finite (scales are never ``-0``;
+    the maximum propagates NaN and never overflows) and NaN otherwise; two kernels."""
+    scales.add_(scales.amax(), alpha=0)
 
 
 def scales_flag(scales: torch.Tensor, check: bool = True,

@@ -74,6 +74,8 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0..
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 NVFP4_BLOCK = 16
+S_FLOOR_AMAX = 1345 * 2.0**-149  # the least amax whose s = amax / (6·448) is not below 2⁻¹⁴⁹:
+# the division rounds monotonically, so max(amax, this) / (6·448) = max(amax / (6·448), 2⁻¹⁴⁹)
 NAN = float("nan")  # a non-finite block's scale quotient on the torch path (NVFP4Codec._scales)
 
 
@@ -397,8 +399,9 @@ class NVFP4Codec(Codec):
         else:
             counts = groups.on("counts", amax.device)
         finite = amax.nan_to_num(posinf=0.0)  # a non-finite block (+Inf) counts as 0
-        seg_amax = torch.segment_reduce(finite, "max", lengths=counts, unsafe=True)
-        s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX).clamp_min_(2.0**-149)
+        seg_amax = torch.segment_reduce(finite, "max", lengths=counts, unsafe=True,
+                                        initial=S_FLOOR_AMAX)  # the clamp of s, folded in
+        s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX)
         s_block = (torch.repeat_interleave(s, counts, output_size=amax.numel()) if groups is None
                    else s.index_select(0, segment_index(groups, amax.device)))
         r = (amax / (E2M1_MAX * s_block)).nan_to_num_(nan=NAN, posinf=NAN).clamp_(max=E4M3_MAX)

@@ -115,24 +115,35 @@ class RunGather:
         self._lengths, self._order = tuple(lengths), tuple(order)
         self._memo: dict = {}
 
-    def _index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(destination row -> source row, source row -> destination row)`` on ``device``
-        (int32), built on the host with a few vectorised ops and copied there once."""
-        device = torch.device(device)
-        if device not in self._memo:
-            fwd = _source_of(self._lengths, self._order, self.row)
-            bwd = torch.empty_like(fwd)
-            bwd[fwd] = torch.arange(fwd.numel())
-            self._memo[device] = (fwd.to(torch.int32).to(device), bwd.to(torch.int32).to(device))
-        return self._memo[device]
+    def _rows(self, backward: bool) -> torch.Tensor:
+        """Each destination row's source row (host int64): the forward map, or its inverse."""
+        fwd = _source_of(self._lengths, self._order, self.row)
+        if not backward:
+            return fwd
+        bwd = torch.empty_like(fwd)
+        bwd[fwd] = torch.arange(fwd.numel())
+        return bwd
+
+    def _index(self, device: torch.device, backward: bool) -> torch.Tensor:
+        """:meth:`_rows` on ``device`` (int32), made once per device and direction."""
+        key = (torch.device(device), backward)
+        if key not in self._memo:
+            self._memo[key] = self._rows(backward).to(torch.int32).to(key[0])
+        return self._memo[key]
+
+    def plan(self, backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reorder as :func:`gather_rows` takes it, rows of :attr:`row` (host int64):
+        every destination row whole from its source start, no element to fix."""
+        none = torch.empty(0, dtype=torch.long)
+        return self._rows(backward) * self.row, none, none
 
     def forward(self, src: torch.Tensor) -> torch.Tensor:
         """The runs of the contiguous ``src`` in destination order (a new tensor)."""
-        return src.view(-1, self.row).index_select(0, self._index(src.device)[0]).view(-1)
+        return src.view(-1, self.row).index_select(0, self._index(src.device, False)).view(-1)
 
     def backward(self, dst: torch.Tensor) -> torch.Tensor:
         """The inverse: the runs of the contiguous ``dst`` back in source order."""
-        return dst.view(-1, self.row).index_select(0, self._index(dst.device)[1]).view(-1)
+        return dst.view(-1, self.row).index_select(0, self._index(dst.device, True)).view(-1)
 
 
 def _source_of(lengths: Sequence[int], order: Sequence[int], unit: int) -> torch.Tensor:
@@ -183,24 +194,15 @@ class RaggedGather:
         dst = fix.nonzero().view(-1)
         return starts[:, 0].masked_fill(~whole, 0), dst, src[dst]
 
-    def _index(self, device: torch.device, backward: bool) -> tuple[torch.Tensor, ...]:
-        device = torch.device(device)
-        if (device, backward) not in self._memo:
-            rows, dst, src = self._plans[backward]
-            self._memo[device, backward] = (rows.to(torch.int32).to(device), dst.to(device),
-                                            src.to(torch.int32).to(device))
-        return self._memo[device, backward]
+    def plan(self, backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reorder as :func:`gather_rows` takes it, rows of :attr:`row` (host int64)."""
+        return self._plans[backward]
 
     def _move(self, src: torch.Tensor, backward: bool) -> torch.Tensor:
-        rows, dst, elements = self._index(src.device, backward)
-        out = src.new_empty(self.numel)
-        if rows.numel():
-            windows = src.unfold(0, self.row, 1)  # row i: src[i : i + row] (a view)
-            torch.index_select(windows, 0, rows,
-                               out=out[: rows.numel() * self.row].view(-1, self.row))
-        if dst.numel():
-            out.index_copy_(0, dst, src.index_select(0, elements))
-        return out
+        device = torch.device(src.device)
+        if (device, backward) not in self._memo:
+            self._memo[device, backward] = on_device(self.plan(backward), device)
+        return gather_rows(src, self.row, *self._memo[device, backward], self.numel)
 
     def forward(self, src: torch.Tensor) -> torch.Tensor:
         """The runs of the contiguous ``src`` in destination order (a new tensor)."""
@@ -209,6 +211,28 @@ class RaggedGather:
     def backward(self, dst: torch.Tensor) -> torch.Tensor:
         """The inverse: the runs of the contiguous ``dst`` back in source order."""
         return self._move(dst, backward=True)
+
+
+def on_device(plan: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A :func:`gather_rows` plan's ``(starts, dst, elements)`` (host int64) on ``device``:
+    int32 where an ``index_select`` reads them, int64 for ``index_copy_``'s."""
+    starts, dst, elements = plan
+    return starts.to(torch.int32).to(device), dst.to(device), elements.to(torch.int32).to(device)
+
+
+def gather_rows(src: torch.Tensor, row: int, starts: torch.Tensor, dst: torch.Tensor,
+                elements: torch.Tensor, numel: int) -> torch.Tensor:
+    """A new 1-D tensor of ``numel`` elements: its ``i``-th row of ``row`` elements is
+    ``src[starts[i] : starts[i] + row]`` (any start: ``src`` seen as its overlapping
+    windows, ``unfold``, one gather), then ``out[dst] = src[elements]`` (a second,
+    element-wise gather for what no whole row covers)."""
+    out = src.new_empty(numel)
+    if starts.numel():
+        windows = src.unfold(0, row, 1)  # row i: src[i : i + row] (a view)
+        torch.index_select(windows, 0, starts, out=out[: starts.numel() * row].view(-1, row))
+    if dst.numel():
+        out.index_copy_(0, dst, src.index_select(0, elements))
+    return out
 
 
 RAGGED_ROWS = (8, 32, 128)  # the row lengths a ragged reorder tries
@@ -242,22 +266,38 @@ class PartsOrder:
         self.index_bytes = sum(g.index_bytes for g in self.gathers)
         self._numels = [g.numel for g in self.gathers]
         self.numel = sum(self._numels)
-        self._cuts: dict[tuple[int, ...], list[int]] = {}
+        self._cuts: dict[tuple, list[tuple]] = {}  # per (records, device): each kind's plan
 
     def to_shards(self, wholes: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Per shard, its parts (views of one shard-ordered tensor per kind)."""
         kinds = [g.forward(w).split(b) for g, w, b in zip(self.gathers, wholes, self.shard_bytes)]
-        return [list(parts) for parts in zip(*kinds)]
+        return list(map(list, zip(*kinds)))  # no Python per shard
 
     def from_records(self, buf: torch.Tensor, records: Sequence[int]) -> list[torch.Tensor]:
         """The kinds whole, in flat order, from every shard's record of ``records[j]`` bytes
-        (its parts, then the rest: side bytes, padding) back to back in ``buf``: one ``cat``
-        of every kind's parts, kind after kind, and one gather per kind."""
-        records = tuple(records)
-        if records not in self._cuts:  # the same records every step
-            self._cuts[records] = [size for j, record in enumerate(records) for size in (
-                *(b[j] for b in self.shard_bytes), record - sum(b[j] for b in self.shard_bytes))]
-        pieces = buf[: sum(records)].split(self._cuts[records])
-        step = len(self.gathers) + 1
-        wholes = torch.cat([piece for p in range(len(self.gathers)) for piece in pieces[p::step]])
-        return [g.backward(w) for g, w in zip(self.gathers, wholes.split(self._numels))]
+        (its parts, then the rest: side bytes, padding) back to back in ``buf``: one gather
+        per kind straight from the records (:func:`gather_rows`; its plan made once per
+        records' sizes and device), no ``cat`` of the parts first."""
+        key = (tuple(records), torch.device(buf.device))
+        if key not in self._cuts:  # the same records every step
+            self._cuts[key] = [(g.row, *on_device(self._rebased(g, p, key[0]), key[1]))
+                               for p, g in enumerate(self.gathers)]
+        return [gather_rows(buf, row, *plan, numel)
+                for (row, *plan), numel in zip(self._cuts[key], self._numels)]
+
+    def _rebased(self, gather, kind: int, records: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """``gather``'s backward plan with its sources, positions in kind ``kind``'s parts
+        back to back in shard order, moved to where they lie in the records (host int64):
+        shard ``j``'s part of the kind starts after the records before it and its kinds
+        before this one (a row never straddles two shards' parts)."""
+        starts, dst, elements = gather.plan(backward=True)
+        parts = torch.tensor(self.shard_bytes[kind], dtype=torch.long)
+        before = torch.tensor([sum(b[j] for b in self.shard_bytes[:kind])
+                               for j in range(len(records))], dtype=torch.long)
+        record_start = torch.tensor((0, *records[:-1]), dtype=torch.long).cumsum(0)
+        part_start = parts.cumsum(0) - parts
+        shift = record_start + before - part_start  # per shard, record offset − kind offset
+
+        def moved(q: torch.Tensor) -> torch.Tensor:
+            return q + shift[torch.searchsorted(part_start + parts, q, right=True)]
+        return moved(starts), dst, moved(elements)
