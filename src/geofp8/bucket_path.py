@@ -49,9 +49,13 @@ class BucketPath:
         if flat is None:
             flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32,
                                device=grads[0].device if grads else self.group.device)
-        bucket = self._bucket_residual(names, shapes) if in_place else None
-        if bucket is not None:  # Ũ = G + R over the bucket at once, in the encode: G is flat
-            routes = [IDENTITY] * len(names)
+        routes, bucket = self._bucket_residual(names, shapes) if in_place else (None, None)
+        if bucket is not None:  # Ũ = G T + R over the bucket at once, in the encode
+            pos = 0
+            for g, route in zip(grads, routes):
+                if route is not IDENTITY:  # G T over G, in its slot of the flat bucket
+                    route.forward_over(flat[pos : pos + g.numel()].view(g.shape))
+                pos += g.numel()
         else:
             routes, pos = [], 0
             for name, g in zip(names, grads):
@@ -68,7 +72,7 @@ class BucketPath:
             whole = bucket is not None or (in_place and all(self.plain(n) for n in names)
                                            and self.feedback.first_bucket(names))
             if whole:
-                self.feedback.stage_bucket(names, residual, shapes)
+                self.feedback.stage_bucket(names, residual, shapes, routes)
             pos = 0
             for name, shape, route in zip(names, shapes, routes) if not whole else ():
                 n = torch.Size(shape).numel()
@@ -79,15 +83,20 @@ class BucketPath:
         side_bytes = sum(layout.side[j] for j in range(self.world_size) if j != self.rank)
         return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes)
 
-    def _bucket_residual(self, names: list[str], shapes: list[tuple[int, ...]]
-                         ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``(R, flag)`` of a bucket whose every tensor is :meth:`plain` and has a residual
-        (:meth:`ErrorFeedback.bucket_in`: one flat vector): the encode then adds it and
-        writes the new residual into it (:func:`~geofp8.comm.stages.encode_with_error`'s
-        ``feedback``); else ``None`` (tensor by tensor)."""
-        if not self.config.error_feedback or not all(self.plain(n) for n in names):
-            return None
-        return self.feedback.bucket_in(names, shapes)
+    def _bucket_residual(self, names: list[str], shapes: list[tuple[int, ...]]):
+        """``(routes, (R, flag))`` of a bucket whose every tensor is
+        :meth:`~geofp8.pipeline.GradientPipeline.steady` and has a residual in its route's
+        coordinates (:meth:`ErrorFeedback.bucket_in`: one flat vector): the encode then adds
+        it and writes the new residual into it
+        (:func:`~geofp8.comm.stages.encode_with_error`'s ``feedback``); else ``(None,
+        None)`` (tensor by tensor)."""
+        if not self.config.error_feedback:
+            return None, None
+        routes = [self.steady(n) for n in names]
+        if any(route is None for route in routes):
+            return None, None
+        bucket = self.feedback.bucket_in(names, shapes, routes)
+        return (routes, bucket) if bucket is not None else (None, None)
 
     def decode(self, encoded: Encoded, total: torch.Tensor, divided: bool = False
                ) -> torch.Tensor:
