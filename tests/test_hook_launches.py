@@ -13,7 +13,7 @@ import sys
 import pytest
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
-FUSED_STAGES = 6  # Triton kernels of one bucket's four stages (comm.plan.FusedPlan, comm.block_plan)
+FUSED_STAGES = 6  # Triton kernels of a bucket's four stages (comm.plan.FusedPlan, comm.block_plan)
 SETTLE = 1  # the step's verdict from its buckets' flags (geofp8.verdict.StepVerdict)
 
 
