@@ -3,7 +3,8 @@
 :class:`BucketPath` is the part of :class:`~geofp8.pipeline.GradientPipeline` that works on a
 whole set of gradients at once (one DDP bucket): ``Ũ`` of every tensor laid one after the
 other (per tensor through :meth:`~geofp8.pipeline.GradientPipeline.prepare_into`, or, when
-every tensor is plain, ``Ũ = G + R`` over the bucket at once), the layout of the exact
+every tensor is :meth:`~BucketPath.steady`, each ``G T`` written in its slot and ``Ũ = G T +
+R`` over the bucket at once), the layout of the exact
 collective, the encode with the new residuals, and the decode ``(Σ / N) T⁻¹`` of the sum.
 """
 
@@ -84,12 +85,11 @@ class BucketPath:
         return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes)
 
     def _bucket_residual(self, names: list[str], shapes: list[tuple[int, ...]]):
-        """``(routes, (R, flag))`` of a bucket whose every tensor is
-        :meth:`~geofp8.pipeline.GradientPipeline.steady` and has a residual in its route's
-        coordinates (:meth:`ErrorFeedback.bucket_in`: one flat vector): the encode then adds
-        it and writes the new residual into it
-        (:func:`~geofp8.comm.stages.encode_with_error`'s ``feedback``); else ``(None,
-        None)`` (tensor by tensor)."""
+        """``(routes, (R, flag))`` of a bucket whose every tensor is :meth:`steady` and has
+        a residual in its route's coordinates (:meth:`ErrorFeedback.bucket_in`: one flat
+        vector): the encode then adds it and writes the new residual into it
+        (:func:`~geofp8.comm.stages.encode_with_error`'s ``feedback``); else
+        ``(None, None)`` (tensor by tensor)."""
         if not self.config.error_feedback:
             return None, None
         routes = [self.steady(n) for n in names]
@@ -97,6 +97,22 @@ class BucketPath:
             return None, None
         bucket = self.feedback.bucket_in(names, shapes, routes)
         return (routes, bucket) if bucket is not None else (None, None)
+
+    def steady(self, name: str) -> Transform | None:
+        """``T`` of ``name`` when ``Ũ = G T + R`` needs nothing but ``G T`` this step:
+        ``plain`` (identity), or on a map of a source that builds none per step, not
+        observed, no owner's residual to hand over; else ``None``. A bucket of such tensors
+        maps each ``G`` in place and adds ``R`` over the bucket at once, when every ``R``
+        was written in its ``T``'s coordinates (:meth:`ErrorFeedback.bucket_in`; a changed
+        route is re-based tensor by tensor, in ``prepare_into``)."""
+        if self.plain(name):
+            return IDENTITY
+        route = self.route(name)
+        handed_over = self.owner is not None and name in self.owner.residuals
+        observed = self._observing and self.selection.observes(name)
+        if route is IDENTITY or self.source.per_step or handed_over or observed:
+            return None
+        return route
 
     def decode(self, encoded: Encoded, total: torch.Tensor, divided: bool = False
                ) -> torch.Tensor:

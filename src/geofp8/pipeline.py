@@ -183,22 +183,6 @@ class GradientPipeline(BucketPath):
                 and self.route(name) is IDENTITY
                 and (self.owner is None or name not in self.owner.residuals))
 
-    def steady(self, name: str) -> Transform | None:
-        """``T`` of ``name`` when ``Ũ = G T + R`` needs nothing but ``G T`` this step:
-        :meth:`plain` (identity), or on a map of a source that builds none per step, not
-        observed, no owner's residual to hand over; else ``None``. A bucket of such tensors
-        maps each ``G`` in place and adds ``R`` over the bucket at once, when every ``R``
-        was written in its ``T``'s coordinates (:meth:`ErrorFeedback.bucket_in`; a changed
-        route is re-based tensor by tensor, :meth:`prepare_into`)."""
-        if self.plain(name):
-            return IDENTITY
-        route = self.route(name)
-        if route is IDENTITY or self.source.per_step or (self.owner is not None and name in
-                                                         self.owner.residuals) or \
-                (self._observing and self.selection.observes(name)):
-            return None
-        return route
-
     def _per_sender(self, name: str) -> bool:
         """Whether ``name`` is decoded with each sender's own map (local factors)."""
         return (isinstance(self.source, LocalFactors) and name in self.selection.selected
