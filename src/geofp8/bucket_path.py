@@ -3,9 +3,9 @@
 :class:`BucketPath` is the part of :class:`~geofp8.pipeline.GradientPipeline` that works on a
 whole set of gradients at once (one DDP bucket): ``Ũ`` of every tensor laid one after the
 other (per tensor through :meth:`~geofp8.pipeline.GradientPipeline.prepare_into`, or, when
-every tensor is :meth:`~BucketPath.steady`, each ``G T`` written in its slot and ``Ũ = G T +
-R`` over the bucket at once), the layout of the exact
-collective, the encode with the new residuals, and the decode ``(Σ / N) T⁻¹`` of the sum.
+every tensor is :meth:`~BucketPath.steady`, each ``G T`` written in its slot and
+``Ũ = G T + R`` over the bucket at once), the layout of the exact collective, the encode
+with the new residuals, and the decode ``(Σ / N) T⁻¹`` of the sum.
 """
 
 from __future__ import annotations
