@@ -92,3 +92,23 @@ def test_a_bucket_is_read_tensor_by_tensor_unless_every_residual_fits():
     assert again is not block and torch.equal(again.float(), 2 * block.float())
     fb.drop("b.bias")
     assert fb.bucket_in(NAMES, SHAPES) is None and not fb._blocks
+
+
+def test_a_bucket_reads_residuals_in_their_routes_coordinates_only():
+    """A mapped tensor's residual joins the vector when it was written in this step's route
+    (the same map object); another route (a refresh) leaves the bucket tensor by tensor,
+    where :meth:`residual_in` re-bases it."""
+    from geofp8.geometry.transforms import DiagonalInput
+
+    old, new = DiagonalInput(torch.eye(4), 0.1), DiagonalInput(2 * torch.eye(4), 0.1)
+    fb = _staged()
+    routes = [old, IDENTITY, IDENTITY]
+    assert fb.bucket_in(NAMES, SHAPES, routes) is None  # written in identity coordinates
+    block, _ = fb.bucket_in(NAMES, SHAPES)
+    fb.stage_bucket(NAMES, block, routes=routes)  # written in the map's coordinates
+    fb.commit(torch.tensor(True))
+    assert fb.basis[NAMES[0]] is old and fb.basis[NAMES[1]] is IDENTITY
+    assert fb.bucket_in(NAMES, SHAPES) is None  # not identity any more
+    again, flag = fb.bucket_in(NAMES, SHAPES, routes)
+    assert again is block and bool(flag)
+    assert fb.bucket_in(NAMES, SHAPES, [new, IDENTITY, IDENTITY]) is None

@@ -19,8 +19,8 @@ SETTLE = 1  # the step's verdict from its buckets' flags (geofp8.verdict.StepVer
 
 def _measure(method, cases, fields=slice(0, 4)):
     code = ("import json, sys, hook_launches as h\n"
-            f"print(json.dumps([h.measure({method!r}, t, b)[{fields.start}:{fields.stop}] "
-            f"for t, b in {cases!r}]))")
+            f"print(json.dumps([h.measure({method!r}, *case)[{fields.start}:{fields.stop}] "
+            f"for case in {cases!r}]))")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([os.path.abspath(BENCHMARKS), *sys.path])}
     done = subprocess.run([sys.executable, "-c", code], cwd=BENCHMARKS, env=env,
@@ -112,24 +112,37 @@ def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_one_kernel_verdic
 
 
 # torch launches per layer on a low-rank map, beyond the flat bucket's: the forward map
-# (G·c, G U, ·d, addmm) and the inverse, written over the sum (the same four: the maps' two
-# skinny GEMMs each way), the BF16 residual's read in the map's coordinates (to FP32,
-# new_zeros, where), its add and its write (copy)
-MAPPED_LAYER = 13
+# written over the gradient in its slot of the bucket (G·c, G U, ·d, addmm) and the inverse,
+# written over the sum (the same four: the maps' two skinny GEMMs each way); its residual is
+# the bucket's flat one (read and written in the fused sender's kernels)
+MAPPED_LAYER = 8
+# a bucket with a layer on a map checks its mean after the map back (a map may overflow:
+# geofp8.ddp), one pass and four scalar ops (comm.stages.all_finite)
+MAPPED_BUCKET = 5
+# the per-tensor residual's ops (widen, zero, where, add, write): none on the bucket path
+PER_TENSOR_RESIDUAL = ("aten.where.self_out", "aten.new_zeros.default", "aten.add.out",
+                       "aten.copy_.default")
 
 
 def test_geometry_hook_launches_grow_only_by_each_mapped_layers_maps():
     """geofp8 at an ordinary step with every layer on its refreshed map: the fused stages
     and the step's settling (the statistics' finite check and window add included) do not
-    grow with the layers; each layer adds its maps' GEMMs and a fixed handful of ops."""
-    (b2, tri2, ops2, _, names2, on2), (b8, tri8, ops8, _, names8, on8) = _measure(
-        "geofp8", [(2, 1), (8, 1)], slice(0, 6))
-    assert (b2, b8, on2, on8) == (1, 1, 2, 8)  # every layer on a map
-    assert tri2 == tri8 == FUSED_STAGES
-    def gemms(names):  # G U and the addmm with Uᵀ (written over the sum: addmm.out)
+    grow with the layers; each layer adds its maps' GEMMs and scalings, nothing else: its
+    residual is the bucket's flat one. 8 layers in 4 buckets, 2 of them on a map: the
+    unmapped layers and the buckets add nothing but their fused stages and the second
+    mapped bucket's check."""
+    (b2, tri2, ops2, _, names2, on2), (b8, tri8, ops8, _, names8, on8), \
+        (b4, tri4, ops4, _, names4, on4) = _measure(
+            "geofp8", [(2, 1), (8, 1), (8, 4, 2, 2)], slice(0, 6))  # (…, ranks, mapped)
+    assert (b2, b8, b4, on2, on8, on4) == (1, 1, 4, 2, 8, 2)  # every layer on a map; 2 of 8
+    assert tri2 == tri8 == FUSED_STAGES and tri4 == 4 * FUSED_STAGES
+    def gemms(names):  # G U and the addmm with Uᵀ (written over G, and over the sum: .out)
         return sum(c for n, c in names.items() if n.startswith(("aten.mm.", "aten.addmm.")))
-    assert gemms(names8) - gemms(names2) == 4 * 6, (names2, names8)  # 2 each way per layer
+    assert gemms(names2) == gemms(names4) == 2 * 4 and gemms(names8) == 8 * 4, names8
     assert ops8 - ops2 == MAPPED_LAYER * 6, (ops2, ops8)
+    assert ops4 == ops2 + MAPPED_BUCKET, (ops2, ops4, names2, names4)
+    for names in (names2, names8, names4):
+        assert not set(PER_TENSOR_RESIDUAL) & set(names), names
 
 
 def test_geometry_hook_launches_without_a_map_are_the_flat_buckets():

@@ -91,22 +91,25 @@ def test_inverse_recovers_input(name):
 
 
 @pytest.mark.parametrize("name", list(_all_transforms()))
-def test_inverse_over_writes_the_bits_of_inverse_in_place(name):
-    """The decode maps the sum back in place (a low-rank map's GEMM writes over it): the
-    same bits as ``inverse``, in float64 and, from FP32 statistics, FP32; with ``c`` a
-    Python float (refreshed, restored) or a 0-dim tensor (built on the device)."""
+@pytest.mark.parametrize("way", ["forward", "inverse"])
+def test_a_map_written_over_its_input_has_the_bits_of_the_map(name, way):
+    """The bucket maps each gradient in its slot and the decode maps the sum back in place
+    (a low-rank map's GEMM writes over it): the same bits as ``forward`` / ``inverse``, in
+    float64 and, from FP32 statistics, FP32; with ``c`` a Python float (refreshed,
+    restored) or a 0-dim tensor (built on the device)."""
     T = _all_transforms()[name]
     G = _grad(D_OUT, _width(name))
     Y = G.clone()
-    assert T.inverse_over(Y) is Y and torch.equal(Y, T.inverse(G))
+    assert getattr(T, f"{way}_over")(Y) is Y and torch.equal(Y, getattr(T, way)(G))
     if isinstance(T, LowRankInput):
-        for c in (T.c_inv, torch.tensor(T.c_inv, dtype=F64)):
+        field = "c_fwd" if way == "forward" else "c_inv"
+        for c in (getattr(T, field), torch.tensor(getattr(T, field), dtype=F64)):
             T32 = transform_from_state("lowrank", {k: v.float() if v.dim() else v
                                                    for k, v in T.state().items()})
-            T32.c_inv = c
+            setattr(T32, field, c)
             Y32, G32 = G.float().clone(), G.float()
-            T32.inverse_over(Y32)
-            assert torch.equal(Y32, T32.inverse(G32))
+            getattr(T32, f"{way}_over")(Y32)
+            assert torch.equal(Y32, getattr(T32, way)(G32))
 
 
 def test_lowrank_with_full_rank_is_the_damped_inverse_square_root():

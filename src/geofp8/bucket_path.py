@@ -3,8 +3,9 @@
 :class:`BucketPath` is the part of :class:`~geofp8.pipeline.GradientPipeline` that works on a
 whole set of gradients at once (one DDP bucket): ``Ũ`` of every tensor laid one after the
 other (per tensor through :meth:`~geofp8.pipeline.GradientPipeline.prepare_into`, or, when
-every tensor is plain, ``Ũ = G + R`` over the bucket at once), the layout of the exact
-collective, the encode with the new residuals, and the decode ``(Σ / N) T⁻¹`` of the sum.
+every tensor is :meth:`~BucketPath.steady`, each ``G T`` written in its slot and
+``Ũ = G T + R`` over the bucket at once), the layout of the exact collective, the encode
+with the new residuals, and the decode ``(Σ / N) T⁻¹`` of the sum.
 """
 
 from __future__ import annotations
@@ -49,9 +50,13 @@ class BucketPath:
         if flat is None:
             flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32,
                                device=grads[0].device if grads else self.group.device)
-        bucket = self._bucket_residual(names, shapes) if in_place else None
-        if bucket is not None:  # Ũ = G + R over the bucket at once, in the encode: G is flat
-            routes = [IDENTITY] * len(names)
+        routes, bucket = self._bucket_residual(names, shapes) if in_place else (None, None)
+        if bucket is not None:  # Ũ = G T + R over the bucket at once, in the encode
+            pos = 0
+            for g, route in zip(grads, routes):
+                if route is not IDENTITY:  # G T over G, in its slot of the flat bucket
+                    route.forward_over(flat[pos : pos + g.numel()].view(g.shape))
+                pos += g.numel()
         else:
             routes, pos = [], 0
             for name, g in zip(names, grads):
@@ -68,7 +73,7 @@ class BucketPath:
             whole = bucket is not None or (in_place and all(self.plain(n) for n in names)
                                            and self.feedback.first_bucket(names))
             if whole:
-                self.feedback.stage_bucket(names, residual, shapes)
+                self.feedback.stage_bucket(names, residual, shapes, routes)
             pos = 0
             for name, shape, route in zip(names, shapes, routes) if not whole else ():
                 n = torch.Size(shape).numel()
@@ -79,15 +84,35 @@ class BucketPath:
         side_bytes = sum(layout.side[j] for j in range(self.world_size) if j != self.rank)
         return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes)
 
-    def _bucket_residual(self, names: list[str], shapes: list[tuple[int, ...]]
-                         ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``(R, flag)`` of a bucket whose every tensor is :meth:`plain` and has a residual
-        (:meth:`ErrorFeedback.bucket_in`: one flat vector): the encode then adds it and
-        writes the new residual into it (:func:`~geofp8.comm.stages.encode_with_error`'s
-        ``feedback``); else ``None`` (tensor by tensor)."""
-        if not self.config.error_feedback or not all(self.plain(n) for n in names):
+    def _bucket_residual(self, names: list[str], shapes: list[tuple[int, ...]]):
+        """``(routes, (R, flag))`` of a bucket whose every tensor is :meth:`steady` and has
+        a residual in its route's coordinates (:meth:`ErrorFeedback.bucket_in`: one flat
+        vector): the encode then adds it and writes the new residual into it
+        (:func:`~geofp8.comm.stages.encode_with_error`'s ``feedback``); else
+        ``(None, None)`` (tensor by tensor)."""
+        if not self.config.error_feedback:
+            return None, None
+        routes = [self.steady(n) for n in names]
+        if any(route is None for route in routes):
+            return None, None
+        bucket = self.feedback.bucket_in(names, shapes, routes)
+        return (routes, bucket) if bucket is not None else (None, None)
+
+    def steady(self, name: str) -> Transform | None:
+        """``T`` of ``name`` when ``Ũ = G T + R`` needs nothing but ``G T`` this step:
+        ``plain`` (identity), or on a map of a source that builds none per step, not
+        observed, no owner's residual to hand over; else ``None``. A bucket of such tensors
+        maps each ``G`` in place and adds ``R`` over the bucket at once, when every ``R``
+        was written in its ``T``'s coordinates (:meth:`ErrorFeedback.bucket_in`; a changed
+        route is re-based tensor by tensor, in ``prepare_into``)."""
+        if self.plain(name):
+            return IDENTITY
+        route = self.route(name)
+        handed_over = self.owner is not None and name in self.owner.residuals
+        observed = self._observing and self.selection.observes(name)
+        if route is IDENTITY or self.source.per_step or handed_over or observed:
             return None
-        return self.feedback.bucket_in(names, shapes)
+        return route
 
     def decode(self, encoded: Encoded, total: torch.Tensor, divided: bool = False
                ) -> torch.Tensor:

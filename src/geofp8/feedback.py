@@ -116,17 +116,20 @@ class ErrorFeedback:
         # a widened or re-based residual is a temporary of its own: zeroed in it
         return torch.where(flag, residual, residual.new_zeros(()), out=residual)
 
-    def bucket_in(self, names: list[str], shapes: list[tuple[int, ...]]
+    def bucket_in(self, names: list[str], shapes: list[tuple[int, ...]],
+                  routes: list[Transform] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(R, flag)`` of a bucket's tensors ``names`` (of ``shapes``) read as one: their
         residuals as one flat vector in that order, each a view of it (made once, by one copy), and
         the finite flag of the step that wrote them all (``None``: kept; a residual is read
         as ``torch.where(flag, R, 0)``, as by :meth:`residual_in`). ``None`` unless every
-        one is stored plain (FP32 or BF16) in identity coordinates, by the same step."""
+        one is stored plain (FP32 or BF16) in its route's coordinates (``routes``; default
+        identity: none to re-base), by the same step."""
         stored = [self.residuals.get(n) for n in names]
+        routes = routes or [IDENTITY] * len(names)
         if self.storage not in ("fp32", "bf16") or not names or any(
-                s is None or tuple(s.shape) != shape or self.basis.get(n, IDENTITY) is not IDENTITY
-                for n, s, shape in zip(names, stored, shapes)):
+                s is None or tuple(s.shape) != shape or self.basis.get(n, IDENTITY) is not route
+                for n, s, shape, route in zip(names, stored, shapes, routes)):
             return None
         flag = self.finite.get(names[0])
         if any(self.finite.get(n) is not flag for n in names):
@@ -150,8 +153,10 @@ class ErrorFeedback:
             n not in self.residuals for n in names)
 
     def stage_bucket(self, names: list[str], residual: torch.Tensor,
-                     shapes: list[tuple[int, ...]] | None = None) -> None:
-        """:meth:`stage` of every tensor of a bucket (identity coordinates) at once: its flat
+                     shapes: list[tuple[int, ...]] | None = None,
+                     routes: list[Transform] | None = None) -> None:
+        """:meth:`stage` of every tensor of a bucket (in ``routes``' coordinates; default
+        identity) at once: its flat
         vector ← ``residual`` (FP32, that order), one copy, none when ``residual`` is that
         vector (written in place by the encode). The vector is :meth:`bucket_in`'s, or, at a
         :meth:`first_bucket` (``shapes`` given), made here from ``residual``, each tensor's
@@ -169,8 +174,8 @@ class ErrorFeedback:
                 self.residuals[name] = block[pos : pos + n].view(shape)
                 pos += n
             self._blocks[key] = block
-        for name in names:
-            self._wrote(name, IDENTITY)
+        for name, route in zip(names, routes or [IDENTITY] * len(names)):
+            self._wrote(name, route)
 
     def _forget(self, names) -> None:
         """Let go of the flat vectors that hold any of ``names`` (re-bucketed or dropped)."""

@@ -90,6 +90,10 @@ class Transform:
     def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def forward_over(self, G: torch.Tensor) -> torch.Tensor:
+        """``G T`` written over ``G`` (the bits of :meth:`forward`); returns ``G``."""
+        return G.copy_(self.forward(G))
+
     def inverse_over(self, Gt: torch.Tensor) -> torch.Tensor:
         """``Gt T⁻¹`` written over ``Gt`` (the bits of :meth:`inverse`); returns ``Gt``."""
         return Gt.copy_(self.inverse(Gt))
@@ -180,6 +184,11 @@ class LowRankInput(Transform):
 
     def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
         return self._apply(Gt, self.c_inv, self.d_inv)
+
+    def forward_over(self, G: torch.Tensor) -> torch.Tensor:
+        if G.dtype != self.U.dtype:  # the GEMM writes U's dtype
+            return super().forward_over(G)
+        return self._apply(G, self.c_fwd, self.d_fwd, out=G)
 
     def inverse_over(self, Gt: torch.Tensor) -> torch.Tensor:
         if Gt.dtype != self.U.dtype:  # the GEMM writes U's dtype
