@@ -81,16 +81,24 @@ def shapes(mb: float, kind: str) -> list[tuple[int, ...]]:
         total += numel
 
 
-def rank_share(layout: ShardLayout, x: torch.Tensor):
+def rank_share(layout: ShardLayout, x: torch.Tensor, feedback: bool = False):
     """One rank's stages of one bucket as the collective runs them (module notes), as a
-    function of nothing (its inputs made here, on ``x``'s device)."""
+    function of nothing (its inputs made here, on ``x``'s device). ``feedback``: the encode
+    as the real DDP hook runs it, the bucket's flat BF16 residual ``R`` and its 0-dim keep
+    flag read in the kernels and ``R`` rewritten (``encode_with_error(..., feedback=(R,
+    keep))``); else its rounding error written over ``x``."""
     n, rank = layout.world_size, layout.world_size - 1
+    residual = (torch.zeros(layout.numel, dtype=torch.bfloat16, device=x.device),
+                torch.ones((), dtype=torch.bool, device=x.device)) if feedback else None
     sent = encode(x, layout)
     received = torch.cat([sent[sum(layout.send_bytes(j) for j in range(rank)):]] * n)
     gathered = torch.cat([reduce_encode(received, layout, rank)[0]] * n)  # an all-gather's
 
     def run() -> None:
-        encode_with_error(x, layout, error_out=x)  # its rounding error, as EF takes it
+        if residual is None:
+            encode_with_error(x, layout, error_out=x)  # its rounding error, as EF takes it
+        else:
+            encode_with_error(x, layout, feedback=residual)
         reduce_encode(received, layout, rank)
         decode_gathered(gathered, layout, out=x, divide=n)
     return run
@@ -223,7 +231,7 @@ def loop_us(runs: list, cost: float) -> tuple[int, float]:
 
 
 def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int,
-                 repeats: int) -> tuple[float, float, float, int, int]:
+                 repeats: int, feedback: bool = False) -> tuple[float, float, float, int, int]:
     """``(first pass, second pass, control)``: modelled host µs per bucket over ``count``
     distinct layouts, and over one more layout run ``count`` times (module notes); then the
     Python lines of one call of that control layout before the distinct layouts ran and
@@ -232,7 +240,7 @@ def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int,
 
     def share(k: int):
         layout = ShardLayout.build([*base, (k + 1,)], make_codec(fmt), n, kernels="batched")
-        return rank_share(layout, torch.zeros(layout.numel, device="meta"))
+        return rank_share(layout, torch.zeros(layout.numel, device="meta"), feedback)
     control = share(0)
     control()
     lines = python_lines(control)
@@ -243,6 +251,11 @@ def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int,
         second = min(second, loop_us(runs, cost)[1])
         alone = min(alone, loop_us([control] * count, cost)[1])
     return first, second, alone, lines, python_lines(control)
+
+
+def _feedback(method: str, how: str) -> bool:
+    """Whether ``method``'s encode takes the bucket's residual (``--feedback bucket``)."""
+    return how == "bucket" and method.endswith("-ef")
 
 
 def main() -> None:
@@ -256,6 +269,10 @@ def main() -> None:
                         choices=["torch", "fused"], help="module notes")
     parser.add_argument("--layouts", type=int, default=0,
                         help="also time this many distinct layouts (module notes)")
+    parser.add_argument("--feedback", choices=["bucket", "error"], default="bucket",
+                        help="the *-ef methods' encode: the bucket's BF16 residual read and "
+                        "rewritten in the kernels, as the DDP hook runs it (bucket), or the "
+                        "rounding error written over the bucket (error)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print("| path | method | bucket MB | tensors | ranks | launches | host µs | py lines | "
@@ -270,7 +287,7 @@ def main() -> None:
                                    kernels="batched")
         x = torch.zeros(layout.numel, device="meta")
         with fused_path(path == "fused"):
-            run = rank_share(layout, x)
+            run = rank_share(layout, x, _feedback(method, args.feedback))
             launches, us = host_us(run, args.repeats)
             lines = python_lines(run)
         wire = [8 * layout.wire_bytes(0) / bits * 1e3 for bits in (100e9, 400e9)]
@@ -285,7 +302,8 @@ def main() -> None:
                 continue
             with fused_path(path == "fused"):
                 first, second, alone, lines, alone_lines = many_layouts(
-                    METHODS[method], mb, kind, n, args.layouts, args.repeats)
+                    METHODS[method], mb, kind, n, args.layouts, args.repeats,
+                    _feedback(method, args.feedback))
             print(f"{path} {method} {mb:g} MB {kind} N={n}: {first:.0f} / {second:.0f} / "
                   f"{alone:.0f} µs; {lines} / {alone_lines} lines", flush=True)
 
