@@ -52,9 +52,10 @@ class FusedPlan:
         one FP8 codec (which rounds to nearest whatever the seed), no side bytes, batched
         kernels on their device, the Triton kernels available there, and every tensor
         contiguous, FP32 values or uint8 bytes (what the kernels' pointers read)."""
+        if not layout.plan.fits:  # decided once per layout: most calls stop here
+            return False
         given = [t for t in tensors if t is not None]
-        return (layout.plan.fits and layout.batched(given[0].device)
-                and triton_fp8.available(*given)
+        return (layout.batched(given[0].device) and triton_fp8.available(*given)
                 and all(t.dtype in _PLAIN and t.is_contiguous() for t in given))
 
     def _segments(self, shards, record_at, flat: bool):
