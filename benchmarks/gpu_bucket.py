@@ -189,8 +189,10 @@ def _mode_cost(mode: Launches) -> float:
 ROOT = os.path.dirname(geofp8.__file__) + os.sep
 
 
-def python_lines(run) -> int:
-    """The lines of GeoFP8's own Python that ``run()`` executes (a trace of its frames)."""
+def python_lines(run, paused=None) -> int:
+    """The lines of GeoFP8's own Python that ``run()`` executes (a trace of its frames);
+    ``paused()``: true while the frames begun are not counted (a kernel that Triton's
+    interpreter runs as Python)."""
     count = 0
 
     def local(frame, event, arg):
@@ -199,6 +201,8 @@ def python_lines(run) -> int:
         return local
 
     def calls(frame, event, arg):
+        if paused is not None and paused():
+            return None
         return local if frame.f_code.co_filename.startswith(ROOT) else None
 
     sys.settrace(calls)

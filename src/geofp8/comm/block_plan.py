@@ -71,7 +71,7 @@ class BlockPlan:
         """The placement of ``"send"`` (flat vector ↔ send buffer), ``"gather"`` (the
         ``N`` padded records ↔ flat vector) or shard ``j`` (its values ↔ its record), bound
         to the format (its kernels' fixed arguments made once)."""
-        key = (what, torch.device(device))
+        key = (what, device)  # a tensor's own device: normalised already
         if key not in self._maps:
             layout, every = self.layout, range(self.layout.world_size)
             if what == "send":
@@ -89,7 +89,7 @@ class BlockPlan:
 
     def slots(self, what: str | int, device: torch.device) -> AmaxSlots:
         """The persistent amax slots of ``"send"``, shard ``j`` or ``"finite"`` (one)."""
-        key = ("slots", what, torch.device(device))
+        key = ("slots", what, device)
         if key not in self._maps:
             p = None if what == "finite" else self.place(what, device).p
             self._maps[key] = AmaxSlots(1 if p is None else p.n_groups + p.n_segments, device)

@@ -72,7 +72,7 @@ class FusedPlan:
 
     def tiles(self, what: str | int, device: torch.device) -> torch.Tensor:
         """The tile map of ``"send"``, ``"gather"`` or shard ``j`` (module notes)."""
-        key = (what, torch.device(device))
+        key = (what, device)  # a tensor's own device: normalised already
         if key not in self._maps:
             layout, every = self.layout, range(self.layout.world_size)
             if what == "send":
@@ -91,7 +91,7 @@ class FusedPlan:
     def slots(self, what: str | int, device: torch.device) -> triton_fp8.AmaxSlots:
         """The persistent amax slots of ``"send"`` or shard ``j``'s groups on ``device``, or
         the one slot of the gathered records' finite check (``"finite"``)."""
-        key = ("slots", what, torch.device(device))
+        key = ("slots", what, device)
         if key not in self._maps:
             n = {"send": self.n_groups, "finite": 1}.get(what)
             self._maps[key] = triton_fp8.AmaxSlots(
@@ -101,7 +101,7 @@ class FusedPlan:
     def scale_rows(self, device: torch.device) -> torch.Tensor:
         """Where the gathered records' FP32 scales lie, int64 ``[R, 2]`` on ``device``
         (:func:`~geofp8.codecs.triton_fp8.scale_rows`)."""
-        key = ("scale rows", torch.device(device))
+        key = ("scale rows", device)
         if key not in self._maps:
             size = self.layout.max_shard_bytes
             rows = triton_fp8.scale_rows((j * size, count)
