@@ -84,3 +84,29 @@ def test_the_nvfp4_torch_fallback_launches_at_most_86_kernels_a_bucket():
     with mode:
         run()
     assert mode.triton == 0 and 0 < mode.launches <= 86, mode.launches
+
+
+def test_a_settled_bucket_residual_is_read_without_a_walk_of_its_tensors():
+    """``ErrorFeedback.bucket_in`` of a bucket written whole by the last settled step: the
+    same lines for 4 or 64 tensors (its checks were done when it was written), the same
+    ``(R, flag)`` as its checks give; a tensor written alone since is checked again."""
+    from geofp8.feedback import ErrorFeedback
+    from geofp8.geometry.transforms import IDENTITY
+
+    lines = []
+    for count in (4, 64):
+        fb, names, shapes = ErrorFeedback("bf16"), [f"w{i}" for i in range(count)], \
+            [(8, 4)] * count
+        fb.stage_bucket(names, torch.randn(32 * count), shapes)  # the first bucket
+        fb.commit(torch.tensor(True))
+        block, _ = fb.bucket_in(names, shapes)
+        fb.stage_bucket(names, block, shapes)  # written in place by the encode
+        skipped = torch.tensor(False)
+        fb.commit(skipped)
+        lines.append(gpu_bucket.python_lines(
+            lambda fb=fb, names=names, shapes=shapes: fb.bucket_in(names, shapes)))
+        again, flag = fb.bucket_in(names, shapes)
+        assert again is block and flag is skipped
+        fb.stage(names[1], torch.ones(8, 4), IDENTITY)  # one tensor alone: flags differ now
+        assert fb.bucket_in(names, shapes) is None
+    assert lines[0] == lines[1] > 0, lines

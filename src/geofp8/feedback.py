@@ -98,6 +98,11 @@ class ErrorFeedback:
         self.finite: dict[str, torch.Tensor] = {}  # 0-dim bool: the writing step's verdict
         self._written: list[str] = []  # this step's, until it settles
         self._blocks: dict[tuple[str, ...], torch.Tensor] = {}  # a bucket's residuals, flat
+        # buckets written whole (stage_bucket) by a settled step and untouched since: their
+        # names -> (that step's flag, their shapes); bucket_in's checks hold for them as is
+        self._settled: dict[tuple[str, ...], tuple] = {}
+        self._staged: list[tuple[tuple[str, ...], tuple]] = []  # this step's, until it settles
+        self._bucket_of: dict[str, tuple[str, ...]] = {}  # a name -> its bucket's names
 
     def residual_in(self, name: str, route: Transform) -> torch.Tensor | None:
         """The residual of ``name`` in ``route``'s coordinates (``None``: none yet; zero if
@@ -122,7 +127,13 @@ class ErrorFeedback:
         residuals as one flat vector in that order, each a view of it (made once, by one copy), and
         the finite flag of the step that wrote them all (``None``: kept; a residual is read
         as ``torch.where(flag, R, 0)``, as by :meth:`residual_in`). ``None`` unless every
-        one is stored plain (FP32 or BF16) in identity coordinates, by the same step."""
+        one is stored plain (FP32 or BF16) in identity coordinates, by the same step. A
+        bucket written whole by the last settled step and untouched since is known to be:
+        nothing is checked per tensor then."""
+        key = tuple(names)
+        settled = self._settled.get(key)
+        if settled is not None and settled[1] == tuple(shapes):
+            return self._blocks[key], settled[0]
         stored = [self.residuals.get(n) for n in names]
         if self.storage not in ("fp32", "bf16") or not names or any(
                 s is None or tuple(s.shape) != shape or self.basis.get(n, IDENTITY) is not IDENTITY
@@ -131,7 +142,6 @@ class ErrorFeedback:
         flag = self.finite.get(names[0])
         if any(self.finite.get(n) is not flag for n in names):
             return None
-        key = tuple(names)
         block = self._blocks.get(key)
         if block is None or not _tiles(block, stored):
             self._forget(names)
@@ -171,11 +181,15 @@ class ErrorFeedback:
             self._blocks[key] = block
         for name in names:
             self._wrote(name, IDENTITY)
+            self._bucket_of[name] = key
+        self._staged.append((key, tuple(map(tuple, shapes)) if shapes is not None else
+                             tuple(tuple(self.residuals[n].shape) for n in names)))
 
     def _forget(self, names) -> None:
         """Let go of the flat vectors that hold any of ``names`` (re-bucketed or dropped)."""
         names = set(names)
         self._blocks = {k: b for k, b in self._blocks.items() if names.isdisjoint(k)}
+        self._settled = {k: f for k, f in self._settled.items() if names.isdisjoint(k)}
 
     def stage(self, name: str, residual: torch.Tensor, route: Transform) -> None:
         """Write this step's new residual of ``name`` (in ``route``'s coordinates) over the
@@ -212,6 +226,7 @@ class ErrorFeedback:
         self.stage(name, whole, route)
 
     def _wrote(self, name: str, route: Transform) -> None:
+        self._settled.pop(self._bucket_of.get(name), None)  # written: checked again
         self.basis[name] = route
         self.finite.pop(name, None)
         self._written.append(name)
@@ -229,9 +244,15 @@ class ErrorFeedback:
             if name in self.residuals:
                 self.finite[name] = finite
         self._written = []
+        for key, shapes in self._staged:
+            if all(self._bucket_of.get(n) == key for n in key):  # still that bucket's
+                self._settled[key] = finite, shapes
+        self._staged = []
 
     def rescale(self, factor: float) -> None:
         """Multiply every residual by ``factor`` (a loss scale changed by that ratio)."""
+        if self.storage != "fp32":
+            self._settled, self._blocks = {}, {}  # new tensors: no bucket's views any more
         for name, stored in self.residuals.items():
             if self.storage == "fp32":
                 stored.mul_(factor)
@@ -255,6 +276,7 @@ class ErrorFeedback:
         again, so the residual is not re-based needlessly."""
         self.residuals = {n: _zeroed(r, None) for n, r in state["residuals"].items()}
         self.basis, self.finite, self._written, self._blocks = {}, {}, [], {}
+        self._settled, self._staged, self._bucket_of = {}, [], {}
         for name, saved in state["basis"].items():
             live = transforms.get(name)
             if live is not None and _same(live, saved):
