@@ -132,7 +132,8 @@ class ErrorFeedback:
         nothing is checked per tensor then."""
         key = tuple(names)
         settled = self._settled.get(key)
-        if settled is not None and settled[1] == tuple(shapes):
+        if settled is not None and settled[1] == tuple(shapes) and \
+                self.finite.get(names[0]) is settled[0]:  # its flags not set by hand since
             return self._blocks[key], settled[0]
         stored = [self.residuals.get(n) for n in names]
         if self.storage not in ("fp32", "bf16") or not names or any(
