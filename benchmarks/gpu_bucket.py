@@ -107,13 +107,16 @@ def fused_path(enabled: bool = True):
         if Launches.active is not None:
             Launches.active.triton += 1
     for fn in KERNELS:
-        runs[fn], fn.run = fn.run, launch
+        runs[fn], fn.run = vars(fn).get("run"), launch
     try:
         yield
     finally:
         triton_fp8.available = available
         for fn, run in runs.items():
-            fn.run = run
+            if run is None:
+                del fn.run  # the class's own method again
+            else:
+                fn.run = run
 
 
 class ActiveMode(TorchDispatchMode):
@@ -166,8 +169,10 @@ def _mode_cost(mode: Launches) -> float:
 ROOT = os.path.dirname(geofp8.__file__) + os.sep
 
 
-def python_lines(run) -> int:
-    """The lines of GeoFP8's own Python that ``run()`` executes (a trace of its frames)."""
+def python_lines(run, paused=None) -> int:
+    """The lines of GeoFP8's own Python that ``run()`` executes (a trace of its frames);
+    ``paused()``: true while the frames begun are not counted (a kernel that Triton's
+    interpreter runs as Python)."""
     count = 0
 
     def local(frame, event, arg):
@@ -176,6 +181,8 @@ def python_lines(run) -> int:
         return local
 
     def calls(frame, event, arg):
+        if paused is not None and paused():
+            return None
         return local if frame.f_code.co_filename.startswith(ROOT) else None
 
     sys.settrace(calls)
@@ -208,7 +215,7 @@ def loop_us(runs: list, cost: float) -> tuple[int, float]:
 
 
 def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int,
-                 repeats: int) -> tuple[float, float, float, int, int]:
+                 repeats: int, feedback: bool = False) -> tuple[float, float, float, int, int]:
     """``(first pass, second pass, control)``: modelled host µs per bucket over ``count``
     distinct layouts, and over one more layout run ``count`` times (module notes); then the
     Python lines of one call of that control layout before the distinct layouts ran and
@@ -217,7 +224,7 @@ def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int,
 
     def share(k: int):
         layout = ShardLayout.build([*base, (k + 1,)], make_codec(fmt), n, kernels="batched")
-        return rank_share(layout, torch.zeros(layout.numel, device="meta"))
+        return rank_share(layout, torch.zeros(layout.numel, device="meta"), feedback)
     control = share(0)
     control()
     lines = python_lines(control)
@@ -228,6 +235,11 @@ def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int,
         second = min(second, loop_us(runs, cost)[1])
         alone = min(alone, loop_us([control] * count, cost)[1])
     return first, second, alone, lines, python_lines(control)
+
+
+def _feedback(method: str, how: str) -> bool:
+    """Whether ``method``'s encode takes the bucket's residual (``--feedback bucket``)."""
+    return how == "bucket" and method.endswith("-ef")
 
 
 def main() -> None:
@@ -241,6 +253,10 @@ def main() -> None:
                         choices=["torch", "fused"], help="module notes")
     parser.add_argument("--layouts", type=int, default=0,
                         help="also time this many distinct layouts (module notes)")
+    parser.add_argument("--feedback", choices=["bucket", "error"], default="bucket",
+                        help="the *-ef methods' encode: the bucket's BF16 residual read and "
+                        "rewritten in the kernels, as the DDP hook runs it (bucket), or the "
+                        "rounding error written over the bucket (error)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print("| path | method | bucket MB | tensors | ranks | launches | host µs | py lines | "
@@ -255,7 +271,7 @@ def main() -> None:
                                    kernels="batched")
         x = torch.zeros(layout.numel, device="meta")
         with fused_path(path == "fused"):
-            run = rank_share(layout, x)
+            run = rank_share(layout, x, _feedback(method, args.feedback))
             launches, us = host_us(run, args.repeats)
             lines = python_lines(run)
         wire = [8 * layout.wire_bytes(0) / bits * 1e3 for bits in (100e9, 400e9)]
@@ -270,7 +286,8 @@ def main() -> None:
                 continue
             with fused_path(path == "fused"):
                 first, second, alone, lines, alone_lines = many_layouts(
-                    METHODS[method], mb, kind, n, args.layouts, args.repeats)
+                    METHODS[method], mb, kind, n, args.layouts, args.repeats,
+                    _feedback(method, args.feedback))
             print(f"{path} {method} {mb:g} MB {kind} N={n}: {first:.0f} / {second:.0f} / "
                   f"{alone:.0f} µs; {lines} / {alone_lines} lines", flush=True)
 

@@ -7,9 +7,14 @@ entered around every call of the hook (which on this path also completes the buc
 collectives and settles the step, on the same thread) counts, on rank 0, over one ordinary
 step (not step 0, which checks consistency): every Triton launch, every torch op that
 launches a kernel (neither a view nor a bare allocation; the interpreter's own torch calls
-inside a kernel are not counted) and, apart, the collectives (``c10d`` ops). The hook's
-launches must not grow with the tensors per bucket: ``--tensors`` varies them with one
-bucket per step; ``--buckets`` splits the same layers into several buckets.
+inside a kernel are not counted) and, apart, the collectives (``c10d`` ops); and the lines
+of GeoFP8's own Python the hook's calls execute (``py lines``, a trace as
+``gpu_bucket.py``'s, the interpreted kernels' bodies left out): the host work of the
+real hook per bucket, the stages' and everything around them (the pipeline's bucket
+path, the error feedback's residual, the collective's launch and flush, the step's
+verdict), counted rather than timed. The hook's launches and lines must not grow with the
+tensors per bucket: ``--tensors`` varies them with one bucket per step; ``--buckets``
+splits the same layers into several buckets.
 
 A geometry method reaches its ordinary step first: its factors refresh every 3 steps
 (the first refresh at step 3, where ``auto`` measures too, deciding at step 4), a profile
@@ -39,7 +44,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from fused_launches import Launches  # noqa: E402  (wraps the Triton kernels' launches)
-from gpu_bucket import ALLOCATIONS  # noqa: E402
+from gpu_bucket import ALLOCATIONS, python_lines  # noqa: E402
 from host_syncs import on_ranks  # noqa: E402
 
 WIDTH = 64  # Linear(WIDTH, WIDTH, bias=False): 16 KiB of FP32 gradient a tensor
@@ -51,7 +56,7 @@ class HookLaunches(Launches):
 
     def __init__(self) -> None:
         super().__init__()
-        self.collectives = 0
+        self.collectives = self.lines = 0
         self.ops: collections.Counter = collections.Counter()
 
     def __enter__(self):
@@ -88,7 +93,7 @@ def _hooked(model, method: str, mapped: int | None):
 
 def count(rank: int, world: int, method: str, tensors: int, buckets: int,
           mapped: int | None = None) -> tuple:
-    """``(buckets, Triton, torch, collectives, ops, layers on a map)`` of the hook in one
+    """``(buckets, Triton, torch, collectives, ops, layers on a map, py lines)`` of the hook in one
     ordinary step on this rank (``tensors`` layers in ``buckets`` DDP buckets of equal
     size)."""
     torch.manual_seed(0)
@@ -99,10 +104,14 @@ def count(rank: int, world: int, method: str, tensors: int, buckets: int,
     counter: list[HookLaunches | None] = [None]
 
     def counted(state, bucket):
-        if counter[0] is None:
+        c = counter[0]
+        if c is None:
             return hook(state, bucket)
-        with counter[0]:
-            return hook(state, bucket)
+        out = []
+        with c:
+            c.lines += python_lines(lambda: out.append(hook(state, bucket)),
+                                    paused=lambda: c.inside)
+        return out[0]
     ddp.register_comm_hook(state, counted)
     for step in range(COUNTED + 1):
         counter[0] = HookLaunches() if step == COUNTED else None
@@ -113,7 +122,7 @@ def count(rank: int, world: int, method: str, tensors: int, buckets: int,
     pipeline = getattr(getattr(state, "engine", None), "pipeline", None)
     on_map = len(pipeline.geometry_layers()) if pipeline is not None else 0
     return len(ddp.reducer._get_zeros_like_grad_buckets()), c.triton, c.torch, c.collectives, \
-        c.ops, on_map
+        c.ops, on_map, c.lines
 
 
 def _worker(rank: int, world: int, port: int, method: str, queue, tensors: int,
@@ -129,7 +138,8 @@ def _worker(rank: int, world: int, port: int, method: str, queue, tensors: int,
 
 def measure(method: str, tensors: int, buckets: int, ranks: int = 2,
             mapped: int | None = None) -> tuple:
-    """``(buckets, Triton, torch, collectives, torch ops by name, layers on a map)`` of one
+    """``(buckets, Triton, torch, collectives, torch ops by name, layers on a map, py lines)``
+    of one
     ordinary step on rank 0 of ``ranks`` spawned gloo ranks (see :func:`count`)."""
     return on_ranks(_worker, ranks, method, tensors, buckets, mapped)
 
@@ -145,13 +155,13 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true", help="list the torch ops counted")
     args = parser.parse_args()
     print("| method | tensors | mapped | buckets | Triton | torch | launches | per bucket | "
-          "collectives |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "collectives | py lines per bucket |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for method, tensors, buckets in itertools.product(args.methods, args.tensors, args.buckets):
-        got, triton, ops, colls, names, on_map = measure(method, tensors, buckets, args.ranks,
-                                                         args.mapped)
+        got, triton, ops, colls, names, on_map, lines = measure(method, tensors, buckets,
+                                                                args.ranks, args.mapped)
         print(f"| {method} | {tensors} | {on_map} | {got} | {triton} | {ops} | {triton + ops} | "
-              f"{(triton + ops) / got:.1f} | {colls} |", flush=True)
+              f"{(triton + ops) / got:.1f} | {colls} | {lines / got:.1f} |", flush=True)
         if args.ops:
             print("   ", dict(names.most_common()))
 

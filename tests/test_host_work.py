@@ -21,21 +21,32 @@ gpu_bucket = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(gpu_bucket)
 
 
-def _lines(shapes, fmt, n, fused):
-    """Lines of one steady call of a bucket's stages (its first call made before)."""
+def _lines(shapes, fmt, n, fused, feedback=False):
+    """Lines of one steady call of a bucket's stages (its first call made before);
+    ``feedback``: the encode with the bucket's BF16 residual, as the DDP hook runs it."""
     with gpu_bucket.fused_path(fused):
         layout = ShardLayout.build(shapes, make_codec(fmt), n, kernels="batched")
-        run = gpu_bucket.rank_share(layout, torch.zeros(layout.numel, device="meta"))
+        run = gpu_bucket.rank_share(layout, torch.zeros(layout.numel, device="meta"), feedback)
         run()
         return gpu_bucket.python_lines(run)
 
 
-def test_the_fused_fp8_stages_run_the_same_python_whatever_the_bucket():
-    """Tensors, their shapes and the number of ranks change nothing on the host."""
-    buckets = [([(64, 64)] * 2, 2), ([(64, 64)] * 16, 8), ([(96, 64), (32,), (64, 160)] * 3, 8),
-               ([(512, 64)] * 3 + [(7,)], 64)]
-    counts = {_lines(shapes, "e4m3", n, fused=True) for shapes, n in buckets}
-    assert len(counts) == 1 and counts.pop() > 0, counts
+BUCKETS = [([(64, 64)] * 2, 2), ([(64, 64)] * 16, 8), ([(96, 64), (32,), (64, 160)] * 3, 8),
+           ([(512, 64)] * 3 + [(7,)], 64)]
+
+
+@pytest.mark.parametrize(("fmt", "feedback", "most"),
+                         [("e4m3", False, 224), ("e4m3", True, 234), ("nvfp4", True, 324),
+                          ("mxfp8", False, 324)])
+def test_the_fused_stages_run_the_same_python_whatever_the_bucket(fmt, feedback, most):
+    """Tensors, their shapes and the number of ranks change nothing on the host, with or
+    without the bucket's residual, FP8 or block-scaled; and the lines stay under what a
+    bucket took once its kernels' fixed arguments were bound once per layout and the plans
+    decided once (before: E4M3 228 lines, 243 with the residual; NVFP4 with it 354; MXFP8
+    357; after 219, 228, 317, 318; since the harness, ``gpu_check.stage_share``, is
+    GeoFP8's own code, its four lines per call are counted too: 223, 232, 321, 322)."""
+    counts = {_lines(shapes, fmt, n, fused=True, feedback=feedback) for shapes, n in BUCKETS}
+    assert len(counts) == 1 and 0 < counts.pop() <= most, counts
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])

@@ -110,6 +110,7 @@ class GeoFP8State:
         self.hierarchy = (HierarchicalAllReduce(self.engine, size, device, self.stream)
                           if size else None)
         self.engine.fingerprint_extra = {"node_size": size}
+        self._buckets: dict[int, tuple] = {}  # DDP bucket index -> (key, _bucket_of's)
 
     # -- what the engine holds, by its usual names ------------------------------------------
 
@@ -187,25 +188,39 @@ class GeoFP8State:
         communicator.complete(block=last)
         return future
 
-    def _fp8_allreduce(self, bucket: dist.GradBucket, buffer: torch.Tensor, last: bool):
-        pipeline, names, grads = self.pipeline, [], []
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            if id(p) not in pipeline.names:
-                raise RuntimeError("a bucket holds a parameter that is not in the model given to "
-                                   "GeoFP8State: pass the module that DDP wraps")
-            names.append(pipeline.names[id(p)])
-            grads.append(g)
-        seed = self.engine.seed(bucket.index())
+    def _bucket_of(self, bucket: dist.GradBucket, buffer: torch.Tensor,
+                   grads: list[torch.Tensor]) -> tuple[list[str], list[int], bool]:
+        """``(names, offsets, in_place)`` of a DDP bucket's gradients: their parameters'
+        names, their offsets in ``buffer`` (elements) and whether they tile it in order
+        (FP32): made once per bucket and kept while it holds the same parameters in the same
+        buffer (DDP builds its buckets once, again after the first step), so an ordinary
+        hook call walks none of its tensors in Python."""
+        key = (tuple(map(id, bucket.parameters())), buffer.data_ptr(), buffer.numel())
+        kept = self._buckets.get(bucket.index())
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        names = self.pipeline.names
+        if any(i not in names for i in key[0]):
+            raise RuntimeError("a bucket holds a parameter that is not in the model given to "
+                               "GeoFP8State: pass the module that DDP wraps")
         offsets = [(g.data_ptr() - buffer.data_ptr()) // g.element_size() for g in grads]
-        if self.hierarchy is not None:  # several buckets in flight (see geofp8.hierarchy)
-            return self.hierarchy.launch(names, grads, buffer, offsets, seed, last,
-                                         then=self._bucket_done)
         # An FP32 bucket that its gradients tile in order (DDP's) is the hook's own working
         # memory: Ũ is written over the gradients and the sum decoded into it, so the hook
         # allocates no bucket-sized FP32 vector of its own.
         ends = [off + g.numel() for off, g in zip(offsets, grads)]
-        in_place = (buffer.dtype == torch.float32 and ends and ends[-1] == buffer.numel()
-                    and offsets == [0, *ends[:-1]])
+        in_place = bool(buffer.dtype == torch.float32 and ends and ends[-1] == buffer.numel()
+                        and offsets == [0, *ends[:-1]])
+        found = [names[i] for i in key[0]], offsets, in_place
+        self._buckets[bucket.index()] = key, found
+        return found
+
+    def _fp8_allreduce(self, bucket: dist.GradBucket, buffer: torch.Tensor, last: bool):
+        pipeline, grads = self.pipeline, bucket.gradients()
+        names, offsets, in_place = self._bucket_of(bucket, buffer, grads)
+        seed = self.engine.seed(bucket.index())
+        if self.hierarchy is not None:  # several buckets in flight (see geofp8.hierarchy)
+            return self.hierarchy.launch(names, grads, buffer, offsets, seed, last,
+                                         then=self._bucket_done)
         t0 = time.perf_counter()
         encoded = pipeline.encode(names, grads, seed, flat=buffer if in_place else None)
         self.ledger.add("codec_s", time.perf_counter() - t0)

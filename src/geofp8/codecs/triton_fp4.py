@@ -64,7 +64,7 @@ if triton is not None:
 
     from .triton_fp8 import _e4m3_round, _e4m3_value, _load_f32, _places, _store_f32, _tile
 
-__all__ = ["FORMATS", "Encoded", "amax", "available", "block_length", "decode",
+__all__ = ["FORMATS", "Bound", "Encoded", "amax", "available", "block_length", "decode",
            "decode_placed", "decode_shards", "decode_sum", "decode_whole", "encode",
            "encode_placed", "encode_shards", "encode_whole", "guarded", "placement", "reduce",
            "torch_only"]
@@ -492,13 +492,41 @@ def block_length(fmt: str) -> int:
     return 16 if _element(fmt) == E2M1 and fmt == "nvfp4" else 32
 
 
-def placement(groups: GroupMap, fmt: str, device: torch.device) -> Placement:
+class Bound:
+    """A placement bound to a format: every kernel's grid, the arguments that do not change
+    from call to call (the placement's maps and counts) and the constexprs, made once, so
+    a call only adds its tensors and flags (nothing per call grows with the segments)."""
+
+    def __init__(self, p: Placement, fmt: str) -> None:
+        element, nvfp4 = _element(fmt), fmt == "nvfp4"
+        emax, threshold = _MX.get(fmt, (0, 0))
+        self.p, self.fmt, self.nvfp4 = p, fmt, nvfp4
+        self.grid = (p.tiles.shape[0],)
+        rows = p.pairs if element == E2M1 else p.tiles
+        self.encode_grid = (rows.shape[0],)
+        self.finite_grid = (triton.cdiv(max(p.n_groups, 1), BLOCK),)
+        self.amax_maps = (p.tiles, p.seg_of)
+        self.encode_maps = (rows,)
+        self.encode_counts = (p.n_groups, p.block_at, p.seg_at, p.seg_of, p.seg_start,
+                              p.seg_where)
+        self.encode_empty = (p.seg_empty, p.n_empty if nvfp4 else 0)
+        self.reduce_maps = (p.tiles, p.block_at, p.seg_at, p.seg_of)
+        self.finite_maps = (p.block_at, p.seg_at, p.seg_of)
+        self.decode_maps = (p.tiles, *self.finite_maps)
+        self.common = {"NVFP4": nvfp4, "TILE": TILE}
+        self.amax_const = {**self.common, "B": block_length(fmt)}
+        self.reduce_const = {**self.amax_const, "FMT": element, **_NO_FUSION}
+        self.decode_const = {**self.common, "FMT": element, **_NO_FUSION}
+        self.encode_const = {**self.decode_const, "EMAX": emax, "THRESHOLD": threshold}
+
+
+def placement(groups: GroupMap, fmt: str, device: torch.device) -> Bound:
     """The placed maps of the codec's whole-bucket parts of ``groups``
-    (:func:`~.block_records.whole_places`), made once per map."""
-    def make() -> Placement:
+    (:func:`~.block_records.whole_places`), bound to ``fmt``, made once per map."""
+    def make() -> Bound:
         packed = _element(fmt) == E2M1
-        return place(whole_places(groups, fmt == "nvfp4", packed), packed, block_length(fmt),
-                     device)
+        return Bound(place(whole_places(groups, fmt == "nvfp4", packed), packed,
+                           block_length(fmt), device), fmt)
     return groups.memo(("triton-fp4-placement", fmt, torch.device(device)), make)
 
 
@@ -507,7 +535,7 @@ def _memo_slots(groups: GroupMap, what: str, n: int, device: torch.device) -> Am
                        lambda: AmaxSlots(n, device))
 
 
-def amax(x: torch.Tensor, p: Placement, amax_slots: AmaxSlots, fmt: str,
+def amax(x: torch.Tensor, b: Bound, amax_slots: AmaxSlots,
          residual: torch.Tensor | None = None, keep: torch.Tensor | None = None,
          u: torch.Tensor | None = None) -> torch.Tensor:
     """Every block's and segment's amax of ``u = x + where(keep, residual, 0)`` (``x``
@@ -515,11 +543,10 @@ def amax(x: torch.Tensor, p: Placement, amax_slots: AmaxSlots, fmt: str,
     ``None`` for true) in the next epoch of ``amax_slots``: what :func:`encode_placed`
     reads. ``u``: where ``u`` is written, else nowhere. One kernel."""
     bits, epoch = amax_slots.next()
-    _amax_kernel[(p.tiles.shape[0],)](
+    _amax_kernel[b.grid](
         x, x if residual is None else residual, _keep_arg(x, keep), x if u is None else u,
-        p.tiles, p.seg_of, bits, p.n_groups, epoch, HAS_R=residual is not None,
-        KEEP=keep is not None, STORE_U=u is not None, NVFP4=fmt == "nvfp4",
-        B=block_length(fmt), TILE=TILE)
+        *b.amax_maps, bits, b.p.n_groups, epoch, HAS_R=residual is not None,
+        KEEP=keep is not None, STORE_U=u is not None, **b.amax_const)
     return bits
 
 
@@ -527,74 +554,63 @@ def _keep_arg(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     return x if keep is None else keep.view(torch.uint8)
 
 
-def encode_placed(u: torch.Tensor, bits: torch.Tensor, p: Placement, fmt: str,
+def encode_placed(u: torch.Tensor, bits: torch.Tensor, b: Bound,
                   outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                   error: torch.Tensor | None = None, seeds=None,
                   pad: tuple[int, int] = (0, 0),
                   feedback: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
-    """The scales (from the amax ``bits``) and codes of ``u`` written where ``p`` places
+    """The scales (from the amax ``bits``) and codes of ``u`` written where ``b`` places
     them in the uint8 ``outs`` ``(segment scales, block scales, codes)`` (one buffer thrice
     for a record or a send buffer); bytes ``pad`` of ``outs[2]`` zeroed; with ``error``
     (FP32 or BF16, may be ``u`` itself) the rounding error at the values' places; ``seeds``
     (one per shard, or a :class:`.uniforms.StepSeed`): stochastic rounding.
     ``feedback=(R, keep)``: the values are ``u + where(keep, R, 0)`` (as :func:`amax` took
     them; ``error`` may be ``R``). One kernel."""
-    element, device = _element(fmt), u.device
-    emax, threshold = _MX.get(fmt, (0, 0))
-    mode, (table, *scalars) = _seed_args(seeds, device)
-    err = u if error is None else (error.view(torch.int16) if error.dtype == torch.bfloat16
-                                   else error)
-    rows = p.pairs if element == E2M1 else p.tiles
+    mode, (table, *scalars) = _seed_args(seeds, u.device)
+    bf16 = error is not None and error.dtype == torch.bfloat16
     residual, keep = feedback or (None, None)
-    _encode_kernel[(rows.shape[0],)](
-        u, u if residual is None else residual, _keep_arg(u, keep), err, *outs, rows, bits,
-        p.n_groups, p.block_at, p.seg_at, p.seg_of, p.seg_start, p.seg_where,
-        p.seg_start if table is None else table, *scalars, *pad, p.seg_empty,
-        p.n_empty if fmt == "nvfp4" else 0, HAS_R=residual is not None, KEEP=keep is not None,
-        HAS_ERR=error is not None, ERR_BF16=error is not None and error.dtype == torch.bfloat16,
-        SEEDS=mode, FMT=element, NVFP4=fmt == "nvfp4", EMAX=emax, THRESHOLD=threshold,
-        TILE=TILE, **_NO_FUSION)
+    _encode_kernel[b.encode_grid](
+        u, u if residual is None else residual, _keep_arg(u, keep),
+        u if error is None else error.view(torch.int16) if bf16 else error, *outs,
+        *b.encode_maps, bits, *b.encode_counts, b.p.seg_start if table is None else table,
+        *scalars, *pad, *b.encode_empty, HAS_R=residual is not None, KEEP=keep is not None,
+        HAS_ERR=error is not None, ERR_BF16=bf16, SEEDS=mode, **b.encode_const)
 
 
-def reduce(rows: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor], p: Placement,
-           amax_slots: AmaxSlots, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def reduce(rows: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor], b: Bound,
+           amax_slots: AmaxSlots) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum, bits)``: ``0 + Σ_r value(code_r)·scale_{r,b}`` in sender order (FP32) of the
     ``N`` payloads whose parts are the rows of ``rows`` ``(segment scales' bytes or None,
-    block scales, codes)`` (uint8 ``[N, ·]``, any row stride, placed as ``p`` says), and its
+    block scales, codes)`` (uint8 ``[N, ·]``, any row stride, placed as ``b`` says), and its
     blocks' and segments' amax in the next epoch of ``amax_slots``. One kernel."""
     s, blk, codes = rows
     s = blk if s is None else s
-    n_senders, device = codes.shape[0], codes.device
-    out = torch.empty(p.numel, dtype=torch.float32, device=device)
+    out = torch.empty(b.p.numel, dtype=torch.float32, device=codes.device)
     bits, epoch = amax_slots.next()
-    _reduce_kernel[(p.tiles.shape[0],)](
-        s, s.stride(0), blk, blk.stride(0), codes, codes.stride(0), n_senders, out, p.tiles,
-        p.block_at, p.seg_at, p.seg_of, bits, p.n_groups, epoch, FMT=_element(fmt),
-        NVFP4=fmt == "nvfp4", B=block_length(fmt), TILE=TILE, **_NO_FUSION)
+    _reduce_kernel[b.grid](
+        s, s.stride(0), blk, blk.stride(0), codes, codes.stride(0), codes.shape[0], out,
+        *b.reduce_maps, bits, b.p.n_groups, epoch, **b.reduce_const)
     return out, bits
 
 
 def decode_placed(out: torch.Tensor, ins: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor],
-                  p: Placement, finite_slot: AmaxSlots, fmt: str, divisor: int | None = None,
+                  b: Bound, finite_slot: AmaxSlots, divisor: int | None = None,
                   poison: bool = False, flag: torch.Tensor | None = None) -> torch.Tensor:
     """``out = value(code)·scale`` (``/ divisor`` when given) of the payloads in ``ins``
-    ``(segment scales' bytes or None, block scales, codes)``, placed as ``p`` says; all NaN
+    ``(segment scales' bytes or None, block scales, codes)``, placed as ``b`` says; all NaN
     unless every stored scale is finite (``poison``). Returns that 0-dim bool flag, written
     into the 0-dim uint8 ``flag`` when given (a step's slot); two kernels (the finite check
     into the next epoch of the one-slot ``finite_slot``, the decode)."""
     s, blk, codes = ins
     s = blk if s is None else s
-    nvfp4 = fmt == "nvfp4"
     if flag is None:
         flag = torch.empty((), dtype=torch.uint8, device=out.device)
     slot, epoch = finite_slot.next()
-    _finite_kernel[(triton.cdiv(max(p.n_groups, 1), BLOCK),)](
-        s, blk, p.block_at, p.seg_at, p.seg_of, slot, epoch, p.n_groups, NVFP4=nvfp4,
-        BLOCK=BLOCK)
-    _decode_kernel[(p.tiles.shape[0],)](
-        s, blk, codes, out, p.tiles, p.block_at, p.seg_at, p.seg_of, slot, epoch, flag,
-        float(divisor or 1), DIVIDE=divisor is not None, POISON=poison, FMT=_element(fmt),
-        NVFP4=nvfp4, TILE=TILE, **_NO_FUSION)
+    _finite_kernel[b.finite_grid](s, blk, *b.finite_maps, slot, epoch, b.p.n_groups,
+                                  NVFP4=b.nvfp4, BLOCK=BLOCK)
+    _decode_kernel[b.grid](
+        s, blk, codes, out, *b.decode_maps, slot, epoch, flag, float(divisor or 1),
+        DIVIDE=divisor is not None, POISON=poison, **b.decode_const)
     return flag.view(torch.bool)
 
 
@@ -616,11 +632,11 @@ def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor |
     else a new vector (the stages' error feedback in place: :func:`encode_placed`'s
     ``feedback``)."""
     device = x.device
-    p = placement(groups, fmt, device)
-    slots = _memo_slots(groups, fmt, p.n_groups + p.n_segments, device)
+    b = placement(groups, fmt, device)
+    slots = _memo_slots(groups, fmt, b.p.n_groups + b.p.n_segments, device)
     err = (error_out if error_out is not None else torch.empty_like(x)) if error else None
     u = x if residual is None else torch.empty_like(x)
-    bits = amax(x, p, slots, fmt, residual, u=None if residual is None else u)
+    bits = amax(x, b, slots, residual, u=None if residual is None else u)
     sizes = _part_sizes(groups, fmt)
     s, block_bytes, codes = into or (None, None, None)
     if s is None and fmt == "nvfp4":
@@ -629,8 +645,8 @@ def encode(x: torch.Tensor, groups: GroupMap, fmt: str, residual: torch.Tensor |
         block_bytes = torch.empty(sizes[1], dtype=torch.uint8, device=device)
     if codes is None:
         codes = torch.empty(sizes[2], dtype=torch.uint8, device=device)
-    encode_placed(u, bits, p, fmt, (block_bytes if s is None else s.view(torch.uint8),
-                                    block_bytes, codes), err, seeds)
+    encode_placed(u, bits, b, (block_bytes if s is None else s.view(torch.uint8),
+                               block_bytes, codes), err, seeds)
     return Encoded(u, s, block_bytes, codes, err)
 
 
@@ -640,10 +656,10 @@ def decode_sum(groups: GroupMap, fmt: str, block_bytes: torch.Tensor, codes: tor
     payloads of ``groups`` (rows of ``block_bytes`` ``[N, G]``, ``codes`` ``[N, C]``,
     NVFP4's ``segment_scales`` ``[N, S]`` FP32 or their bytes; each row contiguous): one
     kernel (:func:`reduce`)."""
-    p = placement(groups, fmt, codes.device)
+    b = placement(groups, fmt, codes.device)
     s = None if segment_scales is None else segment_scales.view(torch.uint8)
-    return reduce((s, block_bytes, codes), p,
-                  _memo_slots(groups, fmt, p.n_groups + p.n_segments, codes.device), fmt)[0]
+    return reduce((s, block_bytes, codes), b,
+                  _memo_slots(groups, fmt, b.p.n_groups + b.p.n_segments, codes.device))[0]
 
 
 def decode(out: torch.Tensor, groups: GroupMap, fmt: str, block_bytes: torch.Tensor,
@@ -653,7 +669,7 @@ def decode(out: torch.Tensor, groups: GroupMap, fmt: str, block_bytes: torch.Ten
     "every block scale finite" (every value NaN unless it is set, with ``poison``)."""
     s = None if segment_scales is None else segment_scales.view(torch.uint8)
     return decode_placed(out, (s, block_bytes, codes), placement(groups, fmt, out.device),
-                         _memo_slots(groups, "finite", 1, out.device), fmt, poison=poison)
+                         _memo_slots(groups, "finite", 1, out.device), poison=poison)
 
 
 def encode_whole(codec, x: torch.Tensor, shards, seeds=None, error: bool = False,

@@ -66,9 +66,9 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
 __all__ = ["TILE", "AmaxSlots", "Feedback", "amax", "attempt", "available", "decode",
-           "decode_placed", "decode_sum", "encode", "encode_placed", "feedback_fits",
-           "group_bits", "placed_tiles", "reduce", "reference", "scale_rows", "tiles",
-           "verdict"]
+           "decode_placed", "decode_sum", "encode", "encode_placed", "feedback_args",
+           "feedback_fits", "group_bits", "placed_tiles", "reduce", "reference", "scale_rows",
+           "tiles", "verdict"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FAILED: list[Exception] = []  # the first compile or launch failure (see attempt)
@@ -480,6 +480,7 @@ class AmaxSlots:
 
 
 Feedback = tuple[torch.Tensor, torch.Tensor | None]  # (R, keep): see group_bits
+_NO_FEEDBACK = {"HAS_R": False, "HAS_KEEP": False, "BF16": False}
 
 
 def feedback_fits(x: torch.Tensor, feedback: Feedback | None) -> bool:
@@ -494,10 +495,11 @@ def feedback_fits(x: torch.Tensor, feedback: Feedback | None) -> bool:
                                   and keep.device == x.device)))
 
 
-def _feedback_args(x: torch.Tensor, feedback: Feedback | None) -> tuple[list, dict]:
-    """The kernels' ``(r, keep)`` pointers and constexprs for ``feedback``."""
+def feedback_args(x: torch.Tensor, feedback: Feedback | None) -> tuple[list, dict]:
+    """The kernels' ``(r, keep)`` pointers and constexprs for ``feedback`` (two views, made
+    once for a stage's two kernels: ``args`` of :func:`group_bits`, :func:`encode_placed`)."""
     if feedback is None:
-        return [x, x], {"HAS_R": False, "HAS_KEEP": False, "BF16": False}
+        return [x, x], _NO_FEEDBACK
     r, keep = feedback
     bf16 = r.dtype == torch.bfloat16
     return ([r.view(torch.int16) if bf16 else r, x if keep is None else keep.view(torch.uint8)],
@@ -505,14 +507,14 @@ def _feedback_args(x: torch.Tensor, feedback: Feedback | None) -> tuple[list, di
 
 
 def group_bits(x: torch.Tensor, tiles_: torch.Tensor, slots: AmaxSlots,
-               feedback: Feedback | None = None) -> torch.Tensor:
+               feedback: Feedback | None = None, args: tuple | None = None) -> torch.Tensor:
     """Every group's ``max |Ũ|`` (over a tile map) into the next epoch of ``slots``, one
     kernel; returns what :func:`encode_placed` takes its scales from. ``Ũ = x``, or with
     the error feedback ``(R, keep)`` (:func:`feedback_fits`) ``Ũ = x + where(keep, R, 0)``
     (``x + R`` when ``keep`` is ``None``), read in the kernel (``keep`` too: no host read);
     ``x`` is not written."""
     bits, epoch = slots.next()
-    pointers, flags = _feedback_args(x, feedback)
+    pointers, flags = args or feedback_args(x, feedback)
     _amax_kernel[_grid(tiles_)](x, *pointers, x, tiles_, bits, epoch, STORE_U=False,
                                 TILE=TILE, **flags)
     return bits
@@ -521,20 +523,20 @@ def group_bits(x: torch.Tensor, tiles_: torch.Tensor, slots: AmaxSlots,
 def encode_placed(out: torch.Tensor, u: torch.Tensor, bits: torch.Tensor,
                   tiles_: torch.Tensor, error: torch.Tensor | None = None,
                   pad: tuple[int, int] = (0, 0), fmt: str = "e4m3",
-                  feedback: Feedback | None = None) -> torch.Tensor:
+                  feedback: Feedback | None = None, args: tuple | None = None) -> torch.Tensor:
     """Every group's scale (from its amax slot in ``bits``) and every element's code written
     at their places in the uint8 ``out`` (a placed tile map, :func:`placed_tiles`); bytes
     ``pad`` of ``out`` zeroed; with ``error`` (FP32, may be ``u`` itself), the rounding error
     ``u − value(code)·s`` at the elements' own positions. With ``feedback = (R, keep)``
     (:func:`group_bits`), ``u`` stands for ``Ũ = u + where(keep, R, 0)`` and the error is
     written into ``R`` instead, in its dtype (BF16: rounded to nearest even, the bits of
-    torch's ``.to(torch.bfloat16)``; ``error`` is ignored). One kernel; returns ``out``."""
-    pointers, flags = _feedback_args(u, feedback)
-    if feedback is not None:
-        error = feedback[0]
-    err = u if error is None else error.view(torch.int16) if flags["BF16"] else error
+    torch's ``.to(torch.bfloat16)``; ``error`` is ignored). ``args``: :func:`feedback_args`'
+    if made already. One kernel; returns ``out``."""
+    pointers, flags = args or feedback_args(u, feedback)
+    err = pointers[0] if feedback is not None else u if error is None else error
     _encode_placed_kernel[_grid(tiles_)](
-        u, *pointers, bits, out, err, tiles_, *pad, HAS_ERR=error is not None,
+        u, *pointers, bits, out, err, tiles_, *pad,
+        HAS_ERR=feedback is not None or error is not None,
         E5M2=fmt == "e5m2", FMAX=FMAX[fmt], TILE=TILE, **flags, **_NO_FUSION)
     return out
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..codecs import triton_fp4
-from ..codecs.block_records import Placement, ShardPlace, place
+from ..codecs.block_records import ShardPlace, place
 from ..codecs.triton_fp8 import AmaxSlots
 from ..codecs.uniforms import StepSeed
 
@@ -51,9 +51,10 @@ class BlockPlan:
         """Whether the block-scaled fused stages run this layout on these tensors: one NVFP4
         / MX codec, no side bytes, batched kernels on their device, the kernels available
         there, every tensor contiguous (FP32 or BF16 values, uint8 bytes)."""
+        if not layout.plan.blocks:  # decided once per layout: most calls stop here
+            return False
         given = [t for t in tensors if t is not None]
-        return (layout.plan.blocks and layout.batched(given[0].device)
-                and triton_fp4.available(*given)
+        return (layout.batched(given[0].device) and triton_fp4.available(*given)
                 and all(t.dtype in (torch.float32, torch.bfloat16, torch.uint8)
                         and t.is_contiguous() for t in given))
 
@@ -66,10 +67,11 @@ class BlockPlan:
             pos += hi - lo
         return ShardPlace(base, block, block + parts[-2], segments)
 
-    def place(self, what: str | int, device: torch.device) -> Placement:
+    def place(self, what: str | int, device: torch.device) -> triton_fp4.Bound:
         """The placement of ``"send"`` (flat vector ↔ send buffer), ``"gather"`` (the
-        ``N`` padded records ↔ flat vector) or shard ``j`` (its values ↔ its record)."""
-        key = (what, torch.device(device))
+        ``N`` padded records ↔ flat vector) or shard ``j`` (its values ↔ its record), bound
+        to the format (its kernels' fixed arguments made once)."""
+        key = (what, device)  # a tensor's own device: normalised already
         if key not in self._maps:
             layout, every = self.layout, range(self.layout.world_size)
             if what == "send":
@@ -80,15 +82,16 @@ class BlockPlan:
                           for j in every]
             else:
                 shards = [self._shard(what, 0, local=True)]
-            self._maps[key] = place(shards, self.fmt != "mxfp8",
-                                    triton_fp4.block_length(self.fmt), device)
+            self._maps[key] = triton_fp4.Bound(place(
+                shards, self.fmt != "mxfp8", triton_fp4.block_length(self.fmt), device),
+                self.fmt)
         return self._maps[key]
 
     def slots(self, what: str | int, device: torch.device) -> AmaxSlots:
         """The persistent amax slots of ``"send"``, shard ``j`` or ``"finite"`` (one)."""
-        key = ("slots", what, torch.device(device))
+        key = ("slots", what, device)
         if key not in self._maps:
-            p = None if what == "finite" else self.place(what, device)
+            p = None if what == "finite" else self.place(what, device).p
             self._maps[key] = AmaxSlots(1 if p is None else p.n_groups + p.n_segments, device)
         return self._maps[key]
 
@@ -119,11 +122,10 @@ def encode_send(flat: torch.Tensor, layout, seed: int | None = None, sender: int
     new error written into ``R`` (its dtype)."""
     plan, device = _plan(layout), flat.device
     p = plan.place("send", device)
-    bits = triton_fp4.amax(flat, p, plan.slots("send", device), plan.fmt,
-                           *(feedback or (None, None)))
+    bits = triton_fp4.amax(flat, p, plan.slots("send", device), *(feedback or (None, None)))
     sent = flat.new_empty(plan.send_bytes, dtype=torch.uint8)
     seeds = _seeds(layout, seed, sender, 0)
-    triton_fp4.encode_placed(flat, bits, p, plan.fmt, (sent, sent, sent),
+    triton_fp4.encode_placed(flat, bits, p, (sent, sent, sent),
                              error if feedback is None else feedback[0], seeds,
                              feedback=feedback)
     return sent
@@ -135,9 +137,9 @@ def reduce_sum(received: torch.Tensor, layout, shard: int) -> tuple[torch.Tensor
     kernel."""
     plan, device, n = _plan(layout), received.device, layout.world_size
     nbytes = layout.send_bytes(shard)
-    rows = received[: n * nbytes].view(n, nbytes)
+    rows = received.as_strided((n, nbytes), (nbytes, 1))  # the first N records
     return triton_fp4.reduce((rows, rows, rows), plan.place(shard, device),
-                             plan.slots(shard, device), plan.fmt)
+                             plan.slots(shard, device))
 
 
 def encode_reduced(values: torch.Tensor, layout, shard: int, seed: int | None = None,
@@ -150,9 +152,9 @@ def encode_reduced(values: torch.Tensor, layout, shard: int, seed: int | None = 
     plan, device = _plan(layout), values.device
     p = plan.place(shard, device)
     if bits is None:
-        bits = triton_fp4.amax(values, p, plan.slots(shard, device), plan.fmt)
+        bits = triton_fp4.amax(values, p, plan.slots(shard, device))
     record = values.new_empty(layout.max_shard_bytes, dtype=torch.uint8)
-    triton_fp4.encode_placed(values, bits, p, plan.fmt, (record, record, record), error,
+    triton_fp4.encode_placed(values, bits, p, (record, record, record), error,
                              _seeds(layout, seed, None, layout.world_size + shard),
                              pad=(layout.shard_bytes(shard), layout.max_shard_bytes))
     return record
@@ -179,6 +181,6 @@ def decode_gathered(gathered: torch.Tensor, layout, out: torch.Tensor | None = N
                                                      device=device)
     buf = gathered.view(-1)
     finite = triton_fp4.decode_placed(values, (buf, buf, buf), plan.place("gather", device),
-                                      plan.slots("finite", device), plan.fmt, divide,
+                                      plan.slots("finite", device), divide,
                                       poison=True, flag=flag)
     return values, finite

@@ -52,9 +52,10 @@ class FusedPlan:
         one FP8 codec (which rounds to nearest whatever the seed), no side bytes, batched
         kernels on their device, the Triton kernels available there, and every tensor
         contiguous, FP32 values or uint8 bytes (what the kernels' pointers read)."""
+        if not layout.plan.fits:  # decided once per layout: most calls stop here
+            return False
         given = [t for t in tensors if t is not None]
-        return (layout.plan.fits and layout.batched(given[0].device)
-                and triton_fp8.available(*given)
+        return (layout.batched(given[0].device) and triton_fp8.available(*given)
                 and all(t.dtype in _PLAIN and t.is_contiguous() for t in given))
 
     def _segments(self, shards, record_at, flat: bool):
@@ -71,7 +72,7 @@ class FusedPlan:
 
     def tiles(self, what: str | int, device: torch.device) -> torch.Tensor:
         """The tile map of ``"send"``, ``"gather"`` or shard ``j`` (module notes)."""
-        key = (what, torch.device(device))
+        key = (what, device)  # a tensor's own device: normalised already
         if key not in self._maps:
             layout, every = self.layout, range(self.layout.world_size)
             if what == "send":
@@ -90,7 +91,7 @@ class FusedPlan:
     def slots(self, what: str | int, device: torch.device) -> triton_fp8.AmaxSlots:
         """The persistent amax slots of ``"send"`` or shard ``j``'s groups on ``device``, or
         the one slot of the gathered records' finite check (``"finite"``)."""
-        key = ("slots", what, torch.device(device))
+        key = ("slots", what, device)
         if key not in self._maps:
             n = {"send": self.n_groups, "finite": 1}.get(what)
             self._maps[key] = triton_fp8.AmaxSlots(
@@ -100,7 +101,7 @@ class FusedPlan:
     def scale_rows(self, device: torch.device) -> torch.Tensor:
         """Where the gathered records' FP32 scales lie, int64 ``[R, 2]`` on ``device``
         (:func:`~geofp8.codecs.triton_fp8.scale_rows`)."""
-        key = ("scale rows", torch.device(device))
+        key = ("scale rows", device)
         if key not in self._maps:
             size = self.layout.max_shard_bytes
             rows = triton_fp8.scale_rows((j * size, count)

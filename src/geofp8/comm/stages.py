@@ -111,9 +111,10 @@ def _encode_fused(flat: torch.Tensor, layout: ShardLayout, error: torch.Tensor |
     plan, device = layout.plan, flat.device
     tiles = plan.tiles("send", device)
     sent = flat.new_empty(plan.send_bytes, dtype=torch.uint8)
-    bits = triton_fp8.group_bits(flat, tiles, plan.slots("send", device), feedback)
+    args = triton_fp8.feedback_args(flat, feedback)  # its views made once, for both kernels
+    bits = triton_fp8.group_bits(flat, tiles, plan.slots("send", device), feedback, args)
     return triton_fp8.encode_placed(sent, flat, bits, tiles, error, fmt=plan.fmt,
-                                    feedback=feedback)
+                                    feedback=feedback, args=args)
 
 
 def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | None,

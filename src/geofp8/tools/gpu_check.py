@@ -532,21 +532,29 @@ def check_fused_stages(rows: list) -> None:
              _collective_matches(make_codec(fmt, scaling, 32)))
 
 
-def stage_share(layout, x: torch.Tensor):
+def stage_share(layout, x: torch.Tensor, feedback: bool = False):
     """One rank's share of one bucket's exact collective, as a function of nothing: the
-    encode with its rounding error written over the bucket ``x`` (error feedback), the
-    owner's decode-and-sum of the ``N`` copies of its shard and its re-encode, the decode
-    of the gathered shards divided by ``N`` (:mod:`geofp8.comm.stages`; the inputs of the
-    later stages are made here, on ``x``'s device)."""
+    sender's encode, the owner's decode-and-sum of the ``N`` copies of its shard and its
+    re-encode, the decode of the gathered shards divided by ``N``
+    (:mod:`geofp8.comm.stages`; the inputs of the later stages are made here, on ``x``'s
+    device). The encode writes its rounding error over the bucket ``x``, or, ``feedback``,
+    runs as the real DDP hook's does: the bucket's flat BF16 residual ``R`` and its 0-dim
+    keep flag read in the kernels and ``R`` rewritten (``encode_with_error(...,
+    feedback=(R, keep))``)."""
     from ..comm import stages as st
 
     n, rank = layout.world_size, layout.world_size - 1
+    residual = (torch.zeros(layout.numel, dtype=torch.bfloat16, device=x.device),
+                torch.ones((), dtype=torch.bool, device=x.device)) if feedback else None
     sent = st.encode(x, layout)
     received = torch.cat([sent[sum(layout.send_bytes(j) for j in range(rank)):]] * n)
     gathered = torch.cat([st.reduce_encode(received, layout, rank)[0]] * n)  # an all-gather's
 
     def run() -> None:
-        st.encode_with_error(x, layout, error_out=x)
+        if residual is None:
+            st.encode_with_error(x, layout, error_out=x)
+        else:
+            st.encode_with_error(x, layout, feedback=residual)
         st.reduce_encode(received, layout, rank)
         st.decode_gathered(gathered, layout, out=x, divide=n)
     return run
