@@ -26,6 +26,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from geofp8.codecs import base, fp4, fp8
+
 DEVICE = torch.device("meta")
 aten = torch.ops.aten
 _DIVS = {aten.div.Tensor, aten.div_.Tensor, aten.div.out}
@@ -161,6 +163,13 @@ class _Generator(_GENERATOR):
         pass
 
 
+def _forget_device_constants() -> None:
+    """The codecs' constants made once per device: the stand-in's device is ``meta``, so a
+    real meta one of another test must not reach the mode, nor a fake one leave it."""
+    for cached in (base.device_scalar, fp8.e4m3_table, fp4._encode_table, fp4._pair_table):
+        cached.cache_clear()
+
+
 class FakeDevice(TorchDispatchMode):
     """The mode (module notes). ``syncs``: host syncs by kind; ``ops``: device ops by name."""
 
@@ -189,8 +198,10 @@ class FakeDevice(TorchDispatchMode):
 
     def __enter__(self):
         torch.Generator = _Generator
+        _forget_device_constants()
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.Generator = _GENERATOR
+        _forget_device_constants()
         return super().__exit__(*exc)

@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from geofp8.codecs import make_codec, triton_fp4, triton_fp8
 from geofp8.comm import ShardLayout, collective, streams
+from geofp8.comm.block_plan import BlockPlan
 from geofp8.comm.plan import FusedPlan
 
 CUDA = torch.device("cuda", 0)
@@ -54,9 +55,9 @@ def test_cuda_tensors_take_the_fused_kernels_and_the_batched_layout():
     assert FusedPlan.applies(e4m3, flat, flat) and not FusedPlan.applies(e4m3, cpu)
     nvfp4 = ShardLayout.build([(64, 64)], make_codec("nvfp4"), 4)
     received = cuda_tensor(4 * nvfp4.send_bytes(0), torch.uint8)
-    assert FusedPlan.reduces_blocks(nvfp4, received, 0)
+    assert BlockPlan.applies(nvfp4, received) and not BlockPlan.applies(e4m3, flat)
     with triton_fp4.torch_only():
-        assert not FusedPlan.reduces_blocks(nvfp4, received, 0)
+        assert not BlockPlan.applies(nvfp4, received)
         assert FusedPlan.applies(e4m3, flat)  # torch_only is the block kernels' switch
 
 

@@ -271,27 +271,6 @@ def check_owner() -> list[str]:
     return failures
 
 
-def check_gpu_rows() -> list[str]:
-    """``make gpu-check``'s block-kernel rows, run on the CPU under the interpreter (NVFP4's:
-    the rows of every format run the same code), and its block-scaled stages' rows."""
-    import torch
-
-    from geofp8.codecs import triton_fp4
-    from geofp8.tools import gpu_check
-
-    gpu_check.DEVICE = torch.device("cpu")
-    gpu_check.SHAPES = [(3, 40), (21,)]  # small: the interpreter is slow
-    rows = []
-    triton_fp4.FORMATS = ("nvfp4",)
-    try:
-        gpu_check.check_fused_blocks(rows)
-    finally:
-        triton_fp4.FORMATS = FORMATS
-    gpu_check.check_fused_block_stages(rows)
-    failures = [f"gpu-check {name}: {detail}" for name, detail, verdict in rows if verdict != "ok"]
-    return failures + ([] if len(rows) == 6 else [f"gpu-check: {len(rows)} block rows"])
-
-
 def launches(fmt: str, rounding: str = "nearest") -> tuple[tuple[int, int], ...] | set:
     """``((Triton kernels, torch kernels) of the sender's stage with error feedback, of the
     owner's, of the gathered decode)`` of a bucket as :mod:`geofp8.comm.stages` runs them,
@@ -347,8 +326,7 @@ def launches(fmt: str, rounding: str = "nearest") -> tuple[tuple[int, int], ...]
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    for failure in (check() + check_codecs() + check_feedback() + check_owner()
-                    + check_gpu_rows()):
+    for failure in (check() + check_codecs() + check_feedback() + check_owner()):
         print(failure)
     print("stochastic", *(launches(fmt, "stochastic") for fmt in FORMATS))
     print("launches", *(launches(fmt) for fmt in FORMATS))

@@ -231,21 +231,6 @@ def check_verdict() -> list[str]:
     return failures
 
 
-def check_gpu_rows() -> list[str]:
-    """``make gpu-check``'s fused-kernel rows, run on the CPU under the interpreter."""
-    import torch
-
-    from geofp8.tools import gpu_check
-
-    gpu_check.DEVICE = torch.device("cpu")
-    gpu_check.SHAPES = [(33, 65), (64, 33), (96,)]  # small: the interpreter is slow
-    rows = []
-    gpu_check.check_fused(rows)
-    gpu_check.check_fused_stages(rows)
-    failures = [f"gpu-check {name}: {detail}" for name, detail, verdict in rows if verdict != "ok"]
-    return failures + ([] if len(rows) == 15 else [f"gpu-check: {len(rows)} fused rows"])
-
-
 KERNELS = ("_amax_kernel", "_scales_kernel", "_encode_kernel", "_decode_kernel",
            "_decode_sum_kernel", "_encode_placed_kernel", "_reduce_kernel", "_finite_kernel",
            "_decode_placed_kernel", "_verdict_kernel")
@@ -345,7 +330,6 @@ def test_a_kernel_that_fails_on_the_device_falls_back_to_torch_once_and_for_all(
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    for failure in check() + check_stages() + check_feedback() + check_verdict() + \
-            check_gpu_rows():
+    for failure in check() + check_stages() + check_feedback() + check_verdict():
         print(failure)
     print(f"launches {launches()}")
