@@ -32,13 +32,12 @@ def _measure(method, cases, fields=slice(0, 4)):
 @pytest.mark.parametrize("method", ["fp8-ef", "nvfp4-ef"])
 def test_the_hook_launches_six_kernels_per_bucket_and_one_per_step(method):
     """E4M3 (comm.plan.FusedPlan) and NVFP4 (comm.block_plan) with error feedback."""
-    (b2, tri2, ops2, _), (b8, tri8, ops8, _), (b4, tri4, ops4, _) = _measure(
-        method, [(2, 1), (8, 1), (8, 4)])
-    assert (b2, b8, b4) == (1, 1, 4)
+    (b8, tri8, ops8, _), (b4, tri4, ops4, _) = _measure(method, [(8, 1), (8, 4)])
+    assert (b8, b4) == (1, 4)
     # the fused stages, the error feedback folded into them (no where, add_ nor copy_), and
     # the step's verdict and skipped-step counter in one kernel: nothing per tensor, no
-    # torch op at all
-    assert (tri2, ops2) == (tri8, ops8) == (FUSED_STAGES + SETTLE, 0), (tri2, ops2, tri8, ops8)
+    # torch op at all (exact counts: an op per tensor would add 8, one per bucket 1 or 4)
+    assert (tri8, ops8) == (FUSED_STAGES + SETTLE, 0), (tri8, ops8)
     assert (tri4, ops4) == (4 * FUSED_STAGES + SETTLE, 0), (tri4, ops4)
 
 
