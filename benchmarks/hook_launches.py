@@ -92,10 +92,11 @@ def _hooked(model, method: str, mapped: int | None):
 
 
 def count(rank: int, world: int, method: str, tensors: int, buckets: int,
-          mapped: int | None = None) -> tuple:
+          mapped: int | None = None, lines: bool = True) -> tuple:
     """``(buckets, Triton, torch, collectives, ops, layers on a map, py lines)`` of the hook in one
     ordinary step on this rank (``tensors`` layers in ``buckets`` DDP buckets of equal
-    size)."""
+    size; ``lines``: trace the py lines, else 0 — the trace sees every line the interpreter
+    runs, which slows the count several times)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(tensors)])
     state, hook = _hooked(model, method, mapped)
@@ -109,8 +110,11 @@ def count(rank: int, world: int, method: str, tensors: int, buckets: int,
             return hook(state, bucket)
         out = []
         with c:
-            c.lines += python_lines(lambda: out.append(hook(state, bucket)),
-                                    paused=lambda: c.inside)
+            if lines:
+                c.lines += python_lines(lambda: out.append(hook(state, bucket)),
+                                        paused=lambda: c.inside)
+            else:
+                out.append(hook(state, bucket))
         return out[0]
     ddp.register_comm_hook(state, counted)
     for step in range(COUNTED + 1):
@@ -126,22 +130,22 @@ def count(rank: int, world: int, method: str, tensors: int, buckets: int,
 
 
 def _worker(rank: int, world: int, port: int, method: str, queue, tensors: int,
-            buckets: int, mapped: int | None) -> None:
+            buckets: int, mapped: int | None, lines: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=300))
-    queue.put((rank, *count(rank, world, method, tensors, buckets, mapped)))
+    queue.put((rank, *count(rank, world, method, tensors, buckets, mapped, lines)))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 def measure(method: str, tensors: int, buckets: int, ranks: int = 2,
-            mapped: int | None = None) -> tuple:
+            mapped: int | None = None, lines: bool = True) -> tuple:
     """``(buckets, Triton, torch, collectives, torch ops by name, layers on a map, py lines)``
     of one
     ordinary step on rank 0 of ``ranks`` spawned gloo ranks (see :func:`count`)."""
-    return on_ranks(_worker, ranks, method, tensors, buckets, mapped)
+    return on_ranks(_worker, ranks, method, tensors, buckets, mapped, lines)
 
 
 def main() -> None:

@@ -19,7 +19,8 @@ SETTLE = 1  # the step's verdict from its buckets' flags (geofp8.verdict.StepVer
 
 def _measure(method, cases, fields=slice(0, 4)):
     code = ("import json, sys, hook_launches as h\n"
-            f"print(json.dumps([h.measure({method!r}, *case)[{fields.start}:{fields.stop}] "
+            f"print(json.dumps([h.measure({method!r}, *case, lines=False)"
+            f"[{fields.start}:{fields.stop}] "
             f"for case in {cases!r}]))")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([os.path.abspath(BENCHMARKS), *sys.path])}
