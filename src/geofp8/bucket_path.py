@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .codecs.base import device_scalar
 from .comm.layout import ShardLayout
 from .comm.stages import encode, encode_with_error
 from .geometry.transforms import IDENTITY, Transform
@@ -120,7 +121,7 @@ class BucketPath:
         ``total`` (one tensor after the other, as :meth:`encode` laid them; ``divided``:
         ``Σ / N`` already, the collective's ``divide``); returns it."""
         if not divided:
-            total.div_(total.new_full((), self.world_size))  # exact on CUDA (codecs.exact_div)
+            total.div_(device_scalar(self.world_size, total.dtype, total.device))  # exact on CUDA
         pos = 0
         for shape, route, mapped in zip(encoded.shapes, encoded.routes, encoded.per_sender):
             n = torch.Size(shape).numel()

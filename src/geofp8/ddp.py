@@ -194,7 +194,7 @@ class GeoFP8State:
         names, their offsets in ``buffer`` (elements) and whether they tile it in order
         (FP32): made once per bucket and kept while it holds the same parameters in the same
         buffer (DDP builds its buckets once, again after the first step), so an ordinary
-        hook call walks none of its tensors in Python."""
+        hook call only checks its key (the parameters' ids and the buffer)."""
         key = (tuple(map(id, bucket.parameters())), buffer.data_ptr(), buffer.numel())
         kept = self._buckets.get(bucket.index())
         if kept is not None and kept[0] == key:
