@@ -15,6 +15,7 @@ import torch
 
 from geofp8.codecs import triton_fp8
 from geofp8.tools import gpu_check
+from interpreted import run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(triton_fp8.triton is None, reason="triton does not import")
@@ -234,13 +235,9 @@ def test_the_fused_sections_pass_and_launch_every_kernel_under_the_interpreter()
     """What ``make gpu-check`` runs first on a GPU, here under ``TRITON_INTERPRET=1`` on
     small shapes: every row passes, and the census row finds no kernel that no row launched
     (a kernel added without a gpu_check row would fail the GPU round)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
-    done = subprocess.run([sys.executable, "-c", _FUSED_SECTIONS], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
-    assert len(lines) > 25, done.stdout
-    assert not [line for line in lines if "  FAIL  " in line], done.stdout
+    out = run_child(["-c", _FUSED_SECTIONS], cwd=ROOT, path=(ROOT / "src",))
+    lines = [line for line in out if line.startswith("[")]
+    assert len(lines) > 25, "\n".join(out)
+    assert not [line for line in lines if "  FAIL  " in line], "\n".join(out)
     census = [line for line in lines if "every Triton kernel launched" in line]
-    assert census and "  ok  " in census[0], done.stdout
+    assert census and "  ok  " in census[0], "\n".join(out)

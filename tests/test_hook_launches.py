@@ -7,10 +7,10 @@ decorated, so the count runs in a child process. Counts are deterministic."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from interpreted import run_child
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
 FUSED_STAGES = 6  # Triton kernels of a bucket's four stages (comm.plan, comm.block_plan)
@@ -22,12 +22,8 @@ def _measure(method, cases, fields=slice(0, 4)):
             f"print(json.dumps([h.measure({method!r}, *case, lines=False)"
             f"[{fields.start}:{fields.stop}] "
             f"for case in {cases!r}]))")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.abspath(BENCHMARKS), *sys.path])}
-    done = subprocess.run([sys.executable, "-c", code], cwd=BENCHMARKS, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    lines = run_child(["-c", code], cwd=BENCHMARKS, path=(os.path.abspath(BENCHMARKS),))
+    return json.loads(lines[-1])
 
 
 @pytest.mark.parametrize("method", ["fp8-ef", "nvfp4-ef"])
@@ -84,13 +80,8 @@ def _skip_run(interpret: bool) -> list[dict]:
     code = ("import json, test_hook_launches as t\nfrom distributed import run_ranks\n"
             "print(json.dumps(run_ranks(t._skip_worker, 2, timeout=300)))")
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([tests, *sys.path]),
-               **({"TRITON_INTERPRET": "1"} if interpret else {}))
-    done = subprocess.run([sys.executable, "-c", code], cwd=tests, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(run_child(["-c", code], cwd=tests, path=(tests,),
+                                interpret=interpret)[-1])
 
 
 def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_one_kernel_verdict():

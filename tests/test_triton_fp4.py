@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
 from bitwise import same
+from interpreted import run_child
 
 pytest.importorskip("triton")
 
@@ -333,11 +332,7 @@ if __name__ == "__main__":
 
 
 def test_fused_block_kernels_are_bit_identical_to_the_torch_reference_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
+    lines = run_child([__file__])
     assert lines[:-2] == [], "\n".join(lines)
     # (Triton, torch) per stage of a bucket (sender with error feedback, owner, gathered
     # decode) for every format: two kernels each, six a bucket, no torch kernel, whatever

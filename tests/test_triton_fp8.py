@@ -9,12 +9,11 @@ when both operands are NaN is the hardware's choice) and counts the kernels laun
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from bitwise import same
+from interpreted import run_child
 
 pytest.importorskip("triton")
 
@@ -294,12 +293,8 @@ def launches() -> list[tuple[int, int]]:
 
 
 def test_fused_fp8_kernels_are_bit_identical_to_the_torch_reference_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
-    assert lines[-1].startswith("launches "), done.stdout[-3000:]
+    lines = run_child([__file__])
+    assert lines[-1].startswith("launches "), "\n".join(lines)[-3000:]
     assert lines[:-1] == [], "\n".join(lines[:-1])
     # encode: amax + placed encode; owner: decode-sum-amax + placed encode; flag + decode;
     # whatever N and the number of tensors, and no torch kernel around them
