@@ -144,7 +144,8 @@ COLLECTIVES = (("nvfp4", "nearest", 4, False), ("nvfp4", "stochastic", 3, True),
 
 
 def _counted(module, names: tuple[str, ...]) -> dict[str, int]:
-    """Calls of ``module``'s functions ``names`` counted from now on (a wrapper each)."""
+    """Calls of ``module``'s (or a class's) functions ``names`` counted from now on (a
+    wrapper each)."""
     calls = dict.fromkeys(names, 0)
 
     def counting(name, fn):
@@ -159,14 +160,14 @@ def _counted(module, names: tuple[str, ...]) -> dict[str, int]:
 
 def check_codecs() -> list[str]:
     """The exact collective of a block-scaled layout on the batched path (the placed stages
-    of :mod:`geofp8.comm.block_plan`: sender, owner, gathered decode) against the CPU's
+    of :class:`geofp8.comm.block_plan.BlockStages`: sender, owner, gathered decode) against the CPU's
     chunked path, both roundings (a seeded step), N = 1, 3, 4, odd shards, a NaN and ±Inf
     on one sender (every value NaN then) for each format."""
     from geofp8.codecs import make_codec
     from geofp8.comm import ShardLayout, block_plan
     from geofp8.comm.stages import simulate_exact_allreduce
 
-    calls = _counted(block_plan, ("encode_send", "reduce_encode", "decode_gathered"))
+    calls = _counted(block_plan.BlockStages, ("send", "reduce_encode", "decode_gathered"))
     failures = []
     shapes = SHAPES[1]
     numel = sum(math.prod(s) for s in shapes)
@@ -230,7 +231,7 @@ OWNER_CASES = (("nvfp4", "nearest", 1), ("nvfp4", "stochastic", 5), ("mxfp4", "n
 
 
 def check_owner() -> list[str]:
-    """Every owner's stages 3 and 4 record to record (:func:`block_plan.reduce_encode`, taken
+    """Every owner's stages 3 and 4 record to record (``BlockStages.reduce_encode``, taken
     by :func:`stages.reduce_encode` on a batched layout; :func:`stages.decode_sum` and
     :func:`stages.encode_reduced` with its error) against the CPU's chunked path: the
     record, the sum and the error, bitwise, odd shards, with NaN and ±Inf in one sender's
@@ -241,7 +242,7 @@ def check_owner() -> list[str]:
     from geofp8.comm import ShardLayout, block_plan
     from geofp8.comm.stages import decode_sum, encode, encode_reduced, reduce_encode
 
-    calls = _counted(block_plan, ("reduce_sum", "encode_reduced"))
+    calls = _counted(block_plan.BlockStages, ("reduce_sum", "encode_reduced"))
     failures, shapes = [], SHAPES[1]
     numel = sum(math.prod(s) for s in shapes)
     for fmt, rounding, n in OWNER_CASES:

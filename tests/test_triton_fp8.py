@@ -92,13 +92,14 @@ def check_stages() -> list[str]:
     the whole collective, with NaN and ±Inf in a sender's bucket."""
     import torch
 
-    from geofp8.codecs import make_codec, triton_fp8
+    from geofp8.codecs import make_codec
     from geofp8.comm import ShardLayout
     from geofp8.comm import stages as st
+    from geofp8.comm.plan import FP8Stages
 
     calls = []
-    encode_placed = triton_fp8.encode_placed
-    triton_fp8.encode_placed = lambda *a, **k: calls.append(1) or encode_placed(*a, **k)
+    send = FP8Stages.send
+    FP8Stages.send = lambda *a: calls.append(1) or send(*a)
     failures = []
     cases = [("e4m3", c, 3) for c in SCALINGS[:3]] + [("e5m2", SCALINGS[2], 3)] + [
         ("e4m3", SCALINGS[1], n) for n in (1, 4, 5)]
@@ -133,7 +134,7 @@ def check_stages() -> list[str]:
                 failures.append(f"stages {name}: output {k}")
         if not outs[0][-2].isnan().all():
             failures.append(f"stages {name}: not poisoned")
-    triton_fp8.encode_placed = encode_placed
+    FP8Stages.send = send
     if not calls:
         failures.append("the stages did not run the fused kernels")
     return failures
@@ -147,14 +148,14 @@ def check_feedback() -> list[str]:
     ``R``, a ``-0`` gradient, N = 1, 3, 4. ``G`` is not written by the kernels."""
     import torch
 
-    from geofp8.codecs import make_codec, triton_fp8
+    from geofp8.codecs import make_codec
     from geofp8.comm import ShardLayout
     from geofp8.comm import stages as st
+    from geofp8.comm.plan import FP8Stages
 
     calls, failures = [], []
-    encode_placed = triton_fp8.encode_placed
-    triton_fp8.encode_placed = lambda *a, **k: calls.append(k.get("feedback")) or \
-        encode_placed(*a, **k)
+    send = FP8Stages.send  # (self, flat, error, feedback, seed, sender)
+    FP8Stages.send = lambda *a: calls.append(a[3]) or send(*a)
     shapes = [(3, 300), (5,), *SHAPES[2]]
     for n, dtype, keep, special in [(n, d, k, f) for n in (1, 3, 4)
                                     for d in (torch.bfloat16, torch.float32)
@@ -187,7 +188,7 @@ def check_feedback() -> list[str]:
         if not same(flat, _bucket(shapes, n, special=bool(special)).index_fill_(
                 0, torch.tensor([7]), -0.0)):
             failures.append(f"{name}: G written")
-    triton_fp8.encode_placed = encode_placed
+    FP8Stages.send = send
     if sum(c is not None for c in calls) != 36:
         failures.append(f"the fused kernels took the feedback {len(calls)} times, not 36")
     return failures

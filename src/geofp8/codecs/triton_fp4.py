@@ -56,7 +56,7 @@ from . import triton_fp8
 from .base import interleave, joined
 from .block_records import Placement, place, whole_places
 from .groups import GroupMap, group_map
-from .triton_fp8 import _INTERPRET, _NO_FUSION, TILE, AmaxSlots, triton
+from .triton_fp8 import _INTERPRET, _NO_FUSION, TILE, AmaxSlots, Launch, triton
 from .uniforms import StepSeed
 
 if triton is not None:
@@ -66,7 +66,8 @@ if triton is not None:
 
 __all__ = ["FORMATS", "Bound", "Encoded", "amax", "available", "block_length", "decode",
            "decode_placed", "decode_shards", "decode_sum", "decode_whole", "encode",
-           "encode_placed", "encode_shards", "encode_whole", "guarded", "placement", "reduce",
+           "encode_placed", "encode_shards", "encode_whole", "failed", "guarded", "keep_arg",
+           "placement", "reduce", "seed_args",
            "torch_only"]
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8")
@@ -95,19 +96,26 @@ def torch_only():
 
 
 def guarded(run):
-    """``run()``, or ``None`` after a warning when a kernel fails on CUDA (remembered)."""
+    """``run()``, or ``None`` after a warning when a kernel fails on CUDA (:func:`failed`)."""
     if _INTERPRET:
         return run()
     try:
         return run()
     except Exception as exc:  # noqa: BLE001 - any compile or launch failure: the torch path
-        _STATE["broken"] = True
-        warnings.warn(f"geofp8: the block-scaled Triton kernels failed ({exc!r}); the torch "
-                      "path runs from now on", RuntimeWarning, stacklevel=3)
-        return None
+        return failed(exc)
 
 
-def _seed_args(seeds, device: torch.device) -> tuple[int, tuple, dict]:
+def failed(exc: Exception) -> None:
+    """After a kernel raised ``exc``: remembered (the torch path from now on: :func:`available`
+    is false) and warned about; re-raised under the interpreter (a bug there)."""
+    if _INTERPRET:
+        raise exc
+    _STATE["broken"] = True
+    warnings.warn(f"geofp8: the block-scaled Triton kernels failed ({exc!r}); the torch "
+                  "path runs from now on", RuntimeWarning, stacklevel=4)
+
+
+def seed_args(seeds, device: torch.device) -> tuple[int, tuple, dict]:
     """``(SEEDS, (seeds tensor or None, seed0, prefix, offset))`` of the kernels' draw: none;
     a :class:`.uniforms.StepSeed` (scalars, mixed in the kernel: nothing copied); else the
     shards' seeds (``None`` counting as 0), one int64 each, copied from pinned memory
@@ -493,31 +501,33 @@ def block_length(fmt: str) -> int:
 
 
 class Bound:
-    """A placement bound to a format: every kernel's grid, the arguments that do not change
-    from call to call (the placement's maps and counts) and the constexprs, made once, so
-    a call only adds its tensors and flags (nothing per call grows with the segments)."""
+    """A placement bound to a format: each kernel a :class:`~.triton_fp8.Launch` with its grid,
+    the arguments that do not change from call to call (the placement's maps and counts) and
+    the constexprs, made once, so a call only adds its tensors, slots and flags (nothing per
+    call grows with the segments)."""
 
     def __init__(self, p: Placement, fmt: str) -> None:
         element, nvfp4 = _element(fmt), fmt == "nvfp4"
         emax, threshold = _MX.get(fmt, (0, 0))
         self.p, self.fmt, self.nvfp4 = p, fmt, nvfp4
-        self.grid = (p.tiles.shape[0],)
+        grid = (p.tiles.shape[0],)
         rows = p.pairs if element == E2M1 else p.tiles
-        self.encode_grid = (rows.shape[0],)
-        self.finite_grid = (triton.cdiv(max(p.n_groups, 1), BLOCK),)
-        self.amax_maps = (p.tiles, p.seg_of)
-        self.encode_maps = (rows,)
-        self.encode_counts = (p.n_groups, p.block_at, p.seg_at, p.seg_of, p.seg_start,
-                              p.seg_where)
-        self.encode_empty = (p.seg_empty, p.n_empty if nvfp4 else 0)
-        self.reduce_maps = (p.tiles, p.block_at, p.seg_at, p.seg_of)
-        self.finite_maps = (p.block_at, p.seg_at, p.seg_of)
-        self.decode_maps = (p.tiles, *self.finite_maps)
-        self.common = {"NVFP4": nvfp4, "TILE": TILE}
-        self.amax_const = {**self.common, "B": block_length(fmt)}
-        self.reduce_const = {**self.amax_const, "FMT": element, **_NO_FUSION}
-        self.decode_const = {**self.common, "FMT": element, **_NO_FUSION}
-        self.encode_const = {**self.decode_const, "EMAX": emax, "THRESHOLD": threshold}
+        maps = {"block_at_ptr": p.block_at, "seg_at_ptr": p.seg_at, "seg_of_ptr": p.seg_of}
+        common = {"NVFP4": nvfp4, "TILE": TILE}
+        self.amax = Launch(_amax_kernel, grid, tiles_ptr=p.tiles, seg_of_ptr=p.seg_of,
+                           n_groups=p.n_groups, B=block_length(fmt), **common)
+        self.encode = Launch(
+            _encode_kernel, (rows.shape[0],), rows_ptr=rows, n_groups=p.n_groups, **maps,
+            seg_start_ptr=p.seg_start, where_ptr=p.seg_where, empty_ptr=p.seg_empty,
+            n_empty=p.n_empty if nvfp4 else 0, FMT=element, EMAX=emax, THRESHOLD=threshold,
+            **common, **_NO_FUSION)
+        self.reduce = Launch(_reduce_kernel, grid, tiles_ptr=p.tiles, **maps,
+                             n_groups=p.n_groups, FMT=element, B=block_length(fmt), **common,
+                             **_NO_FUSION)
+        self.finite = Launch(_finite_kernel, (triton.cdiv(max(p.n_groups, 1), BLOCK),),
+                             **maps, n=p.n_groups, NVFP4=nvfp4, BLOCK=BLOCK)
+        self.decode = Launch(_decode_kernel, grid, tiles_ptr=p.tiles, **maps, FMT=element,
+                             **common, **_NO_FUSION)
 
 
 def placement(groups: GroupMap, fmt: str, device: torch.device) -> Bound:
@@ -543,14 +553,14 @@ def amax(x: torch.Tensor, b: Bound, amax_slots: AmaxSlots,
     ``None`` for true) in the next epoch of ``amax_slots``: what :func:`encode_placed`
     reads. ``u``: where ``u`` is written, else nowhere. One kernel."""
     bits, epoch = amax_slots.next()
-    _amax_kernel[b.grid](
-        x, x if residual is None else residual, _keep_arg(x, keep), x if u is None else u,
-        *b.amax_maps, bits, b.p.n_groups, epoch, HAS_R=residual is not None,
-        KEEP=keep is not None, STORE_U=u is not None, **b.amax_const)
+    b.amax(x, x if residual is None else residual, keep_arg(x, keep), x if u is None else u,
+           slots_ptr=bits, epoch=epoch, HAS_R=residual is not None, KEEP=keep is not None,
+           STORE_U=u is not None)
     return bits
 
 
-def _keep_arg(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+def keep_arg(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' keep pointer: the flag's byte, or any pointer (``x``) without one."""
     return x if keep is None else keep.view(torch.uint8)
 
 
@@ -566,15 +576,15 @@ def encode_placed(u: torch.Tensor, bits: torch.Tensor, b: Bound,
     (one per shard, or a :class:`.uniforms.StepSeed`): stochastic rounding.
     ``feedback=(R, keep)``: the values are ``u + where(keep, R, 0)`` (as :func:`amax` took
     them; ``error`` may be ``R``). One kernel."""
-    mode, (table, *scalars) = _seed_args(seeds, u.device)
+    mode, (table, seed0, prefix, offset) = seed_args(seeds, u.device)
     bf16 = error is not None and error.dtype == torch.bfloat16
     residual, keep = feedback or (None, None)
-    _encode_kernel[b.encode_grid](
-        u, u if residual is None else residual, _keep_arg(u, keep),
-        u if error is None else error.view(torch.int16) if bf16 else error, *outs,
-        *b.encode_maps, bits, *b.encode_counts, b.p.seg_start if table is None else table,
-        *scalars, *pad, *b.encode_empty, HAS_R=residual is not None, KEEP=keep is not None,
-        HAS_ERR=error is not None, ERR_BF16=bf16, SEEDS=mode, **b.encode_const)
+    b.encode(u, u if residual is None else residual, keep_arg(u, keep),
+             u if error is None else error.view(torch.int16) if bf16 else error, *outs,
+             slots_ptr=bits, seeds_ptr=b.p.seg_start if table is None else table, seed0=seed0,
+             prefix=prefix, offset=offset, pad_lo=pad[0], pad_hi=pad[1],
+             HAS_R=residual is not None, KEEP=keep is not None, HAS_ERR=error is not None,
+             ERR_BF16=bf16, SEEDS=mode)
 
 
 def reduce(rows: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor], b: Bound,
@@ -587,9 +597,8 @@ def reduce(rows: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor], b: Boun
     s = blk if s is None else s
     out = torch.empty(b.p.numel, dtype=torch.float32, device=codes.device)
     bits, epoch = amax_slots.next()
-    _reduce_kernel[b.grid](
-        s, s.stride(0), blk, blk.stride(0), codes, codes.stride(0), codes.shape[0], out,
-        *b.reduce_maps, bits, b.p.n_groups, epoch, **b.reduce_const)
+    b.reduce(s, s.stride(0), blk, blk.stride(0), codes, codes.stride(0), codes.shape[0], out,
+             slots_ptr=bits, epoch=epoch)
     return out, bits
 
 
@@ -606,11 +615,9 @@ def decode_placed(out: torch.Tensor, ins: tuple[torch.Tensor | None, torch.Tenso
     if flag is None:
         flag = torch.empty((), dtype=torch.uint8, device=out.device)
     slot, epoch = finite_slot.next()
-    _finite_kernel[b.finite_grid](s, blk, *b.finite_maps, slot, epoch, b.p.n_groups,
-                                  NVFP4=b.nvfp4, BLOCK=BLOCK)
-    _decode_kernel[b.grid](
-        s, blk, codes, out, *b.decode_maps, slot, epoch, flag, float(divisor or 1),
-        DIVIDE=divisor is not None, POISON=poison, **b.decode_const)
+    b.finite(s, blk, slot_ptr=slot, epoch=epoch)
+    b.decode(s, blk, codes, out, slot_ptr=slot, epoch=epoch, flag_ptr=flag,
+             divisor=float(divisor or 1), DIVIDE=divisor is not None, POISON=poison)
     return flag.view(torch.bool)
 
 

@@ -12,15 +12,16 @@ stages around them) takes a dozen kernels per stage; these take one pass each:
 * :func:`decode` — ``value(code)·s_g``, one pass; :func:`decode_sum` — the ``N`` senders'
   copies of a shard decoded and summed in FP32 in sender order, one pass.
 
-The exact collective's stages (:mod:`geofp8.comm.stages`, placed by
-:class:`geofp8.comm.plan.FusedPlan`) take the *placed* kernels, two per stage, six per
-bucket: :func:`group_bits` then :func:`encode_placed` (scales and codes written where they
-travel, the rounding error at the values' places); :func:`reduce` (the ``N`` received
-records decoded, summed sender after sender from +0, and the sum's amax) then
-:func:`encode_placed` (into the padded record); :func:`decode_placed` (a one-program finite
-check over the gathered scales, then the decode, ``/ N`` and all NaN unless finite). The
-sender's pair takes a bucket's error feedback ``(R, keep)``: both read ``Ũ = G + where(keep,
-R, 0)`` (``R`` FP32 or BF16, ``keep`` a 0-dim device flag read in the kernel) and the encode
+The exact collective's stages (:mod:`geofp8.comm.stages`, placed and bound to their
+launches, :class:`Launch`, by :class:`geofp8.comm.plan.FP8Stages`) take the *placed*
+kernels, two per stage, six per bucket: ``_amax_kernel`` then ``_encode_placed_kernel``
+(scales and codes written where they travel, the rounding error at the values' places);
+``_reduce_kernel`` (the ``N`` received records decoded, summed sender after sender from
++0, and the sum's amax) then ``_encode_placed_kernel`` (into the padded record);
+``_finite_kernel`` (a finite check over the gathered scales) then
+``_decode_placed_kernel`` (the decode, ``/ N`` and all NaN unless finite). The sender's
+pair takes a bucket's error feedback ``(R, keep)``: both read ``Ũ = G + where(keep, R,
+0)`` (``R`` FP32 or BF16, ``keep`` a 0-dim device flag read in the kernel) and the encode
 writes the new residual into ``R`` (BF16: rounded to nearest even on the bits, as torch's
 ``.to(torch.bfloat16)``). :func:`verdict`: a step's units' finite flags reduced, in one
 program, into its verdict and its skipped-step counter.
@@ -65,10 +66,9 @@ try:  # an optional dependency (geofp8[gpu])
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
-__all__ = ["TILE", "AmaxSlots", "Feedback", "amax", "attempt", "available", "decode",
-           "decode_placed", "decode_sum", "encode", "encode_placed", "feedback_args",
-           "feedback_fits", "group_bits", "placed_tiles", "reduce", "reference", "scale_rows",
-           "tiles", "verdict"]
+__all__ = ["NO_FEEDBACK", "TILE", "AmaxSlots", "Feedback", "Launch", "amax", "attempt",
+           "available", "decode", "decode_sum", "encode", "failed", "feedback_args",
+           "feedback_fits", "placed_tiles", "reference", "scale_rows", "tiles", "verdict"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FAILED: list[Exception] = []  # the first compile or launch failure (see attempt)
@@ -92,20 +92,43 @@ def available(*tensors: torch.Tensor) -> bool:
 
 def attempt(fused: Callable[[], T], fallback: Callable[[], T]) -> T:
     """``fused()``, or ``fallback()`` (the torch reference) once a kernel has failed to
-    compile or launch on this machine: the first failure is warned about and remembered,
-    and :func:`available` is ``False`` from then on. Under the interpreter a failure is a
-    bug and raises."""
+    compile or launch on this machine (:func:`failed`)."""
     if not _FAILED:
         try:
             return fused()
         except Exception as exc:  # noqa: BLE001 - any compile or launch error
-            if _INTERPRET or isinstance(exc, torch.OutOfMemoryError):  # not Triton's fault
-                raise
-            _FAILED.append(exc)
-            warnings.warn(f"GeoFP8's Triton FP8 kernels failed ({type(exc).__name__}: {exc}); "
-                          "falling back to the torch path from now on", RuntimeWarning,
-                          stacklevel=2)
+            failed(exc)
     return fallback()
+
+
+def failed(exc: Exception) -> None:
+    """After a kernel raised ``exc``: the first failure is warned about and remembered, and
+    :func:`available` is ``False`` from then on (the torch path). Under the interpreter a
+    failure is a bug, and an out-of-memory error is not Triton's fault: both re-raised."""
+    if _INTERPRET or isinstance(exc, torch.OutOfMemoryError):
+        raise exc
+    _FAILED.append(exc)
+    warnings.warn(f"GeoFP8's Triton FP8 kernels failed ({type(exc).__name__}: {exc}); "
+                  "falling back to the torch path from now on", RuntimeWarning, stacklevel=3)
+
+
+class Launch:
+    """One kernel bound to its grid and to the arguments and constexprs that do not change
+    from call to call (a layout's maps, counts and slots, the format): ``launch(*args,
+    **kwargs)`` runs ``kernel[grid](*args, **fixed, **kwargs)`` with only the call's own
+    tensors, scalars and flags (the kernel's ``run`` looked up per call)."""
+
+    __slots__ = ("fixed", "grid", "kernel")
+
+    def __init__(self, kernel, grid: tuple[int, ...], **fixed) -> None:
+        self.kernel, self.grid, self.fixed = kernel, grid, fixed
+
+    def __call__(self, *args, **kwargs) -> None:
+        self.kernel.run(*args, grid=self.grid, warmup=False, **self.fixed, **kwargs)
+
+    def bind(self, **more) -> Launch:
+        """This launch with ``more`` arguments fixed too (a stage's own slots, padding)."""
+        return Launch(self.kernel, self.grid, **self.fixed, **more)
 
 
 def tiles(groups: GroupMap, device: torch.device) -> torch.Tensor:
@@ -479,8 +502,8 @@ class AmaxSlots:
         return self.buffer, self.epoch << 32
 
 
-Feedback = tuple[torch.Tensor, torch.Tensor | None]  # (R, keep): see group_bits
-_NO_FEEDBACK = {"HAS_R": False, "HAS_KEEP": False, "BF16": False}
+Feedback = tuple[torch.Tensor, torch.Tensor | None]  # (R, keep): see feedback_fits
+NO_FEEDBACK = {"HAS_R": False, "HAS_KEEP": False, "BF16": False}
 
 
 def feedback_fits(x: torch.Tensor, feedback: Feedback | None) -> bool:
@@ -497,88 +520,25 @@ def feedback_fits(x: torch.Tensor, feedback: Feedback | None) -> bool:
 
 def feedback_args(x: torch.Tensor, feedback: Feedback | None) -> tuple[list, dict]:
     """The kernels' ``(r, keep)`` pointers and constexprs for ``feedback`` (two views, made
-    once for a stage's two kernels: ``args`` of :func:`group_bits`, :func:`encode_placed`)."""
+    once for a stage's two kernels, the amax pass and the encode). With ``(R, keep)`` the
+    kernels read ``Ũ = x + where(keep, R, 0)`` (``x + R`` when ``keep`` is ``None``; ``keep``
+    read in the kernel: no host read) and the encode writes its error into ``R`` in ``R``'s
+    dtype (BF16: rounded to nearest even, the bits of torch's ``.to(torch.bfloat16)``)."""
     if feedback is None:
-        return [x, x], _NO_FEEDBACK
+        return [x, x], NO_FEEDBACK
     r, keep = feedback
     bf16 = r.dtype == torch.bfloat16
     return ([r.view(torch.int16) if bf16 else r, x if keep is None else keep.view(torch.uint8)],
             {"HAS_R": True, "HAS_KEEP": keep is not None, "BF16": bf16})
 
 
-def group_bits(x: torch.Tensor, tiles_: torch.Tensor, slots: AmaxSlots,
-               feedback: Feedback | None = None, args: tuple | None = None) -> torch.Tensor:
-    """Every group's ``max |Ũ|`` (over a tile map) into the next epoch of ``slots``, one
-    kernel; returns what :func:`encode_placed` takes its scales from. ``Ũ = x``, or with
-    the error feedback ``(R, keep)`` (:func:`feedback_fits`) ``Ũ = x + where(keep, R, 0)``
-    (``x + R`` when ``keep`` is ``None``), read in the kernel (``keep`` too: no host read);
-    ``x`` is not written."""
-    bits, epoch = slots.next()
-    pointers, flags = args or feedback_args(x, feedback)
-    _amax_kernel[_grid(tiles_)](x, *pointers, x, tiles_, bits, epoch, STORE_U=False,
-                                TILE=TILE, **flags)
-    return bits
-
-
-def encode_placed(out: torch.Tensor, u: torch.Tensor, bits: torch.Tensor,
-                  tiles_: torch.Tensor, error: torch.Tensor | None = None,
-                  pad: tuple[int, int] = (0, 0), fmt: str = "e4m3",
-                  feedback: Feedback | None = None, args: tuple | None = None) -> torch.Tensor:
-    """Every group's scale (from its amax slot in ``bits``) and every element's code written
-    at their places in the uint8 ``out`` (a placed tile map, :func:`placed_tiles`); bytes
-    ``pad`` of ``out`` zeroed; with ``error`` (FP32, may be ``u`` itself), the rounding error
-    ``u − value(code)·s`` at the elements' own positions. With ``feedback = (R, keep)``
-    (:func:`group_bits`), ``u`` stands for ``Ũ = u + where(keep, R, 0)`` and the error is
-    written into ``R`` instead, in its dtype (BF16: rounded to nearest even, the bits of
-    torch's ``.to(torch.bfloat16)``; ``error`` is ignored). ``args``: :func:`feedback_args`'
-    if made already. One kernel; returns ``out``."""
-    pointers, flags = args or feedback_args(u, feedback)
-    err = pointers[0] if feedback is not None else u if error is None else error
-    _encode_placed_kernel[_grid(tiles_)](
-        u, *pointers, bits, out, err, tiles_, *pad,
-        HAS_ERR=feedback is not None or error is not None,
-        E5M2=fmt == "e5m2", FMAX=FMAX[fmt], TILE=TILE, **flags, **_NO_FUSION)
-    return out
-
-
-def reduce(received: torch.Tensor, tiles_: torch.Tensor, n_senders: int, record: int,
-           numel: int, slots: AmaxSlots, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum, bits)``: the ``N`` records of ``record`` bytes in ``received`` (every sender's
-    copy of one shard, placed as ``tiles_`` says) decoded and summed in FP32 sender after
-    sender from +0, and every group's ``max |sum|`` in the next epoch of ``slots``
-    (:func:`group_bits`). One kernel."""
-    out = torch.empty(numel, dtype=torch.float32, device=received.device)
-    bits, epoch = slots.next()
-    _reduce_kernel[_grid(tiles_)](received, out, bits, epoch, tiles_, n_senders, record,
-                                  E5M2=fmt == "e5m2", TILE=TILE, **_NO_FUSION)
-    return out, bits
-
-
 def scale_rows(records) -> list[tuple[int, int]]:
-    """The rows of :func:`decode_placed`'s finite check: ``(first byte, count)`` of at most
-    1024 FP32 scales each, from every record's ``(first byte, number of scales)``."""
+    """The rows of the gathered records' finite check (``_finite_kernel``): ``(first byte,
+    count)`` of at most 1024 FP32 scales each, from every record's ``(first byte, number of
+    scales)``."""
     rows = [(at + 4 * k, min(1024, count - k)) for at, count in records
             for k in range(0, count, 1024)]
     return rows or [(0, 0)]
-
-
-def decode_placed(out: torch.Tensor, buf: torch.Tensor, tiles_: torch.Tensor,
-                  rows: torch.Tensor, slots: AmaxSlots, divisor: int | None = None,
-                  fmt: str = "e4m3", flag: torch.Tensor | None = None) -> torch.Tensor:
-    """``out = value(code)·s_g`` (``/ divisor`` when given, an IEEE division) from the
-    records in ``buf`` (``tiles_`` places every element; ``rows``: int64 ``[R, 2]``, where
-    their FP32 scales lie, :func:`scale_rows`), all NaN if any scale is not finite. Returns
-    that 0-dim bool flag, written into the 0-dim uint8 ``flag`` when given (e.g. a step's
-    slot, :func:`verdict`); two kernels (the finite check into the next epoch of a one-slot
-    ``slots``, the decode)."""
-    if flag is None:
-        flag = torch.empty((), dtype=torch.uint8, device=buf.device)
-    slot, epoch = slots.next()
-    _finite_kernel[(rows.shape[0],)](buf, rows, slot, epoch, BLOCK=1024)
-    _decode_placed_kernel[_grid(tiles_)](buf, out, slot, epoch, flag, tiles_,
-                                         float(divisor or 1), DIVIDE=divisor is not None,
-                                         E5M2=fmt == "e5m2", TILE=TILE, **_NO_FUSION)
-    return flag.view(torch.bool)
 
 
 def verdict(flags: torch.Tensor, n: int, skipped: torch.Tensor) -> torch.Tensor:

@@ -6,22 +6,23 @@ so each stage of the exact collective is two kernels that read the flat vector o
 records where they lie and write where the next step reads, as :class:`.plan.FusedPlan`
 does for FP8:
 
-* :func:`encode_send` — the amax pass (every block's and segment's amax of ``Ũ = x +
+* ``send`` — the amax pass (every block's and segment's amax of ``Ũ = x +
   where(keep, R, 0)``), then the encoding pass (``Ũ`` made again from ``x`` and ``R``):
   scales and codes written into the all-to-all's
   send buffer (shard ``j``'s record at ``Σ_{i<j} shard_bytes(i)``), the rounding error into
   the caller's buffer (``R`` in its dtype, or the bucket);
-* :func:`reduce_encode` — the owner's decode-and-sum of the ``N`` received records with
-  its amax (:func:`reduce_sum`, a reduce-scatter's end), then the re-encode into the
-  padded record the all-gather sends (:func:`encode_reduced`, which also takes a sum made
+* ``reduce_encode`` — the owner's decode-and-sum of the ``N`` received records with
+  its amax (``reduce_sum``, a reduce-scatter's end), then the re-encode into the
+  padded record the all-gather sends (``encode_reduced``, which also takes a sum made
   elsewhere: one amax pass more);
-* :func:`decode_gathered` — the gathered records' finite check, then the decode into the
+* ``decode_gathered`` — the gathered records' finite check, then the decode into the
   flat vector with the division by ``N`` and all NaN unless every scale is finite.
 
 Amax slots are epoch-tagged (:class:`~geofp8.codecs.triton_fp8.AmaxSlots`): one buffer per
-stage and device, zeroed once. The maps and slots are made once per layout: nothing per
-call is ``O(tensors)`` or ``O(groups)`` on the host (the stochastic seeds: one int64 per
-shard).
+stage and device, zeroed once. The maps and slots are made once per layout, and bound to the
+kernels once per device (:class:`BlockStages`, the protocol of :mod:`.bound`): nothing per
+call is ``O(tensors)`` or ``O(groups)`` on the host (a stochastic stage without a step's
+seed: one int64 per shard).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from ..codecs import triton_fp4
 from ..codecs.block_records import ShardPlace, place
 from ..codecs.triton_fp8 import AmaxSlots
 from ..codecs.uniforms import StepSeed
+from .bound import BoundStages, guarded
 
-__all__ = ["BlockPlan", "decode_gathered", "encode_reduced", "encode_send", "reduce_encode",
-           "reduce_sum"]
+__all__ = ["BlockPlan", "BlockStages"]
 
 
 class BlockPlan:
@@ -48,15 +49,11 @@ class BlockPlan:
 
     @staticmethod
     def applies(layout, *tensors: torch.Tensor | None) -> bool:
-        """Whether the block-scaled fused stages run this layout on these tensors: one NVFP4
-        / MX codec, no side bytes, batched kernels on their device, the kernels available
-        there, every tensor contiguous (FP32 or BF16 values, uint8 bytes)."""
-        if not layout.plan.blocks:  # decided once per layout: most calls stop here
-            return False
-        given = [t for t in tensors if t is not None]
-        return (layout.batched(given[0].device) and triton_fp4.available(*given)
-                and all(t.dtype in (torch.float32, torch.bfloat16, torch.uint8)
-                        and t.is_contiguous() for t in given))
+        """Whether the block-scaled fused stages run this layout on these tensors
+        (:meth:`.plan.FusedPlan.bound`): one NVFP4 / MX codec, no side bytes, batched kernels
+        on their device, the kernels available there, every tensor contiguous (FP32 or BF16
+        values, uint8 bytes)."""
+        return layout.plan.blocks and layout.plan.bound(*tensors) is not None
 
     def _shard(self, j: int, base: int, local: bool) -> ShardPlace:
         layout, parts = self.layout, self.layout.parts[j]
@@ -96,91 +93,123 @@ class BlockPlan:
         return self._maps[key]
 
 
-def _plan(layout) -> BlockPlan:
-    plan = layout._maps.get("block plan")
-    if plan is None:
-        plan = layout._maps["block plan"] = BlockPlan(layout)
-    return plan
+class BlockStages(BoundStages):
+    """A block-scaled layout's stages bound on one device (module notes, :mod:`.bound`): the
+    send map's two launches and the gathered decode's two made at once, each owner shard's
+    on its first call (an empty shard: the torch path)."""
 
+    dtypes = (torch.float32, torch.bfloat16, torch.uint8)
 
-def _seeds(layout, seed: int | None, prefix: int | None, offset: int):
-    """The encode's seeds: ``None`` to nearest; stochastic: the step's as kernel scalars
-    (:class:`~geofp8.codecs.uniforms.StepSeed`), or every shard's 0 without a seed."""
-    if layout.codec.rounding != "stochastic":
-        return None
-    return [None] * layout.world_size if seed is None else StepSeed(seed, prefix, offset)
+    @staticmethod
+    def available(*tensors: torch.Tensor) -> bool:
+        return triton_fp4.available(*tensors)
 
+    @staticmethod
+    def failed(exc: Exception) -> None:
+        return triton_fp4.failed(exc)
 
-def encode_send(flat: torch.Tensor, layout, seed: int | None = None, sender: int = 0,
-                error: torch.Tensor | None = None,
-                feedback: tuple[torch.Tensor, torch.Tensor | None] | None = None
-                ) -> torch.Tensor:
-    """The send buffer of ``flat`` in two kernels (module notes); shard ``j`` rounded with
-    ``mix_seed(seed, sender, j)`` when the codec rounds stochastically. ``error``: where the
-    rounding error goes (FP32, may be ``flat``). ``feedback=(R, keep)``: ``Ũ = flat +
-    where(keep, R, 0)`` encoded (made in both kernels; ``flat`` is not written) and the
-    new error written into ``R`` (its dtype)."""
-    plan, device = _plan(layout), flat.device
-    p = plan.place("send", device)
-    bits = triton_fp4.amax(flat, p, plan.slots("send", device), *(feedback or (None, None)))
-    sent = flat.new_empty(plan.send_bytes, dtype=torch.uint8)
-    seeds = _seeds(layout, seed, sender, 0)
-    triton_fp4.encode_placed(flat, bits, p, (sent, sent, sent),
-                             error if feedback is None else feedback[0], seeds,
-                             feedback=feedback)
-    return sent
+    def __init__(self, plan: BlockPlan, device: torch.device) -> None:
+        layout = self.layout = plan.layout
+        self.plan, self.device, self.send_bytes = plan, device, plan.send_bytes
+        self.stochastic = layout.codec.rounding == "stochastic"
+        self._send = self._encoder("send", (0, 0))
+        self.gather, self.finite_slot = plan.place("gather", device), plan.slots("finite", device)
+        self._owners: dict[int, tuple | None] = {}
 
+    def _encoder(self, what, pad: tuple[int, int]):
+        """``(placement, slots, amax launch, encode launch)`` of ``what``, slots and padding
+        fixed."""
+        b, slots = self.plan.place(what, self.device), self.plan.slots(what, self.device)
+        return (b, slots, b.amax.bind(slots_ptr=slots.buffer),
+                b.encode.bind(slots_ptr=slots.buffer, pad_lo=pad[0], pad_hi=pad[1]))
 
-def reduce_sum(received: torch.Tensor, layout, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The owner of ``shard``: ``(the FP32 sum of the N senders' copies, in sender order from
-    +0, read from their records back to back in ``received``; its amax slots)``, one
-    kernel."""
-    plan, device, n = _plan(layout), received.device, layout.world_size
-    nbytes = layout.send_bytes(shard)
-    rows = received.as_strided((n, nbytes), (nbytes, 1))  # the first N records
-    return triton_fp4.reduce((rows, rows, rows), plan.place(shard, device),
-                             plan.slots(shard, device))
+    def _owner(self, shard: int):
+        """Shard ``shard``'s :meth:`_encoder` with the record's padding, or ``None``
+        (empty: the torch path)."""
+        found = self._owners.get(shard, ())
+        if found == ():
+            layout = self.layout
+            found = self._owners[shard] = None if layout.shard_numel(shard) == 0 else (
+                self._encoder(shard, (layout.shard_bytes(shard), layout.max_shard_bytes)))
+        return found
 
+    def _encode(self, stage, u, error, feedback, seed, prefix, offset, out) -> None:
+        """The encoding pass of ``stage`` (:meth:`_encoder`) into the uint8 ``out``: the
+        amax slots' scales, the codes, the error into ``error`` or ``R`` (module notes);
+        rounded to nearest, or stochastically with the step's seed as kernel scalars
+        (:class:`~geofp8.codecs.uniforms.StepSeed`; without a seed every shard's is 0: a
+        table, :func:`~geofp8.codecs.triton_fp4.seed_args`)."""
+        b, _, _, encode = stage
+        r, keep = feedback or (None, None)
+        error = error if r is None else r
+        seeds = None if not self.stochastic else [None] * self.layout.world_size \
+            if seed is None else StepSeed(seed, prefix, offset)
+        mode, (table, *scalars) = triton_fp4.seed_args(seeds, u.device)
+        bf16 = error is not None and error.dtype == torch.bfloat16
+        encode(u, u if r is None else r, triton_fp4.keep_arg(u, keep),
+               u if error is None else error.view(torch.int16) if bf16 else error,
+               out, out, out, seeds_ptr=b.p.seg_start if table is None else table,
+               seed0=scalars[0], prefix=scalars[1], offset=scalars[2], HAS_R=r is not None,
+               KEEP=keep is not None, HAS_ERR=error is not None, ERR_BF16=bf16, SEEDS=mode)
 
-def encode_reduced(values: torch.Tensor, layout, shard: int, seed: int | None = None,
-                   error: torch.Tensor | None = None, bits: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-    """Shard ``shard``'s record, zero-padded to ``max_shard_bytes``, from its ``values``:
-    the amax pass (unless ``bits`` of :func:`reduce_sum` are given) and the encoding pass;
-    re-encoded with ``mix_seed(seed, N + shard)`` when stochastic; ``error``: where the
-    rounding error goes (FP32, may be ``values``)."""
-    plan, device = _plan(layout), values.device
-    p = plan.place(shard, device)
-    if bits is None:
-        bits = triton_fp4.amax(values, p, plan.slots(shard, device))
-    record = values.new_empty(layout.max_shard_bytes, dtype=torch.uint8)
-    triton_fp4.encode_placed(values, bits, p, (record, record, record), error,
-                             _seeds(layout, seed, None, layout.world_size + shard),
-                             pad=(layout.shard_bytes(shard), layout.max_shard_bytes))
-    return record
+    @guarded
+    def send(self, flat, error, feedback, seed, sender):
+        """The send buffer of ``flat``: the amax pass of ``Ũ``, then the encoding pass; shard
+        ``j`` rounded with ``mix_seed(seed, sender, j)`` when stochastic."""
+        b, slots, amax, _ = self._send
+        r, keep = feedback or (None, None)
+        amax(flat, flat if r is None else r, triton_fp4.keep_arg(flat, keep), flat,
+             epoch=slots.next()[1], HAS_R=r is not None, KEEP=keep is not None, STORE_U=False)
+        sent = torch.empty(self.send_bytes, dtype=torch.uint8, device=flat.device)
+        self._encode(self._send, flat, error, feedback, seed, sender, 0, sent)
+        return sent
 
+    @guarded
+    def reduce_sum(self, received, shard):
+        """``(the FP32 sum of the N senders' copies, in sender order from +0, read from their
+        records back to back in received; its amax slots)``, one kernel."""
+        owner = self._owner(shard)
+        if owner is None:
+            return None
+        b, slots = owner[:2]
+        n, nbytes = self.layout.world_size, self.layout.send_bytes(shard)
+        rows = received.as_strided((n, nbytes), (nbytes, 1))  # the first N records
+        out = torch.empty(b.p.numel, dtype=torch.float32, device=received.device)
+        b.reduce(rows, nbytes, rows, nbytes, rows, nbytes, n, out, slots_ptr=slots.buffer,
+                 epoch=slots.next()[1])
+        return out, slots.buffer
 
-def reduce_encode(received: torch.Tensor, layout, shard: int, seed: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The owner of ``shard``: ``(its re-encoded record, zero-padded to max_shard_bytes, the
-    FP32 sum it encodes)`` from the ``N`` senders' records back to back in ``received``, in
-    two kernels (:func:`reduce_sum`, :func:`encode_reduced`)."""
-    total, bits = reduce_sum(received, layout, shard)
-    return encode_reduced(total, layout, shard, seed, bits=bits), total
+    @guarded
+    def encode_reduced(self, values, shard, seed, error, bits):
+        """Shard ``shard``'s record, zero-padded to ``max_shard_bytes``: the amax pass
+        (unless ``bits`` of :meth:`reduce_sum` are given) and the encoding pass, re-encoded
+        with ``mix_seed(seed, N + shard)`` when stochastic; ``error``: where the rounding
+        error goes (FP32, may be ``values``)."""
+        owner = self._owner(shard)
+        if owner is None:
+            return None
+        if bits is None:
+            owner[2](values, values, values, values, epoch=owner[1].next()[1], HAS_R=False,
+                     KEEP=False, STORE_U=False)
+        record = torch.empty(self.layout.max_shard_bytes, dtype=torch.uint8,
+                             device=values.device)
+        self._encode(owner, values, error, None, seed, None, self.layout.world_size + shard,
+                     record)
+        return record
 
-
-def decode_gathered(gathered: torch.Tensor, layout, out: torch.Tensor | None = None,
-                    divide: int | None = None, flag: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, finite)``: the flat vector from the all-gather's ``N`` padded records
-    (``/ divide`` when given), all NaN unless every scale is finite, and that 0-dim bool
-    flag (written into the 0-dim uint8 ``flag`` when given: a step's slot), in two
-    kernels."""
-    plan, device = _plan(layout), gathered.device
-    values = out if out is not None else torch.empty(layout.numel, dtype=torch.float32,
-                                                     device=device)
-    buf = gathered.view(-1)
-    finite = triton_fp4.decode_placed(values, (buf, buf, buf), plan.place("gather", device),
-                                      plan.slots("finite", device), divide,
-                                      poison=True, flag=flag)
-    return values, finite
+    @guarded
+    def decode_gathered(self, gathered, out, divide, flag):
+        """``(values, finite)``: the flat vector from the all-gather's ``N`` padded records
+        (``/ divide`` when given), all NaN unless every scale is finite, and that flag
+        (written into the 0-dim uint8 ``flag`` when given: a step's slot): two kernels."""
+        values = out if out is not None else torch.empty(self.layout.numel, dtype=torch.float32,
+                                                         device=gathered.device)
+        if flag is None:
+            flag = torch.empty((), dtype=torch.uint8, device=gathered.device)
+        slot, epoch = self.finite_slot.next()
+        b = self.gather
+        b.finite(gathered, gathered, slot_ptr=slot, epoch=epoch)
+        b.decode(gathered, gathered, gathered, values, slot_ptr=slot, epoch=epoch,
+                 flag_ptr=flag, divisor=float(divide or 1), DIVIDE=divide is not None,
+                 POISON=True)
+        return values, flag.view(torch.bool)

@@ -15,6 +15,9 @@ values or bytes in between:
 A block-scaled layout (one NVFP4 / MX codec, :attr:`FusedPlan.blocks`) is placed by
 :class:`~geofp8.comm.block_plan.BlockPlan` (its own placed maps, two kernels a stage).
 
+:meth:`FusedPlan.bound`: the layout's stages bound on a device (:mod:`.bound`), made once
+per device: :class:`FP8Stages`, or the block-scaled :class:`~.block_plan.BlockStages`.
+
 The maps are int64 device tensors, a few per layout and device, built on first use and
 kept as long as the layout: nothing per call is ``O(tensors)`` or ``O(groups)`` on the
 host.
@@ -25,10 +28,14 @@ from __future__ import annotations
 import torch
 
 from ..codecs import triton_fp4, triton_fp8
+from ..codecs.triton_fp8 import TILE, Launch
+from .block_plan import BlockPlan, BlockStages
+from .bound import BoundStages, guarded
 
-__all__ = ["FusedPlan"]
+__all__ = ["FP8Stages", "FusedPlan"]
 
 _PLAIN = (torch.float32, torch.uint8)
+_UNSET = object()
 
 
 class FusedPlan:
@@ -45,18 +52,33 @@ class FusedPlan:
         plain = not layout.codecs and not any(layout.side)  # one codec, no side bytes
         self.fits = plain and self.fmt in triton_fp8.FMAX
         self.blocks = plain and self.fmt in triton_fp4.FORMATS  # NVFP4, MXFP4, MXFP8: BlockPlan
+        self._stages = FP8Stages if self.fits else BlockStages if self.blocks else None
+        self._bound: dict[torch.device, BoundStages | None] = {}
+
+    def bound(self, *tensors: torch.Tensor | None) -> BoundStages | None:
+        """The layout's fused stages bound on the first tensor's device (:mod:`.bound`) when
+        they run on ``tensors`` (``None``: none given), else ``None`` (the torch path). The
+        layout's part is decided once (one FP8 or block-scaled codec, no side bytes: most
+        layouts stop at the first line; batched kernels on the device: once per device),
+        the tensors' on every call (:meth:`.BoundStages.takes`)."""
+        stages = self._stages
+        if stages is None or not stages.takes(*tensors):
+            return None
+        device = tensors[0].device
+        found = self._bound.get(device, _UNSET)
+        if found is _UNSET:
+            found = self._bound[device] = (
+                stages(self if self.fits else BlockPlan(self.layout), device)
+                if self.layout.batched(device) and triton_fp8.triton is not None else None)
+        return found
 
     @staticmethod
     def applies(layout, *tensors: torch.Tensor | None) -> bool:
-        """Whether the fused stages run this layout on these tensors (``None``: none given):
-        one FP8 codec (which rounds to nearest whatever the seed), no side bytes, batched
+        """Whether the fused FP8 stages run this layout on these tensors (:meth:`bound`): one
+        FP8 codec (which rounds to nearest whatever the seed), no side bytes, batched
         kernels on their device, the Triton kernels available there, and every tensor
         contiguous, FP32 values or uint8 bytes (what the kernels' pointers read)."""
-        if not layout.plan.fits:  # decided once per layout: most calls stop here
-            return False
-        given = [t for t in tensors if t is not None]
-        return (layout.batched(given[0].device) and triton_fp8.available(*given)
-                and all(t.dtype in _PLAIN and t.is_contiguous() for t in given))
+        return layout.plan.fits and layout.plan.bound(*tensors) is not None
 
     def _segments(self, shards, record_at, flat: bool):
         """Per segment of ``shards``: ``(first element, first group, its groups, first code
@@ -108,3 +130,112 @@ class FusedPlan:
                                          for j, count in enumerate(self.group_counts))
             self._maps[key] = torch.tensor(rows, dtype=torch.int64).to(device)
         return self._maps[key]
+
+
+class FP8Stages(BoundStages):
+    """A one-codec FP8 layout's stages bound on one device (:mod:`.bound`): the send map's
+    two launches and the gathered decode's two made at once, each owner shard's on its
+    first call."""
+
+    dtypes = _PLAIN
+
+    @staticmethod
+    def available(*tensors: torch.Tensor) -> bool:
+        return triton_fp8.available(*tensors)
+
+    @staticmethod
+    def failed(exc: Exception) -> None:
+        return triton_fp8.failed(exc)
+
+    def __init__(self, plan: FusedPlan, device: torch.device) -> None:
+        self.plan, self.device, self.send_bytes = plan, device, plan.send_bytes
+        self.fmt = {"E5M2": plan.fmt == "e5m2", "TILE": TILE}
+        self._send = self._encoder("send", (0, 0))
+        rows, gather = plan.scale_rows(device), plan.tiles("gather", device)
+        self.finite_slot = plan.slots("finite", device)
+        self.finite = Launch(triton_fp8._finite_kernel, (rows.shape[0],), rows_ptr=rows,
+                             slot_ptr=self.finite_slot.buffer, BLOCK=1024)
+        self.decode = Launch(triton_fp8._decode_placed_kernel, (gather.shape[0],),
+                             slot_ptr=self.finite_slot.buffer, tiles_ptr=gather, **self.fmt,
+                             **triton_fp8._NO_FUSION)
+        self._owners: dict[int, tuple] = {}
+
+    def _encoder(self, what, pad: tuple[int, int]) -> tuple:
+        """``(slots, amax launch, encode launch)`` of ``what``'s tile map, slots and padding
+        fixed."""
+        tiles, slots = self.plan.tiles(what, self.device), self.plan.slots(what, self.device)
+        grid = (tiles.shape[0],)
+        return (slots, Launch(triton_fp8._amax_kernel, grid, tiles_ptr=tiles,
+                              bits_ptr=slots.buffer, STORE_U=False, TILE=TILE),
+                Launch(triton_fp8._encode_placed_kernel, grid, bits_ptr=slots.buffer,
+                       tiles_ptr=tiles, pad_lo=pad[0], pad_hi=pad[1],
+                       FMAX=triton_fp8.FMAX[self.plan.fmt], **self.fmt,
+                       **triton_fp8._NO_FUSION))
+
+    def _owner(self, shard: int) -> tuple:
+        """Shard ``shard``'s :meth:`_encoder` with the record's padding, and its reduction."""
+        found = self._owners.get(shard)
+        if found is None:
+            plan, layout = self.plan, self.plan.layout
+            slots, amax, encode = self._encoder(shard, (layout.shard_bytes(shard),
+                                                        layout.max_shard_bytes))
+            tiles = plan.tiles(shard, self.device)
+            reduce = Launch(triton_fp8._reduce_kernel, (tiles.shape[0],), bits_ptr=slots.buffer,
+                            tiles_ptr=tiles, n_senders=layout.world_size,
+                            record=layout.send_bytes(shard), **self.fmt,
+                            **triton_fp8._NO_FUSION)
+            found = self._owners[shard] = (slots, amax, encode, reduce,
+                                           plan.shard_numels[shard])
+        return found
+
+    @guarded
+    def send(self, flat, error, feedback, seed, sender):
+        """The send buffer of ``flat`` (``Ũ``, see :func:`~geofp8.codecs.triton_fp8.
+        feedback_args`): its groups' amax, then the codes and scales where they travel and
+        the error into ``error`` (or ``R``); FP8 rounds to nearest whatever the seed."""
+        slots, amax, encode = self._send
+        (r, keep), flags = triton_fp8.feedback_args(flat, feedback)
+        amax(flat, r, keep, flat, epoch=slots.next()[1], **flags)
+        sent = torch.empty(self.send_bytes, dtype=torch.uint8, device=flat.device)
+        encode(flat, r, keep, out_ptr=sent,
+               err_ptr=r if feedback is not None else flat if error is None else error,
+               HAS_ERR=feedback is not None or error is not None, **flags)
+        return sent
+
+    @guarded
+    def reduce_sum(self, received, shard):
+        """``(sum, its amax slots)``: the ``N`` received records decoded and summed in FP32
+        sender after sender from +0, and the sum's groups' amax; one kernel."""
+        slots, _, _, reduce, numel = self._owner(shard)
+        out = torch.empty(numel, dtype=torch.float32, device=received.device)
+        reduce(received, out, epoch=slots.next()[1])
+        return out, slots.buffer
+
+    @guarded
+    def encode_reduced(self, values, shard, seed, error, bits):
+        """Shard ``shard``'s record, zero-padded to ``max_shard_bytes`` (the amax pass unless
+        ``bits`` are given, then the encode; the error into ``error`` when given)."""
+        slots, amax, encode = self._owner(shard)[:3]
+        if bits is None:
+            amax(values, values, values, values, epoch=slots.next()[1],
+                 **triton_fp8.NO_FEEDBACK)
+        record = torch.empty(self.plan.layout.max_shard_bytes, dtype=torch.uint8,
+                             device=values.device)
+        encode(values, values, values, out_ptr=record,
+               err_ptr=values if error is None else error, HAS_ERR=error is not None,
+               **triton_fp8.NO_FEEDBACK)
+        return record
+
+    @guarded
+    def decode_gathered(self, gathered, out, divide, flag):
+        """``(values, finite)`` from the ``N`` padded records: the finite check, then the
+        decode (``/ divide``), all NaN unless finite, the flag into ``flag`` when given."""
+        values = out if out is not None else torch.empty(
+            self.plan.layout.numel, dtype=torch.float32, device=gathered.device)
+        if flag is None:
+            flag = torch.empty((), dtype=torch.uint8, device=gathered.device)
+        epoch = self.finite_slot.next()[1]
+        self.finite(gathered, epoch=epoch)
+        self.decode(gathered, values, epoch=epoch, flag_ptr=flag, divisor=float(divide or 1),
+                    DIVIDE=divide is not None)
+        return values, flag.view(torch.bool)

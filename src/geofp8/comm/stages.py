@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs import triton_fp4, triton_fp8
+from ..codecs import triton_fp8
 from ..codecs.base import device_scalar, mix_seed
-from . import block_plan
-from .block_plan import BlockPlan
 from .layout import ShardLayout
-from .plan import FusedPlan
 
 __all__ = ["all_finite", "decode", "decode_gathered", "decode_gathered_flagged", "decode_sum",
            "encode", "encode_reduced",
@@ -69,25 +66,18 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
     or BF16, ``flat``'s length), ``keep`` a 0-dim bool device flag or ``None`` (R valid as
     is): ``Ũ = flat + where(keep, R, 0)`` is encoded and its error ``Ũ − deq(Q(Ũ))``
     written into ``R`` (rounded to its dtype, as ``R.copy_`` rounds); the returned
-    ``error`` is ``R``. The fused kernels (:class:`FusedPlan` for FP8, :mod:`.block_plan`
-    for the block-scaled formats) read ``R`` and ``keep`` in their two passes (``flat`` is
+    ``error`` is ``R``. The fused kernels (the layout's bound stages, FP8 or block-scaled:
+    :meth:`.plan.FusedPlan.bound`) read ``R`` and ``keep`` in their two passes (``flat`` is
     not written; no host read) and write ``R`` in the encoding pass; elsewhere ``flat`` is
     made ``Ũ`` by one add, the error written to ``error_out`` as above, then copied into
     ``R``: the same bits."""
-    if BlockPlan.applies(layout, flat, error_out, *(feedback or ())[:1]) and not side:
+    fused = None if side else layout.plan.bound(flat, error_out)
+    if fused is not None and fused.takes_feedback(flat, feedback):
         error = feedback[0] if feedback is not None else (
             error_out if error_out is not None else torch.empty_like(flat))
-        sent = triton_fp4.guarded(lambda: block_plan.encode_send(
-            flat, layout, seed, sender, error, feedback))
+        sent = fused.send(flat, error, feedback, seed, sender)
         if sent is not None:
             return sent, error
-    fused_fits = FusedPlan.applies(layout, flat, error_out) and not side
-    if fused_fits and triton_fp8.feedback_fits(flat, feedback):
-        error = feedback[0] if feedback is not None else (
-            error_out if error_out is not None else torch.empty_like(flat))
-        return triton_fp8.attempt(
-            lambda: (_encode_fused(flat, layout, error, feedback), error),
-            lambda: encode_with_error(flat, layout, side, seed, sender, error_out, feedback))
     if feedback is not None:
         residual, keep = feedback
         flat.add_(residual if keep is None else torch.where(keep, residual, 0.0))
@@ -102,33 +92,14 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
     return sent, error if error_out is None or error is error_out else error_out.copy_(error)
 
 
-def _encode_fused(flat: torch.Tensor, layout: ShardLayout, error: torch.Tensor | None = None,
-                  feedback: triton_fp8.Feedback | None = None) -> torch.Tensor:
-    """The send buffer in two kernels (the groups' amax of ``Ũ``; the codes and scales
-    written where they travel and the error where ``flat`` holds the values, or into the
-    residual of ``feedback``, see :func:`encode_with_error`): :class:`FusedPlan`'s ``send``
-    map."""
-    plan, device = layout.plan, flat.device
-    tiles = plan.tiles("send", device)
-    sent = flat.new_empty(plan.send_bytes, dtype=torch.uint8)
-    args = triton_fp8.feedback_args(flat, feedback)  # its views made once, for both kernels
-    bits = triton_fp8.group_bits(flat, tiles, plan.slots("send", device), feedback, args)
-    return triton_fp8.encode_placed(sent, flat, bits, tiles, error, fmt=plan.fmt,
-                                    feedback=feedback, args=args)
-
-
 def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | None,
             seed: int | None, sender: int, with_error: bool = False,
             error_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(sent, the rounding error when with_error, else None)``; the error is written into
     ``error_out`` where the layout's codec call can (see :meth:`ShardLayout.encode_pieces`)."""
     n = layout.world_size
-    if not with_error and not side and FusedPlan.applies(layout, flat):
-        return triton_fp8.attempt(lambda: (_encode_fused(flat, layout), None),
-                                  lambda: _encode(flat, layout, side, seed, sender))
-    if not with_error and not side and BlockPlan.applies(layout, flat) and (
-            sent := triton_fp4.guarded(lambda: block_plan.encode_send(
-                flat, layout, seed, sender))) is not None:
+    fused = None if with_error or side else layout.plan.bound(flat)
+    if fused is not None and (sent := fused.send(flat, None, None, seed, sender)) is not None:
         return sent, None
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
     if not (layout.batched(flat.device) or layout.segmentwise):
@@ -236,13 +207,9 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
     into); the copies are decoded into it when it holds ``N × shard`` elements, instead of
     into a new bucket-sized vector. Same bits either way.
     """
-    if unmap is None and FusedPlan.applies(layout, received):
-        return triton_fp8.attempt(lambda: _reduce_fused(received, layout, shard)[0],
-                                  lambda: decode_sum(received, layout, shard, unmap, scratch))
-    if unmap is None and _blocks_run(layout, shard, received) and (
-            done := triton_fp4.guarded(lambda: block_plan.reduce_sum(
-                received, layout, shard)[0])) is not None:
-        return done
+    fused = None if unmap is not None else layout.plan.bound(received)
+    if fused is not None and (done := fused.reduce_sum(received, shard)) is not None:
+        return done[0]
     n, nbytes = layout.world_size, layout.send_bytes(shard)
     size = n * layout.shard_numel(shard)
     fits = scratch is not None and scratch.numel() >= size
@@ -266,15 +233,6 @@ def sender_sum(rows: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _reduce_fused(received: torch.Tensor, layout: ShardLayout,
-                  shard: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum, its groups' amax slots)`` of the ``N`` received copies: one kernel."""
-    plan = layout.plan
-    return triton_fp8.reduce(received, plan.tiles(shard, received.device), layout.world_size,
-                             layout.send_bytes(shard), plan.shard_numels[shard],
-                             plan.slots(shard, received.device), plan.fmt)
-
-
 def reduce_encode(received: torch.Tensor, layout: ShardLayout, shard: int,
                   seed: int | None = None, scratch: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,33 +241,11 @@ def reduce_encode(received: torch.Tensor, layout: ShardLayout, shard: int,
     :func:`encode_reduced`, the same bytes; with the fused kernels two (decode, sum and
     the groups' amax; the scales and codes written into the record, its padding zeroed).
     ``scratch``: see :func:`decode_sum` (the torch path's)."""
-    if FusedPlan.applies(layout, received):
-        def fused() -> tuple[torch.Tensor, torch.Tensor]:
-            total, bits = _reduce_fused(received, layout, shard)
-            return _encode_record(total, bits, layout, shard), total
-        return triton_fp8.attempt(fused, lambda: reduce_encode(received, layout, shard, seed,
-                                                               scratch))
-    if _blocks_run(layout, shard, received) and (
-            done := triton_fp4.guarded(lambda: block_plan.reduce_encode(
-                received, layout, shard, seed))) is not None:
+    fused = layout.plan.bound(received)
+    if fused is not None and (done := fused.reduce_encode(received, shard, seed)) is not None:
         return done
     total = decode_sum(received, layout, shard, scratch=scratch)
     return encode_reduced(total, layout, shard, seed), total
-
-
-def _blocks_run(layout: ShardLayout, shard: int, *tensors: torch.Tensor | None) -> bool:
-    """Whether an owner's stage of ``shard`` (not empty) runs the block-scaled placed
-    kernels (:class:`BlockPlan`)."""
-    return BlockPlan.applies(layout, *tensors) and layout.shard_numel(shard) > 0
-
-
-def _encode_record(values: torch.Tensor, bits: torch.Tensor, layout: ShardLayout,
-                   shard: int, error: torch.Tensor | None = None) -> torch.Tensor:
-    """Shard ``shard``'s record (padded) from its values and their groups' amax bits."""
-    plan, nbytes = layout.plan, layout.shard_bytes(shard)
-    out = values.new_empty(layout.max_shard_bytes, dtype=torch.uint8)
-    return triton_fp8.encode_placed(out, values, bits, plan.tiles(shard, values.device),
-                                    error, pad=(nbytes, layout.max_shard_bytes), fmt=plan.fmt)
 
 
 def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
@@ -318,17 +254,9 @@ def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
     """Stage 4: the reduced shard re-quantized, zero-padded to ``max_shard_bytes``.
     ``error_out``: where the owner's rounding error ``shard_sum − decode(shard)`` is written
     (FP32, may be ``shard_sum`` itself; the fused kernels write it in their encoding pass)."""
-    if FusedPlan.applies(layout, shard_sum, error_out):
-        def fused() -> torch.Tensor:
-            tiles = layout.plan.tiles(shard, shard_sum.device)
-            bits = triton_fp8.group_bits(shard_sum, tiles,
-                                         layout.plan.slots(shard, shard_sum.device))
-            return _encode_record(shard_sum, bits, layout, shard, error_out)
-        return triton_fp8.attempt(fused, lambda: encode_reduced(shard_sum, layout, shard, seed,
-                                                                error_out))
-    if _blocks_run(layout, shard, shard_sum, error_out) and (
-            done := triton_fp4.guarded(lambda: block_plan.encode_reduced(
-                shard_sum, layout, shard, seed, error_out))) is not None:
+    fused = layout.plan.bound(shard_sum, error_out)
+    if fused is not None and (done := fused.encode_reduced(shard_sum, shard, seed, error_out,
+                                                           None)) is not None:
         return done
     nbytes = layout.shard_bytes(shard)
     if not layout.batched(shard_sum.device):
@@ -371,25 +299,11 @@ def decode_gathered_flagged(gathered: torch.Tensor | list[torch.Tensor], layout:
     :func:`all_finite`)."""
     if isinstance(gathered, torch.Tensor):
         gathered = gathered.view(-1)
-    if FusedPlan.applies(layout, _first(gathered), out):
-        def fused() -> tuple[torch.Tensor, torch.Tensor]:
-            joined = gathered if isinstance(gathered, torch.Tensor) else torch.cat(gathered)
-            values = out if out is not None else torch.empty(
-                layout.numel, dtype=torch.float32, device=joined.device)
-            plan = layout.plan
-            device = joined.device
-            finite = triton_fp8.decode_placed(values, joined, plan.tiles("gather", device),
-                                              plan.scale_rows(device),
-                                              plan.slots("finite", device), divide, plan.fmt,
-                                              flag)
-            return values, finite
-        return triton_fp8.attempt(fused, lambda: decode_gathered_flagged(gathered, layout, out,
-                                                                         divide))
-    if BlockPlan.applies(layout, _first(gathered), out) and (
-            done := triton_fp4.guarded(lambda: block_plan.decode_gathered(
-                gathered if isinstance(gathered, torch.Tensor) else torch.cat(gathered),
-                layout, out, divide, flag))) is not None:
-        return done
+    fused = layout.plan.bound(_first(gathered), out)
+    if fused is not None:
+        joined = gathered if isinstance(gathered, torch.Tensor) else torch.cat(gathered)
+        if (done := fused.decode_gathered(joined, out, divide, flag)) is not None:
+            return done
     values, finite = _decode_flat(gathered, layout, layout.max_shard_bytes, out=out,
                                   poison=True)
     values = values if finite is None else poison_unless(values, finite)

@@ -1,0 +1,88 @@
+"""A layout's fused stages bound on one device: what does not change between calls, resolved once.
+
+The exact collective's stages (:mod:`.stages`) on the fused Triton kernels take two launches
+each. Everything such a launch needs but the call's own tensors — which kernels, their grids,
+the layout's maps and amax slots, the format's constexprs — is resolved when a layout first
+runs on a device, into a :class:`BoundStages` (:class:`.plan.FP8Stages` for E4M3 / E5M2,
+:class:`.block_plan.BlockStages` for NVFP4 and MX) whose calls only allocate their outputs
+and launch (:class:`~geofp8.codecs.triton_fp8.Launch`). Its protocol:
+
+* ``send(flat, error, feedback, seed, sender)`` — the sender's encode into the send buffer;
+* ``reduce_sum(received, shard)`` — ``(sum, its amax slots)`` of the ``N`` received copies;
+* ``encode_reduced(values, shard, seed, error, bits)`` — the owner's padded record, the
+  values' amax taken unless ``bits`` (``reduce_sum``'s) are given;
+* ``reduce_encode(received, shard, seed)`` — ``(record, sum)``, the two above;
+* ``decode_gathered(gathered, out, divide, flag)`` — ``(values, finite)``.
+
+Each returns ``None`` where the torch path must run the call instead: a kernel failed (its
+module records it and warns, :func:`guarded`; from then on :meth:`BoundStages.takes` is
+false), or, for the block kernels, an empty shard. :meth:`BoundStages.takes` is the per-call
+check of the tensors (the kernels available on their device, contiguous, a dtype their
+pointers read); what the layout decides (one FP8 or block-scaled codec, no side bytes,
+batched kernels on the device) is decided once, by :meth:`.plan.FusedPlan.bound`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..codecs import triton_fp8
+
+__all__ = ["BoundStages", "guarded"]
+
+
+def guarded(stage):
+    """A stage of a :class:`BoundStages` that returns ``None`` (the torch path) once a kernel
+    raised and its module's ``failed`` took note (under the interpreter it re-raises)."""
+    @functools.wraps(stage)
+    def run(self, *args):
+        try:
+            return stage(self, *args)
+        except Exception as exc:  # noqa: BLE001 - any compile or launch error
+            return self.failed(exc)
+    return run
+
+
+class BoundStages:
+    """The protocol (module notes); ``dtypes``: what the kernels' pointers read."""
+
+    dtypes: tuple[torch.dtype, ...] = ()
+
+    @staticmethod
+    def available(*tensors: torch.Tensor) -> bool:
+        """Whether the kernels run on these tensors now."""
+        raise NotImplementedError
+
+    @staticmethod
+    def failed(exc: Exception) -> None:
+        """Takes note of a kernel's failure (or re-raises): the torch path from now on."""
+        raise NotImplementedError
+
+    @classmethod
+    def takes(cls, *tensors: torch.Tensor | None) -> bool:
+        """Whether the kernels run on ``tensors`` (``None``: none given): available on their
+        device, each contiguous in one of :attr:`dtypes`."""
+        given = [t for t in tensors if t is not None]
+        if not cls.available(*given):
+            return False
+        for t in given:
+            if t.dtype not in cls.dtypes or not t.is_contiguous():
+                return False
+        return True
+
+    def reduce_encode(self, received: torch.Tensor, shard: int, seed: int | None):
+        """The owner of ``shard``: ``(its record, the FP32 sum it encodes)``, the sum's amax
+        taken from the reduction (``reduce_sum`` then ``encode_reduced``)."""
+        summed = self.reduce_sum(received, shard)
+        if summed is None:
+            return None
+        record = self.encode_reduced(summed[0], shard, seed, None, summed[1])
+        return None if record is None else (record, summed[0])
+
+    @staticmethod
+    def takes_feedback(flat: torch.Tensor, feedback) -> bool:
+        """Whether the kernels take the error feedback ``(R, keep)`` of ``flat``
+        (:func:`~geofp8.codecs.triton_fp8.feedback_fits`)."""
+        return triton_fp8.feedback_fits(flat, feedback)
