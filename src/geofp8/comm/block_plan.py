@@ -50,10 +50,10 @@ class BlockPlan:
     @staticmethod
     def applies(layout, *tensors: torch.Tensor | None) -> bool:
         """Whether the block-scaled fused stages run this layout on these tensors
-        (:meth:`.plan.FusedPlan.bound`): one NVFP4 / MX codec, no side bytes, batched kernels
+        (:meth:`.plan.FusedPlan.runs`): one NVFP4 / MX codec, no side bytes, batched kernels
         on their device, the kernels available there, every tensor contiguous (FP32 or BF16
         values, uint8 bytes)."""
-        return layout.plan.blocks and layout.plan.bound(*tensors) is not None
+        return layout.plan.blocks and layout.plan.runs(*tensors)
 
     def _shard(self, j: int, base: int, local: bool) -> ShardPlace:
         layout, parts = self.layout, self.layout.parts[j]

@@ -35,7 +35,6 @@ from .bound import BoundStages, guarded
 __all__ = ["FP8Stages", "FusedPlan"]
 
 _PLAIN = (torch.float32, torch.uint8)
-_UNSET = object()
 
 
 class FusedPlan:
@@ -57,20 +56,25 @@ class FusedPlan:
 
     def bound(self, *tensors: torch.Tensor | None) -> BoundStages | None:
         """The layout's fused stages bound on the first tensor's device (:mod:`.bound`) when
-        they run on ``tensors`` (``None``: none given), else ``None`` (the torch path). The
-        layout's part is decided once (one FP8 or block-scaled codec, no side bytes: most
-        layouts stop at the first line; batched kernels on the device: once per device),
-        the tensors' on every call (:meth:`.BoundStages.takes`)."""
-        stages = self._stages
-        if stages is None or not stages.takes(*tensors):
+        they run on ``tensors`` (:meth:`runs`), else ``None`` (the torch path)."""
+        if not self.runs(*tensors):
             return None
         device = tensors[0].device
-        found = self._bound.get(device, _UNSET)
-        if found is _UNSET:
-            found = self._bound[device] = (
-                stages(self if self.fits else BlockPlan(self.layout), device)
-                if self.layout.batched(device) and triton_fp8.triton is not None else None)
+        found = self._bound.get(device)
+        if found is None:
+            found = self._bound[device] = self._stages(
+                self if self.fits else BlockPlan(self.layout), device)
         return found
+
+    def runs(self, *tensors: torch.Tensor | None) -> bool:
+        """Whether the fused stages run this layout on ``tensors`` (``None``: none given).
+        The layout's part is decided once (one FP8 or block-scaled codec, no side bytes:
+        most layouts stop at the first test), the tensors' on every call
+        (:meth:`.BoundStages.takes`: the kernels available on their device, contiguous, a
+        dtype they read), then batched kernels on that device."""
+        stages = self._stages
+        return (stages is not None and stages.takes(*tensors)
+                and self.layout.batched(tensors[0].device))
 
     @staticmethod
     def applies(layout, *tensors: torch.Tensor | None) -> bool:
@@ -78,7 +82,7 @@ class FusedPlan:
         FP8 codec (which rounds to nearest whatever the seed), no side bytes, batched
         kernels on their device, the Triton kernels available there, and every tensor
         contiguous, FP32 values or uint8 bytes (what the kernels' pointers read)."""
-        return layout.plan.fits and layout.plan.bound(*tensors) is not None
+        return layout.plan.fits and layout.plan.runs(*tensors)
 
     def _segments(self, shards, record_at, flat: bool):
         """Per segment of ``shards``: ``(first element, first group, its groups, first code
