@@ -59,7 +59,8 @@ from geofp8.tools.gpu_check import stage_share as rank_share  # one rank's stage
 LAUNCH_US = 8.0  # host cost of one eager CUDA launch (torch dispatch + cudaLaunchKernel)
 ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                torch.ops.aten.new_empty.default, torch.ops.aten.empty_like.default}
-METHODS = {"fp8-ef": "e4m3", "nvfp4-ef": "nvfp4", "geofp8-auto": "e4m3"}  # the codec each sends
+METHODS = {"fp8-ef": "e4m3", "nvfp4-ef": "nvfp4", "mxfp8-ef": "mxfp8",
+           "geofp8-auto": "e4m3"}  # the codec each sends
 LLAMA_LAYER = [(768, 768), (192, 768), (192, 768), (768, 768), (2048, 768), (2048, 768),
                (768, 2048), (768,), (768,)]  # q k v o gate up down, two norms: 24.8 MB
 

@@ -48,12 +48,12 @@ class BlockPlan:
         self._maps: dict[tuple, object] = {}
 
     @staticmethod
-    def applies(layout, *tensors: torch.Tensor | None) -> bool:
-        """Whether the block-scaled fused stages run this layout on these tensors
+    def applies(layout, first: torch.Tensor, other: torch.Tensor | None = None) -> bool:
+        """Whether the block-scaled fused stages run this layout on ``first`` and ``other``
         (:meth:`.plan.FusedPlan.runs`): one NVFP4 / MX codec, no side bytes, batched kernels
         on their device, the kernels available there, every tensor contiguous (FP32 or BF16
         values, uint8 bytes)."""
-        return layout.plan.blocks and layout.plan.runs(*tensors)
+        return layout.plan.blocks and layout.plan.runs(first, other)
 
     def _shard(self, j: int, base: int, local: bool) -> ShardPlace:
         layout, parts = self.layout, self.layout.parts[j]

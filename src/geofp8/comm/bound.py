@@ -61,16 +61,15 @@ class BoundStages:
         raise NotImplementedError
 
     @classmethod
-    def takes(cls, *tensors: torch.Tensor | None) -> bool:
-        """Whether the kernels run on ``tensors`` (``None``: none given): available on their
-        device, each contiguous in one of :attr:`dtypes`."""
-        given = [t for t in tensors if t is not None]
-        if not cls.available(*given):
-            return False
-        for t in given:
-            if t.dtype not in cls.dtypes or not t.is_contiguous():
-                return False
-        return True
+    def takes(cls, first: torch.Tensor, other: torch.Tensor | None = None) -> bool:
+        """Whether the kernels run on ``first`` and ``other`` (``None``: not given): available
+        on their device, each contiguous in one of :attr:`dtypes`."""
+        if other is None:
+            return (cls.available(first) and first.dtype in cls.dtypes
+                    and first.is_contiguous())
+        return (cls.available(first, other) and first.dtype in cls.dtypes
+                and other.dtype in cls.dtypes and first.is_contiguous()
+                and other.is_contiguous())
 
     def reduce_encode(self, received: torch.Tensor, shard: int, seed: int | None):
         """The owner of ``shard``: ``(its record, the FP32 sum it encodes)``, the sum's amax

@@ -52,37 +52,41 @@ class FusedPlan:
         self.fits = plain and self.fmt in triton_fp8.FMAX
         self.blocks = plain and self.fmt in triton_fp4.FORMATS  # NVFP4, MXFP4, MXFP8: BlockPlan
         self._stages = FP8Stages if self.fits else BlockStages if self.blocks else None
-        self._bound: dict[torch.device, BoundStages | None] = {}
+        self._bound: dict[torch.device, BoundStages | bool] = {}
 
-    def bound(self, *tensors: torch.Tensor | None) -> BoundStages | None:
-        """The layout's fused stages bound on the first tensor's device (:mod:`.bound`) when
-        they run on ``tensors`` (:meth:`runs`), else ``None`` (the torch path)."""
-        if not self.runs(*tensors):
-            return None
-        device = tensors[0].device
-        found = self._bound.get(device)
-        if found is None:
-            found = self._bound[device] = self._stages(
-                self if self.fits else BlockPlan(self.layout), device)
-        return found
-
-    def runs(self, *tensors: torch.Tensor | None) -> bool:
-        """Whether the fused stages run this layout on ``tensors`` (``None``: none given).
-        The layout's part is decided once (one FP8 or block-scaled codec, no side bytes:
-        most layouts stop at the first test), the tensors' on every call
-        (:meth:`.BoundStages.takes`: the kernels available on their device, contiguous, a
-        dtype they read), then batched kernels on that device."""
+    def bound(self, first: torch.Tensor, other: torch.Tensor | None = None
+              ) -> BoundStages | None:
+        """The layout's fused stages bound on ``first``'s device (:mod:`.bound`), made once
+        per device, when they run on ``first`` and ``other`` (:meth:`runs`); else ``None``
+        (the torch path)."""
         stages = self._stages
-        return (stages is not None and stages.takes(*tensors)
-                and self.layout.batched(tensors[0].device))
+        if stages is None or not stages.takes(first, other):
+            return None
+        device = first.device
+        found = self._bound.get(device)
+        if found is None:  # False: not batched on this device
+            found = self._bound[device] = self.layout.batched(device) and self._stages(
+                self if self.fits else BlockPlan(self.layout), device)
+        return found or None
+
+    def runs(self, first: torch.Tensor, other: torch.Tensor | None = None) -> bool:
+        """Whether the fused stages run this layout on ``first`` and ``other`` (``None``:
+        not given). The layout's part is decided once (one FP8 or block-scaled codec, no
+        side bytes: most layouts stop at the first test; batched kernels on the device:
+        once per device), the tensors' on every call (:meth:`.BoundStages.takes`: the
+        kernels available on their device, contiguous, a dtype they read)."""
+        stages = self._stages
+        return (stages is not None and stages.takes(first, other)
+                and self.layout.batched(first.device))
 
     @staticmethod
-    def applies(layout, *tensors: torch.Tensor | None) -> bool:
-        """Whether the fused FP8 stages run this layout on these tensors (:meth:`bound`): one
-        FP8 codec (which rounds to nearest whatever the seed), no side bytes, batched
-        kernels on their device, the Triton kernels available there, and every tensor
-        contiguous, FP32 values or uint8 bytes (what the kernels' pointers read)."""
-        return layout.plan.fits and layout.plan.runs(*tensors)
+    def applies(layout, first: torch.Tensor, other: torch.Tensor | None = None) -> bool:
+        """Whether the fused FP8 stages run this layout on ``first`` and ``other``
+        (:meth:`runs`): one FP8 codec (which rounds to nearest whatever the seed), no side
+        bytes, batched kernels on their device, the Triton kernels available there, and
+        every tensor contiguous, FP32 values or uint8 bytes (what the kernels' pointers
+        read)."""
+        return layout.plan.fits and layout.plan.runs(first, other)
 
     def _segments(self, shards, record_at, flat: bool):
         """Per segment of ``shards``: ``(first element, first group, its groups, first code

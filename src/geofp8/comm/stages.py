@@ -297,7 +297,7 @@ def decode_gathered_flagged(gathered: torch.Tensor | list[torch.Tensor], layout:
     where it is), written into the 0-dim uint8 ``flag`` when given (a step's slot,
     :class:`geofp8.verdict.StepVerdict`); ``None`` from the torch path (check the values,
     :func:`all_finite`)."""
-    if isinstance(gathered, torch.Tensor):
+    if isinstance(gathered, torch.Tensor) and gathered.dim() != 1:
         gathered = gathered.view(-1)
     fused = layout.plan.bound(_first(gathered), out)
     if fused is not None:
