@@ -160,9 +160,9 @@ def _counted(module, names: tuple[str, ...]) -> dict[str, int]:
 
 def check_codecs() -> list[str]:
     """The exact collective of a block-scaled layout on the batched path (the placed stages
-    of :class:`geofp8.comm.block_plan.BlockStages`: sender, owner, gathered decode) against the CPU's
-    chunked path, both roundings (a seeded step), N = 1, 3, 4, odd shards, a NaN and ±Inf
-    on one sender (every value NaN then) for each format."""
+    of :class:`geofp8.comm.block_plan.BlockStages`: sender, owner, gathered decode) against
+    the CPU's chunked path, both roundings (a seeded step), N = 1, 3, 4, odd shards, a NaN
+    and ±Inf on one sender (every value NaN then) for each format."""
     from geofp8.codecs import make_codec
     from geofp8.comm import ShardLayout, block_plan
     from geofp8.comm.stages import simulate_exact_allreduce

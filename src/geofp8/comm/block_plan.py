@@ -98,15 +98,8 @@ class BlockStages(BoundStages):
     send map's two launches and the gathered decode's two made at once, each owner shard's
     on its first call (an empty shard: the torch path)."""
 
+    kernels = triton_fp4
     dtypes = (torch.float32, torch.bfloat16, torch.uint8)
-
-    @staticmethod
-    def available(*tensors: torch.Tensor) -> bool:
-        return triton_fp4.available(*tensors)
-
-    @staticmethod
-    def failed(exc: Exception) -> None:
-        return triton_fp4.failed(exc)
 
     def __init__(self, plan: BlockPlan, device: torch.device) -> None:
         layout = self.layout = plan.layout

@@ -15,20 +15,23 @@ and launch (:class:`~geofp8.codecs.triton_fp8.Launch`). Its protocol:
 * ``decode_gathered(gathered, out, divide, flag)`` — ``(values, finite)``.
 
 Each returns ``None`` where the torch path must run the call instead: a kernel failed (its
-module records it and warns, :func:`guarded`; from then on :meth:`BoundStages.takes` is
-false), or, for the block kernels, an empty shard. :meth:`BoundStages.takes` is the per-call
-check of the tensors (the kernels available on their device, contiguous, a dtype their
-pointers read); what the layout decides (one FP8 or block-scaled codec, no side bytes,
-batched kernels on the device) is decided once, by :meth:`.plan.FusedPlan.bound`.
+module's ``failed`` records it and warns, :func:`guarded`; from then on
+:meth:`BoundStages.takes` is false), or, for the block kernels, an empty shard.
+
+:meth:`BoundStages.takes` is the per-call check of the tensors (the kernels available on
+their device, contiguous, a dtype their pointers read); what the layout decides (one FP8
+or block-scaled codec, no side bytes, batched kernels on the device) is decided once, by
+:meth:`.plan.FusedPlan.bound`. The kernels' own ``run`` is looked up at every launch and
+their module's ``available`` at every call, so what a test or a benchmark replaces there
+takes effect on a layout bound before.
 """
 
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 
 import torch
-
-from ..codecs import triton_fp8
 
 __all__ = ["BoundStages", "guarded"]
 
@@ -41,33 +44,26 @@ def guarded(stage):
         try:
             return stage(self, *args)
         except Exception as exc:  # noqa: BLE001 - any compile or launch error
-            return self.failed(exc)
+            return self.kernels.failed(exc)
     return run
 
 
 class BoundStages:
-    """The protocol (module notes); ``dtypes``: what the kernels' pointers read."""
+    """The protocol (module notes). ``kernels``: the kernels' module, whose ``available(*
+    tensors)`` says whether they run on tensors now and whose ``failed(exc)`` takes note of
+    a failure (or re-raises); ``dtypes``: what the kernels' pointers read."""
 
+    kernels: ModuleType
     dtypes: tuple[torch.dtype, ...] = ()
-
-    @staticmethod
-    def available(*tensors: torch.Tensor) -> bool:
-        """Whether the kernels run on these tensors now."""
-        raise NotImplementedError
-
-    @staticmethod
-    def failed(exc: Exception) -> None:
-        """Takes note of a kernel's failure (or re-raises): the torch path from now on."""
-        raise NotImplementedError
 
     @classmethod
     def takes(cls, first: torch.Tensor, other: torch.Tensor | None = None) -> bool:
         """Whether the kernels run on ``first`` and ``other`` (``None``: not given): available
         on their device, each contiguous in one of :attr:`dtypes`."""
         if other is None:
-            return (cls.available(first) and first.dtype in cls.dtypes
+            return (cls.kernels.available(first) and first.dtype in cls.dtypes
                     and first.is_contiguous())
-        return (cls.available(first, other) and first.dtype in cls.dtypes
+        return (cls.kernels.available(first, other) and first.dtype in cls.dtypes
                 and other.dtype in cls.dtypes and first.is_contiguous()
                 and other.is_contiguous())
 
@@ -79,9 +75,3 @@ class BoundStages:
             return None
         record = self.encode_reduced(summed[0], shard, seed, None, summed[1])
         return None if record is None else (record, summed[0])
-
-    @staticmethod
-    def takes_feedback(flat: torch.Tensor, feedback) -> bool:
-        """Whether the kernels take the error feedback ``(R, keep)`` of ``flat``
-        (:func:`~geofp8.codecs.triton_fp8.feedback_fits`)."""
-        return triton_fp8.feedback_fits(flat, feedback)

@@ -145,15 +145,8 @@ class FP8Stages(BoundStages):
     two launches and the gathered decode's two made at once, each owner shard's on its
     first call."""
 
+    kernels = triton_fp8
     dtypes = _PLAIN
-
-    @staticmethod
-    def available(*tensors: torch.Tensor) -> bool:
-        return triton_fp8.available(*tensors)
-
-    @staticmethod
-    def failed(exc: Exception) -> None:
-        return triton_fp8.failed(exc)
 
     def __init__(self, plan: FusedPlan, device: torch.device) -> None:
         self.plan, self.device, self.send_bytes = plan, device, plan.send_bytes

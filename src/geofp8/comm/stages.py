@@ -72,7 +72,7 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
     made ``Ũ`` by one add, the error written to ``error_out`` as above, then copied into
     ``R``: the same bits."""
     fused = None if side else layout.plan.bound(flat, error_out)
-    if fused is not None and fused.takes_feedback(flat, feedback):
+    if fused is not None and triton_fp8.feedback_fits(flat, feedback):
         error = feedback[0] if feedback is not None else (
             error_out if error_out is not None else torch.empty_like(flat))
         sent = fused.send(flat, error, feedback, seed, sender)
