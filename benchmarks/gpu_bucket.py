@@ -16,8 +16,9 @@ on).
 * **host µs**: the wall time of the stages on ``meta`` under the counting mode, minus the
   time spent inside the meta ops and the mode's own cost per op, plus :data:`LAUNCH_US` per
   launch (what a CUDA launch costs the host thread, a Triton launch modelled the same): the
-  Python of the stages plus the launches. Best of ``--repeats``; a model of the host cost,
-  not a GPU measurement;
+  Python of the stages plus the launches. Best of ``--repeats`` means over :data:`CALLS`
+  calls each, with Python's garbage collector paused while timed (as ``timeit`` does); a
+  model of the host cost, not a GPU measurement;
 * **py lines**: the lines of GeoFP8's own Python the stages execute (a trace, deterministic):
   the host work per bucket counted rather than timed, so that growth with the tensors,
   ranks or groups of a bucket shows whatever the machine's load;
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import os
 import sys
@@ -56,6 +58,7 @@ from geofp8.codecs import make_codec, triton_fp4, triton_fp8
 from geofp8.comm import ShardLayout
 from geofp8.tools.gpu_check import stage_share as rank_share  # one rank's stages of a bucket
 
+CALLS = 20  # calls of a bucket's stages per timed loop (a mean: timer and noise smoothed)
 LAUNCH_US = 8.0  # host cost of one eager CUDA launch (torch dispatch + cudaLaunchKernel)
 ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                torch.ops.aten.new_empty.default, torch.ops.aten.empty_like.default}
@@ -158,7 +161,7 @@ def _mode_cost(mode: Launches) -> float:
     """Seconds the dispatch mode itself adds to one op outside the op (its Python)."""
     t = torch.zeros(1, device="meta")
     best = float("inf")
-    for _ in range(3):
+    for _ in range(9):
         inside, start = mode.inside, time.perf_counter()
         with mode:
             for _ in range(200):
@@ -196,10 +199,24 @@ def python_lines(run, paused=None) -> int:
 
 def host_us(run, repeats: int) -> tuple[int, float]:
     """``(launches, modelled host µs)`` of ``run`` (module notes): the wall time under the
-    counting mode, less the time inside the ops and the mode's own cost per op."""
+    counting mode, less the time inside the ops and the mode's own cost per op; the best of
+    ``repeats`` means over :data:`CALLS` calls."""
     run()  # the first call: tables, caches
-    cost = _mode_cost(Launches())
-    return min((loop_us([run], cost) for _ in range(repeats)), key=lambda r: r[1])
+    with no_gc():
+        cost = _mode_cost(Launches())
+        return min((loop_us([run] * CALLS, cost) for _ in range(repeats)), key=lambda r: r[1])
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Python's garbage collector paused inside (a collection is no cost of the stages)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def loop_us(runs: list, cost: float) -> tuple[int, float]:
@@ -230,11 +247,12 @@ def many_layouts(fmt: str, mb: float, kind: str, n: int, count: int,
     control()
     lines = python_lines(control)
     runs = [share(k) for k in range(count)]
-    cost = _mode_cost(Launches())
-    first, second, alone = loop_us(runs, cost)[1], float("inf"), float("inf")
-    for _ in range(repeats):
-        second = min(second, loop_us(runs, cost)[1])
-        alone = min(alone, loop_us([control] * count, cost)[1])
+    with no_gc():
+        cost = _mode_cost(Launches())
+        first, second, alone = loop_us(runs, cost)[1], float("inf"), float("inf")
+        for _ in range(repeats):
+            second = min(second, loop_us(runs, cost)[1])
+            alone = min(alone, loop_us([control] * count, cost)[1])
     return first, second, alone, lines, python_lines(control)
 
 
