@@ -65,7 +65,7 @@ class FusedPlan:
         device = first.device
         found = self._bound.get(device)
         if found is None:  # False: not batched on this device
-            found = self._bound[device] = self.layout.batched(device) and self._stages(
+            found = self._bound[device] = self.layout.batched(device) and stages(
                 self if self.fits else BlockPlan(self.layout), device)
         return found or None
 
