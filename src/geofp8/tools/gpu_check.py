@@ -512,7 +512,7 @@ def _collective_matches(codec, seed: int | None = None) -> tuple[str, bool]:
 def check_fused_block_stages(rows: list) -> None:
     """The exact collective on a block-scaled codec's batched path (NVFP4 both roundings,
     MXFP4; the owners' stages record to record,
-    :func:`~geofp8.comm.block_plan.reduce_encode`) against the CPU's chunked path,
+    :meth:`~geofp8.comm.block_plan.BlockStages.reduce_encode`) against the CPU's chunked path,
     bitwise, clean and with a NaN on one sender."""
     from ..codecs import make_codec
 
