@@ -117,13 +117,14 @@ class BlockStages(BoundStages):
                 b.encode.bind(slots_ptr=slots.buffer, pad_lo=pad[0], pad_hi=pad[1]))
 
     def _owner(self, shard: int):
-        """Shard ``shard``'s :meth:`_encoder` with the record's padding, or ``None``
-        (empty: the torch path)."""
+        """Shard ``shard``'s :meth:`_encoder` with the record's padding, and the bytes every
+        sender hands over for it; or ``None`` (empty: the torch path)."""
         found = self._owners.get(shard, ())
         if found == ():
             layout = self.layout
             found = self._owners[shard] = None if layout.shard_numel(shard) == 0 else (
-                self._encoder(shard, (layout.shard_bytes(shard), layout.max_shard_bytes)))
+                *self._encoder(shard, (layout.shard_bytes(shard), layout.max_shard_bytes)),
+                layout.send_bytes(shard))
         return found
 
     def _encode(self, stage, u, error, feedback, seed, prefix, offset, out) -> None:
@@ -132,7 +133,7 @@ class BlockStages(BoundStages):
         rounded to nearest, or stochastically with the step's seed as kernel scalars
         (:class:`~geofp8.codecs.uniforms.StepSeed`; without a seed every shard's is 0: a
         table, :func:`~geofp8.codecs.triton_fp4.seed_args`)."""
-        b, _, _, encode = stage
+        b, encode = stage[0], stage[3]
         r, keep = feedback or (None, None)
         error = error if r is None else r
         seeds = None if not self.stochastic else [None] * self.layout.world_size \
@@ -164,12 +165,11 @@ class BlockStages(BoundStages):
         owner = self._owner(shard)
         if owner is None:
             return None
-        b, slots = owner[:2]
-        n, nbytes = self.layout.world_size, self.layout.send_bytes(shard)
-        rows = received.as_strided((n, nbytes), (nbytes, 1))  # the first N records
+        b, slots, nbytes = owner[0], owner[1], owner[4]
         out = torch.empty(b.p.numel, dtype=torch.float32, device=received.device)
-        b.reduce(rows, nbytes, rows, nbytes, rows, nbytes, n, out, slots_ptr=slots.buffer,
-                 epoch=slots.next()[1])
+        # the first N records, rows of nbytes: each part's pointer and row stride
+        b.reduce(received, nbytes, received, nbytes, received, nbytes, self.layout.world_size,
+                 out, slots_ptr=slots.buffer, epoch=slots.next()[1])
         return out, slots.buffer
 
     @guarded
