@@ -1,17 +1,19 @@
 # GeoFP8 — set-up, tests and the main job, in a virtual environment of their own (.venv).
 # To use GeoFP8 in an environment you already have: pip install .   (README, "Install").
 #
-# Which torch: when .venv has none, `make` installs torch==$(TORCH_VERSION) with PyTorch's
-# CPU index added ($(TORCH_INDEX)), i.e. the CPU build 2.13.0+cpu wherever that index or a
-# local wheel offers it. Another build: `TORCH_INDEX=` (only the indexes pip is configured
-# with: PyPI's torch is a CUDA build on Linux), `TORCH_INDEX=<a PyTorch CUDA index>`,
-# `TORCH_VERSION=2.12.0`, or install torch into .venv yourself first: any torch already in
-# .venv is kept as it is.
+# Which torch: when .venv has none, `make` installs the CPU build torch==$(TORCH_VERSION)+cpu
+# from the indexes and wheels pip is configured with when they offer it, else torch==
+# $(TORCH_VERSION) with PyTorch's CPU index added ($(TORCH_INDEX)), which is asked only then
+# (pip retries an index it cannot reach for every package it resolves). Another build:
+# `TORCH_INDEX=` (only the indexes pip is configured with: PyPI's torch is a CUDA build on
+# Linux), `TORCH_INDEX=<a PyTorch CUDA index>`, `TORCH_VERSION=2.12.0`, or install torch
+# into .venv yourself first: any torch already in .venv is kept as it is.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX   ?= $(TORCH_CPU_INDEX)
 # torchtitan 0.3.0 for geofp8.integrations.torchtitan and its tests, without its own pins
 # (datasets<4.8 would downgrade datasets and huggingface_hub): --no-deps, plus the modules
 # its model, parallelize and config code import (triton: its llama3 package imports Triton
@@ -26,8 +28,11 @@ TORCHTITAN_PACKAGES ?= torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 \
 $(VENV)/.torch:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION) \
-		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(PY) -c "import torch" 2>/dev/null || \
+		$(if $(filter $(TORCH_CPU_INDEX),$(TORCH_INDEX)),$(PY) -m pip install -q \
+			torch==$(TORCH_VERSION)+cpu 2>/dev/null ||) \
+		$(PY) -m pip install -q torch==$(TORCH_VERSION) \
+			$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PY) -c "import torch; print('make: using torch', torch.__version__)"
 	touch $@
 

@@ -15,7 +15,7 @@ import torch
 
 from geofp8.codecs import triton_fp8
 from geofp8.tools import gpu_check
-from interpreted import run_child
+from interpreted import Child
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(triton_fp8.triton is None, reason="triton does not import")
@@ -228,14 +228,16 @@ g.SHAPES, g.DEVICE = [(3, 40), (21,)], torch.device("cpu")  # small; the interpr
 rows = []
 g.run_sections(g.FUSED, rows)
 """
+FUSED_CHILD = Child(["-c", _FUSED_SECTIONS], cwd=ROOT, path=(ROOT / "src",))
 
 
 @needs_triton
+@pytest.mark.child(FUSED_CHILD)
 def test_the_fused_sections_pass_and_launch_every_kernel_under_the_interpreter():
     """What ``make gpu-check`` runs first on a GPU, here under ``TRITON_INTERPRET=1`` on
     small shapes: every row passes, and the census row finds no kernel that no row launched
     (a kernel added without a gpu_check row would fail the GPU round)."""
-    out = run_child(["-c", _FUSED_SECTIONS], cwd=ROOT, path=(ROOT / "src",))
+    out = FUSED_CHILD.lines()
     lines = [line for line in out if line.startswith("[")]
     assert len(lines) > 25, "\n".join(out)
     assert not [line for line in lines if "  FAIL  " in line], "\n".join(out)

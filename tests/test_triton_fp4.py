@@ -15,7 +15,7 @@ import os
 import pytest
 
 from bitwise import same
-from interpreted import run_child
+from interpreted import Child
 
 pytest.importorskip("triton")
 
@@ -332,8 +332,12 @@ if __name__ == "__main__":
     print("launches", *(launches(fmt) for fmt in FORMATS))
 
 
+CHILD = Child([__file__])  # this file run as a script: the checks above
+
+
+@pytest.mark.child(CHILD)
 def test_fused_block_kernels_are_bit_identical_to_the_torch_reference_under_the_interpreter():
-    lines = run_child([__file__])
+    lines = CHILD.lines()
     assert lines[:-2] == [], "\n".join(lines)
     # (Triton, torch) per stage of a bucket (sender with error feedback, owner, gathered
     # decode) for every format: two kernels each, six a bucket, no torch kernel, whatever

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from bitwise import same
-from interpreted import run_child
+from interpreted import Child
 
 pytest.importorskip("triton")
 
@@ -293,8 +293,12 @@ def launches() -> list[tuple[int, int]]:
     return out
 
 
+CHILD = Child([__file__])  # this file run as a script: the checks above
+
+
+@pytest.mark.child(CHILD)
 def test_fused_fp8_kernels_are_bit_identical_to_the_torch_reference_under_the_interpreter():
-    lines = run_child([__file__])
+    lines = CHILD.lines()
     assert lines[-1].startswith("launches "), "\n".join(lines)[-3000:]
     assert lines[:-1] == [], "\n".join(lines[:-1])
     # encode: amax + placed encode; owner: decode-sum-amax + placed encode; flag + decode;
