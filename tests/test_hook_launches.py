@@ -103,10 +103,12 @@ def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_one_kernel_verdic
 
 
 # torch launches per layer on a low-rank map, beyond the flat bucket's: the forward map
-# written over the gradient in its slot of the bucket (G·c, G U, ·d, addmm) and the inverse,
-# written over the sum (the same four: the maps' two skinny GEMMs each way); its residual is
-# the bucket's flat one (read and written in the fused sender's kernels)
-MAPPED_LAYER = 8
+# written over the gradient in its slot of the bucket (G V, then addmm G + (G V) Uᵀ) and the
+# inverse, written over the sum (the same two): the map's two skinny GEMMs each way and no
+# elementwise op (its diagonal is folded into V = U diag(a) when the map is made, its scale
+# dropped: geometry.transforms.LowRankInput); its residual is the bucket's flat one (read
+# and written in the fused sender's kernels)
+MAPPED_LAYER = 4
 # a bucket with a layer on a map checks its mean after the map back (a map may overflow:
 # geofp8.ddp), one pass and four scalar ops (comm.stages.all_finite)
 MAPPED_BUCKET = 5
@@ -118,7 +120,7 @@ PER_TENSOR_RESIDUAL = ("aten.where.self_out", "aten.new_zeros.default", "aten.ad
 def test_geometry_hook_launches_grow_only_by_each_mapped_layers_maps():
     """geofp8 at an ordinary step with every layer on its refreshed map: the fused stages
     and the step's settling (the statistics' finite check and window add included) do not
-    grow with the layers; each layer adds its maps' GEMMs and scalings, nothing else: its
+    grow with the layers; each layer adds its maps' two GEMMs each way, nothing else: its
     residual is the bucket's flat one. 8 layers in 4 buckets, 2 of them on a map: the
     unmapped layers and the buckets add nothing but their fused stages and the second
     mapped bucket's check."""
@@ -131,6 +133,7 @@ def test_geometry_hook_launches_grow_only_by_each_mapped_layers_maps():
         return sum(c for n, c in names.items() if n.startswith(("aten.mm.", "aten.addmm.")))
     assert gemms(names2) == gemms(names4) == 2 * 4 and gemms(names8) == 8 * 4, names8
     assert ops8 - ops2 == MAPPED_LAYER * 6, (ops2, ops8)
+    assert ops8 - ops2 == gemms(names8) - gemms(names2), names8  # GEMMs and nothing else
     assert ops4 == ops2 + MAPPED_BUCKET, (ops2, ops4, names2, names4)
     for names in (names2, names8, names4):
         assert not set(PER_TENSOR_RESIDUAL) & set(names), names
