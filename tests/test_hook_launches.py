@@ -110,8 +110,11 @@ def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_one_kernel_verdic
 # and written in the fused sender's kernels)
 MAPPED_LAYER = 4
 # a bucket with a layer on a map checks its mean after the map back (a map may overflow:
-# geofp8.ddp), one pass and four scalar ops (comm.stages.all_finite)
+# geofp8.ddp), one pass and four scalar ops (comm.stages.all_finite), written into the
+# bucket's slot of the step's verdict: the step still settles in its one kernel
 MAPPED_BUCKET = 5
+# the step's settling in torch ops (stack, all, not, widen, count), replaced by that kernel
+TORCH_SETTLE = ("aten.stack.default", "aten.all.default")
 # the per-tensor residual's ops (widen, zero, where, add, write): none on the bucket path
 PER_TENSOR_RESIDUAL = ("aten.where.self_out", "aten.new_zeros.default", "aten.add.out",
                        "aten.copy_.default")
@@ -128,7 +131,7 @@ def test_geometry_hook_launches_grow_only_by_each_mapped_layers_maps():
         (b4, tri4, ops4, _, names4, on4) = _measure(
             "geofp8", [(2, 1), (8, 1), (8, 4, 2, 2)], slice(0, 6))  # (…, ranks, mapped)
     assert (b2, b8, b4, on2, on8, on4) == (1, 1, 4, 2, 8, 2)  # every layer on a map; 2 of 8
-    assert tri2 == tri8 == FUSED_STAGES and tri4 == 4 * FUSED_STAGES
+    assert tri2 == tri8 == FUSED_STAGES + SETTLE and tri4 == 4 * FUSED_STAGES + SETTLE
     def gemms(names):  # G U and the addmm with Uᵀ (written over G, and over the sum: .out)
         return sum(c for n, c in names.items() if n.startswith(("aten.mm.", "aten.addmm.")))
     assert gemms(names2) == gemms(names4) == 2 * 4 and gemms(names8) == 8 * 4, names8
@@ -137,6 +140,7 @@ def test_geometry_hook_launches_grow_only_by_each_mapped_layers_maps():
     assert ops4 == ops2 + MAPPED_BUCKET, (ops2, ops4, names2, names4)
     for names in (names2, names8, names4):
         assert not set(PER_TENSOR_RESIDUAL) & set(names), names
+        assert not set(TORCH_SETTLE) & set(names), names
 
 
 def test_geometry_hook_launches_without_a_map_are_the_flat_buckets():
