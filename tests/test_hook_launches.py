@@ -76,9 +76,9 @@ def _skip_worker(rank, world_size, steps=5, bad=2):
             "params": params.view(torch.int32).tolist(), "kept": kept}
 
 
-def _skip_run(interpret: bool) -> list[dict]:
+def _skip_run(interpret: bool, worker: str = "_skip_worker") -> list[dict]:
     code = ("import json, test_hook_launches as t\nfrom distributed import run_ranks\n"
-            "print(json.dumps(run_ranks(t._skip_worker, 2, timeout=300)))")
+            f"print(json.dumps(run_ranks(t.{worker}, 2, timeout=300)))")
     tests = os.path.dirname(os.path.abspath(__file__))
     return json.loads(run_child(["-c", code], cwd=tests, path=(tests,),
                                 interpret=interpret)[-1])
@@ -100,6 +100,62 @@ def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_one_kernel_verdic
         for key in ("saw_bad", "step", "skipped", "kept", "params"):
             assert out[key] == ref[key], key  # the torch path's, bit for bit
     assert fused[0]["params"] == fused[1]["params"]  # bit-identical parameters on both ranks
+
+
+def _map_overflow_worker(rank, world_size, steps=5, bad=3):
+    """geofp8 with every layer on its map (refreshed every 2 steps) on the fused path, one
+    bucket a step; at step ``bad`` every map back overflows on every rank (as a real one
+    would: the same sum and maps everywhere) while the collective's sum is finite."""
+    import torch
+    from torch import nn
+
+    from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
+    from geofp8.geometry.transforms import LowRankInput
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(4)])
+    state = GeoFP8State(model, GeoFP8Config(layers="all", refresh_every=2, k=4,
+                                            kernels="batched"))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(state, geofp8_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kernel, saw_bad, mapped, now = [], [], [], [0]
+    settle = state.engine.verdict.settle
+    state.engine.verdict.settle = lambda *a, **k: kernel.append(
+        (out := settle(*a, **k))[2] is not None) or out
+    inverse_over = LowRankInput.inverse_over
+    LowRankInput.inverse_over = lambda self, Gt: inverse_over(self, Gt).mul_(
+        float("inf") if now[0] == bad else 1.0)
+    for step in range(steps):
+        now[0] = step
+        mapped.append(len(state.pipeline.transforms()))
+        opt.zero_grad()
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step + 10 * rank))
+        ddp(x).pow(2).mean().backward()
+        finite = all(bool(p.grad.isfinite().all()) for p in model.parameters())
+        saw_bad.append(not finite)
+        if finite:
+            opt.step()
+    stats = state.stats()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"saw_bad": saw_bad, "kernel": kernel, "skipped": stats["skipped_steps"],
+            "mapped": mapped, "params": params.view(torch.int32).tolist()}
+
+
+def test_a_map_that_overflows_skips_the_step_through_the_one_kernel_verdict():
+    """A bucket with layers on a map writes its mean's check into its slot of the step's
+    verdict (geofp8.ddp): the step settles in the one kernel, and a map back that overflows
+    (the collective's own flag up) still skips it on every rank, as the torch path does."""
+    fused = _skip_run(interpret=True, worker="_map_overflow_worker")
+    torch_path = _skip_run(interpret=False, worker="_map_overflow_worker")
+    for out, ref in zip(fused, torch_path):
+        assert out["mapped"][3:] == [4, 4]  # every layer on its map by the bad step
+        assert out["saw_bad"] == [False, False, False, True, False]
+        assert out["skipped"] == 1
+        assert out["kernel"] == [False, True, True, True, True]  # step 0 sizes the slots
+        for key in ("saw_bad", "skipped", "mapped", "params"):
+            assert out[key] == ref[key], key  # the torch path's, bit for bit
+    assert fused[0]["params"] == fused[1]["params"]
 
 
 # torch launches per layer on a low-rank map, beyond the flat bucket's: the forward map
