@@ -52,20 +52,11 @@ def _skip_worker(rank, world_size, steps=5, bad=2):
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2 * 32 * 32 * 4 / (1 << 20))
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    kernel, saw_bad, kept = [], [], []
-    settle = state.engine.verdict.settle
-    state.engine.verdict.settle = lambda *a, **k: kernel.append(
-        (out := settle(*a, **k))[2] is not None) or out
+    kernel, saw_bad, kept = _kernel_verdicts(state), [], []
     for step in range(steps):
-        opt.zero_grad()
         handle = model[0].weight.register_hook(lambda g: g * float("nan")) \
             if step == bad and rank == 1 else None
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step + 10 * rank))
-        ddp(x).pow(2).mean().backward()
-        finite = all(bool(p.grad.isfinite().all()) for p in model.parameters())
-        saw_bad.append(not finite)
-        if finite:
-            opt.step()
+        saw_bad.append(_sgd_step(ddp, model, opt, step, rank))
         if handle is not None:
             handle.remove()
         kept.append(sorted({bool(f) for f in state.pipeline.feedback.finite.values()}))
@@ -74,6 +65,28 @@ def _skip_worker(rank, world_size, steps=5, bad=2):
     return {"saw_bad": saw_bad, "kernel": kernel, "skipped": stats["skipped_steps"],
             "step": stats["step"], "buckets": len(ddp.reducer._get_zeros_like_grad_buckets()),
             "params": params.view(torch.int32).tolist(), "kept": kept}
+
+
+def _kernel_verdicts(state) -> list[bool]:
+    """Per settled step of ``state``, whether the one verdict kernel settled it."""
+    kernel, settle = [], state.engine.verdict.settle
+    state.engine.verdict.settle = lambda *a, **k: kernel.append(
+        (out := settle(*a, **k))[2] is not None) or out
+    return kernel
+
+
+def _sgd_step(ddp, model, opt, step, rank) -> bool:
+    """One step of the skip workers' data; whether the gradient DDP gave was not finite
+    (then no optimizer step, as GradScaler does)."""
+    import torch
+
+    opt.zero_grad()
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step + 10 * rank))
+    ddp(x).pow(2).mean().backward()
+    finite = all(bool(p.grad.isfinite().all()) for p in model.parameters())
+    if finite:
+        opt.step()
+    return not finite
 
 
 def _skip_run(interpret: bool, worker: str = "_skip_worker") -> list[dict]:
@@ -119,23 +132,14 @@ def _map_overflow_worker(rank, world_size, steps=5, bad=3):
     ddp = nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(state, geofp8_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    kernel, saw_bad, mapped, now = [], [], [], [0]
-    settle = state.engine.verdict.settle
-    state.engine.verdict.settle = lambda *a, **k: kernel.append(
-        (out := settle(*a, **k))[2] is not None) or out
+    kernel, saw_bad, mapped, now = _kernel_verdicts(state), [], [], [0]
     inverse_over = LowRankInput.inverse_over
     LowRankInput.inverse_over = lambda self, Gt: inverse_over(self, Gt).mul_(
         float("inf") if now[0] == bad else 1.0)
     for step in range(steps):
         now[0] = step
         mapped.append(len(state.pipeline.transforms()))
-        opt.zero_grad()
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step + 10 * rank))
-        ddp(x).pow(2).mean().backward()
-        finite = all(bool(p.grad.isfinite().all()) for p in model.parameters())
-        saw_bad.append(not finite)
-        if finite:
-            opt.step()
+        saw_bad.append(_sgd_step(ddp, model, opt, step, rank))
     stats = state.stats()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"saw_bad": saw_bad, "kernel": kernel, "skipped": stats["skipped_steps"],
