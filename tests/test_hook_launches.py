@@ -52,20 +52,11 @@ def _skip_worker(rank, world_size, steps=5, bad=2):
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2 * 32 * 32 * 4 / (1 << 20))
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    kernel, saw_bad, kept = [], [], []
-    settle = state.engine.verdict.settle
-    state.engine.verdict.settle = lambda *a, **k: kernel.append(
-        (out := settle(*a, **k))[2] is not None) or out
+    kernel, saw_bad, kept = _kernel_verdicts(state), [], []
     for step in range(steps):
-        opt.zero_grad()
         handle = model[0].weight.register_hook(lambda g: g * float("nan")) \
             if step == bad and rank == 1 else None
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step + 10 * rank))
-        ddp(x).pow(2).mean().backward()
-        finite = all(bool(p.grad.isfinite().all()) for p in model.parameters())
-        saw_bad.append(not finite)
-        if finite:
-            opt.step()
+        saw_bad.append(_sgd_step(ddp, model, opt, step, rank))
         if handle is not None:
             handle.remove()
         kept.append(sorted({bool(f) for f in state.pipeline.feedback.finite.values()}))
@@ -76,9 +67,31 @@ def _skip_worker(rank, world_size, steps=5, bad=2):
             "params": params.view(torch.int32).tolist(), "kept": kept}
 
 
-def _skip_run(interpret: bool) -> list[dict]:
+def _kernel_verdicts(state) -> list[bool]:
+    """Per settled step of ``state``, whether the one verdict kernel settled it."""
+    kernel, settle = [], state.engine.verdict.settle
+    state.engine.verdict.settle = lambda *a, **k: kernel.append(
+        (out := settle(*a, **k))[2] is not None) or out
+    return kernel
+
+
+def _sgd_step(ddp, model, opt, step, rank) -> bool:
+    """One step of the skip workers' data; whether the gradient DDP gave was not finite
+    (then no optimizer step, as GradScaler does)."""
+    import torch
+
+    opt.zero_grad()
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step + 10 * rank))
+    ddp(x).pow(2).mean().backward()
+    finite = all(bool(p.grad.isfinite().all()) for p in model.parameters())
+    if finite:
+        opt.step()
+    return not finite
+
+
+def _skip_run(interpret: bool, worker: str = "_skip_worker") -> list[dict]:
     code = ("import json, test_hook_launches as t\nfrom distributed import run_ranks\n"
-            "print(json.dumps(run_ranks(t._skip_worker, 2, timeout=300)))")
+            f"print(json.dumps(run_ranks(t.{worker}, 2, timeout=300)))")
     tests = os.path.dirname(os.path.abspath(__file__))
     return json.loads(run_child(["-c", code], cwd=tests, path=(tests,),
                                 interpret=interpret)[-1])
@@ -102,14 +115,66 @@ def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_one_kernel_verdic
     assert fused[0]["params"] == fused[1]["params"]  # bit-identical parameters on both ranks
 
 
+def _map_overflow_worker(rank, world_size, steps=5, bad=3):
+    """geofp8 with every layer on its map (refreshed every 2 steps) on the fused path, one
+    bucket a step; at step ``bad`` every map back overflows on every rank (as a real one
+    would: the same sum and maps everywhere) while the collective's sum is finite."""
+    import torch
+    from torch import nn
+
+    from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
+    from geofp8.geometry.transforms import LowRankInput
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(4)])
+    state = GeoFP8State(model, GeoFP8Config(layers="all", refresh_every=2, k=4,
+                                            kernels="batched"))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(state, geofp8_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kernel, saw_bad, mapped, now = _kernel_verdicts(state), [], [], [0]
+    inverse_over = LowRankInput.inverse_over
+    LowRankInput.inverse_over = lambda self, Gt: inverse_over(self, Gt).mul_(
+        float("inf") if now[0] == bad else 1.0)
+    for step in range(steps):
+        now[0] = step
+        mapped.append(len(state.pipeline.transforms()))
+        saw_bad.append(_sgd_step(ddp, model, opt, step, rank))
+    stats = state.stats()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"saw_bad": saw_bad, "kernel": kernel, "skipped": stats["skipped_steps"],
+            "mapped": mapped, "params": params.view(torch.int32).tolist()}
+
+
+def test_a_map_that_overflows_skips_the_step_through_the_one_kernel_verdict():
+    """A bucket with layers on a map writes its mean's check into its slot of the step's
+    verdict (geofp8.ddp): the step settles in the one kernel, and a map back that overflows
+    (the collective's own flag up) still skips it on every rank, as the torch path does."""
+    fused = _skip_run(interpret=True, worker="_map_overflow_worker")
+    torch_path = _skip_run(interpret=False, worker="_map_overflow_worker")
+    for out, ref in zip(fused, torch_path):
+        assert out["mapped"][3:] == [4, 4]  # every layer on its map by the bad step
+        assert out["saw_bad"] == [False, False, False, True, False]
+        assert out["skipped"] == 1
+        assert out["kernel"] == [False, True, True, True, True]  # step 0 sizes the slots
+        for key in ("saw_bad", "skipped", "mapped", "params"):
+            assert out[key] == ref[key], key  # the torch path's, bit for bit
+    assert fused[0]["params"] == fused[1]["params"]
+
+
 # torch launches per layer on a low-rank map, beyond the flat bucket's: the forward map
-# written over the gradient in its slot of the bucket (G·c, G U, ·d, addmm) and the inverse,
-# written over the sum (the same four: the maps' two skinny GEMMs each way); its residual is
-# the bucket's flat one (read and written in the fused sender's kernels)
-MAPPED_LAYER = 8
+# written over the gradient in its slot of the bucket (G V, then addmm G + (G V) Uᵀ) and the
+# inverse, written over the sum (the same two): the map's two skinny GEMMs each way and no
+# elementwise op (its diagonal is folded into V = U diag(a) when the map is made, its scale
+# dropped: geometry.transforms.LowRankInput); its residual is the bucket's flat one (read
+# and written in the fused sender's kernels)
+MAPPED_LAYER = 4
 # a bucket with a layer on a map checks its mean after the map back (a map may overflow:
-# geofp8.ddp), one pass and four scalar ops (comm.stages.all_finite)
+# geofp8.ddp), one pass and four scalar ops (comm.stages.all_finite), written into the
+# bucket's slot of the step's verdict: the step still settles in its one kernel
 MAPPED_BUCKET = 5
+# the step's settling in torch ops (stack, all, not, widen, count), replaced by that kernel
+TORCH_SETTLE = ("aten.stack.default", "aten.all.default")
 # the per-tensor residual's ops (widen, zero, where, add, write): none on the bucket path
 PER_TENSOR_RESIDUAL = ("aten.where.self_out", "aten.new_zeros.default", "aten.add.out",
                        "aten.copy_.default")
@@ -118,7 +183,7 @@ PER_TENSOR_RESIDUAL = ("aten.where.self_out", "aten.new_zeros.default", "aten.ad
 def test_geometry_hook_launches_grow_only_by_each_mapped_layers_maps():
     """geofp8 at an ordinary step with every layer on its refreshed map: the fused stages
     and the step's settling (the statistics' finite check and window add included) do not
-    grow with the layers; each layer adds its maps' GEMMs and scalings, nothing else: its
+    grow with the layers; each layer adds its maps' two GEMMs each way, nothing else: its
     residual is the bucket's flat one. 8 layers in 4 buckets, 2 of them on a map: the
     unmapped layers and the buckets add nothing but their fused stages and the second
     mapped bucket's check."""
@@ -126,14 +191,16 @@ def test_geometry_hook_launches_grow_only_by_each_mapped_layers_maps():
         (b4, tri4, ops4, _, names4, on4) = _measure(
             "geofp8", [(2, 1), (8, 1), (8, 4, 2, 2)], slice(0, 6))  # (…, ranks, mapped)
     assert (b2, b8, b4, on2, on8, on4) == (1, 1, 4, 2, 8, 2)  # every layer on a map; 2 of 8
-    assert tri2 == tri8 == FUSED_STAGES and tri4 == 4 * FUSED_STAGES
+    assert tri2 == tri8 == FUSED_STAGES + SETTLE and tri4 == 4 * FUSED_STAGES + SETTLE
     def gemms(names):  # G U and the addmm with Uᵀ (written over G, and over the sum: .out)
         return sum(c for n, c in names.items() if n.startswith(("aten.mm.", "aten.addmm.")))
     assert gemms(names2) == gemms(names4) == 2 * 4 and gemms(names8) == 8 * 4, names8
     assert ops8 - ops2 == MAPPED_LAYER * 6, (ops2, ops8)
+    assert ops8 - ops2 == gemms(names8) - gemms(names2), names8  # GEMMs and nothing else
     assert ops4 == ops2 + MAPPED_BUCKET, (ops2, ops4, names2, names4)
     for names in (names2, names8, names4):
         assert not set(PER_TENSOR_RESIDUAL) & set(names), names
+        assert not set(TORCH_SETTLE) & set(names), names
 
 
 def test_geometry_hook_launches_without_a_map_are_the_flat_buckets():

@@ -1039,7 +1039,8 @@ def test_stats_report_ef_and_factor_memory():
         assert small[1] == big[1] == small[2] == ["head.weight", "proj.weight"]
         # head (d_in 32 ≤ sketch_above) is exact and the same in both: the difference is
         # proj's 256 extra input columns. Documented bound per sketched layer: two moments
-        # (pending, window) × (sums + Ω, d_in·(k+p) floats each) + U (d_in·k floats)
+        # (pending, window) × (sums + Ω, d_in·(k+p) floats each) + the map's U and
+        # U diag(a) each way (3 × d_in·k floats: geometry.transforms.LowRankInput)
         per_width = big[0] - small[0]
-        assert 0 < per_width <= 4 * 256 * (4 * l + k)
+        assert 0 < per_width <= 4 * 256 * (4 * l + 3 * k)
         assert big[0] < 2 * small[0]  # linear in d_in (a d_in² term would quadruple it)

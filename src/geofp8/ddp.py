@@ -39,6 +39,7 @@ from torch import nn
 from .comm.collective import Communicator
 from .comm.group import DeviceGroup
 from .comm.layout import fp32_allreduce_wire_bytes
+from .comm.stages import all_finite
 from .comm.streams import SideStream
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
@@ -226,7 +227,8 @@ class GeoFP8State:
         self.ledger.add("codec_s", time.perf_counter() - t0)
 
         # the collective divides by N (in its fused decode), and its finite flag stands for
-        # the bucket's where nothing is mapped back (a map may overflow)
+        # the bucket's where nothing is mapped back; else (a map may overflow) the mean's own
+        # check is written over it (a poisoned sum maps back to NaN), in its step's slot
         unmapped = not any(encoded.per_sender) and all(r is IDENTITY for r in encoded.routes)
 
         def map_back(total: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
@@ -237,7 +239,9 @@ class GeoFP8State:
                 for off, y in zip(offsets, mean.split([g.numel() for g in grads])):
                     buffer[off : off + y.numel()].copy_(y)
             self.ledger.add("transform_s", time.perf_counter() - t1)
-            return self._bucket_done(buffer, finite if unmapped else None)
+            if not unmapped and finite is not None:
+                all_finite(buffer, out=finite)
+            return self._bucket_done(buffer, finite)
 
         # before the launch: the last one settles the step, bytes charged included
         self.group.charge("payload", -encoded.side_bytes)  # sender factors are factor bytes

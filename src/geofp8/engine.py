@@ -46,7 +46,8 @@ from .verification import checksum, differences, refusal
 
 __all__ = ["STATE_VERSION", "SyncEngine"]
 
-STATE_VERSION = 4  # 4: rank, parameters, checksum; shared inputs agreed
+STATE_VERSION = 5  # 4: rank, parameters, checksum; shared inputs agreed; 5: low-rank maps
+#   up to their scale (U, a_fwd, a_inv), residuals in those coordinates
 BYTE_KINDS = (("bytes_sent", "payload"), ("factor_bytes_sent", "factor"),
               ("bytes_fp32_equivalent", "fp32_equivalent"))
 

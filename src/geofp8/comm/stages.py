@@ -311,16 +311,18 @@ def decode_gathered_flagged(gathered: torch.Tensor | list[torch.Tensor], layout:
                                                                      values.device))), None
 
 
-def all_finite(values: torch.Tensor) -> torch.Tensor:
+def all_finite(values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The 0-dim bool device flag ``all(isfinite(values))`` (``True`` for none) from one
     min/max pass and four scalar ops: ``isfinite(values).all()`` makes four element-wise
     passes and builds their temporaries (an FP32 ``abs`` and three bool masks, 1.75× the
     vector's bytes). NaN propagates to both extremes; ``0·v`` is ``±0`` for a finite ``v``
-    and NaN for ``±inf`` or NaN, so the sum below is 0 exactly when both are finite."""
+    and NaN for ``±inf`` or NaN, so the sum below is 0 exactly when both are finite.
+    ``out``: a 0-dim bool it is written into (e.g. a step's slot, viewed as bool)."""
     if values.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=values.device)
+        flag = torch.ones((), dtype=torch.bool, device=values.device)
+        return flag if out is None else out.copy_(flag)
     lo, hi = torch.aminmax(values)
-    return (lo * 0 + hi * 0) == 0
+    return torch.eq(lo * 0 + hi * 0, 0, out=out)
 
 
 def poison_unless(values: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ of the gradient's size is allocated except the FP8 codes (and those can be reuse
 ``codes_out``):
 
 1. ``R ← R + T(G)``. For :class:`~geofp8.geometry.transforms.LowRankInput` this is
-   ``R += c·G`` then ``R += ((G U) ⊙ d) Uᵀ`` (a skinny GEMM accumulated into ``R``),
+   ``R += G`` then ``R += (G V) Uᵀ`` (a skinny GEMM accumulated into ``R``),
    so ``G T`` is never materialised. Other transforms add ``T.forward(G)``.
 2. One fused read of ``R`` for the group amax (``aminmax``, no ``|R|`` temporary).
 3. One walk over ``R`` in cache-sized pieces: divide, cast to FP8, decode the piece
@@ -52,10 +52,8 @@ def ef_quantize(grad: torch.Tensor, residual: torch.Tensor, codec: FP8Codec,
     if transform is None or isinstance(transform, Identity):
         residual.add_(grad)
     elif isinstance(transform, LowRankInput):
-        G = grad.to(transform.U.dtype)
-        c = transform.c_fwd  # as LowRankInput applies it (a float or a 0-dim tensor)
-        residual.add_(G * (c.to(G.dtype) if isinstance(c, torch.Tensor) else c))
-        residual.addmm_((G @ transform.U).mul_(transform.d_fwd), transform.U.T)
+        G = grad.to(transform.U.dtype)  # G T (up to its scale, as LowRankInput applies it)
+        residual.add_(G).addmm_(G @ transform.V_fwd, transform.U.T)
     else:
         residual.add_(transform.forward(grad))
     flat = residual.view(-1)

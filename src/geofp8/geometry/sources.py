@@ -410,8 +410,8 @@ class _SketchedFactors(FactorSource):
         Y = torch.where(ok, sketch.view(d, omega.shape[1]) / count, omega)
         trace = torch.where(ok, moments[0] / count, float(d)).double()
         fresh = LowRankInput(nystrom_factor(Y, omega, min(cfg.k, d), trace), cfg.damping)
-        fields = torch.cat([torch.as_tensor(getattr(fresh, f)).reshape(-1)  # one finite pass
-                            for f in LowRankInput.fields])  # (FP64: the scalars promote)
+        fields = torch.cat([getattr(fresh, f).reshape(-1)  # one finite pass
+                            for f in LowRankInput.fields])
         ok = ok & torch.isfinite(fields).all()
         self._step[key] = _chosen(ok, fresh, self.transforms.get(key))
         self._flags.append((key, ~ok & (tokens > 0)))
@@ -582,11 +582,11 @@ def _chosen(ok: torch.Tensor, fresh: LowRankInput, last: Transform | None) -> Lo
     """``fresh`` where the 0-dim ``ok`` holds, else ``last`` (the identity when ``None``),
     field by field on the device."""
     chosen = LowRankInput.__new__(LowRankInput)
-    for field in LowRankInput.fields:
+    for field in LowRankInput.fields:  # the identity is U = 0, a = 0
         new = getattr(fresh, field)
-        old = getattr(last, field) if last is not None else (
-            1.0 if field in LowRankInput.scalar_fields else torch.zeros_like(new))
+        old = getattr(last, field) if last is not None else torch.zeros_like(new)
         setattr(chosen, field, torch.where(ok, new, old))
+    chosen._restored()
     return chosen
 
 

@@ -8,9 +8,10 @@ Damping is relative: ``λ = damping · tr(M) / dim(M)`` for the factor ``M`` it 
 
 =================  =========================================================
 ``Identity``       ``G̃ = G`` (plain Euclidean FP8)
-``LowRankInput``   ``T = U(Λ+λ)^{-1/2}Uᵀ + (σ²+λ)^{-1/2}(I − UUᵀ)``, applied as
-                   ``c·G + ((G U) ⊙ d) Uᵀ``: two skinny GEMMs, no ``d × d`` matrix.
-                   With ``k = d_in`` this is the full ``(A+λI)^{-1/2}``.
+``LowRankInput``   ``T = U(Λ+λ)^{-1/2}Uᵀ + c(I − UUᵀ)``, ``c = (σ²+λ)^{-1/2}``, applied
+                   as ``T / c = G + (G U diag(a)) Uᵀ``: two skinny GEMMs, no ``d × d``
+                   matrix (the inverse as ``c T⁻¹``). With ``k = d_in`` this is the
+                   full ``(A+λI)^{-1/2}``, up to ``c``.
 ``DiagonalInput``  ``T = diag(A + λ)^{-1/2}``
 ``BlockInput``     ``T`` = block-diagonal ``(A_bb + λI)^{-1/2}``, blocks of ``b`` columns
                    (the last block takes the remainder)
@@ -76,7 +77,7 @@ def _sym_powers(M: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor
 class Transform:
     """Base class: ``forward`` to communication coordinates, ``inverse`` back.
 
-    :meth:`state` is the map as plain tensors (Python floats as 0-d float64 tensors), and
+    :meth:`state` is the map as plain tensors, and
     :func:`transform_from_state` rebuilds it exactly: checkpoints and factor broadcasts
     carry tensors only, never serialised Python objects.
     """
@@ -107,16 +108,14 @@ class Transform:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def state(self) -> dict[str, torch.Tensor]:
-        """``{field: tensor}``; list fields as ``field.i``, floats as 0-d float64 tensors."""
+        """``{field: tensor}``; list fields as ``field.i``."""
         out = {}
         for f in self.fields:
             value = getattr(self, f)
             if isinstance(value, list):
                 out.update({f"{f}.{i}": v for i, v in enumerate(value)})
-            elif isinstance(value, torch.Tensor):
-                out[f] = value
             else:
-                out[f] = torch.tensor(float(value), dtype=torch.float64)
+                out[f] = value
         return out
 
     @classmethod
@@ -124,15 +123,12 @@ class Transform:
         self = cls.__new__(cls)
         for f in cls.fields:
             if f in state:
-                value = state[f]
-                setattr(self, f, float(value) if f in cls.scalar_fields else value)
+                setattr(self, f, state[f])
             else:
                 n = sum(1 for k in state if k.startswith(f + "."))
                 setattr(self, f, [state[f"{f}.{i}"] for i in range(n)])
         self._restored()
         return self
-
-    scalar_fields: tuple[str, ...] = ()
 
     def _restored(self) -> None:
         """Derive non-state attributes after :meth:`_from_state` (default: none)."""
@@ -152,51 +148,62 @@ IDENTITY = Identity()  # the one identity route: compared by ``is``
 
 
 class LowRankInput(Transform):
-    """Input-side ``T ≈ A^{-1/2}`` from the top-k eigenpairs plus an isotropic complement."""
+    """Input-side ``T ≈ A^{-1/2}`` from the top-k eigenpairs plus an isotropic complement,
+    applied up to its complement's scale ``c = (σ²+λ)^{-1/2}`` (module notes).
+
+    ``T = c (I + U diag(a) Uᵀ)`` with ``a = ((σ²+λ)/(Λ+λ))^{1/2} − 1``, and
+    ``T⁻¹ = c⁻¹ (I + U diag(a⁻) Uᵀ)`` with ``a⁻ = ((Λ+λ)/(σ²+λ))^{1/2} − 1``. The map sends
+    ``G T / c`` and maps back with ``c T⁻¹``: one global factor per layer, which per-group
+    scaled codecs absorb into their scales, and which the inverse undoes (``c · c⁻¹ = 1``),
+    so the mean, the round-trip error and the residual's Euclidean meaning are those of ``T``.
+    Each way is two GEMMs and nothing else: ``G + (G V) Uᵀ`` with ``V = U diag(a)``, made
+    once per map from its state (``U``, ``a_fwd``, ``a_inv``), on the map's device.
+    """
 
     name = "lowrank"
-    fields = ("U", "d_fwd", "d_inv", "c_fwd", "c_inv")
-    scalar_fields = ("c_fwd", "c_inv")
+    fields = ("U", "a_fwd", "a_inv")
 
     def __init__(self, factor: LowRankFactor, damping: float) -> None:
         lam = _damping_of(factor.trace, factor.dim, damping)
-        rest = factor.sigma2 + lam
+        rest = factor.sigma2 + lam  # a float, or 0-dim on the device: no host read
         eig = factor.eigvals.double().clamp_min(0) + lam
-        self.c_fwd, self.c_inv = rest ** -0.5, rest ** 0.5
         dtype = factor.U.dtype
-        self.d_fwd = (eig.rsqrt() - self.c_fwd).to(dtype)
-        self.d_inv = (eig.sqrt() - self.c_inv).to(dtype)
+        self.a_fwd = ((rest / eig).sqrt() - 1).to(dtype)
+        self.a_inv = ((eig / rest).sqrt() - 1).to(dtype)
         self.U = factor.U
+        self._restored()
 
-    def _apply(self, G: torch.Tensor, c: float | torch.Tensor, d: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def _restored(self) -> None:
+        """``V = U diag(a)`` each way (a pure function of the state: a restored map gives
+        the bits of the one it was saved from)."""
+        self.V_fwd, self.V_inv = self.U * self.a_fwd, self.U * self.a_inv
+
+    def _apply(self, G: torch.Tensor, V: torch.Tensor, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
         if G.dim() != 2:
             raise ValueError(f"{type(self).__name__} needs a 2-D gradient, got {tuple(G.shape)}")
         G = G.to(self.U.dtype)
-        # one formula whether c is a float or a 0-dim tensor (a map built on the device, or
-        # restored): the same bits either way, so a resumed run matches an uninterrupted one
-        c = c.to(G.dtype) if isinstance(c, torch.Tensor) else c
-        # G is read only by the two products, before the GEMM writes ``out`` (which may be G)
-        return torch.addmm(G * c, (G @ self.U) * d, self.U.T, out=out)
+        # G is read by the first GEMM before the second writes ``out`` (which may be G)
+        return torch.addmm(G, G @ V, self.U.T, out=out)
 
     def forward(self, G: torch.Tensor) -> torch.Tensor:
-        return self._apply(G, self.c_fwd, self.d_fwd)
+        return self._apply(G, self.V_fwd)
 
     def inverse(self, Gt: torch.Tensor) -> torch.Tensor:
-        return self._apply(Gt, self.c_inv, self.d_inv)
+        return self._apply(Gt, self.V_inv)
 
     def forward_over(self, G: torch.Tensor) -> torch.Tensor:
         if G.dtype != self.U.dtype:  # the GEMM writes U's dtype
             return super().forward_over(G)
-        return self._apply(G, self.c_fwd, self.d_fwd, out=G)
+        return self._apply(G, self.V_fwd, out=G)
 
     def inverse_over(self, Gt: torch.Tensor) -> torch.Tensor:
         if Gt.dtype != self.U.dtype:  # the GEMM writes U's dtype
             return super().inverse_over(Gt)
-        return self._apply(Gt, self.c_inv, self.d_inv, out=Gt)
+        return self._apply(Gt, self.V_inv, out=Gt)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.U, self.d_fwd, self.d_inv]
+        return [self.U, self.a_fwd, self.a_inv, self.V_fwd, self.V_inv]
 
 
 class DiagonalInput(Transform):

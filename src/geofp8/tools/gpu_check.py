@@ -582,7 +582,7 @@ def check_bucket_stages(rows: list) -> None:
 def check_throughput(rows: list) -> None:
     from ..codecs import FORMATS, make_codec
     from ..geometry.statistics import LowRankFactor
-    from ..geometry.transforms import LowRankInput
+    from ..geometry.transforms import LowRankInput, transform_from_state
 
     x = torch.randn(64 << 20 >> 2, device="cuda")  # 64 MiB of FP32
     copy = cuda_seconds(lambda: x.clone())
@@ -593,7 +593,7 @@ def check_throughput(rows: list) -> None:
     G = torch.randn(4096, 4096, device="cuda")
     A = torch.randn(4096, 64, device="cuda")
     T = LowRankInput(LowRankFactor.from_matrix((A @ A.T).double(), 32), 0.1)
-    T.U, T.d_fwd = T.U.float().cuda(), T.d_fwd.float().cuda()
+    T = transform_from_state(T.name, {k: v.float().cuda() for k, v in T.state().items()})
     t, copy = cuda_seconds(lambda: T.forward(G)), cuda_seconds(lambda: G.clone())
     rows.append(("lowrank-32 map 4096²", f"{copy / t:.2f}× D2D copy", "ok"))
 
