@@ -247,8 +247,10 @@ def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
 
 
 @functools.cache
-def device_scalar(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``value`` as a 0-dim ``dtype`` tensor on ``device``, made once per value (a blocking
+def device_scalar(value: float | tuple[float, ...], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-dim ``dtype`` tensor on ``device`` (a tuple of numbers: a 1-D one,
+    e.g. the offsets of a segmented reduction), made once per value (a blocking
     copy from the host, in place when it returns) and never written: an operand that costs
     no fill kernel per call (``new_full``, or a Python scalar in ``torch.where``, launch one
     each time)."""
