@@ -130,6 +130,8 @@ def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | 
             sent := triton_fp4.guarded(lambda: block_plan.encode_send(
                 flat, layout, seed, sender))) is not None:
         return sent, None
+    if not side and (done := layout.encode_send(flat, with_error, error_out)) is not None:
+        return done
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
     if not (layout.batched(flat.device) or layout.segmentwise):
         sizes = _send_sizes(layout)
@@ -246,8 +248,10 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
     n, nbytes = layout.world_size, layout.send_bytes(shard)
     size = n * layout.shard_numel(shard)
     fits = scratch is not None and scratch.numel() >= size
-    values, _ = _decode_records(received, layout, [shard] * n, nbytes,
-                                out=scratch[:size] if fits else None, check=False)
+    values = layout.decode_copies(received, shard, out=scratch[:size] if fits else None)
+    if values is None:
+        values, _ = _decode_records(received, layout, [shard] * n, nbytes,
+                                    out=scratch[:size] if fits else None, check=False)
     rows = values.view(n, -1)
     if unmap is not None:
         rows = unmap(rows, received[: n * nbytes].view(n, nbytes)[:, layout.shard_bytes(shard):])
