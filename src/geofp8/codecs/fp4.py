@@ -278,12 +278,6 @@ def shard_uniforms(shards: GroupMap, seeds, device: torch.device) -> torch.Tenso
                       for s, n, seed in zip(shards, shards.numels, seeds)])
 
 
-def block_amax_of(flat: torch.Tensor, shards: GroupMap) -> torch.Tensor:
-    """Max ``|x|`` of every group of ``shards`` laid one after the other; ``+Inf`` for a
-    group holding NaN or ±Inf (as :func:`block_amax`)."""
-    return _inf_unless_finite(group_amax(flat, shards))
-
-
 def _check_rounding(rounding: str) -> None:
     if rounding not in ROUNDINGS:
         raise ValueError(f"unknown rounding {rounding!r}; expected one of {ROUNDINGS}")
