@@ -202,7 +202,7 @@ def _back_to_back(parts: Sequence[torch.Tensor], align: int) -> torch.Tensor | N
 
 def interleave(*kinds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Per-shard parts from per-kind lists: ``[a₀, b₀, a₁, b₁, …]`` from ``[a…], [b…]``."""
-    return [part for parts in zip(*kinds) for part in parts]
+    return list(itertools.chain.from_iterable(zip(*kinds)))  # no Python per shard
 
 
 def finite_flag(t: torch.Tensor) -> torch.Tensor:

@@ -69,56 +69,62 @@ class ShardCodecs(SegmentParts):
             part += k
         return _all(flags, out.device) if check else None
 
-    def encode_send(self, flat: torch.Tensor, with_error: bool = False,
+    def encode_send(self, flat: torch.Tensor, seeds: list[int | None], with_error: bool = False,
                     error_out: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(every shard's payload one after the other, the rounding error or None)``: the
-        send buffer of a bucket with no side bytes where :meth:`encode_pieces` makes one
-        whole-bucket call of a segmentwise codec's batched kernels and reorders its parts
-        by one gather per kind (:meth:`PartsOrder.shard_after_shard`), joined by one
-        ``cat`` (nothing per shard in Python); ``with_error`` and ``error_out`` as there.
-        ``None`` where the stages join :meth:`encode_pieces`' pieces themselves."""
-        if (self._by_segment is None or not self.batched(flat.device)
-                or self._reorder is None or any(self.side)):
+        send buffer of a bucket with no side bytes that the batched kernels encode in one
+        call (:meth:`encode_pieces`: a segmentwise codec's parts reordered by one gather
+        per kind, :meth:`PartsOrder.shard_after_shard`, or :meth:`encode_shards` of the
+        shard-major vector), joined by one ``cat`` with nothing per shard in Python;
+        ``seeds``, ``with_error`` and ``error_out`` as there. ``None`` where the stages
+        join :meth:`encode_pieces`' pieces themselves (side bytes, the chunked kernels,
+        a segmentwise codec's parts cut by segment)."""
+        if not self.batched(flat.device) or any(self.side):
+            return None
+        if self._by_segment is None:
+            if with_error:  # not encodes_error: encode_pieces says so
+                return None
+            shards = self._maps.setdefault("all shards", list(range(self.world_size)))
+            return torch.cat(self.encode_shards(self.shard_major(flat), shards, seeds)), None
+        if self._reorder is None:
             return None
         _check_float(flat)
         wholes, error = self.codec.encode_whole(flat, self._by_segment[0], with_error,
                                                 error_out if with_error else None)
         return torch.cat(self._reorder.shard_after_shard(wholes)), error
 
-    def decode_copies(self, received: torch.Tensor, shard: int,
-                      out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The ``N`` senders' copies of shard ``shard`` (records of :meth:`send_bytes` back
-        to back in ``received``) decoded one after the other into ``out`` or a new FP32
-        vector, in one call of a one-codec layout's batched kernels
-        (:meth:`Codec.decode_whole`): the copies' parts joined kind after kind by one
-        ``cat``, its cuts made once per shard (nothing per sender in Python). ``None``
-        where the records are decoded otherwise (several codecs, the chunked kernels, an
-        empty shard)."""
-        if self.codecs or not self.batched(received.device) or not self.shard_numel(shard):
-            return None
-        nbytes, sizes, where, kinds = self._copy_cuts(shard)
-        pieces = received[:nbytes].split(sizes)
-        whole = torch.cat(list(map(pieces.__getitem__, where)))
-        n = self.world_size
-        values = out if out is not None else torch.empty(
-            n * self.shard_numel(shard), dtype=torch.float32, device=received.device)
-        self.codec.decode_whole(values, whole.split(kinds), self.group_map((shard,) * n),
-                                check=False)
-        return values
-
-    def _copy_cuts(self, shard: int) -> tuple[int, list[int], list[int], list[int]]:
-        """``(the bytes of the N records of shard, the sizes that cut them into every
-        record's parts and rest, the index in them of part p of record i at p·N + i, each
-        kind's bytes in all)``, made once per shard."""
-        key = ("copies", shard)
+    def decode_records(self, buf: torch.Tensor, shards: list[int], records: int | list[int],
+                       out: torch.Tensor | None = None, check: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(values, finite)`` of the encoded ``shards`` laid one after the other in ``buf``,
+        each in a record of ``records`` bytes (one size for all or one per shard; its payload
+        first, then side bytes or padding): one ``split`` and one :meth:`decode_shards` of
+        their payload parts, cut as made once per shards and records (nothing per shard in
+        Python). ``values``: ``out`` when given, else a new FP32 vector; ``finite`` as
+        :meth:`decode_shards` returns it."""
+        key = ("cuts", tuple(shards), records if isinstance(records, int) else tuple(records))
         if key not in self._maps:
-            n, parts = self.world_size, self.parts[shard]
-            k = len(parts)
-            sizes = [*parts, self.send_bytes(shard) - sum(parts)] * n
-            where = [i * (k + 1) + p for p in range(k) for i in range(n)]
-            self._maps[key] = (sum(sizes), sizes, where, [n * b for b in parts])
-        return self._maps[key]
+            self._maps[key] = self._cuts(shards, records)
+        nbytes, sizes, where, numel = self._maps[key]
+        pieces = buf[:nbytes].split(sizes)
+        values = out if out is not None else torch.empty(numel, dtype=torch.float32,
+                                                         device=buf.device)
+        payload = list(map(pieces.__getitem__, where))
+        return values, self.decode_shards(values, payload, shards, check)
+
+    def _cuts(self, shards: list[int], records: int | list[int]
+              ) -> tuple[int, list[int], list[int], int]:
+        """``(the records' bytes, the sizes that cut them into every record's parts and
+        rest, the index in them of each part, the shards' elements)``."""
+        if isinstance(records, int):
+            records = [records] * len(shards)
+        sizes, where = [], []
+        for j, nbytes in zip(shards, records):
+            parts = self.parts[j]
+            where += range(len(sizes), len(sizes) + len(parts))
+            sizes += [*parts, nbytes - sum(parts)]
+        return sum(records), sizes, where, sum(self.shard_numel(j) for j in shards)
 
     def encode_pieces(self, flat: torch.Tensor, seeds: list[int | None],
                       with_error: bool = False, error_out: torch.Tensor | None = None

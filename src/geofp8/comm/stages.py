@@ -130,9 +130,9 @@ def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | 
             sent := triton_fp4.guarded(lambda: block_plan.encode_send(
                 flat, layout, seed, sender))) is not None:
         return sent, None
-    if not side and (done := layout.encode_send(flat, with_error, error_out)) is not None:
-        return done
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
+    if not side and (done := layout.encode_send(flat, seeds, with_error, error_out)) is not None:
+        return done
     if not (layout.batched(flat.device) or layout.segmentwise):
         sizes = _send_sizes(layout)
         sent = flat.new_empty(sum(sizes), dtype=torch.uint8)
@@ -162,24 +162,15 @@ def _decode_records(buf: torch.Tensor, layout: ShardLayout, shards: list[int],
     codec call; chunked, record by record. ``values`` (``out`` when given): the shards'
     values one after the other. ``finite`` is ``None`` without ``check`` (a NaN scale's
     group decodes to NaN either way)."""
+    if layout.batched(buf.device):  # its cuts made once (ShardLayout.decode_records)
+        return layout.decode_records(buf, shards, record, out, check)
     records = [record] * len(shards) if isinstance(record, int) else record
     values = out if out is not None else torch.empty(
         sum(layout.shard_numel(j) for j in shards), dtype=torch.float32, device=buf.device)
-    if not layout.batched(buf.device):
-        out = values.split([layout.shard_numel(j) for j in shards])
-        flags = [layout.decode_into(v, payload, j)
-                 for v, payload, j in zip(out, buf[: sum(records)].split(records), shards)]
-        return values, torch.stack(flags).all() if check else None
-    sizes = []
-    for j, nbytes in zip(shards, records):
-        parts = layout.parts[j]
-        sizes += [*parts, nbytes - sum(parts)]
-    pieces, payload, pos = buf[: sum(records)].split(sizes), [], 0
-    for j in shards:
-        k = len(layout.parts[j])
-        payload += pieces[pos : pos + k]
-        pos += k + 1  # the record's rest (side bytes, padding)
-    return values, layout.decode_shards(values, payload, shards, check)
+    out = values.split([layout.shard_numel(j) for j in shards])
+    flags = [layout.decode_into(v, payload, j)
+             for v, payload, j in zip(out, buf[: sum(records)].split(records), shards)]
+    return values, torch.stack(flags).all() if check else None
 
 
 def _decode_flat(buf: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
@@ -248,10 +239,8 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
     n, nbytes = layout.world_size, layout.send_bytes(shard)
     size = n * layout.shard_numel(shard)
     fits = scratch is not None and scratch.numel() >= size
-    values = layout.decode_copies(received, shard, out=scratch[:size] if fits else None)
-    if values is None:
-        values, _ = _decode_records(received, layout, [shard] * n, nbytes,
-                                    out=scratch[:size] if fits else None, check=False)
+    values, _ = _decode_records(received, layout, [shard] * n, nbytes,
+                                out=scratch[:size] if fits else None, check=False)
     rows = values.view(n, -1)
     if unmap is not None:
         rows = unmap(rows, received[: n * nbytes].view(n, nbytes)[:, layout.shard_bytes(shard):])
