@@ -13,7 +13,7 @@ from functools import cached_property
 
 import torch
 
-from ..codecs.base import GroupMap, interleave, mix_seed
+from ..codecs.base import GroupMap, interleave, joined, mix_seed
 from .segment_parts import SegmentParts
 
 __all__ = ["ShardCodecs"]
@@ -69,15 +69,16 @@ class ShardCodecs(SegmentParts):
             part += k
         return _all(flags, out.device) if check else None
 
-    def encode_send(self, flat: torch.Tensor, seeds: list[int | None], with_error: bool = False,
-                    error_out: torch.Tensor | None = None
+    def encode_send(self, flat: torch.Tensor, seed: int | None, sender: int,
+                    with_error: bool = False, error_out: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(every shard's payload one after the other, the rounding error or None)``: the
         send buffer of a bucket with no side bytes that the batched kernels encode in one
         call (:meth:`encode_pieces`: a segmentwise codec's parts reordered by one gather
         per kind, :meth:`PartsOrder.shard_after_shard`, or :meth:`encode_shards` of the
         shard-major vector), joined by one ``cat`` with nothing per shard in Python;
-        ``seeds``, ``with_error`` and ``error_out`` as there. ``None`` where the stages
+        shard ``j`` rounded with ``mix_seed(seed, sender, j)`` (sender ``sender``'s stream;
+        no seed: ``None``), ``with_error`` and ``error_out`` as there. ``None`` where the stages
         join :meth:`encode_pieces`' pieces themselves (side bytes, the chunked kernels,
         a segmentwise codec's parts cut by segment)."""
         if not self.batched(flat.device) or any(self.side):
@@ -86,6 +87,8 @@ class ShardCodecs(SegmentParts):
             if with_error:  # not encodes_error: encode_pieces says so
                 return None
             shards = self._maps.setdefault("all shards", list(range(self.world_size)))
+            seeds = ([None] * len(shards) if seed is None
+                     else [mix_seed(seed, sender, j) for j in shards])
             return torch.cat(self.encode_shards(self.shard_major(flat), shards, seeds)), None
         if self._reorder is None:
             return None
@@ -99,32 +102,42 @@ class ShardCodecs(SegmentParts):
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(values, finite)`` of the encoded ``shards`` laid one after the other in ``buf``,
         each in a record of ``records`` bytes (one size for all or one per shard; its payload
-        first, then side bytes or padding): one ``split`` and one :meth:`decode_shards` of
-        their payload parts, cut as made once per shards and records (nothing per shard in
-        Python). ``values``: ``out`` when given, else a new FP32 vector; ``finite`` as
-        :meth:`decode_shards` returns it."""
+        first, then side bytes or padding): one ``split`` and one codec call over their
+        payload parts, cut as made once per shards and records (nothing per shard in
+        Python); a one-codec layout joins them kind after kind in one ``cat``
+        (:meth:`Codec.decode_whole`). ``values``: ``out`` when given, else a new FP32
+        vector; ``finite`` as :meth:`decode_shards` returns it."""
         key = ("cuts", tuple(shards), records if isinstance(records, int) else tuple(records))
         if key not in self._maps:
             self._maps[key] = self._cuts(shards, records)
-        nbytes, sizes, where, numel = self._maps[key]
+        nbytes, sizes, where, kinds, numel = self._maps[key]
         pieces = buf[:nbytes].split(sizes)
         values = out if out is not None else torch.empty(numel, dtype=torch.float32,
                                                          device=buf.device)
         payload = list(map(pieces.__getitem__, where))
-        return values, self.decode_shards(values, payload, shards, check)
+        if self.codecs:
+            return values, self.decode_shards(values, payload, shards, check)
+        wholes = joined(payload, align=4).split(kinds)  # its first kind: FP32 scales or bytes
+        return values, self.codec.decode_whole(values, wholes, self.group_map(shards), check)
 
     def _cuts(self, shards: list[int], records: int | list[int]
-              ) -> tuple[int, list[int], list[int], int]:
+              ) -> tuple[int, list[int], list[int], list[int], int]:
         """``(the records' bytes, the sizes that cut them into every record's parts and
-        rest, the index in them of each part, the shards' elements)``."""
+        rest, the index in them of each part (a one-codec layout's kind after kind), each
+        kind's bytes in all, the shards' elements)``."""
         if isinstance(records, int):
             records = [records] * len(shards)
         sizes, where = [], []
         for j, nbytes in zip(shards, records):
             parts = self.parts[j]
-            where += range(len(sizes), len(sizes) + len(parts))
+            where.append(range(len(sizes), len(sizes) + len(parts)))
             sizes += [*parts, nbytes - sum(parts)]
-        return sum(records), sizes, where, sum(self.shard_numel(j) for j in shards)
+        numel = sum(self.shard_numel(j) for j in shards)
+        if self.codecs:
+            return sum(records), sizes, [i for w in where for i in w], [], numel
+        k = len(self.codec.part_bytes(()))  # every shard's kinds: kind p of each in turn
+        return (sum(records), sizes, [w[p] for p in range(k) for w in where],
+                [sum(self.parts[j][p] for j in shards) for p in range(k)], numel)
 
     def encode_pieces(self, flat: torch.Tensor, seeds: list[int | None],
                       with_error: bool = False, error_out: torch.Tensor | None = None

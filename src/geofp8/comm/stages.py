@@ -130,9 +130,10 @@ def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | 
             sent := triton_fp4.guarded(lambda: block_plan.encode_send(
                 flat, layout, seed, sender))) is not None:
         return sent, None
-    seeds = [_shard_seed(seed, sender, j) for j in range(n)]
-    if not side and (done := layout.encode_send(flat, seeds, with_error, error_out)) is not None:
+    if not side and (done := layout.encode_send(flat, seed, sender, with_error,
+                                                error_out)) is not None:
         return done
+    seeds = [_shard_seed(seed, sender, j) for j in range(n)]
     if not (layout.batched(flat.device) or layout.segmentwise):
         sizes = _send_sizes(layout)
         sent = flat.new_empty(sum(sizes), dtype=torch.uint8)
