@@ -36,7 +36,7 @@ def _counts(fmt: str, kind: str, n: int) -> tuple[int, int]:
     return mode.launches + mode.triton, gpu_bucket.python_lines(run)
 
 
-@pytest.mark.parametrize(("fmt", "most"), [("nvfp4", 72), ("e4m3", 61)])
+@pytest.mark.parametrize(("fmt", "most"), [("nvfp4", 72), ("e4m3", 60)])
 def test_the_fallback_launches_the_same_few_kernels_for_2_or_8_ranks(fmt, most):
     """A 25 MB bucket of Llama-layer tensors (their blocks cut where shards fall) and of
     equal matrices, 2 and 8 ranks: the same launches, at most ``most`` (main before this
