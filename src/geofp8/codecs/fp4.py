@@ -511,18 +511,20 @@ class NVFP4Codec(Codec):
             _inf_unless_finite(amax)
         s, code, scale = self._scales(amax, shards.segments, shards)
         divisor = torch.where(scale > 0, scale, device_scalar(1.0, scale.dtype, scale.device))
-        v = group_div(x, divisor, shards)
-        key = None
-        if self.rounding == "stochastic":
-            codes = e2m1_encode(v, shard_uniforms(shards, seeds, x.device))
-        else:
-            key = round_key(v)
-            codes = torch.take(_encode_table(v.device).codes, key)
+        u = (shard_uniforms(shards, seeds, x.device)
+             if self.rounding == "stochastic" else None)
+        # the quotients x / divisor live only until their keys (or codes) are made
+        key = None if u is not None else round_key(group_div(x, divisor, shards))
+        codes = (e2m1_encode(group_div(x, divisor, shards), u) if key is None
+                 else torch.take(_encode_table(x.device).codes, key))
+        values = None
+        if decoded:
+            values = (e2m1_values(codes) if key is None
+                      else torch.take(_encode_table(x.device).values, key))
+        del key  # 8 bytes an element, freed before the packing
         whole = (s, code, pack_whole(codes, shards), scale)
-        if not decoded:
+        if values is None:
             return whole
-        values = (e2m1_values(codes) if key is None
-                  else torch.take(_encode_table(v.device).values, key))
         group_mul_(values, scale, shards)
         return (*whole, values)
 

@@ -221,9 +221,7 @@ class MXCodec(Codec):
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
         if (fused := triton_fp4.encode_shards(self, x, shards, seeds)) is not None:
             return fused
-        key = round_key(group_amax(x, shards))  # NaN or +Inf for a non-finite block
-        tables = _scale_tables(self.element, x.device)
-        byte, scale = torch.take(tables.bytes, key), torch.take(tables.divisors, key)
+        byte, scale = self._scales_of(group_amax(x, shards))
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
         if self.packed or u is not None:
@@ -234,6 +232,12 @@ class MXCodec(Codec):
         return interleave(byte.split(shards.memo("groups", lambda: [sum(map(len, g))
                                                                     for g in shards])),
                           pack_shards(codes, shards) if self.packed else codes.split(numels))
+
+    def _scales_of(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(E8M0 bytes, divisors)`` of the blocks of ``amax`` (NaN or ``+Inf`` for a
+        non-finite block): one lookup each of its keys (:class:`ScaleTables`)."""
+        key, tables = round_key(amax), _scale_tables(self.element, amax.device)
+        return torch.take(tables.bytes, key), torch.take(tables.divisors, key)
 
     def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
                                  ) -> tuple[list[torch.Tensor], torch.Tensor]:

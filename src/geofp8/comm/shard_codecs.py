@@ -95,7 +95,9 @@ class ShardCodecs(SegmentParts):
         _check_float(flat)
         wholes, error = self.codec.encode_whole(flat, self._by_segment[0], with_error,
                                                 error_out if with_error else None)
-        return torch.cat(self._reorder.shard_after_shard(wholes)), error
+        parts = self._reorder.shard_after_shard(wholes)
+        del wholes  # each kind in flat order: freed before the join
+        return torch.cat(parts), error
 
     def decode_records(self, buf: torch.Tensor, shards: list[int], records: int | list[int],
                        out: torch.Tensor | None = None, check: bool = True
