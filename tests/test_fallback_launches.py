@@ -14,8 +14,10 @@ import os
 import pytest
 import torch
 
+from fakedevice import FakeDevice, to_device, to_host
 from geofp8.codecs import make_codec
 from geofp8.comm import ShardLayout
+from geofp8.comm.stages import sender_sum
 
 _PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu_bucket.py")
 _SPEC = importlib.util.spec_from_file_location("gpu_bucket", _PATH)
@@ -54,3 +56,21 @@ def test_the_fallback_runs_the_same_python_for_2_8_or_64_ranks():
     owner's sum and its records' cuts, and one over the shards in the sender's buffer)."""
     lines = {n: _counts("nvfp4", "equal", n)[1] for n in (2, 8, 64)}
     assert len(set(lines.values())) == 1, lines
+
+
+@pytest.mark.parametrize("n", [5, 8, 64])
+def test_the_owner_sums_the_senders_in_order_in_one_kernel_off_the_cpu(n):
+    """``stages.sender_sum`` on the fake accelerator (its segmented sum, one kernel) gives the
+    CPU's row-by-row sum bit for bit: ``0 + rows[0] + rows[1] + …`` in FP32, NaN, ±Inf,
+    −0 and values whose order of addition changes their sum included."""
+    gen = torch.Generator().manual_seed(n)
+    rows = torch.randn(n, 4099, generator=gen) * torch.rand(n, 4099, generator=gen) ** 8 * 1e8
+    rows[0, :3] = torch.tensor([-0.0, float("nan"), float("inf")])
+    rows[:, 3] = -0.0
+    rows[1:, 4] = torch.tensor([1e8, -1e8, 1.0] * n)[: n - 1]
+    want = sender_sum(rows)
+    with FakeDevice() as dev:
+        got = sender_sum(to_device(rows))
+    adds = [op for op in dev.ops if "add" in op or "sum" in op]
+    assert dev.ops["aten.segment_reduce.default"] == 1 and not adds, dev.ops
+    assert torch.equal(to_host(got).view(torch.int32), want.view(torch.int32))

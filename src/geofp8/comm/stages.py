@@ -250,17 +250,22 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
 
 def sender_sum(rows: torch.Tensor) -> torch.Tensor:
     """``0 + rows[0] + rows[1] + …`` (FP32, the senders in order): the one order every path
-    adds the ``N`` decoded copies in, the fused kernels' too. One kernel whatever ``N``: a
-    segmented sum of the ``[N, shard]`` rows over one segment of ``N`` along axis 0, whose
-    every lane adds its ``N`` values one after the other from 0 in the rows' dtype (the
-    CPU's kernel and CUDA's kernel for an input of more than one dimension; a 1-D one
-    would take CUB's tree order). ``rows.sum(0)`` picks its order by shape and device; on
-    a CPU it is this one up to 4 rows (and faster)."""
+    adds the ``N`` decoded copies in, the fused kernels' too. Off a CPU one kernel whatever
+    ``N``: a segmented sum of the ``[N, shard]`` rows over one segment of ``N`` along axis
+    0, whose every lane adds its ``N`` values one after the other from 0 in the rows' dtype
+    (CUDA's kernel for an input of more than one dimension, as the CPU's; a 1-D input would
+    take CUB's tree order). On a CPU, where that kernel is 3–6× slower than adding row by
+    row: ``rows.sum(0)`` up to 4 rows (this order there, and faster), else row by row."""
     n = rows.shape[0]
-    if rows.device.type == "cpu" and n <= 4:
+    if rows.device.type != "cpu":
+        return torch.segment_reduce(rows.view(n, -1), "sum", axis=0, unsafe=True,
+                                    offsets=device_scalar((0, n), torch.long, rows.device))[0]
+    if n <= 4:
         return rows.sum(0)
-    return torch.segment_reduce(rows.view(n, -1), "sum", axis=0, unsafe=True,
-                                offsets=device_scalar((0, n), torch.long, rows.device))[0]
+    total = rows[0] + 0.0  # -0 + 0 = +0, as a sum from zero
+    for row in rows[1:]:
+        total += row
+    return total
 
 
 def _reduce_fused(received: torch.Tensor, layout: ShardLayout,
