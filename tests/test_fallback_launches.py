@@ -52,10 +52,12 @@ def test_the_fallback_launches_the_same_few_kernels_for_2_or_8_ranks(fmt, most):
 
 def test_the_fallback_runs_the_same_python_for_2_8_or_64_ranks():
     """Equal matrices, NVFP4 with the residual: the same lines of Python for 2, 8 and 64
-    ranks (main before this round: 761, 857 and 1753; a loop over the senders in the
-    owner's sum and its records' cuts, and one over the shards in the sender's buffer)."""
+    ranks, up to the owner's two ways of taking its copies' parts (a cat of them, or from
+    ``WINDOW_COPIES`` copies one gather per kind: a line apart) (main before this round:
+    761, 857 and 1753; a loop over the senders in the owner's sum and its records' cuts,
+    and one over the shards in the sender's buffer)."""
     lines = {n: _counts("nvfp4", "equal", n)[1] for n in (2, 8, 64)}
-    assert len(set(lines.values())) == 1, lines
+    assert lines[2] == lines[8] and abs(lines[64] - lines[8]) <= 2, lines
 
 
 @pytest.mark.parametrize("n", [5, 8, 64])
