@@ -115,7 +115,7 @@ class ShardCodecs(SegmentParts):
         nbytes, sizes, where, kinds, numel = self._maps[key]
         values = out if out is not None else torch.empty(numel, dtype=torch.float32,
                                                          device=buf.device)
-        if (windows := self._windows(key, sizes, kinds, buf.device)) is not None:
+        if (windows := self._windows(key, buf.device)) is not None:
             wholes = _gathered(buf, windows, kinds)
         else:
             pieces = buf[:nbytes].split(sizes)
@@ -124,46 +124,6 @@ class ShardCodecs(SegmentParts):
                 return values, self.decode_shards(values, payload, shards, check)
             wholes = joined(payload, align=4).split(kinds)  # first kind: FP32 scales or bytes
         return values, self.codec.decode_whole(values, wholes, self.group_map(shards), check)
-
-    def _windows(self, key: tuple, sizes: list[int], kinds: list[int], device: torch.device
-                 ) -> list[tuple[int, torch.Tensor]] | None:
-        """For at least :data:`WINDOW_COPIES` copies of one shard in equal records (an
-        owner's ``N`` senders) of a one-codec layout: per kind, its bytes in a record and
-        where it starts in each (int32 on ``device``, made once), for one gather of the
-        copies' windows per kind. ``None`` otherwise (the ``split`` and ``cat``)."""
-        shards, records = key[1], key[2]
-        copies = len(shards)
-        if (self.codecs or copies < WINDOW_COPIES or not isinstance(records, int)
-                or len(set(shards)) > 1):
-            return None
-        wkey = ("windows", shards[0], records, torch.device(device))
-        if wkey not in self._maps:
-            parts = self.parts[shards[0]]
-            first = [sum(parts[:p]) for p in range(len(parts))]
-            self._maps[wkey] = [
-                (length, (torch.arange(copies, dtype=torch.int32) * records + start).to(device))
-                for length, start in zip(parts, first)]
-        return self._maps[wkey]
-
-
-    def _cuts(self, shards: list[int], records: int | list[int]
-              ) -> tuple[int, list[int], list[int], list[int], int]:
-        """``(the records' bytes, the sizes that cut them into every record's parts and
-        rest, the index in them of each part (a one-codec layout's kind after kind), each
-        kind's bytes in all, the shards' elements)``."""
-        if isinstance(records, int):
-            records = [records] * len(shards)
-        sizes, where = [], []
-        for j, nbytes in zip(shards, records):
-            parts = self.parts[j]
-            where.append(range(len(sizes), len(sizes) + len(parts)))
-            sizes += [*parts, nbytes - sum(parts)]
-        numel = sum(self.shard_numel(j) for j in shards)
-        if self.codecs:
-            return sum(records), sizes, [i for w in where for i in w], [], numel
-        k = len(self.codec.part_bytes(()))  # every shard's kinds: kind p of each in turn
-        return (sum(records), sizes, [w[p] for p in range(k) for w in where],
-                [sum(self.parts[j][p] for j in shards) for p in range(k)], numel)
 
     def encode_pieces(self, flat: torch.Tensor, seeds: list[int | None],
                       with_error: bool = False, error_out: torch.Tensor | None = None
@@ -290,11 +250,6 @@ class ShardCodecs(SegmentParts):
             for place, piece, before in zip(places, pieces, self.segment_views(minus, shard)):
                 torch.sub(before, piece, out=place)
         return finite
-
-
-WINDOW_COPIES = 16  # copies from which a gather per kind beats the split into 4 views
-# a copy and the cat of their parts (on meta, 3 kinds: 141 against 196 µs for 8 copies, 725
-# against 194 for 64), though it takes a launch more per kind than the one cat
 
 
 def _gathered(buf: torch.Tensor, windows: list[tuple[int, torch.Tensor]],
