@@ -78,12 +78,14 @@ WRITE_ONLY = {torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar,
 
 def moved_bytes(func, args, kwargs, out) -> int:
     """Bytes an op reads and writes: every distinct tensor among its arguments and results
-    once (an ``out=`` tensor is written, not read), and the ``self`` of an in-place op that
-    reads it (``mul_``) twice."""
+    once (an ``out=`` tensor is written, not read), at most its storage's bytes (a view of
+    overlapping windows, ``unfold``, reads no byte twice from memory), and the ``self`` of
+    an in-place op that reads it (``mul_``) twice."""
     tensors = {id(t): t for t in pytree.tree_leaves((args, kwargs, out))
                if isinstance(t, torch.Tensor)}
     inplace = func._schema.name.endswith("_") and func not in WRITE_ONLY
-    return sum(t.nbytes for t in tensors.values()) + (args[0].nbytes if inplace else 0)
+    return (sum(min(t.nbytes, t.untyped_storage().nbytes()) for t in tensors.values())
+            + (args[0].nbytes if inplace else 0))
 
 
 class Counter(TorchDispatchMode):

@@ -26,7 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from geofp8.codecs import base, fp4, fp8
+from geofp8.codecs import base, fp4, fp8, mx
 
 DEVICE = torch.device("meta")
 aten = torch.ops.aten
@@ -166,7 +166,8 @@ class _Generator(_GENERATOR):
 def _forget_device_constants() -> None:
     """The codecs' constants made once per device: the stand-in's device is ``meta``, so a
     real meta one of another test must not reach the mode, nor a fake one leave it."""
-    for cached in (base.device_scalar, fp8.e4m3_table, fp4._encode_table, fp4._pair_table):
+    for cached in (base.device_scalar, fp8.e4m3_table, fp4._encode_table, fp4._pair_table,
+                   mx._scale_tables, mx._e8m0_table):
         cached.cache_clear()
 
 

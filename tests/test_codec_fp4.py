@@ -74,6 +74,41 @@ def test_e2m1_table_encode_equals_grid_rounding_for_every_key():
     assert torch.equal(e2m1_encode(near), e2m1_round(near))
 
 
+
+def _every_key(gen: torch.Generator):
+    """Every non-negative FP32 16-bit key (NaN and +Inf included) with its 16 low bits zero,
+    one, all set and random: what a block's amax or its scale quotient can be."""
+    keys = torch.arange(1 << 15, dtype=torch.int32) << 16
+    for low in (torch.zeros_like(keys), torch.ones_like(keys), torch.full_like(keys, 0xFFFF),
+                torch.randint(0, 1 << 16, keys.shape, generator=gen, dtype=torch.int32)):
+        yield (keys | low).view(torch.float32)
+
+
+def test_key_tables_equal_the_torch_ops_they_replace_for_every_key():
+    """The torch path's lookups of a value's key (fp4.round_key): NVFP4's block scale rounded
+    up (e4m3_ceil: clamp at 448, the E4M3 cast, one step up when below; NaN and +Inf to the
+    NaN code), the E2M1 values of the codes, an MX block's E8M0 byte and its divisor, and
+    the E8M0 bytes' values, bit for bit against the ops on every key."""
+    from geofp8.codecs.fp4 import _encode_table, e4m3_ceil, round_key
+    from geofp8.codecs.mx import _e8m0_table, _scale_tables
+
+    cpu = torch.device("cpu")
+    tables, gen = _encode_table(cpu), torch.Generator().manual_seed(1)
+    for v in _every_key(gen):
+        key = round_key(v)
+        assert torch.equal(torch.take(tables.scales, key), e4m3_ceil(v))
+        codes = torch.take(tables.codes, key)
+        assert torch.equal(torch.take(tables.values, key).view(torch.int32),
+                           e2m1_values(codes).view(torch.int32))
+        for element in ("e2m1", "e4m3"):
+            byte = e8m0_scales(torch.where(v.isfinite(), v, float("inf")), element)
+            mx = _scale_tables(element, cpu)
+            assert torch.equal(torch.take(mx.bytes, key), byte)
+            assert torch.equal(torch.take(mx.divisors, key).view(torch.int32),
+                               e8m0_values(byte).nan_to_num_(nan=1.0).view(torch.int32))
+    byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    assert torch.equal(_e8m0_table(cpu).view(torch.int32), e8m0_values(byte).view(torch.int32))
+
 # -- NVFP4 -----------------------------------------------------------------------------------
 
 def test_nvfp4_scales_are_the_documented_ones_and_the_block_scale_rounds_up():

@@ -202,7 +202,7 @@ def _back_to_back(parts: Sequence[torch.Tensor], align: int) -> torch.Tensor | N
 
 def interleave(*kinds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Per-shard parts from per-kind lists: ``[a₀, b₀, a₁, b₁, …]`` from ``[a…], [b…]``."""
-    return [part for parts in zip(*kinds) for part in parts]
+    return list(itertools.chain.from_iterable(zip(*kinds)))  # no Python per shard
 
 
 def finite_flag(t: torch.Tensor) -> torch.Tensor:
@@ -247,8 +247,10 @@ def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
 
 
 @functools.cache
-def device_scalar(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``value`` as a 0-dim ``dtype`` tensor on ``device``, made once per value (a blocking
+def device_scalar(value: float | tuple[float, ...], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-dim ``dtype`` tensor on ``device`` (a tuple of numbers: a 1-D one,
+    e.g. the offsets of a segmented reduction), made once per value (a blocking
     copy from the host, in place when it returns) and never written: an operand that costs
     no fill kernel per call (``new_full``, or a Python scalar in ``torch.where``, launch one
     each time)."""

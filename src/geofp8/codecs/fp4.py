@@ -130,12 +130,32 @@ def e2m1_round(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
     return (code | sign).to(torch.uint8)
 
 
+def e4m3_ceil(r: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes (uint8) of the smallest E4M3 value ``≥ min(r, 448)`` for the FP32 ``r ≥ 0``
+    (the block scale rounded *up*, module notes); the NaN code ``0x7F`` for NaN or ``+Inf``:
+    the reference that :func:`_encode_table`'s block-scale table is built from."""
+    r = r.nan_to_num(nan=NAN, posinf=NAN).clamp_(max=E4M3_MAX)
+    nearest = r.to(torch.float8_e4m3fn)  # NaN (positive: nan_to_num's): 0x7F
+    return nearest.view(torch.uint8) + (e4m3_values(nearest) < r)  # round up (bool: 0/1)
+
+
+class KeyTables(NamedTuple):
+    """What a 16-bit key (:func:`round_key`) stands for, one entry per key: rounded from the
+    value with bit pattern ``k·2¹⁶``."""
+
+    codes: torch.Tensor  # E2M1 code (uint8), to nearest
+    values: torch.Tensor  # that code's FP32 value
+    scales: torch.Tensor  # E4M3 code of the block scale (uint8), rounded up (e4m3_ceil)
+
+
 @functools.cache
-def _encode_table(device: torch.device) -> torch.Tensor:
-    """The E2M1 code of every 16-bit key ``k`` (the top half of an FP32 pattern, see
-    :func:`e2m1_encode`), rounded on the grid from the value with bit pattern ``k·2¹⁶``."""
-    keys = torch.arange(1 << 16, dtype=torch.int32) << 16
-    return e2m1_round(keys.view(torch.float32)).to(device)
+def _encode_table(device: torch.device) -> KeyTables:
+    """The :class:`KeyTables` on ``device``, made once: every key's value rounded on the
+    grid (:func:`e2m1_round`, :func:`e4m3_ceil`)."""
+    keys = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
+    codes = e2m1_round(keys)
+    return KeyTables(codes.to(device), e2m1_values(codes).to(device),
+                     e4m3_ceil(keys).to(device))
 
 
 @functools.cache
@@ -147,22 +167,27 @@ def _pair_table(device: torch.device) -> torch.Tensor:
     return pairs.view(torch.int64).view(-1).to(device)
 
 
-def e2m1_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
-    """E2M1 codes (uint8, 0–15) of the contiguous FP32 ``v`` (``|v| ≤ 6``; larger saturates
-    at 6); ``u``: uniforms for stochastic rounding (:func:`e2m1_round`).
-
-    To nearest, one lookup: the key of ``v`` is the top 16 bits of its FP32 pattern with the
-    lowest bit set when any of the 16 bits below is (rounding to odd). Every E2M1 tie has
-    two significant bits, so an odd key lies strictly between two ties and an even key is
-    exact: the table entry of the key is the correctly rounded code of every ``v`` that maps
-    to it.
-    """
-    if u is not None:
-        return e2m1_round(v, u)
+def round_key(v: torch.Tensor) -> torch.Tensor:
+    """The lookup key (int64, sign-extended) of every FP32 of the contiguous ``v``: the top
+    16 bits of its pattern with the lowest bit set when any of the 16 bits below is
+    (rounding to odd). A grid whose points have at most 7 significant bits (E2M1, E4M3)
+    has each point at an even key, so an odd key lies strictly between two of them and
+    between two ties: every ``v`` of one key rounds the same way (to nearest or up), which
+    its :class:`KeyTables` entry holds. A negative key ``k`` reads entry ``k + 2¹⁶`` of a
+    table (``torch.take``)."""
     halves = v.view(torch.int16).view(-1, 2)  # each FP32 pattern's two 16-bit halves
     key = torch.empty(v.numel(), dtype=torch.int64, device=v.device)
-    torch.bitwise_or(halves[:, _HIGH], halves[:, 1 - _HIGH] != 0, out=key)  # sign-extended
-    return torch.take(_encode_table(v.device), key)  # a negative key k reads entry k + 2¹⁶
+    torch.bitwise_or(halves[:, _HIGH], halves[:, 1 - _HIGH] != 0, out=key)
+    return key
+
+
+def e2m1_encode(v: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    """E2M1 codes (uint8, 0–15) of the contiguous FP32 ``v`` (``|v| ≤ 6``; larger saturates
+    at 6); ``u``: uniforms for stochastic rounding (:func:`e2m1_round`). To nearest, one
+    lookup of :func:`round_key` (every E2M1 tie has two significant bits)."""
+    if u is not None:
+        return e2m1_round(v, u)
+    return torch.take(_encode_table(v.device).codes, round_key(v))
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -251,12 +276,6 @@ def shard_uniforms(shards: GroupMap, seeds, device: torch.device) -> torch.Tenso
     generator per segment: these kernels grow with the segments)."""
     return torch.cat([segment_uniforms(s, n, seed, device)
                       for s, n, seed in zip(shards, shards.numels, seeds)])
-
-
-def block_amax_of(flat: torch.Tensor, shards: GroupMap) -> torch.Tensor:
-    """Max ``|x|`` of every group of ``shards`` laid one after the other; ``+Inf`` for a
-    group holding NaN or ±Inf (as :func:`block_amax`)."""
-    return _inf_unless_finite(group_amax(flat, shards))
 
 
 def _check_rounding(rounding: str) -> None:
@@ -384,8 +403,9 @@ class NVFP4Codec(Codec):
                 groups: GroupMap | None = None) -> tuple[torch.Tensor, ...]:
         """``(segment scales s, block scale codes, block scales β·s per block)`` from the blocks'
         ``amax`` (``+Inf`` for a non-finite block, :func:`block_amax`). On the torch path
-        that block's quotient is made NaN, which passes the clamp, casts to the E4M3 NaN
-        code ``0x7F`` and is never rounded up (no mask of its own). ``groups``: the
+        every quotient's code is one lookup of its key (:func:`round_key`) in the table of
+        :func:`e4m3_ceil`, which gives a non-finite block's (NaN or ``+Inf``) the E4M3 NaN
+        code ``0x7F`` (no mask of its own). ``groups``: the
         segments' map, whose device counts and segment index are made once (else made
         here)."""
         if native.usable(amax):  # two passes of the CPU's native kernels
@@ -404,9 +424,8 @@ class NVFP4Codec(Codec):
         s = exact_div(seg_amax, E2M1_MAX * E4M3_MAX)
         s_block = (torch.repeat_interleave(s, counts, output_size=amax.numel()) if groups is None
                    else s.index_select(0, segment_index(groups, amax.device)))
-        r = (amax / (E2M1_MAX * s_block)).nan_to_num_(nan=NAN, posinf=NAN).clamp_(max=E4M3_MAX)
-        nearest = r.to(torch.float8_e4m3fn)  # NaN (positive: nan_to_num's): 0x7F
-        code = nearest.view(torch.uint8) + (e4m3_values(nearest) < r)  # round up (bool: 0/1)
+        r = amax / (E2M1_MAX * s_block)
+        code = torch.take(_encode_table(r.device).scales, round_key(r))  # e4m3_ceil(r)
         return s, code, e4m3_values(code).mul_(s_block)
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, segments: Segments,
@@ -481,9 +500,12 @@ class NVFP4Codec(Codec):
             return fused
         return self._split(shards, *self._encode_whole(x, shards, seeds)[:3])
 
-    def _encode_whole(self, x: torch.Tensor, shards: GroupMap, seeds) -> tuple[torch.Tensor, ...]:
+    def _encode_whole(self, x: torch.Tensor, shards: GroupMap, seeds,
+                      decoded: bool = False) -> tuple[torch.Tensor, ...]:
         """``(segment scales, block scale codes, packed codes, block scales)`` of the whole
-        bucket, each one tensor (torch ops)."""
+        bucket, each one tensor (torch ops); ``decoded``: then what the codes decode to, FP32
+        in ``x``'s order, from the codes (to nearest: one lookup of their keys' values, no
+        unpacking)."""
         amax = group_amax(x, shards)  # NaN or +Inf for a non-finite block: _scales' torch
         if native.usable(amax):  # ops read either, the native kernel +Inf only
             _inf_unless_finite(amax)
@@ -491,8 +513,20 @@ class NVFP4Codec(Codec):
         divisor = torch.where(scale > 0, scale, device_scalar(1.0, scale.dtype, scale.device))
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
-        v = group_div(x, divisor, shards)
-        return s, code, pack_whole(e2m1_encode(v, u), shards), scale
+        # the quotients x / divisor live only until their keys (or codes) are made
+        key = None if u is not None else round_key(group_div(x, divisor, shards))
+        codes = (e2m1_encode(group_div(x, divisor, shards), u) if key is None
+                 else torch.take(_encode_table(x.device).codes, key))
+        values = None
+        if decoded:
+            values = (e2m1_values(codes) if key is None
+                      else torch.take(_encode_table(x.device).values, key))
+        del key  # 8 bytes an element, freed before the packing
+        whole = (s, code, pack_whole(codes, shards), scale)
+        if values is None:
+            return whole
+        group_mul_(values, scale, shards)
+        return (*whole, values)
 
     def _split(self, shards: GroupMap, *whole: torch.Tensor) -> list[torch.Tensor]:
         """Every shard's parts, cut from the whole bucket's three."""
@@ -518,11 +552,10 @@ class NVFP4Codec(Codec):
         if (fused := triton_fp4.encode_whole(self, x, shards, error=with_error,
                                              error_out=error_out)) is not None:
             return fused
-        s, code, packed, scale = self._encode_whole(x, shards, [None] * len(shards))
+        s, code, packed, *_, decoded = self._encode_whole(x, shards, [None] * len(shards),
+                                                          decoded=with_error)
         error = None
         if with_error:
-            decoded = torch.empty_like(x)
-            self._decode_values(decoded, packed, scale, shards)
             error = torch.sub(x, decoded, out=decoded if error_out is None else error_out)
         return [s.view(torch.uint8), code, packed], error
 

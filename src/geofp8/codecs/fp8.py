@@ -41,7 +41,7 @@ from .base import (
     group_map,
     group_mul_,
     interleave,
-    joined,
+    joined_kinds,
     scales_flag,
     segment_amax,
 )
@@ -201,8 +201,8 @@ class FP8Codec(Codec):
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
-        scales = joined(parts[0::2], fresh=poison, align=4)  # poisoned in place
-        return self.decode_whole(out, [scales, joined(parts[1::2])], shards, check, poison)
+        wholes = joined_kinds(parts, (4, 1), fresh=(poison,))  # scales poisoned in place
+        return self.decode_whole(out, wholes, shards, check, poison)
 
     def decode_whole(self, out: torch.Tensor, wholes, shards: Shards, check: bool = True,
                      poison: bool = False) -> torch.Tensor | None:

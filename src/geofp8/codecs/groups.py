@@ -16,6 +16,7 @@ it), at the price of that walk on each call.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from functools import cached_property
@@ -270,8 +271,15 @@ class PartsOrder:
 
     def to_shards(self, wholes: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Per shard, its parts (views of one shard-ordered tensor per kind)."""
-        kinds = [g.forward(w).split(b) for g, w, b in zip(self.gathers, wholes, self.shard_bytes)]
-        return list(map(list, zip(*kinds)))  # no Python per shard
+        return list(map(list, zip(*self._kinds(wholes))))  # no Python per shard
+
+    def shard_after_shard(self, wholes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Every shard's parts, shard after shard, in one list (what a send buffer joins)."""
+        return list(itertools.chain.from_iterable(zip(*self._kinds(wholes))))
+
+    def _kinds(self, wholes: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+        """Per kind, every shard's part (views of one shard-ordered tensor: one gather)."""
+        return [g.forward(w).split(b) for g, w, b in zip(self.gathers, wholes, self.shard_bytes)]
 
     def from_records(self, buf: torch.Tensor, records: Sequence[int]) -> list[torch.Tensor]:
         """The kinds whole, in flat order, from every shard's record of ``records[j]`` bytes

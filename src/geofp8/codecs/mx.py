@@ -25,9 +25,10 @@ Bytes per element: ``1/2 + 1/32`` (MXFP4, 0.133× FP32) and ``1 + 1/32`` (MXFP8)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -36,6 +37,7 @@ from .base import (
     Codec,
     Segments,
     Shards,
+    group_amax,
     group_div,
     group_fp8,
     group_map,
@@ -49,7 +51,6 @@ from .fp4 import (
     _check_input,
     _check_rounding,
     block_amax,
-    block_amax_of,
     blocks_of,
     e2m1_encode,
     encode_blocks,
@@ -57,6 +58,7 @@ from .fp4 import (
     grid_round,
     pack_nibbles,
     pack_shards,
+    round_key,
     scale_blocks,
     segment_uniforms,
     shard_uniforms,
@@ -64,7 +66,7 @@ from .fp4 import (
     unpack_shards,
     whole_bytes,
 )
-from .fp8 import e4m3_into, group_lengths
+from .fp8 import e4m3_into, group_lengths, lookup_into
 
 __all__ = ["MX_BLOCK", "MXCodec", "e8m0_scales"]
 
@@ -89,9 +91,36 @@ def e8m0_values(byte: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+class ScaleTables(NamedTuple):
+    """An element format's E8M0 scale of a block by the 16-bit key of its amax
+    (:func:`~geofp8.codecs.fp4.round_key`), made from the value with bit pattern ``k·2¹⁶``:
+    the exponent steps up past ``fmax · 2^e`` and at powers of two, points of at most
+    three significant bits (even keys), so every amax of one key gets the same byte
+    (:func:`e8m0_scales`; NaN or ``+Inf``: ``0xFF``)."""
+
+    bytes: torch.Tensor  # the E8M0 byte
+    divisors: torch.Tensor  # what the block's elements are divided by: its scale, 1 for NaN
+
+
+@functools.cache
+def _scale_tables(element: str, device: torch.device) -> ScaleTables:
+    """The :class:`ScaleTables` of ``element`` on ``device``, made once."""
+    byte = e8m0_scales((torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32),
+                       element)
+    return ScaleTables(byte.to(device), e8m0_values(byte).nan_to_num_(nan=1.0).to(device))
+
+
+@functools.cache
+def _e8m0_table(device: torch.device) -> torch.Tensor:
+    """The FP32 value of every E8M0 byte (:func:`e8m0_values`) on ``device``, made once."""
+    return e8m0_values(torch.arange(256, dtype=torch.int32).to(torch.uint8)).to(device)
+
+
 def _scales(byte: torch.Tensor, poison: bool) -> torch.Tensor:
-    """The blocks' FP32 scales, all NaN with ``poison`` unless every one is finite."""
-    values = e8m0_values(byte)
+    """The blocks' FP32 scales (one lookup of the contiguous ``byte``), all NaN with
+    ``poison`` unless every one is finite."""
+    values = torch.empty(byte.shape, dtype=torch.float32, device=byte.device)
+    lookup_into(values, _e8m0_table(byte.device), byte)
     if poison:
         poison_scales_(values)
     return values
@@ -192,8 +221,7 @@ class MXCodec(Codec):
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
         if (fused := triton_fp4.encode_shards(self, x, shards, seeds)) is not None:
             return fused
-        byte = e8m0_scales(block_amax_of(x, shards), self.element)
-        scale = e8m0_values(byte).nan_to_num_(nan=1.0)  # a NaN block divided by 1
+        byte, scale = self._scales_of(group_amax(x, shards))
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
         if self.packed or u is not None:
@@ -204,6 +232,12 @@ class MXCodec(Codec):
         return interleave(byte.split(shards.memo("groups", lambda: [sum(map(len, g))
                                                                     for g in shards])),
                           pack_shards(codes, shards) if self.packed else codes.split(numels))
+
+    def _scales_of(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(E8M0 bytes, divisors)`` of the blocks of ``amax`` (NaN or ``+Inf`` for a
+        non-finite block): one lookup each of its keys (:class:`ScaleTables`)."""
+        key, tables = round_key(amax), _scale_tables(self.element, amax.device)
+        return torch.take(tables.bytes, key), torch.take(tables.divisors, key)
 
     def encode_shards_with_error(self, x: torch.Tensor, shards: Shards
                                  ) -> tuple[list[torch.Tensor], torch.Tensor]:

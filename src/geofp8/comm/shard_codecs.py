@@ -13,7 +13,7 @@ from functools import cached_property
 
 import torch
 
-from ..codecs.base import GroupMap, interleave, mix_seed
+from ..codecs.base import GroupMap, interleave, joined, mix_seed
 from .segment_parts import SegmentParts
 
 __all__ = ["ShardCodecs"]
@@ -68,6 +68,62 @@ class ShardCodecs(SegmentParts):
                                              check))
             part += k
         return _all(flags, out.device) if check else None
+
+    def encode_send(self, flat: torch.Tensor, seed: int | None, sender: int,
+                    with_error: bool = False, error_out: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(every shard's payload one after the other, the rounding error or None)``: the
+        send buffer of a bucket with no side bytes that the batched kernels encode in one
+        call (:meth:`encode_pieces`: a segmentwise codec's parts reordered by one gather
+        per kind, :meth:`PartsOrder.shard_after_shard`, or :meth:`encode_shards` of the
+        shard-major vector), joined by one ``cat`` with nothing per shard in Python;
+        shard ``j`` rounded with ``mix_seed(seed, sender, j)`` (sender ``sender``'s stream;
+        no seed: ``None``), ``with_error`` and ``error_out`` as there. ``None`` where the stages
+        join :meth:`encode_pieces`' pieces themselves (side bytes, the chunked kernels,
+        a segmentwise codec's parts cut by segment)."""
+        if not self.batched(flat.device) or any(self.side):
+            return None
+        if self._by_segment is None:
+            if with_error:  # not encodes_error: encode_pieces says so
+                return None
+            shards = self._maps.setdefault("all shards", list(range(self.world_size)))
+            seeds = ([None] * len(shards) if seed is None
+                     else [mix_seed(seed, sender, j) for j in shards])
+            return torch.cat(self.encode_shards(self.shard_major(flat), shards, seeds)), None
+        if self._reorder is None:
+            return None
+        _check_float(flat)
+        wholes, error = self.codec.encode_whole(flat, self._by_segment[0], with_error,
+                                                error_out if with_error else None)
+        parts = self._reorder.shard_after_shard(wholes)
+        del wholes  # each kind in flat order: freed before the join
+        return torch.cat(parts), error
+
+    def decode_records(self, buf: torch.Tensor, shards: list[int], records: int | list[int],
+                       out: torch.Tensor | None = None, check: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(values, finite)`` of the encoded ``shards`` laid one after the other in ``buf``,
+        each in a record of ``records`` bytes (one size for all or one per shard; its payload
+        first, then side bytes or padding): one ``split`` and one codec call over their
+        payload parts, cut as made once per shards and records (nothing per shard in
+        Python); a one-codec layout joins them kind after kind in one ``cat``
+        (:meth:`Codec.decode_whole`). ``values``: ``out`` when given, else a new FP32
+        vector; ``finite`` as :meth:`decode_shards` returns it."""
+        key = ("cuts", tuple(shards), records if isinstance(records, int) else tuple(records))
+        if key not in self._maps:
+            self._maps[key] = self._cuts(shards, records)
+        nbytes, sizes, where, kinds, numel = self._maps[key]
+        values = out if out is not None else torch.empty(numel, dtype=torch.float32,
+                                                         device=buf.device)
+        if (windows := self._windows(key, buf.device)) is not None:
+            wholes = _gathered(buf, windows, kinds)
+        else:
+            pieces = buf[:nbytes].split(sizes)
+            payload = list(map(pieces.__getitem__, where))
+            if self.codecs:
+                return values, self.decode_shards(values, payload, shards, check)
+            wholes = joined(payload, align=4).split(kinds)  # first kind: FP32 scales or bytes
+        return values, self.codec.decode_whole(values, wholes, self.group_map(shards), check)
 
     def encode_pieces(self, flat: torch.Tensor, seeds: list[int | None],
                       with_error: bool = False, error_out: torch.Tensor | None = None
@@ -194,6 +250,19 @@ class ShardCodecs(SegmentParts):
             for place, piece, before in zip(places, pieces, self.segment_views(minus, shard)):
                 torch.sub(before, piece, out=place)
         return finite
+
+
+def _gathered(buf: torch.Tensor, windows: list[tuple[int, torch.Tensor]],
+              kinds: list[int]) -> list[torch.Tensor]:
+    """Each kind of the records in ``buf`` whole (views of one new buffer): per kind one
+    ``index_select`` of its windows (``buf`` seen as its overlapping windows of the kind's
+    length, ``unfold``) at the records' starts."""
+    whole = buf.new_empty(sum(kinds))
+    out = whole.split(kinds)
+    for (length, starts), into in zip(windows, out):
+        if length:
+            torch.index_select(buf.unfold(0, length, 1), 0, starts, out=into.view(-1, length))
+    return list(out)
 
 
 def _run_seed(seed: int | None, run: int) -> int | None:

@@ -101,6 +101,9 @@ def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | 
     fused = None if with_error or side else layout.plan.bound(flat)
     if fused is not None and (sent := fused.send(flat, None, None, seed, sender)) is not None:
         return sent, None
+    if not side and (done := layout.encode_send(flat, seed, sender, with_error,
+                                                error_out)) is not None:
+        return done
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
     if not (layout.batched(flat.device) or layout.segmentwise):
         sizes = _send_sizes(layout)
@@ -131,24 +134,15 @@ def _decode_records(buf: torch.Tensor, layout: ShardLayout, shards: list[int],
     codec call; chunked, record by record. ``values`` (``out`` when given): the shards'
     values one after the other. ``finite`` is ``None`` without ``check`` (a NaN scale's
     group decodes to NaN either way)."""
+    if layout.batched(buf.device):  # its cuts made once (ShardLayout.decode_records)
+        return layout.decode_records(buf, shards, record, out, check)
     records = [record] * len(shards) if isinstance(record, int) else record
     values = out if out is not None else torch.empty(
         sum(layout.shard_numel(j) for j in shards), dtype=torch.float32, device=buf.device)
-    if not layout.batched(buf.device):
-        out = values.split([layout.shard_numel(j) for j in shards])
-        flags = [layout.decode_into(v, payload, j)
-                 for v, payload, j in zip(out, buf[: sum(records)].split(records), shards)]
-        return values, torch.stack(flags).all() if check else None
-    sizes = []
-    for j, nbytes in zip(shards, records):
-        parts = layout.parts[j]
-        sizes += [*parts, nbytes - sum(parts)]
-    pieces, payload, pos = buf[: sum(records)].split(sizes), [], 0
-    for j in shards:
-        k = len(layout.parts[j])
-        payload += pieces[pos : pos + k]
-        pos += k + 1  # the record's rest (side bytes, padding)
-    return values, layout.decode_shards(values, payload, shards, check)
+    out = values.split([layout.shard_numel(j) for j in shards])
+    flags = [layout.decode_into(v, payload, j)
+             for v, payload, j in zip(out, buf[: sum(records)].split(records), shards)]
+    return values, torch.stack(flags).all() if check else None
 
 
 def _decode_flat(buf: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
@@ -223,9 +217,17 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
 
 def sender_sum(rows: torch.Tensor) -> torch.Tensor:
     """``0 + rows[0] + rows[1] + …`` (FP32, the senders in order): the one order every path
-    adds the ``N`` decoded copies in, the fused kernels' too. ``rows.sum(0)`` picks its
-    order by shape and device; on a CPU it is this one up to 4 rows (and faster)."""
-    if rows.device.type == "cpu" and rows.shape[0] <= 4:
+    adds the ``N`` decoded copies in, the fused kernels' too. Off a CPU one kernel whatever
+    ``N``: a segmented sum of the ``[N, shard]`` rows over one segment of ``N`` along axis
+    0, whose every lane adds its ``N`` values one after the other from 0 in the rows' dtype
+    (CUDA's kernel for an input of more than one dimension, as the CPU's; a 1-D input would
+    take CUB's tree order). On a CPU, where that kernel is 3–6× slower than adding row by
+    row: ``rows.sum(0)`` up to 4 rows (this order there, and faster), else row by row."""
+    n = rows.shape[0]
+    if rows.device.type != "cpu":
+        return torch.segment_reduce(rows.view(n, -1), "sum", axis=0, unsafe=True,
+                                    offsets=device_scalar((0, n), torch.long, rows.device))[0]
+    if n <= 4:
         return rows.sum(0)
     total = rows[0] + 0.0  # -0 + 0 = +0, as a sum from zero
     for row in rows[1:]:
