@@ -32,6 +32,13 @@ def _worker(rank, world, flat: bool):
         return routes, bucket
 
     pipeline._bucket_residual = bucket_residual
+    follow = pipeline._encode_recorded
+
+    def encode_recorded(record, flat_bucket, seed):  # the flat path as resolved before
+        took.append((pipeline.step, bool(record.slots)))
+        return follow(record, flat_bucket, seed)
+
+    pipeline._encode_recorded = encode_recorded
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
         handle = model[0].weight.register_hook(lambda g: g * float("nan")) \
