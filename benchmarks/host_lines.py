@@ -14,7 +14,9 @@ import dataclasses
 import os
 import sys
 
-from gpu_bucket import ROOT
+import geofp8
+
+ROOT = os.path.dirname(geofp8.__file__) + os.sep  # GeoFP8's own files (as gpu_bucket's)
 
 STAGES = os.path.join(ROOT, "comm", "stages.py")  # a line under one of its frames: a stage's
 # Host µs of one library line executed, measured here as the stages' modelled host time
