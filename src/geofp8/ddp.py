@@ -137,19 +137,19 @@ class GeoFP8State:
 
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """Launch this bucket's all-reduce; the future's value is the averaged gradient."""
-        engine = self.engine
-        try:
+        engine, last = self.engine, bucket.is_last()  # (the engine's parts by their own
+        try:  # names here, not the properties: the hook's Python per bucket)
             with self.stream.after_current():  # the gradients are written: read them there
                 buffer = bucket.buffer()
                 self.stream.hand_over(buffer)
-                engine.start_unit(bucket.is_last())
-                self.group.charge("fp32_equivalent",
-                                  fp32_allreduce_wire_bytes(buffer.numel(), self.world_size))
+                engine.start_unit(last)
+                engine.group.charge("fp32_equivalent",
+                                    fp32_allreduce_wire_bytes(buffer.numel(), engine.group.size))
                 engine.ledger.add("elements", buffer.numel())
                 if engine.fp8:
-                    future = self._fp8_allreduce(bucket, buffer, bucket.is_last())
+                    future = self._fp8_allreduce(bucket, buffer, last)
                 else:
-                    future = self._fp32_allreduce(buffer, bucket.is_last())
+                    future = self._fp32_allreduce(buffer, last)
         except BaseException:
             self._rollback()
             raise
@@ -216,11 +216,12 @@ class GeoFP8State:
         return kept
 
     def _fp8_allreduce(self, bucket: dist.GradBucket, buffer: torch.Tensor, last: bool):
-        pipeline, kept = self.pipeline, self._bucket_of(bucket, buffer)
+        engine, kept = self.engine, self._bucket_of(bucket, buffer)
+        pipeline, ledger = engine.pipeline, engine.ledger
         if last and len(self._buckets) > bucket.index() + 1:  # DDP rebuilt fewer buckets
             self._buckets = {i: b for i, b in self._buckets.items() if i <= bucket.index()}
         names, grads, offsets, in_place = kept.names, kept.grads, kept.offsets, kept.in_place
-        seed = self.engine.seed(bucket.index())
+        seed = engine.seed(bucket.index())
         if self.hierarchy is not None:  # several buckets in flight (see geofp8.hierarchy)
             return self.hierarchy.launch(names, grads, buffer, offsets, seed, last,
                                          then=self._bucket_done)
@@ -228,11 +229,12 @@ class GeoFP8State:
         encoded = pipeline.encode(names, grads, seed, flat=buffer if in_place else None,
                                   record=kept.record)
         kept.record = encoded.record  # the bucket's decisions for its next call
-        self.ledger.add("codec_s", time.perf_counter() - t0)
+        ledger.add("codec_s", time.perf_counter() - t0)
 
         # the collective divides by N (in its fused decode), and its finite flag stands for
         # the bucket's where nothing is mapped back (a map may overflow)
-        unmapped = not encoded.slots and not any(encoded.per_sender)
+        per_sender = any(encoded.per_sender)
+        unmapped = not encoded.slots and not per_sender
 
         def map_back(total: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
             # `total` is all NaN on every rank if any rank sent a non-finite value
@@ -241,20 +243,22 @@ class GeoFP8State:
             if not in_place:
                 for off, y in zip(offsets, mean.split([g.numel() for g in grads])):
                     buffer[off : off + y.numel()].copy_(y)
-            self.ledger.add("transform_s", time.perf_counter() - t1)
+            ledger.add("transform_s", time.perf_counter() - t1)
             return self._bucket_done(buffer, finite if unmapped else None)
 
         # before the launch: the last one settles the step, bytes charged included
-        self.group.charge("payload", -encoded.side_bytes)  # sender factors are factor bytes
-        self.group.charge("factor", encoded.side_bytes)
+        if encoded.side_bytes:
+            engine.group.charge("payload", -encoded.side_bytes)  # sender factors: factor bytes
+            engine.group.charge("factor", encoded.side_bytes)
         # the owners' residuals are in communication coordinates, which stay put only for
         # tensors sent without a map (refreshes change maps): see GradientPipeline.owner_keys
         owner_keys = pipeline.owner_keys(encoded) if pipeline.owner is not None else None
         return self.communicator.launch(encoded.sent, encoded.layout, last,
-                                        pipeline.unmap(encoded), seed=seed,
+                                        pipeline.unmap(encoded) if per_sender else None,
+                                        seed=seed,
                                         owner_keys=owner_keys,
                                         out=buffer if in_place else None,
-                                        then=map_back, divide=self.world_size)
+                                        then=map_back, divide=engine.group.size)
 
     # -- reporting and checkpoints -----------------------------------------------------------
 
