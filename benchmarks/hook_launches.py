@@ -17,7 +17,7 @@ verdict), counted rather than timed, split into the stages' (lines run under a f
 lines must not grow with the tensors per bucket: ``--tensors`` varies them with one bucket
 per step; ``--buckets`` splits the same layers into several buckets.
 
-Host µs per bucket, modelled: each part's lines at :data:`LINE_US` (the stages' measured
+Host µs per bucket, modelled: each part's lines at ``host_lines.LINE_US`` (the stages' measured
 cost of a line here) plus its launches at ``gpu_bucket.LAUNCH_US`` (the step's verdict
 kernel is the hook's); a model of the host thread's time, not a GPU measurement.
 

@@ -19,11 +19,12 @@ import geofp8
 ROOT = os.path.dirname(geofp8.__file__) + os.sep  # GeoFP8's own files (as gpu_bucket's)
 
 STAGES = os.path.join(ROOT, "comm", "stages.py")  # a line under one of its frames: a stage's
-# Host µs of one library line executed, measured here as the stages' modelled host time
-# less their launches, over their lines (`gpu_bucket.py --paths fused --methods fp8-ef
-# --sizes 1 --ranks 8 --kinds equal --repeats 9`, 2026-12-07 on the shared 2-core machine:
-# 109.6 µs, 6 launches, 232 lines): (109.6 - 6 * 8) / 232.
-LINE_US = 0.27
+# Host µs of one library line executed, measured here as the fused stages' modelled host
+# time less their launches, over their lines: `gpu_bucket.py --paths fused --methods fp8-ef
+# nvfp4-ef --sizes 1 --ranks 8 --kinds equal --repeats 9`, twice on 2026-12-07 on the shared
+# 2-core machine: fp8-ef (89 or 102 µs - 6 × 8) / 232 lines, nvfp4-ef (99 or 123 - 48) / 321:
+# 0.16-0.23 µs a line.
+LINE_US = 0.2
 
 
 class SplitLines:
