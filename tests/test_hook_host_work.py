@@ -21,7 +21,7 @@ from distributed import run_ranks
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
 WIDTH, COUNTED = 64, 5  # Linear(64, 64) layers; step 5 is ordinary for every method
-METHODS = ("fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_launches.py counts it)
+METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_launches counts it)
 # the hook's own lines of one ordinary step with one bucket (its start and settling
 # included): 492 (2 tensors) and 810 (8 tensors) for fp8-ef before the records; 343 after
 MOST = 360
@@ -61,7 +61,7 @@ def _lines_worker(rank, world):
 
 
 def test_the_hooks_own_lines_per_bucket_do_not_grow_with_its_tensors():
-    """fp8-ef and geofp8-auto (no layer on a map at its ordinary step): the same
+    """fp8, fp8-ef and geofp8-auto (no layer on a map at its ordinary step): the same
     lines for 2 and 8 tensors in the bucket, and no more than the records brought them to
     (each method's names, offsets, routes, residual slot and layout resolved once)."""
     lines = run_ranks(_lines_worker, 2, timeout=240)[0]

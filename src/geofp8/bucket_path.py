@@ -92,23 +92,31 @@ class BucketPath:
             sent = encode(flat, layout, side, seed, sender=self.group.rank)
         side_bytes = sum(layout.side[j] for j in range(self.world_size) if j != self.rank)
         slots = _slots(shapes, routes, per_sender)
+        # the flat path: with error feedback the bucket's residual; without, every tensor
+        # plain (Ũ = G, in place already)
+        flat_path = bucket is not None or (in_place and not self.config.error_feedback
+                                           and all(self.plain(n) for n in names))
         record = BucketRecord(self.generation(), tuple(names), tuple(shapes), tuple(routes),
                               per_sender, slots, layout, side_bytes) \
-            if bucket is not None and self.recordable() and not any(per_sender) else None
+            if flat_path and self.recordable() and not any(per_sender) else None
         return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes,
                        slots, record)
 
     def _encode_recorded(self, record: BucketRecord, flat: torch.Tensor,
                          seed: int | None) -> Encoded:
         """:meth:`encode` of a bucket as ``record`` resolved it, on the flat path: ``G T``
-        over each mapped tensor's slot, then the encode with the bucket's residual, written
-        back into it (no Python per tensor but a map's)."""
+        over each mapped tensor's slot, then the encode, with error feedback the bucket's
+        residual added and the new one written back into it (no Python per tensor but a
+        map's)."""
         for pos, n, shape, route in record.slots:
             route.forward_over(flat[pos : pos + n].view(shape))
-        sent, residual = encode_with_error(flat, record.layout, None, seed, self.group.rank,
-                                           error_out=flat,
-                                           feedback=self.feedback.recorded(record.names))
-        self.feedback.stage_bucket(record.names, residual, routes=record.routes)
+        if self.config.error_feedback:
+            sent, residual = encode_with_error(flat, record.layout, None, seed,
+                                               self.group.rank, error_out=flat,
+                                               feedback=self.feedback.recorded(record.names))
+            self.feedback.stage_bucket(record.names, residual, routes=record.routes)
+        else:
+            sent = encode(flat, record.layout, None, seed, sender=self.group.rank)
         return Encoded(sent, record.layout, record.names, record.shapes, record.routes,
                        record.per_sender, record.side_bytes, record.slots, record)
 
