@@ -17,7 +17,7 @@ import sys
 import torch
 from torch import nn
 
-from distributed import run_ranks
+from distributed import run_ranks, train_skipping
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
 WIDTH, COUNTED = 64, 5  # Linear(64, 64) layers; step 5 is ordinary for every method
@@ -100,26 +100,18 @@ def _train(rank: int, keep: bool):
     pipeline._encode_recorded = encode_recorded
     if not keep:  # every call resolves its bucket: the per-tensor decisions each time
         pipeline.recordable = lambda: False
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     encode = pipeline.encode
 
     def counted_encode(*args, **kwargs):
         calls.append((pipeline.step, False))
         return encode(*args, **kwargs)
 
-    pipeline.encode = counted_encode
-    for step in range(STEPS):
-        handle = model[0].weight.register_hook(lambda g: g * float("nan")) \
-            if step == BAD and rank == 1 else None
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step + 10 * rank))
-        ddp(x).pow(2).mean().backward()
-        if all(bool(p.grad.isfinite().all()) for p in model.parameters()):
-            opt.step()
-        opt.zero_grad()
-        if handle is not None:
-            handle.remove()
+    def resume(step):
         if step == RESUME:
             state.load_state_dict(state.state_dict())
+
+    pipeline.encode = counted_encode
+    train_skipping(ddp, model, rank, STEPS, BAD, 32, after_step=resume)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"params": params.view(torch.int32).tolist(), "calls": calls,
             "mapped": len(pipeline.geometry_layers()),
