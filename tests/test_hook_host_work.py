@@ -23,8 +23,9 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
 WIDTH, COUNTED = 64, 5  # Linear(64, 64) layers; step 5 is ordinary for every method
 METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_launches counts it)
 # the hook's own lines of one ordinary step with one bucket (its start and settling
-# included): 492 (2 tensors) and 810 (8 tensors) for fp8-ef before the records; 343 after
-MOST = 360
+# included), 2 / 8 tensors, here: before the records fp8 423 / 657, fp8-ef 484 / 802,
+# geofp8-auto 506 / 824; after 307, 318 and 340 whatever the tensors
+MOST = 330
 
 
 def _hook_lines(method: str, tensors: int) -> int:
@@ -68,7 +69,7 @@ def test_the_hooks_own_lines_per_bucket_do_not_grow_with_its_tensors():
     for method in METHODS:
         few, many = lines[f"{method} 2"], lines[f"{method} 8"]
         assert few == many, (method, lines)
-        assert 0 < many <= MOST + (30 if method == "geofp8-auto" else 0), (method, lines)
+        assert 0 < many <= MOST + (20 if method == "geofp8-auto" else 0), (method, lines)
 
 
 STEPS, BAD, RESUME = 9, 7, 5  # rank 1's NaN at step 7; a checkpoint round trip after step 5
