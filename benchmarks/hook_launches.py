@@ -12,9 +12,14 @@ of GeoFP8's own Python the hook's calls execute (``py lines``, a trace as
 ``gpu_bucket.py``'s, the interpreted kernels' bodies left out): the host work of the
 real hook per bucket, the stages' and everything around them (the pipeline's bucket
 path, the error feedback's residual, the collective's launch and flush, the step's
-verdict), counted rather than timed. The hook's launches and lines must not grow with the
-tensors per bucket: ``--tensors`` varies them with one bucket per step; ``--buckets``
-splits the same layers into several buckets.
+verdict), counted rather than timed, split into the stages' (lines run under a frame of
+:mod:`geofp8.comm.stages`) and the hook's own (everything else). The hook's launches and
+lines must not grow with the tensors per bucket: ``--tensors`` varies them with one bucket
+per step; ``--buckets`` splits the same layers into several buckets.
+
+Host µs per bucket, modelled: each part's lines at ``host_lines.LINE_US`` (the stages' measured
+cost of a line here) plus its launches at ``gpu_bucket.LAUNCH_US`` (the step's verdict
+kernel is the hook's); a model of the host thread's time, not a GPU measurement.
 
 A geometry method reaches its ordinary step first: its factors refresh every 3 steps
 (the first refresh at step 3, where ``auto`` measures too, deciding at step 4), a profile
@@ -36,7 +41,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated (childr
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import itertools  # noqa: E402
 
@@ -44,7 +48,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from fused_launches import Launches  # noqa: E402  (wraps the Triton kernels' launches)
-from gpu_bucket import ALLOCATIONS, python_lines  # noqa: E402
+from gpu_bucket import ALLOCATIONS, LAUNCH_US  # noqa: E402
+from host_lines import LINE_US, SplitLines, hooked  # noqa: E402
 from host_syncs import on_ranks  # noqa: E402
 
 WIDTH = 64  # Linear(WIDTH, WIDTH, bias=False): 16 KiB of FP32 gradient a tensor
@@ -52,12 +57,28 @@ COUNTED = 5  # the step counted: ordinary for every method (see the module notes
 
 
 class HookLaunches(Launches):
-    """:class:`fused_launches.Launches`, the collectives counted apart and every op named."""
+    """:class:`fused_launches.Launches`, the collectives counted apart, every op named, and
+    the launches made under a stage (``split``: the :class:`SplitLines` tracing the call)
+    counted apart too (``staged``)."""
 
     def __init__(self) -> None:
+        self.split: SplitLines | None = None
+        self.staged = self._triton = 0
         super().__init__()
-        self.collectives = self.lines = 0
+        self.collectives = 0
         self.ops: collections.Counter = collections.Counter()
+
+    @property
+    def triton(self) -> int:
+        return self._triton
+
+    @triton.setter
+    def triton(self, value: int) -> None:  # the wrapped kernels count here (fused_launches)
+        self.staged += (value - self._triton) * self._in_stages()
+        self._triton = value
+
+    def _in_stages(self) -> bool:
+        return self.split is not None and self.split.in_stages
 
     def __enter__(self):
         Launches.active = self  # where the wrapped Triton kernels count
@@ -73,33 +94,20 @@ class HookLaunches(Launches):
             return func(*args, **(kwargs or {}))
         if not (self.inside or func.is_view or func in ALLOCATIONS):
             self.ops[str(func)] += 1
+            self.staged += self._in_stages()
         return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-def _hooked(model, method: str, mapped: int | None):
-    """``(state, hook)`` of ``method`` on ``model``; a geometry method with refreshes every
-    3 steps and (a profile) step 0 scored, its ``mapped`` best layers kept (all if None)."""
-    from geofp8.ddp import GeoFP8State, geofp8_hook
-    from geofp8.methods import METHODS
-
-    spec = METHODS[method]
-    settings = {"refresh_every": 3, "profile_steps": 1, "kernels": "batched"}
-    config = spec.config(**{k: v for k, v in settings.items() if k in spec.overrides})
-    if config is None:
-        return spec.build(model)[:2]
-    config = dataclasses.replace(config, profile_top=mapped or len(model))
-    return GeoFP8State(model, config), geofp8_hook
 
 
 def count(rank: int, world: int, method: str, tensors: int, buckets: int,
           mapped: int | None = None, lines: bool = True) -> tuple:
-    """``(buckets, Triton, torch, collectives, ops, layers on a map, py lines)`` of the hook in one
-    ordinary step on this rank (``tensors`` layers in ``buckets`` DDP buckets of equal
-    size; ``lines``: trace the py lines, else 0 — the trace sees every line the interpreter
-    runs, which slows the count several times)."""
+    """``(buckets, Triton, torch, collectives, ops, layers on a map, the hook's own py
+    lines, the stages' py lines, launches under a stage)`` of the hook in one ordinary step
+    on this rank (``tensors`` layers in ``buckets`` DDP buckets of equal size; ``lines``:
+    trace the py lines (:class:`SplitLines`), else 0 — the trace sees every line the
+    interpreter runs, which slows the count several times)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(tensors)])
-    state, hook = _hooked(model, method, mapped)
+    state, hook = hooked(model, method, mapped)
     mb = tensors // buckets * WIDTH * WIDTH * 4 / (1 << 20)  # DDP's first bucket: up to 1 MB
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
     counter: list[HookLaunches | None] = [None]
@@ -111,14 +119,19 @@ def count(rank: int, world: int, method: str, tensors: int, buckets: int,
         out = []
         with c:
             if lines:
-                c.lines += python_lines(lambda: out.append(hook(state, bucket)),
-                                        paused=lambda: c.inside)
+                c.split = SplitLines(paused=lambda: c.inside)
+                c.split.run(lambda: out.append(hook(state, bucket)))
+                c.lines[0] += c.split.hook
+                c.lines[1] += c.split.stages
+                c.split = None
             else:
                 out.append(hook(state, bucket))
         return out[0]
     ddp.register_comm_hook(state, counted)
     for step in range(COUNTED + 1):
         counter[0] = HookLaunches() if step == COUNTED else None
+        if counter[0] is not None:
+            counter[0].lines = [0, 0]  # the hook's own, the stages'
         ddp(torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step + 10 * rank))
             ).pow(2).mean().backward()
         ddp.zero_grad()
@@ -126,7 +139,7 @@ def count(rank: int, world: int, method: str, tensors: int, buckets: int,
     pipeline = getattr(getattr(state, "engine", None), "pipeline", None)
     on_map = len(pipeline.geometry_layers()) if pipeline is not None else 0
     return len(ddp.reducer._get_zeros_like_grad_buckets()), c.triton, c.torch, c.collectives, \
-        c.ops, on_map, c.lines
+        c.ops, on_map, *c.lines, c.staged
 
 
 def _worker(rank: int, world: int, port: int, method: str, queue, tensors: int,
@@ -142,9 +155,7 @@ def _worker(rank: int, world: int, port: int, method: str, queue, tensors: int,
 
 def measure(method: str, tensors: int, buckets: int, ranks: int = 2,
             mapped: int | None = None, lines: bool = True) -> tuple:
-    """``(buckets, Triton, torch, collectives, torch ops by name, layers on a map, py lines)``
-    of one
-    ordinary step on rank 0 of ``ranks`` spawned gloo ranks (see :func:`count`)."""
+    """:func:`count` of one ordinary step on rank 0 of ``ranks`` spawned gloo ranks."""
     return on_ranks(_worker, ranks, method, tensors, buckets, mapped, lines)
 
 
@@ -159,13 +170,18 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true", help="list the torch ops counted")
     args = parser.parse_args()
     print("| method | tensors | mapped | buckets | Triton | torch | launches | per bucket | "
-          "collectives | py lines per bucket |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "collectives | py lines per bucket: hook + stages | host µs per bucket, modelled: "
+          "hook + stages |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for method, tensors, buckets in itertools.product(args.methods, args.tensors, args.buckets):
-        got, triton, ops, colls, names, on_map, lines = measure(method, tensors, buckets,
-                                                                args.ranks, args.mapped)
-        print(f"| {method} | {tensors} | {on_map} | {got} | {triton} | {ops} | {triton + ops} | "
-              f"{(triton + ops) / got:.1f} | {colls} | {lines / got:.1f} |", flush=True)
+        got, triton, ops, colls, names, on_map, hook, stages, staged = measure(
+            method, tensors, buckets, args.ranks, args.mapped)
+        launches = triton + ops
+        hook_us = (hook * LINE_US + (launches - staged) * LAUNCH_US) / got
+        stages_us = (stages * LINE_US + staged * LAUNCH_US) / got
+        print(f"| {method} | {tensors} | {on_map} | {got} | {triton} | {ops} | {launches} | "
+              f"{launches / got:.1f} | {colls} | {hook / got:.0f} + {stages / got:.0f} | "
+              f"**{hook_us:.0f}** + {stages_us:.0f} = {hook_us + stages_us:.0f} |", flush=True)
         if args.ops:
             print("   ", dict(names.most_common()))
 

@@ -110,3 +110,26 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> 
 
 def scratch_dir() -> str:
     return tempfile.mkdtemp(prefix="geofp8-test-")
+
+
+def train_skipping(ddp, model, rank: int, steps: int, bad: int, width: int,
+                   after_step=None) -> None:
+    """``steps`` SGD steps (lr 0.1) of ``ddp`` (wrapping ``model``) on squared outputs of
+    seeded inputs ``[8, width]``; at step ``bad`` rank 1's first layer's gradient is NaN, so
+    the step is skipped on every rank (no optimizer step where a gradient is not finite);
+    ``after_step(step)`` after each."""
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        handle = model[0].weight.register_hook(lambda g: g * float("nan")) \
+            if step == bad and rank == 1 else None
+        x = torch.randn(8, width, generator=torch.Generator().manual_seed(step + 10 * rank))
+        ddp(x).pow(2).mean().backward()
+        if all(bool(p.grad.isfinite().all()) for p in model.parameters()):
+            opt.step()
+        opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        if after_step is not None:
+            after_step(step)

@@ -6,7 +6,7 @@ parameters are those of the tensor-by-tensor path, bit for bit, a skipped step i
 import torch
 from torch import nn
 
-from distributed import run_ranks
+from distributed import run_ranks, train_skipping
 
 STEPS, BAD = 9, 7  # refreshes at steps 3 and 6 (routes change); rank 1's NaN at step 7
 
@@ -32,17 +32,14 @@ def _worker(rank, world, flat: bool):
         return routes, bucket
 
     pipeline._bucket_residual = bucket_residual
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(STEPS):
-        handle = model[0].weight.register_hook(lambda g: g * float("nan")) \
-            if step == BAD and rank == 1 else None
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step + 10 * rank))
-        ddp(x).pow(2).mean().backward()
-        if all(bool(p.grad.isfinite().all()) for p in model.parameters()):
-            opt.step()
-        opt.zero_grad()
-        if handle is not None:
-            handle.remove()
+    follow = pipeline._encode_recorded
+
+    def encode_recorded(record, flat_bucket, seed):  # the flat path as resolved before
+        took.append((pipeline.step, bool(record.slots)))
+        return follow(record, flat_bucket, seed)
+
+    pipeline._encode_recorded = encode_recorded
+    train_skipping(ddp, model, rank, STEPS, BAD, 32)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"params": params.view(torch.int32).tolist(), "took": took,
             "mapped": len(pipeline.geometry_layers()),

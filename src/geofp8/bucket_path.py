@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .bucket_record import BucketRecord
 from .codecs.base import device_scalar
 from .comm.layout import ShardLayout
 from .comm.stages import encode, encode_with_error
@@ -33,6 +34,8 @@ class Encoded:
     routes: list[Transform]
     per_sender: tuple[bool, ...]  # mapped back by the receiver with each sender's own map
     side_bytes: int  # bytes of sender factors in what this rank sends to the others
+    slots: tuple = ()  # (offset, numel, shape, T) of each tensor the receiver maps back by T⁻¹
+    record: BucketRecord | None = None  # the bucket's decisions, kept for its next call
 
 
 class BucketPath:
@@ -41,11 +44,16 @@ class BucketPath:
     uses)."""
 
     def encode(self, names: list[str], grads: list[torch.Tensor],
-               seed: int | None = None, flat: torch.Tensor | None = None) -> Encoded:
+               seed: int | None = None, flat: torch.Tensor | None = None,
+               record: BucketRecord | None = None) -> Encoded:
         """Route, add residuals, encode (``seed``: stochastic rounding's, the same on every
         rank for this step and bucket); write the new residuals. ``flat``: where ``Ũ`` is
         written, FP32, one tensor after the other (the buffer that ``grads`` tile in order,
-        as a DDP bucket's do: each is read before its place is written); else a new one."""
+        as a DDP bucket's do: each is read before its place is written); else a new one.
+        ``record``: the :attr:`Encoded.record` of this bucket's last call, followed while
+        its generation is the current one (:mod:`geofp8.bucket_record`)."""
+        if record is not None and flat is not None and record.generation == self.generation():
+            return self._encode_recorded(record, flat, seed)
         shapes = [tuple(g.shape) for g in grads]
         in_place = flat is not None
         if flat is None:
@@ -83,7 +91,34 @@ class BucketPath:
         else:
             sent = encode(flat, layout, side, seed, sender=self.group.rank)
         side_bytes = sum(layout.side[j] for j in range(self.world_size) if j != self.rank)
-        return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes)
+        slots = _slots(shapes, routes, per_sender)
+        # the flat path: with error feedback the bucket's residual; without, every tensor
+        # plain (Ũ = G, in place already)
+        flat_path = bucket is not None or (in_place and not self.config.error_feedback
+                                           and all(self.plain(n) for n in names))
+        record = BucketRecord(self.generation(), tuple(names), tuple(shapes), tuple(routes),
+                              per_sender, slots, layout, side_bytes) \
+            if flat_path and self.recordable() and not any(per_sender) else None
+        return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes,
+                       slots, record)
+
+    def _encode_recorded(self, record: BucketRecord, flat: torch.Tensor,
+                         seed: int | None) -> Encoded:
+        """:meth:`encode` of a bucket as ``record`` resolved it, on the flat path: ``G T``
+        over each mapped tensor's slot, then the encode, with error feedback the bucket's
+        residual added and the new one written back into it (no Python per tensor but a
+        map's)."""
+        for pos, n, shape, route in record.slots:
+            route.forward_over(flat[pos : pos + n].view(shape))
+        if self.config.error_feedback:
+            sent, residual = encode_with_error(flat, record.layout, None, seed,
+                                               self.group.rank, error_out=flat,
+                                               feedback=self.feedback.recorded(record.names))
+            self.feedback.stage_bucket(record.names, residual, routes=record.routes)
+        else:
+            sent = encode(flat, record.layout, None, seed, sender=self.group.rank)
+        return Encoded(sent, record.layout, record.names, record.shapes, record.routes,
+                       record.per_sender, record.side_bytes, record.slots, record)
 
     def _bucket_residual(self, names: list[str], shapes: list[tuple[int, ...]]):
         """``(routes, (R, flag))`` of a bucket whose every tensor is :meth:`steady` and has
@@ -122,13 +157,8 @@ class BucketPath:
         ``Σ / N`` already, the collective's ``divide``); returns it."""
         if not divided:
             total.div_(device_scalar(self.world_size, total.dtype, total.device))  # exact on CUDA
-        pos = 0
-        for shape, route, mapped in zip(encoded.shapes, encoded.routes, encoded.per_sender):
-            n = torch.Size(shape).numel()
-            if not mapped and route is not IDENTITY:
-                y = total[pos : pos + n].view(shape)
-                route.inverse_over(y)
-            pos += n
+        for pos, n, shape, route in encoded.slots:
+            route.inverse_over(total[pos : pos + n].view(shape))
         return total
 
     def codec_of(self, name: str):
@@ -145,3 +175,16 @@ class BucketPath:
                                                    list(per_sender), side, list(codecs),
                                                    kernels=self.config.kernels)
         return self._layouts[key]
+
+
+def _slots(shapes: list[tuple[int, ...]], routes: list[Transform],
+           per_sender: tuple[bool, ...]) -> tuple:
+    """:attr:`Encoded.slots`: ``(offset, numel, shape, T)`` of each tensor laid one after the
+    other that the receiver maps back by ``T⁻¹`` (on a map, not per sender)."""
+    slots, pos = [], 0
+    for shape, route, mapped in zip(shapes, routes, per_sender):
+        n = torch.Size(shape).numel()
+        if not mapped and route is not IDENTITY:
+            slots.append((pos, n, shape, route))
+        pos += n
+    return tuple(slots)

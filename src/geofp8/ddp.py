@@ -111,7 +111,7 @@ class GeoFP8State:
         self.hierarchy = (HierarchicalAllReduce(self.engine, size, device, self.stream)
                           if size else None)
         self.engine.fingerprint_extra = {"node_size": size}
-        self._buckets: dict[int, tuple] = {}  # DDP bucket index -> (key, _bucket_of's)
+        self._buckets: dict[int, _Bucket] = {}  # by DDP's bucket index
 
     # -- what the engine holds, by its usual names ------------------------------------------
 
@@ -138,19 +138,19 @@ class GeoFP8State:
 
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """Launch this bucket's all-reduce; the future's value is the averaged gradient."""
-        engine = self.engine
-        try:
+        engine, last = self.engine, bucket.is_last()  # (the engine's parts by their own
+        try:  # names here, not the properties: the hook's Python per bucket)
             with self.stream.after_current():  # the gradients are written: read them there
                 buffer = bucket.buffer()
                 self.stream.hand_over(buffer)
-                engine.start_unit(bucket.is_last())
-                self.group.charge("fp32_equivalent",
-                                  fp32_allreduce_wire_bytes(buffer.numel(), self.world_size))
+                engine.start_unit(last)
+                engine.group.charge("fp32_equivalent",
+                                    fp32_allreduce_wire_bytes(buffer.numel(), engine.group.size))
                 engine.ledger.add("elements", buffer.numel())
                 if engine.fp8:
-                    future = self._fp8_allreduce(bucket, buffer, bucket.is_last())
+                    future = self._fp8_allreduce(bucket, buffer, last)
                 else:
-                    future = self._fp32_allreduce(buffer, bucket.is_last())
+                    future = self._fp32_allreduce(buffer, last)
         except BaseException:
             self._rollback()
             raise
@@ -189,19 +189,20 @@ class GeoFP8State:
         communicator.complete(block=last)
         return future
 
-    def _bucket_of(self, bucket: dist.GradBucket, buffer: torch.Tensor,
-                   grads: list[torch.Tensor]) -> tuple[list[str], list[int], bool]:
-        """``(names, offsets, in_place)`` of a DDP bucket's gradients: their parameters'
-        names, their offsets in ``buffer`` (elements) and whether they tile it in order
-        (FP32): made once per bucket and kept while it holds the same parameters in the same
-        buffer (DDP builds its buckets once, again after the first step), so an ordinary
-        hook call only checks its key (the parameters' ids and the buffer)."""
-        key = (tuple(map(id, bucket.parameters())), buffer.data_ptr(), buffer.numel())
+    def _bucket_of(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> "_Bucket":
+        """What this call of DDP's bucket needs that does not change while it holds the same
+        parameters in the same buffer (DDP builds its buckets once, again after the first
+        step): made at its first call, then found by its index and the buffer's address
+        alone. The record holds that buffer, so no other bucket's can be allocated at
+        the same address while it is kept: a rebuilt bucket is a new buffer, a new record
+        (the records past the last index of a smaller rebuild are let go at its last call)."""
         kept = self._buckets.get(bucket.index())
-        if kept is not None and kept[0] == key:
-            return kept[1]
+        if kept is not None and kept.buffer.data_ptr() == buffer.data_ptr() and \
+                kept.buffer.numel() == buffer.numel():
+            return kept
         names = self.pipeline.names
-        if any(i not in names for i in key[0]):
+        params, grads = bucket.parameters(), bucket.gradients()
+        if any(id(p) not in names for p in params):
             raise RuntimeError("a bucket holds a parameter that is not in the model given to "
                                "GeoFP8State: pass the module that DDP wraps")
         offsets = [(g.data_ptr() - buffer.data_ptr()) // g.element_size() for g in grads]
@@ -211,25 +212,31 @@ class GeoFP8State:
         ends = [off + g.numel() for off, g in zip(offsets, grads)]
         in_place = bool(buffer.dtype == torch.float32 and ends and ends[-1] == buffer.numel()
                         and offsets == [0, *ends[:-1]])
-        found = [names[i] for i in key[0]], offsets, in_place
-        self._buckets[bucket.index()] = key, found
-        return found
+        kept = _Bucket(buffer, [names[id(p)] for p in params], grads, offsets, in_place)
+        self._buckets[bucket.index()] = kept
+        return kept
 
     def _fp8_allreduce(self, bucket: dist.GradBucket, buffer: torch.Tensor, last: bool):
-        pipeline, grads = self.pipeline, bucket.gradients()
-        names, offsets, in_place = self._bucket_of(bucket, buffer, grads)
-        seed = self.engine.seed(bucket.index())
+        engine, kept = self.engine, self._bucket_of(bucket, buffer)
+        pipeline, ledger = engine.pipeline, engine.ledger
+        if last and len(self._buckets) > bucket.index() + 1:  # DDP rebuilt fewer buckets
+            self._buckets = {i: b for i, b in self._buckets.items() if i <= bucket.index()}
+        names, grads, offsets, in_place = kept.names, kept.grads, kept.offsets, kept.in_place
+        seed = engine.seed(bucket.index())
         if self.hierarchy is not None:  # several buckets in flight (see geofp8.hierarchy)
             return self.hierarchy.launch(names, grads, buffer, offsets, seed, last,
                                          then=self._bucket_done)
         t0 = time.perf_counter()
-        encoded = pipeline.encode(names, grads, seed, flat=buffer if in_place else None)
-        self.ledger.add("codec_s", time.perf_counter() - t0)
+        encoded = pipeline.encode(names, grads, seed, flat=buffer if in_place else None,
+                                  record=kept.record)
+        kept.record = encoded.record  # the bucket's decisions for its next call
+        ledger.add("codec_s", time.perf_counter() - t0)
 
         # the collective divides by N (in its fused decode), and its finite flag stands for
         # the bucket's where nothing is mapped back; else (a map may overflow) the mean's own
         # check is written over it (a poisoned sum maps back to NaN), in its step's slot
-        unmapped = not any(encoded.per_sender) and all(r is IDENTITY for r in encoded.routes)
+        per_sender = any(encoded.per_sender)
+        unmapped = not encoded.slots and not per_sender
 
         def map_back(total: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
             # `total` is all NaN on every rank if any rank sent a non-finite value
@@ -238,21 +245,24 @@ class GeoFP8State:
             if not in_place:
                 for off, y in zip(offsets, mean.split([g.numel() for g in grads])):
                     buffer[off : off + y.numel()].copy_(y)
-            self.ledger.add("transform_s", time.perf_counter() - t1)
+            ledger.add("transform_s", time.perf_counter() - t1)
             if not unmapped and finite is not None:
                 all_finite(buffer, out=finite)
             return self._bucket_done(buffer, finite)
 
         # before the launch: the last one settles the step, bytes charged included
-        self.group.charge("payload", -encoded.side_bytes)  # sender factors are factor bytes
-        self.group.charge("factor", encoded.side_bytes)
+        if encoded.side_bytes:
+            engine.group.charge("payload", -encoded.side_bytes)  # sender factors: factor bytes
+            engine.group.charge("factor", encoded.side_bytes)
         # the owners' residuals are in communication coordinates, which stay put only for
         # tensors sent without a map (refreshes change maps): see GradientPipeline.owner_keys
+        owner_keys = pipeline.owner_keys(encoded) if pipeline.owner is not None else None
         return self.communicator.launch(encoded.sent, encoded.layout, last,
-                                        pipeline.unmap(encoded), seed=seed,
-                                        owner_keys=pipeline.owner_keys(encoded),
+                                        pipeline.unmap(encoded) if per_sender else None,
+                                        seed=seed,
+                                        owner_keys=owner_keys,
                                         out=buffer if in_place else None,
-                                        then=map_back, divide=self.world_size)
+                                        then=map_back, divide=engine.group.size)
 
     # -- reporting and checkpoints -----------------------------------------------------------
 
@@ -313,6 +323,19 @@ def hadamard_fp8_hook(state: HadamardFP8State,
                       bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: FP8 all-reduce after a fixed Hadamard rotation of each weight."""
     return state.communicate(bucket)
+
+
+class _Bucket:
+    """A DDP bucket's parameters' names, gradients (views of ``buffer``) and their offsets
+    in it (elements), whether they tile it in order (FP32: the hook's working memory), and
+    the pipeline's record of its decisions (:mod:`geofp8.bucket_record`) once made."""
+
+    __slots__ = ("buffer", "grads", "in_place", "names", "offsets", "record")
+
+    def __init__(self, buffer: torch.Tensor, names: list[str], grads: list[torch.Tensor],
+                 offsets: list[int], in_place: bool) -> None:
+        self.buffer, self.names, self.grads = buffer, names, grads
+        self.offsets, self.in_place, self.record = offsets, in_place, None
 
 
 def backend_of(process_group: dist.ProcessGroup | None, device: torch.device) -> str:

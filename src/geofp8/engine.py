@@ -200,6 +200,7 @@ class SyncEngine:
         zero, nothing else it produced is kept."""
         with self._lock:
             failed = torch.zeros((), dtype=torch.bool, device=self.group.device)
+            self.pipeline.forget_records()  # it may have stopped between a bucket's tensors
             self.pipeline.settle(failed)
             for feedback in self.feedbacks.values():
                 feedback.commit(failed)

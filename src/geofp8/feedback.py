@@ -98,6 +98,10 @@ class ErrorFeedback:
         self.finite: dict[str, torch.Tensor] = {}  # 0-dim bool: the writing step's verdict
         self._written: list[str] = []  # this step's, until it settles
         self._blocks: dict[tuple[str, ...], torch.Tensor] = {}  # a bucket's residuals, flat
+        # moves whenever what bucket_in checks may change (a residual made, replaced, re-based
+        # or dropped, a flat vector made or let go): a bucket's record of it is valid while
+        # this stays (see recorded)
+        self.version = 0
 
     def residual_in(self, name: str, route: Transform) -> torch.Tensor | None:
         """The residual of ``name`` in ``route``'s coordinates (``None``: none yet; zero if
@@ -146,6 +150,13 @@ class ErrorFeedback:
             self._blocks[key] = block
         return block, flag
 
+    def recorded(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`bucket_in` of a bucket it accepted, while :attr:`version` has not moved
+        since: its flat vector and the flag of the step that wrote it (every tensor of a
+        bucket is written, and its flag set, with the others: the first one's stands for
+        all), without looking at each tensor again."""
+        return self._blocks[names], self.finite.get(names[0])
+
     def first_bucket(self, names: list[str]) -> bool:
         """Whether a bucket's tensors ``names`` have no residual yet and are stored plain:
         :meth:`stage_bucket` then makes their flat vector from the first residual itself."""
@@ -174,13 +185,19 @@ class ErrorFeedback:
                 self.residuals[name] = block[pos : pos + n].view(shape)
                 pos += n
             self._blocks[key] = block
-        for name, route in zip(names, routes or [IDENTITY] * len(names)):
-            self._wrote(name, route)
+            self.version += 1
+        # _wrote of every tensor, by whole-dict operations (no Python per tensor); the routes
+        # of a kept vector are its residuals' bases already (bucket_in checked them), a new
+        # one moved the version
+        self.basis.update(zip(names, routes or [IDENTITY] * len(names)))
+        self.finite.update(dict.fromkeys(names))  # None: kept as written, until committed
+        self._written.extend(names)
 
     def _forget(self, names) -> None:
         """Let go of the flat vectors that hold any of ``names`` (re-bucketed or dropped)."""
         names = set(names)
         self._blocks = {k: b for k, b in self._blocks.items() if names.isdisjoint(k)}
+        self.version += 1
 
     def stage(self, name: str, residual: torch.Tensor, route: Transform) -> None:
         """Write this step's new residual of ``name`` (in ``route``'s coordinates) over the
@@ -193,6 +210,7 @@ class ErrorFeedback:
         if stored is None or _shape(stored) != tuple(residual.shape):
             self.residuals[name] = packed if packed is not None else residual.to(
                 torch.float32 if self.storage == "fp32" else torch.bfloat16, copy=True)
+            self.version += 1
         elif packed is None:
             stored.copy_(residual)  # rounds to BF16 on the way
         else:
@@ -217,6 +235,8 @@ class ErrorFeedback:
         self.stage(name, whole, route)
 
     def _wrote(self, name: str, route: Transform) -> None:
+        if _moved(self.basis.get(name), route):
+            self.version += 1
         self.basis[name] = route
         self.finite.pop(name, None)
         self._written.append(name)
@@ -225,14 +245,13 @@ class ErrorFeedback:
         """Remove the residual of ``name`` (at once)."""
         for held in (self.residuals, self.basis, self.finite):
             held.pop(name, None)
-        self._forget([name])
+        self._forget([name])  # moves the version
 
     def commit(self, finite: torch.Tensor) -> None:
         """The step settled: ``finite`` (0-dim bool, on the device) holds the residuals it
         wrote, or resets them to zero (read as zero until written again)."""
-        for name in self._written:
-            if name in self.residuals:
-                self.finite[name] = finite
+        self.finite.update(dict.fromkeys(filter(self.residuals.__contains__, self._written),
+                                         finite))  # whole-dict: no Python per tensor
         self._written = []
 
     def rescale(self, factor: float) -> None:
@@ -242,6 +261,7 @@ class ErrorFeedback:
                 stored.mul_(factor)
             else:
                 self.residuals[name] = pack(unpack(stored) * factor, self.storage)
+        self.version += 1
 
     @property
     def nbytes(self) -> int:
@@ -260,6 +280,7 @@ class ErrorFeedback:
         again, so the residual is not re-based needlessly."""
         self.residuals = {n: _zeroed(r, None) for n, r in state["residuals"].items()}
         self.basis, self.finite, self._written, self._blocks = {}, {}, [], {}
+        self.version += 1
         for name, saved in state["basis"].items():
             live = transforms.get(name)
             if live is not None and _same(live, saved):
@@ -268,6 +289,12 @@ class ErrorFeedback:
                 self.basis[name] = IDENTITY
             else:
                 self.basis[name] = transform_from_state(saved["kind"], saved["state"])
+
+
+def _moved(basis: Transform | None, route: Transform) -> bool:
+    """Whether a residual kept in ``basis`` (``None``: none kept) is now written in another
+    ``route``'s coordinates (identity and no basis are the same coordinates)."""
+    return (IDENTITY if basis is None else basis) is not route
 
 
 def _copy_rows(target: torch.Tensor, pieces) -> None:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .bucket_path import BucketPath, Encoded
+from .bucket_record import RecordedDecisions
 from .candidates import find_candidates
 from .codecs import make_codec
 from .comm.group import DeviceGroup
@@ -39,7 +40,7 @@ from .sender_factors import factor_bytes, sender_factors, unmap_per_sender
 __all__ = ["Encoded", "GradientPipeline"]
 
 
-class GradientPipeline(BucketPath):
+class GradientPipeline(BucketPath, RecordedDecisions):
     """Routing, factors, selection, error feedback and encoding of one model's gradients
     (the bucket's encode and decode: :class:`~geofp8.bucket_path.BucketPath`).
 
@@ -106,6 +107,7 @@ class GradientPipeline(BucketPath):
             self.source.start_step(step)  # forward was never called (its parts were)
         self._observing = self.source is not None and self.selection.wants(step)
         self.step = step
+        self.note_decisions()
 
     def report(self) -> None:
         """Give the warnings that wait on device flags (a host read; see
@@ -275,6 +277,7 @@ class GradientPipeline(BucketPath):
                 "geometry_since": self.geometry_since}
 
     def load_state_dict(self, state: dict) -> None:
+        self.forget_records()
         self.geometry_since = state.get("geometry_since")  # absent in older checkpoints
         self._geometry_steps = []
         self.selection.load_state_dict(state["selection"])

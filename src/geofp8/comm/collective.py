@@ -132,6 +132,7 @@ class Communicator:
         self.rank = group.rank
         self._in_flight: list[_AllToAll] = []  # all-to-alls whose all-gather is not issued
         self._pending: list = []  # (work, finish, result): results this thread completes
+        self._splits: dict[int, tuple] = {}  # id(layout) -> (layout, its all-to-all splits)
 
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
                unmap=None, gather: bool = True, seed: int | None = None,
@@ -175,11 +176,9 @@ class Communicator:
         """The exact collective's first hop; its all-gather is issued ``lag`` launches
         later."""
         result = device_future(sent.device)
-        n = layout.world_size
-        recv = torch.empty(n * layout.send_bytes(self.rank), dtype=torch.uint8,
-                           device=sent.device)
-        work = self.group.all_to_all(recv, sent, [layout.send_bytes(self.rank)] * n,
-                                     [layout.send_bytes(j) for j in range(n)], self.kind)
+        _, received, sends = self._split(layout)
+        recv = torch.empty(sum(received), dtype=torch.uint8, device=sent.device)
+        work = self.group.all_to_all(recv, sent, received, sends, self.kind)
         self._in_flight.append(_AllToAll(work, sent, recv, layout, result, unmap, gather, seed,
                                          owner_keys if self.owner is not None else None, out,
                                          then, divide))
@@ -187,6 +186,15 @@ class Communicator:
             self.flush()  # issue the all-gather now, from this thread (see the class notes)
             self.complete(block=True)
         return result
+
+    def _split(self, layout: ShardLayout) -> tuple:
+        """``(layout, bytes received from each rank, bytes sent to each)`` of its all-to-all,
+        made once per layout (kept with it: no Python per rank at each launch)."""
+        kept = self._splits.get(id(layout))
+        if kept is None or kept[0] is not layout:
+            sends = [layout.send_bytes(j) for j in range(layout.world_size)]
+            kept = self._splits[id(layout)] = (layout, [sends[self.rank]] * len(sends), sends)
+        return kept
 
     def track(self, work, finish, device: torch.device) -> torch.futures.Future:
         """A future that this thread completes with ``finish()`` once ``work`` is done (see

@@ -132,7 +132,7 @@ class DeviceGroup:
         """Asynchronous ``all_to_all_single`` of uint8 buffers already on the device."""
         if out.device != self.device or inp.device != self.device:
             raise ValueError(f"all_to_all buffers must live on {self.device}")
-        self.charge(kind, sum(n for j, n in enumerate(in_splits) if j != self.rank))
+        self.charge(kind, sum(in_splits) - in_splits[self.rank])  # to the others
         return self._keep(dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
                                                  input_split_sizes=in_splits, group=self.group,
                                                  async_op=True))

@@ -1,0 +1,144 @@
+"""The real DDP hook's own host work per bucket, counted rather than timed, and the bucket
+records that keep it flat (:mod:`geofp8.bucket_record`).
+
+Lines: the lines of GeoFP8's own Python that the hook's calls execute in one ordinary step
+on rank 0 of 2 gloo ranks, the stages' (under :mod:`geofp8.comm.stages`) left out
+(``benchmarks/host_lines.py``: ``SplitLines``, as ``hook_launches.py`` counts them; here on
+the torch path, whose stages differ from the fused kernels' but not the hook around them).
+Deterministic: the same model and step every run.
+
+Correctness: a bucket's record is resolved again after each selection change, refresh and
+resume, and a run that keeps records gives the parameters of one that resolves every
+bucket at every call, bit for bit, a skipped step included, the same on every rank."""
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+from distributed import run_ranks, train_skipping
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+WIDTH, COUNTED = 64, 5  # Linear(64, 64) layers; step 5 is ordinary for every method
+METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_launches counts it)
+# the hook's own lines of one ordinary step with one bucket (its start and settling
+# included), 2 / 8 tensors, here: before the records fp8 423 / 657, fp8-ef 484 / 802,
+# geofp8-auto 506 / 824; after 307, 318 and 340 whatever the tensors
+MOST = 330
+
+
+def _hook_lines(method: str, tensors: int) -> int:
+    """The hook's own lines in step COUNTED, ``tensors`` layers in one DDP bucket."""
+    sys.path.insert(0, BENCHMARKS)
+    from host_lines import SplitLines, hooked
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(tensors)])
+    state, hook = hooked(model, method, None)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=tensors * WIDTH * WIDTH
+                                              * 4 / (1 << 20))
+    split: list[SplitLines | None] = [None]
+
+    def counted(state, bucket):
+        if split[0] is None:
+            return hook(state, bucket)
+        out = []
+        split[0].run(lambda: out.append(hook(state, bucket)))
+        return out[0]
+
+    ddp.register_comm_hook(state, counted)
+    for step in range(COUNTED + 1):
+        split[0] = SplitLines() if step == COUNTED else None
+        ddp(torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step))
+            ).pow(2).mean().backward()
+        ddp.zero_grad()
+    assert len(ddp.reducer._get_zeros_like_grad_buckets()) == 1
+    return split[0].hook
+
+
+def _lines_worker(rank, world):
+    return {f"{m} {t}": _hook_lines(m, t) for m in METHODS for t in (2, 8)}
+
+
+def test_the_hooks_own_lines_per_bucket_do_not_grow_with_its_tensors():
+    """fp8, fp8-ef and geofp8-auto (no layer on a map at its ordinary step): the same
+    lines for 2 and 8 tensors in the bucket, and no more than the records brought them to
+    (each method's names, offsets, routes, residual slot and layout resolved once)."""
+    lines = run_ranks(_lines_worker, 2, timeout=240)[0]
+    for method in METHODS:
+        few, many = lines[f"{method} 2"], lines[f"{method} 8"]
+        assert few == many, (method, lines)
+        assert 0 < many <= MOST + (20 if method == "geofp8-auto" else 0), (method, lines)
+
+
+STEPS, BAD, RESUME = 9, 7, 5  # rank 1's NaN at step 7; a checkpoint round trip after step 5
+# per hook call (DDP's bucket of layers 3, 2 first, then of 1, 0, both kept by the profile):
+# (step, whether it followed the bucket's record); step 0 has one bucket (DDP's first)
+CALLS = [(0, False), (1, False), (1, False), (2, True), (2, False), (3, False), (3, False),
+         (4, False), (4, False), (5, False), (5, True), (6, False), (6, False), (7, False),
+         (7, False), (8, False), (8, True)]
+
+
+def _train(rank: int, keep: bool):
+    """geofp8 (profile at step 0, 2 of 4 layers kept, refreshes every 3 steps) in 2 DDP
+    buckets: the parameters, and per hook call ``(step, whether it followed a record)``."""
+    sys.path.insert(0, BENCHMARKS)
+    from host_lines import hooked
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(4)])
+    state, hook = hooked(model, "geofp8", 2)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2 * 32 * 32 * 4 / (1 << 20))
+    ddp.register_comm_hook(state, hook)
+    pipeline, calls = state.engine.pipeline, []
+    follow = pipeline._encode_recorded
+
+    def encode_recorded(record, flat, seed):
+        calls[-1] = (pipeline.step, True)
+        return follow(record, flat, seed)
+
+    pipeline._encode_recorded = encode_recorded
+    if not keep:  # every call resolves its bucket: the per-tensor decisions each time
+        pipeline.recordable = lambda: False
+    encode = pipeline.encode
+
+    def counted_encode(*args, **kwargs):
+        calls.append((pipeline.step, False))
+        return encode(*args, **kwargs)
+
+    def resume(step):
+        if step == RESUME:
+            state.load_state_dict(state.state_dict())
+
+    pipeline.encode = counted_encode
+    train_skipping(ddp, model, rank, STEPS, BAD, 32, after_step=resume)
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"params": params.view(torch.int32).tolist(), "calls": calls,
+            "mapped": len(pipeline.geometry_layers()),
+            "skipped": state.stats()["skipped_steps"]}
+
+
+def _records_worker(rank, world):
+    return _train(rank, keep=True), _train(rank, keep=False)
+
+
+def test_a_bucket_record_is_resolved_again_after_each_change_with_the_same_bits():
+    """Records kept or not, the same parameters bit for bit on both ranks, the skipped
+    step's residual reset included (a record reads the flag of the step that wrote the
+    residuals at each call). Which calls follow a record (CALLS), and why the others do not:
+    step 0 makes the residuals; 1: the selection decided, DDP rebuilt its buckets; layers
+    1 and 0 are selected but without a map until the refresh at 3, so their bucket goes
+    tensor by tensor at 1 and 2; 3: a refresh (maps moved: layers 1, 0 re-based tensor by
+    tensor); 4: both resolved again (the re-based residuals moved the version), the second
+    joining its residuals into one vector, which moves the version once more, so the first
+    resolves at 5 and the second follows; 6: a checkpoint loaded after 5 and a refresh,
+    as at 3; 7 as 4 (rank 1's NaN: the step is skipped); 8 as 5."""
+    ranks = run_ranks(_records_worker, 2, timeout=240)
+    for kept, fresh in ranks:
+        assert kept["mapped"] == fresh["mapped"] == 2
+        assert kept["skipped"] == fresh["skipped"] == 1
+        assert kept["params"] == fresh["params"]
+        assert fresh["calls"] == [(step, False) for step, _ in CALLS]
+        assert kept["calls"] == CALLS
+    assert ranks[0][0]["params"] == ranks[1][0]["params"]  # every rank ends the same
