@@ -82,10 +82,10 @@ def segment_amax(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Max ``|x|`` of every contiguous group of the given (device) ``lengths``; NaN for a
     group holding NaN or ±Inf. Exact, so equal to any other way of taking it."""
     amax = torch.segment_reduce(flat.abs(), "max", lengths=lengths, unsafe=True)
-    # segment_reduce drops NaN in max on some builds: restore the policy explicitly. Σ x·0
-    # over a group is ±0 when every x is finite, else NaN; amax ≥ 0, so amax + (±0) = amax.
-    bad = torch.segment_reduce(flat.mul(0), "sum", lengths=lengths, unsafe=True)
-    return amax.add_(bad)
+    # segment_reduce's max keeps NaN (the CPU's and CUDA's kernels test each value with
+    # _isnan), so a group's max is NaN or +Inf exactly when it holds NaN or ±Inf; adding
+    # 0·amax (+0 for a finite amax ≥ 0, NaN for +Inf) makes it NaN, amax itself otherwise.
+    return amax.add_(amax, alpha=0)
 
 
 def rows_amax(v: torch.Tensor) -> torch.Tensor:

@@ -110,9 +110,10 @@ class RunGather:
     """
 
     def __init__(self, lengths: Sequence[int], order: Sequence[int]) -> None:
-        self.row = math.gcd(*lengths) or 1
+        self.row = self.fine = math.gcd(*lengths) or 1
         self.numel = sum(lengths)
         self.index_bytes = 8 * (self.numel // self.row)  # two int32 indices
+        self.launches = 1  # kernels each way
         self._lengths, self._order = tuple(lengths), tuple(order)
         self._memo: dict = {}
 
@@ -164,14 +165,17 @@ class RaggedGather:
     64 chunks of 12): the destination in rows of ``row`` elements, each gathered from
     wherever it starts in the source (the source seen as its overlapping windows of that
     length, ``unfold``: any start, no alignment), then the elements of the rows that
-    straddle two runs, and of the last partial row, written by a second, element-wise
-    gather. Three kernels each way whatever the number of runs. The indices, made once on
-    the host and copied once per device, take :attr:`index_bytes` on each device: per
-    direction, an int32 per row and an int32 + int64 per straddling element."""
+    straddle two runs, and of the last partial row, written by a second gather in rows of
+    :attr:`fine` elements, the gcd of the runs' lengths (every run starts at a multiple of
+    it on both sides: no such row straddles two runs). Three kernels each way whatever the
+    number of runs. The indices, made once on the host and copied once per device, take
+    :attr:`index_bytes` on each device: per direction, an int32 per row and an int32 +
+    int64 per fine row to fix."""
 
     def __init__(self, lengths: Sequence[int], order: Sequence[int], row: int) -> None:
         self.numel = sum(lengths)
         self.row = min(row, self.numel) or 1
+        self.fine = math.gcd(*lengths) or 1
         inverse = [0] * len(order)
         for i, r in enumerate(order):
             inverse[r] = i
@@ -179,12 +183,15 @@ class RaggedGather:
                        self._plan([lengths[i] for i in order], inverse))
         self.index_bytes = sum(4 * rows.numel() + 12 * dst.numel()
                                for rows, dst, _ in self._plans)
+        self.launches = max(bool(rows.numel()) + 2 * bool(dst.numel())
+                            for rows, dst, _ in self._plans)  # kernels each way, at most
         self._memo: dict = {}
 
     def _plan(self, lengths: Sequence[int], order: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        """``(each destination row's source start, the destination elements not in a
-        row within one run, their source elements)`` (host int64) of the runs of
-        ``lengths`` put in ``order``."""
+        """``(each destination row's source start, the destination's rows of
+        :attr:`fine` elements not all in a row within one run, their source starts)``
+        (host int64) of the runs of ``lengths`` put in ``order`` (a fine row that a whole
+        row covers in part is written twice, with the same bytes)."""
         src = _source_of(lengths, order, 1)  # every element's source
         r = self.row
         rows = self.numel // r
@@ -192,8 +199,8 @@ class RaggedGather:
         whole = (starts - starts[:, :1] == torch.arange(r)).all(1)  # within one run
         fix = torch.cat([(~whole).repeat_interleave(r),
                          torch.ones(self.numel - rows * r, dtype=torch.bool)])
-        dst = fix.nonzero().view(-1)
-        return starts[:, 0].masked_fill(~whole, 0), dst, src[dst]
+        dst = fix.view(-1, self.fine).any(1).nonzero().view(-1)
+        return starts[:, 0].masked_fill(~whole, 0), dst, src[dst * self.fine]
 
     def plan(self, backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reorder as :func:`gather_rows` takes it, rows of :attr:`row` (host int64)."""
@@ -203,7 +210,8 @@ class RaggedGather:
         device = torch.device(src.device)
         if (device, backward) not in self._memo:
             self._memo[device, backward] = on_device(self.plan(backward), device)
-        return gather_rows(src, self.row, *self._memo[device, backward], self.numel)
+        return gather_rows(src, self.row, *self._memo[device, backward], self.numel,
+                           self.fine)
 
     def forward(self, src: torch.Tensor) -> torch.Tensor:
         """The runs of the contiguous ``src`` in destination order (a new tensor)."""
@@ -222,17 +230,18 @@ def on_device(plan: Sequence[torch.Tensor], device: torch.device) -> tuple[torch
 
 
 def gather_rows(src: torch.Tensor, row: int, starts: torch.Tensor, dst: torch.Tensor,
-                elements: torch.Tensor, numel: int) -> torch.Tensor:
+                elements: torch.Tensor, numel: int, fine: int = 1) -> torch.Tensor:
     """A new 1-D tensor of ``numel`` elements: its ``i``-th row of ``row`` elements is
     ``src[starts[i] : starts[i] + row]`` (any start: ``src`` seen as its overlapping
-    windows, ``unfold``, one gather), then ``out[dst] = src[elements]`` (a second,
-    element-wise gather for what no whole row covers)."""
+    windows, ``unfold``, one gather), then its rows of ``fine`` elements ``dst`` are
+    ``src[e : e + fine]`` for ``e`` in ``elements`` (a second gather, for what no whole row
+    covers)."""
     out = src.new_empty(numel)
     if starts.numel():
         windows = src.unfold(0, row, 1)  # row i: src[i : i + row] (a view)
         torch.index_select(windows, 0, starts, out=out[: starts.numel() * row].view(-1, row))
     if dst.numel():
-        out.index_copy_(0, dst, src.index_select(0, elements))
+        out.view(-1, fine).index_copy_(0, dst, src.unfold(0, fine, 1).index_select(0, elements))
     return out
 
 
@@ -262,6 +271,7 @@ class PartsOrder:
         by_shard = [f for flat in positions for f in flat]
         make = run_gather if ragged else RunGather
         self.gathers = [make([b[p] for b in seg_bytes], by_shard) for p in range(kinds)]
+        self._layout = (tuple(map(tuple, seg_bytes)), tuple(map(tuple, positions)), kinds)
         self.shard_bytes = [[sum(seg_bytes[f][p] for f in flat) for flat in positions]
                             for p in range(kinds)]  # per kind, each shard's bytes
         self.index_bytes = sum(g.index_bytes for g in self.gathers)
@@ -277,6 +287,22 @@ class PartsOrder:
         """Every shard's parts, shard after shard, in one list (what a send buffer joins)."""
         return list(itertools.chain.from_iterable(zip(*self._kinds(wholes))))
 
+    @cached_property
+    def sends(self) -> RunGather | RaggedGather:
+        """The kinds joined kind after kind (one ``cat`` of the wholes) to the send buffer,
+        every shard's parts shard after shard, as one reorder of their runs
+        (:func:`run_gather`; its :attr:`~RunGather.index_bytes` for the caller to weigh)."""
+        seg_bytes, positions, kinds = self._layout
+        count = len(seg_bytes)  # run p·count + f: part p of flat segment f
+        return run_gather([b[p] for p in range(kinds) for b in seg_bytes],
+                          [p * count + f for flat in positions for p in range(kinds)
+                           for f in flat])
+
+    def send_buffer(self, wholes: Sequence[torch.Tensor]) -> torch.Tensor:
+        """:meth:`shard_after_shard`'s parts joined, in two gathers of bytes whatever the
+        shards (a ``cat`` of the kinds, :attr:`sends`): no ``cat`` of ``kinds·N`` parts."""
+        return self.sends.forward(torch.cat([w.view(torch.uint8) for w in wholes]))
+
     def _kinds(self, wholes: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
         """Per kind, every shard's part (views of one shard-ordered tensor: one gather)."""
         return [g.forward(w).split(b) for g, w, b in zip(self.gathers, wholes, self.shard_bytes)]
@@ -288,10 +314,10 @@ class PartsOrder:
         records' sizes and device), no ``cat`` of the parts first."""
         key = (tuple(records), torch.device(buf.device))
         if key not in self._cuts:  # the same records every step
-            self._cuts[key] = [(g.row, *on_device(self._rebased(g, p, key[0]), key[1]))
+            self._cuts[key] = [(g.row, g.fine, on_device(self._rebased(g, p, key[0]), key[1]))
                                for p, g in enumerate(self.gathers)]
-        return [gather_rows(buf, row, *plan, numel)
-                for (row, *plan), numel in zip(self._cuts[key], self._numels)]
+        return [gather_rows(buf, row, *plan, numel, fine)
+                for (row, fine, plan), numel in zip(self._cuts[key], self._numels)]
 
     def _rebased(self, gather, kind: int, records: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """``gather``'s backward plan with its sources, positions in kind ``kind``'s parts

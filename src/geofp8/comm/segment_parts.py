@@ -16,7 +16,7 @@ from functools import cached_property
 import torch
 
 from ..codecs.base import GroupMap
-from ..codecs.groups import PartsOrder
+from ..codecs.groups import PartsOrder, RunGather
 
 __all__ = ["SegmentParts"]
 
@@ -67,6 +67,20 @@ class SegmentParts:
             return self._parts_order
         _, positions, seg_bytes = self._by_segment
         return _within_share(PartsOrder(seg_bytes, positions, ragged=True))
+
+    @cached_property
+    def _sends(self) -> PartsOrder | None:
+        """:attr:`_reorder` when its one reorder of the joined kinds to the send buffer
+        (:meth:`PartsOrder.send_buffer`: a ``cat`` of the kinds and the reorder's kernels)
+        takes no more launches than a gather per kind and a ``cat`` of the ``kinds·N``
+        parts, and keeps its indices within the same share of the payload's bytes; else
+        ``None`` (that gather and ``cat``, whose host work grows with ``N``)."""
+        order = self._reorder
+        if order is None:
+            return None
+        sends = order.sends
+        fewer = 1 + sends.launches <= 1 + sum(g.launches for g in order.gathers)
+        return order if fewer and _within_share(sends) is not None else None
 
     @cached_property
     def _flat_run(self) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
@@ -127,6 +141,25 @@ class SegmentParts:
         return (sum(records), sizes, [w[p] for p in range(k) for w in where],
                 [sum(self.parts[j][p] for j in shards) for p in range(k)], numel)
 
+    def _copies_gather(self, key: tuple) -> RunGather | None:
+        """For the records of :meth:`decode_records`' ``key``, when they are copies of one
+        shard in equal records (an owner's ``N`` senders) of a one-codec layout: their
+        parts kind after kind, copy after copy, as one gather of rows (:class:`RunGather`,
+        one kernel whatever the copies, its index within the share of
+        :func:`_within_share`); ``None`` otherwise (:meth:`_windows` or the ``split`` and
+        ``cat``). Made once per key."""
+        gkey = ("copies", *key[1:])
+        if gkey not in self._maps:
+            shards, records, gather = key[1], key[2], None
+            if not self.codecs and isinstance(records, int) and len(set(shards)) == 1:
+                parts, copies = self.parts[shards[0]], len(shards)
+                k = len(parts)
+                gather = _within_share(RunGather(
+                    [*parts, records - sum(parts)] * copies,
+                    [c * (k + 1) + p for p in range(k) for c in range(copies)]))
+            self._maps[gkey] = gather
+        return self._maps[gkey]
+
     def _windows(self, key: tuple, device: torch.device
                  ) -> list[tuple[int, torch.Tensor]] | None:
         """For the records of :meth:`decode_records`' ``key``, when they are at least
@@ -148,8 +181,9 @@ class SegmentParts:
         return self._maps[wkey]
 
 
-def _within_share(order: PartsOrder) -> PartsOrder | None:
-    """``order`` if its indices take at most ``1/MAX_INDEX_SHARE`` of the payload's bytes (or
+def _within_share(order):
+    """``order`` (a reorder: its ``index_bytes`` and ``numel``) if its indices take at most
+    ``1/MAX_INDEX_SHARE`` of the payload's bytes (or
     :data:`MIN_INDEX_BYTES`), else ``None``."""
     return order if order.index_bytes <= max(order.numel // MAX_INDEX_SHARE,
                                              MIN_INDEX_BYTES) else None

@@ -95,6 +95,8 @@ class ShardCodecs(SegmentParts):
         _check_float(flat)
         wholes, error = self.codec.encode_whole(flat, self._by_segment[0], with_error,
                                                 error_out if with_error else None)
+        if self._sends is not None:
+            return self._sends.send_buffer(wholes), error
         parts = self._reorder.shard_after_shard(wholes)
         del wholes  # each kind in flat order: freed before the join
         return torch.cat(parts), error
@@ -107,15 +109,19 @@ class ShardCodecs(SegmentParts):
         first, then side bytes or padding): one ``split`` and one codec call over their
         payload parts, cut as made once per shards and records (nothing per shard in
         Python); a one-codec layout joins them kind after kind in one ``cat``
-        (:meth:`Codec.decode_whole`). ``values``: ``out`` when given, else a new FP32
-        vector; ``finite`` as :meth:`decode_shards` returns it."""
+        (:meth:`Codec.decode_whole`), or, for an owner's copies of its shard, by one
+        gather of rows whatever their number (:meth:`_copies_gather`). ``values``:
+        ``out`` when given, else a new FP32 vector; ``finite`` as :meth:`decode_shards`
+        returns it."""
         key = ("cuts", tuple(shards), records if isinstance(records, int) else tuple(records))
         if key not in self._maps:
             self._maps[key] = self._cuts(shards, records)
         nbytes, sizes, where, kinds, numel = self._maps[key]
         values = out if out is not None else torch.empty(numel, dtype=torch.float32,
                                                          device=buf.device)
-        if (windows := self._windows(key, buf.device)) is not None:
+        if (copies := self._copies_gather(key)) is not None:
+            wholes = copies.forward(buf[:nbytes]).split(kinds)
+        elif (windows := self._windows(key, buf.device)) is not None:
             wholes = _gathered(buf, windows, kinds)
         else:
             pieces = buf[:nbytes].split(sizes)

@@ -69,8 +69,10 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
     ``error`` is ``R``. The fused kernels (the layout's bound stages, FP8 or block-scaled:
     :meth:`.plan.FusedPlan.bound`) read ``R`` and ``keep`` in their two passes (``flat`` is
     not written; no host read) and write ``R`` in the encoding pass; elsewhere ``flat`` is
-    made ``Ũ`` by one add, the error written to ``error_out`` as above, then copied into
-    ``R``: the same bits."""
+    made ``Ũ`` by one add (``where``'s 0 a device constant) and the error written straight
+    into ``R`` where the codec's torch ops can (its ``sub`` rounds to ``R``'s dtype as
+    ``R.copy_`` would; a CPU's chunked kernels with a BF16 ``R``: into ``error_out``, then
+    copied): the same bits."""
     fused = None if side else layout.plan.bound(flat, error_out)
     if fused is not None and triton_fp8.feedback_fits(flat, feedback):
         error = feedback[0] if feedback is not None else (
@@ -80,9 +82,12 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
             return sent, error
     if feedback is not None:
         residual, keep = feedback
-        flat.add_(residual if keep is None else torch.where(keep, residual, 0.0))
-        sent, error = encode_with_error(flat, layout, side, seed, sender, error_out)
-        return sent, residual.copy_(error)
+        flat.add_(residual if keep is None else torch.where(
+            keep, residual, device_scalar(0.0, residual.dtype, residual.device)))
+        into = residual if residual.dtype == flat.dtype or layout.batched(flat.device) \
+            else error_out  # (a CPU's chunked kernels write FP32 only)
+        sent, error = encode_with_error(flat, layout, side, seed, sender, into)
+        return sent, error if error is residual else residual.copy_(error)
     if not layout.encodes_error:
         sent = _encode(flat, layout, side, seed, sender)[0]
         error = rounding_error(sent, flat, layout)
