@@ -303,6 +303,28 @@ class PartsOrder:
         shards (a ``cat`` of the kinds, :attr:`sends`): no ``cat`` of ``kinds·N`` parts."""
         return self.sends.forward(torch.cat([w.view(torch.uint8) for w in wholes]))
 
+    def receives(self, records: Sequence[int]) -> RunGather | RaggedGather:
+        """Every shard's record of ``records[j]`` bytes (its parts kind after kind, then its
+        rest: side bytes, padding), back to back, to the kinds whole in flat order kind
+        after kind and the rests last (:meth:`kinds_of` cuts them), as one reorder of their
+        runs (:func:`run_gather`; its :attr:`~RunGather.index_bytes` for the caller to
+        weigh)."""
+        seg_bytes, positions, kinds = self._layout
+        lengths, where, rests = [], {}, []
+        for j, flat in enumerate(positions):
+            for p in range(kinds):
+                for f in flat:
+                    where[p, f] = len(lengths)
+                    lengths.append(seg_bytes[f][p])
+            rests.append(len(lengths))
+            lengths.append(records[j] - sum(b[j] for b in self.shard_bytes))
+        return run_gather(lengths, [where[p, f] for p in range(kinds)
+                                    for f in range(len(seg_bytes))] + rests)
+
+    def kinds_of(self, joined: torch.Tensor) -> list[torch.Tensor]:
+        """The kinds whole (views) at the front of ``joined``, kind after kind."""
+        return list(joined.split([*self._numels, joined.numel() - self.numel]))[:-1]
+
     def _kinds(self, wholes: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
         """Per kind, every shard's part (views of one shard-ordered tensor: one gather)."""
         return [g.forward(w).split(b) for g, w, b in zip(self.gathers, wholes, self.shard_bytes)]

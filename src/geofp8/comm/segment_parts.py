@@ -16,7 +16,7 @@ from functools import cached_property
 import torch
 
 from ..codecs.base import GroupMap
-from ..codecs.groups import PartsOrder, RunGather
+from ..codecs.groups import PartsOrder, RaggedGather, RunGather
 
 __all__ = ["SegmentParts"]
 
@@ -81,6 +81,21 @@ class SegmentParts:
         sends = order.sends
         fewer = 1 + sends.launches <= 1 + sum(g.launches for g in order.gathers)
         return order if fewer and _within_share(sends) is not None else None
+
+    def _receives(self, records: tuple[int, ...]) -> RunGather | RaggedGather | None:
+        """For records of these sizes and :attr:`_reorder`: its one reorder of the records
+        to the kinds whole in flat order (:meth:`PartsOrder.receives`) when it takes no
+        more launches than its gather per kind straight from the records
+        (:meth:`PartsOrder.from_records`, three kernels a ragged kind) and its indices are
+        within the share of :func:`_within_share`; else ``None``. Made once per sizes."""
+        key = ("receives", records)
+        if key not in self._maps:
+            order = self._reorder
+            gather = _within_share(order.receives(records))
+            fewer = gather is not None and gather.launches <= sum(
+                g.launches for g in order.gathers)
+            self._maps[key] = gather if fewer else None
+        return self._maps[key]
 
     @cached_property
     def _flat_run(self) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:

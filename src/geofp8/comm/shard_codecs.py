@@ -196,8 +196,10 @@ class ShardCodecs(SegmentParts):
         flat_shards, _, seg_bytes = self._by_segment
         k = len(seg_bytes[0]) if seg_bytes else 0
         if self.batched(buf.device) and self._reorder is not None:
-            return self.codec.decode_whole(out, self._reorder.from_records(buf, records),
-                                           flat_shards, check, poison)
+            receives = self._receives(tuple(records))
+            wholes = (self._reorder.from_records(buf, records) if receives is None else
+                      self._reorder.kinds_of(receives.forward(buf[: sum(records)])))
+            return self.codec.decode_whole(out, wholes, flat_shards, check, poison)
         sizes, where = self._record_cuts(tuple(records))
         pieces = buf[: sum(records)].split(sizes)
         if self.batched(buf.device):
