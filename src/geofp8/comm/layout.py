@@ -167,6 +167,16 @@ class ShardLayout(ShardCodecs, FlatOrder):
             found = self._maps[key] = GroupMap(self.groups[j] for j in key)
         return found
 
+    def padding(self, j: int, device: torch.device) -> torch.Tensor:
+        """The zero bytes after shard ``j``'s payload in a record of :attr:`max_shard_bytes`
+        (uint8 on ``device``, made once and never written: a ``cat`` reads them, no fill
+        kernel per call)."""
+        key = ("padding", j, torch.device(device))
+        if key not in self._maps:
+            self._maps[key] = torch.zeros(self.max_shard_bytes - self.shard_bytes(j),
+                                          dtype=torch.uint8, device=device)
+        return self._maps[key]
+
     def shard_numel(self, j: int) -> int:
         return self._shard_numels[j]
 

@@ -274,7 +274,7 @@ def encode_reduced(shard_sum: torch.Tensor, layout: ShardLayout, shard: int,
         parts = layout.encode_shards(shard_sum, [shard],
                                      [_shard_seed(seed, layout.world_size + shard)])
         pad = layout.max_shard_bytes - nbytes
-        out = torch.cat([*parts, shard_sum.new_zeros(pad, dtype=torch.uint8)] if pad else parts)
+        out = torch.cat([*parts, layout.padding(shard, shard_sum.device)] if pad else parts)
     if error_out is not None:
         torch.sub(shard_sum, decode_shard(out, layout, shard), out=error_out)
     return out
