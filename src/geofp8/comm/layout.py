@@ -222,6 +222,12 @@ class ShardLayout(ShardCodecs, FlatOrder):
         """Bytes every sender hands over for shard ``j``: payload plus side metadata."""
         return self.shard_bytes(j) + self.side[j]
 
+    @cached_property
+    def send_sizes(self) -> tuple[int, ...]:
+        """Every shard's :meth:`send_bytes`, in shard order (made once: a stage that reads
+        a whole send buffer walks no shards)."""
+        return tuple(self.send_bytes(j) for j in range(self.world_size))
+
     def group_spans(self, j: int) -> list[tuple[int, int]]:
         """Flat ranges of shard ``j``'s scale groups (a group never spans two segments)."""
         spans, groups = [], iter([n for seg in self.groups[j] for n in seg])

@@ -111,7 +111,7 @@ def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | 
         return done
     seeds = [_shard_seed(seed, sender, j) for j in range(n)]
     if not (layout.batched(flat.device) or layout.segmentwise):
-        sizes = _send_sizes(layout)
+        sizes = layout.send_sizes
         sent = flat.new_empty(sum(sizes), dtype=torch.uint8)
         for j, record in enumerate(sent.split(sizes)):
             layout.encode_gathered(record, flat, j, seeds[j])
@@ -125,10 +125,6 @@ def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | 
         if layout.side[j]:
             pieces.append(side[j])
     return torch.cat(pieces), error
-
-
-def _send_sizes(layout: ShardLayout) -> list[int]:
-    return [layout.send_bytes(j) for j in range(layout.world_size)]
 
 
 def _decode_records(buf: torch.Tensor, layout: ShardLayout, shards: list[int],
@@ -341,13 +337,13 @@ def poison_unless(values: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
 
 def decode(sent: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     """What ``encode(flat, layout)`` decodes to (the sender's own view)."""
-    return _decode_flat(sent, layout, _send_sizes(layout), check=False)[0]
+    return _decode_flat(sent, layout, layout.send_sizes, check=False)[0]
 
 
 def rounding_error(sent: torch.Tensor, flat: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     """``flat − decode(sent)``: what ``sent = encode(flat, layout)`` lost (a sender's error
     feedback residual), in flat order without a decoded copy of the whole vector."""
-    return _decode_flat(sent, layout, _send_sizes(layout), minus=flat, check=False)[0]
+    return _decode_flat(sent, layout, layout.send_sizes, minus=flat, check=False)[0]
 
 
 def simulate_exact_allreduce(inputs: list[torch.Tensor], layout: ShardLayout,
