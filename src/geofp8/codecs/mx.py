@@ -35,6 +35,7 @@ import torch
 from . import triton_fp4
 from .base import (
     Codec,
+    GroupMap,
     Segments,
     Shards,
     group_amax,
@@ -43,7 +44,7 @@ from .base import (
     group_map,
     group_mul_,
     interleave,
-    joined,
+    joined_kinds,
     poison_scales_,
 )
 from .fp4 import (
@@ -57,7 +58,7 @@ from .fp4 import (
     flushed_fraction,
     grid_round,
     pack_nibbles,
-    pack_shards,
+    pack_whole,
     round_key,
     scale_blocks,
     segment_uniforms,
@@ -221,6 +222,16 @@ class MXCodec(Codec):
             return [x.new_empty(0, dtype=torch.uint8)] * (2 * len(shards))
         if (fused := triton_fp4.encode_shards(self, x, shards, seeds)) is not None:
             return fused
+        byte, codes = self._encode_whole(x, shards, seeds)
+        return interleave(byte.split(shards.memo("groups", lambda: [sum(map(len, g))
+                                                                    for g in shards])),
+                          codes.split(shards.memo(("code bytes", self.packed), lambda: [
+                              (n + 1) // 2 if self.packed else n for n in shards.numels])))
+
+    def _encode_whole(self, x: torch.Tensor, shards: GroupMap, seeds
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(E8M0 bytes, codes)`` of the whole bucket, each one tensor (torch ops; the codes
+        packed shard by shard, :func:`pack_whole`)."""
         byte, scale = self._scales_of(group_amax(x, shards))
         u = (shard_uniforms(shards, seeds, x.device)
              if self.rounding == "stochastic" else None)
@@ -228,10 +239,25 @@ class MXCodec(Codec):
             codes = (e2m1_encode if self.packed else e4m3_encode)(group_div(x, scale, shards), u)
         else:  # e4m3_encode's cast, in the division's kernel
             codes = group_fp8(x, scale, shards, torch.float8_e4m3fn)
-        numels = list(shards.numels)
-        return interleave(byte.split(shards.memo("groups", lambda: [sum(map(len, g))
-                                                                    for g in shards])),
-                          pack_shards(codes, shards) if self.packed else codes.split(numels))
+        return byte, pack_whole(codes, shards) if self.packed else codes
+
+    def encode_whole(self, x: torch.Tensor, shards: Shards, with_error: bool = False,
+                     error_out: torch.Tensor | None = None
+                     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """:meth:`Codec.encode_whole` from the whole bucket's two tensors (no Python per
+        shard or segment); the error decoded back from them (:meth:`decode_whole`)."""
+        shards = group_map(shards)
+        if not shards.lengths:
+            return super().encode_whole(x, shards, with_error, error_out)
+        if (fused := triton_fp4.encode_whole(self, x, shards, error=with_error,
+                                             error_out=error_out)) is not None:
+            return fused
+        wholes = list(self._encode_whole(x, shards, [None] * len(shards)))
+        if not with_error:
+            return wholes, None
+        error = torch.empty_like(x)
+        self.decode_whole(error, wholes, shards, check=False)
+        return wholes, torch.sub(x, error, out=error if error_out is None else error_out)
 
     def _scales_of(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(E8M0 bytes, divisors)`` of the blocks of ``amax`` (NaN or ``+Inf`` for a
@@ -247,14 +273,17 @@ class MXCodec(Codec):
 
     def decode_shards(self, out: torch.Tensor, parts, shards: Shards, check: bool = True,
                       poison: bool = False) -> torch.Tensor | None:
+        return self.decode_whole(out, joined_kinds(parts, (1, 1)), shards, check, poison)
+
+    def decode_whole(self, out: torch.Tensor, wholes, shards: Shards, check: bool = True,
+                     poison: bool = False) -> torch.Tensor | None:
         shards = group_map(shards)
         if not shards.lengths:
             return torch.ones((), dtype=torch.bool, device=out.device)
-        ran, finite = triton_fp4.decode_shards(self, out, parts, shards, check, poison)
+        ran, finite = triton_fp4.decode_whole(self, out, wholes, shards, check, poison)
         if ran:
             return finite
-        byte = joined(parts[0::2])
-        codes = joined(parts[1::2])
+        byte, codes = wholes
         if self.packed:
             unpack_shards(out, codes, shards)
         else:

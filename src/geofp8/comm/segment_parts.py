@@ -159,7 +159,8 @@ class SegmentParts:
     def _copies_gather(self, key: tuple) -> RunGather | None:
         """For the records of :meth:`decode_records`' ``key``, when they are copies of one
         shard in equal records (an owner's ``N`` senders) of a one-codec layout: their
-        parts kind after kind, copy after copy, as one gather of rows (:class:`RunGather`,
+        parts kind after kind, copy after copy (their rests, side bytes or padding, after
+        them), as one gather of rows (:class:`RunGather`,
         one kernel whatever the copies, its index within the share of
         :func:`_within_share`); ``None`` otherwise (:meth:`_windows` or the ``split`` and
         ``cat``). Made once per key."""
@@ -169,9 +170,9 @@ class SegmentParts:
             if not self.codecs and isinstance(records, int) and len(set(shards)) == 1:
                 parts, copies = self.parts[shards[0]], len(shards)
                 k = len(parts)
-                gather = _within_share(RunGather(
+                gather = _within_share(RunGather(  # the records' rests last
                     [*parts, records - sum(parts)] * copies,
-                    [c * (k + 1) + p for p in range(k) for c in range(copies)]))
+                    [c * (k + 1) + p for p in range(k + 1) for c in range(copies)]))
             self._maps[gkey] = gather
         return self._maps[gkey]
 

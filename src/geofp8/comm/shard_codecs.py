@@ -120,7 +120,7 @@ class ShardCodecs(SegmentParts):
         values = out if out is not None else torch.empty(numel, dtype=torch.float32,
                                                          device=buf.device)
         if (copies := self._copies_gather(key)) is not None:
-            wholes = copies.forward(buf[:nbytes]).split(kinds)
+            wholes = copies.forward(buf[:nbytes])[: sum(kinds)].split(kinds)
         elif (windows := self._windows(key, buf.device)) is not None:
             wholes = _gathered(buf, windows, kinds)
         else:

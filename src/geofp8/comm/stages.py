@@ -109,7 +109,7 @@ def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | 
     if not side and (done := layout.encode_send(flat, seed, sender, with_error,
                                                 error_out)) is not None:
         return done
-    seeds = [_shard_seed(seed, sender, j) for j in range(n)]
+    seeds = [None] * n if seed is None else [mix_seed(seed, sender, j) for j in range(n)]
     if not (layout.batched(flat.device) or layout.segmentwise):
         sizes = layout.send_sizes
         sent = flat.new_empty(sum(sizes), dtype=torch.uint8)
