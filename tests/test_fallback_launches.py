@@ -56,13 +56,15 @@ def test_the_fallback_launches_the_same_few_kernels_for_2_8_or_64_ranks(fmt, mos
             kind, launches)
 
 
-def test_the_fallback_runs_the_same_python_for_2_8_or_64_ranks():
-    """Equal matrices, NVFP4 with the residual: the same lines of Python for 2, 8 and 64
-    ranks (f8ae040: 628, 628 and 626, the owner's two ways of taking its copies' parts and
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_the_fallback_runs_the_same_python_for_2_8_or_64_ranks(fmt):
+    """Equal matrices with the residual: the same lines of Python for 2, 8 and 64 ranks
+    (f8ae040: NVFP4 628, 628 and 626, the owner's two ways of taking its copies' parts and
     the sender's ``cat`` of its ``3N`` parts; main before: 761, 857 and 1753, a loop over
     the senders in the owner's sum and its records' cuts, and one over the shards in the
-    sender's buffer)."""
-    lines = {n: _counts("nvfp4", "equal", n)[1] for n in (2, 8, 64)}
+    sender's buffer. MXFP8 2676, 8772 and 65663: its whole-bucket calls cut into and
+    joined from a part per segment in Python)."""
+    lines = {n: _counts(fmt, "equal", n)[1] for n in (2, 8, 64)}
     assert len(set(lines.values())) == 1, lines
 
 
