@@ -175,7 +175,7 @@ class RaggedGather:
     def __init__(self, lengths: Sequence[int], order: Sequence[int], row: int) -> None:
         self.numel = sum(lengths)
         self.row = min(row, self.numel) or 1
-        self.fine = math.gcd(*lengths) or 1
+        self.fine = _fine(lengths, self.row)
         inverse = [0] * len(order)
         for i, r in enumerate(order):
             inverse[r] = i
@@ -192,15 +192,15 @@ class RaggedGather:
         :attr:`fine` elements not all in a row within one run, their source starts)``
         (host int64) of the runs of ``lengths`` put in ``order`` (a fine row that a whole
         row covers in part is written twice, with the same bytes)."""
-        src = _source_of(lengths, order, 1)  # every element's source
-        r = self.row
-        rows = self.numel // r
-        starts = src[: rows * r].view(rows, r)
-        whole = (starts - starts[:, :1] == torch.arange(r)).all(1)  # within one run
-        fix = torch.cat([(~whole).repeat_interleave(r),
-                         torch.ones(self.numel - rows * r, dtype=torch.bool)])
-        dst = fix.view(-1, self.fine).any(1).nonzero().view(-1)
-        return starts[:, 0].masked_fill(~whole, 0), dst, src[dst * self.fine]
+        f = self.fine
+        src = _source_of(lengths, order, f)  # every fine row's source fine row
+        per, rows = self.row // f, self.numel // self.row
+        starts = src[: rows * per].view(rows, per)
+        whole = (starts - starts[:, :1] == torch.arange(per)).all(1)  # within one run
+        fix = torch.cat([(~whole).repeat_interleave(per),
+                         torch.ones(self.numel // f - rows * per, dtype=torch.bool)])
+        dst = fix.nonzero().view(-1)
+        return starts[:, 0].masked_fill(~whole, 0) * f, dst, src[dst] * f
 
     def plan(self, backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reorder as :func:`gather_rows` takes it, rows of :attr:`row` (host int64)."""
@@ -252,10 +252,30 @@ def run_gather(lengths: Sequence[int], order: Sequence[int]) -> RunGather | Ragg
     """The reorder of these runs whose indices take the fewest bytes: a
     :class:`RunGather`, or a :class:`RaggedGather` with one of :data:`RAGGED_ROWS`."""
     aligned = RunGather(lengths, order)
-    if aligned.row >= RAGGED_ROWS[-1]:
+    rows = [row for row in RAGGED_ROWS if row > aligned.row]
+    if not rows:
         return aligned
-    return min([aligned, *(RaggedGather(lengths, order, row) for row in RAGGED_ROWS
-                           if row > aligned.row)], key=lambda g: g.index_bytes)
+    row = min(rows, key=lambda r: _ragged_bytes(lengths, order, r))  # one plan made
+    return min(aligned, RaggedGather(lengths, order, row), key=lambda g: g.index_bytes)
+
+
+def _fine(lengths: Sequence[int], row: int) -> int:
+    """The rows a :class:`RaggedGather` of rows of ``row`` fixes: of the runs' gcd where it
+    divides ``row``, else of one element."""
+    fine = math.gcd(*lengths) or 1
+    return fine if row % fine == 0 else 1
+
+
+def _ragged_bytes(lengths: Sequence[int], order: Sequence[int], row: int) -> int:
+    """At most :attr:`RaggedGather.index_bytes` of these runs in rows of ``row``, from the
+    runs alone (no plan made): each way, a row holding a run's end inside it is fixed."""
+    numel, fine = sum(lengths), _fine(lengths, min(row, sum(lengths)) or 1)
+    total = 0
+    for dst in ([lengths[i] for i in order], lengths):  # forward, backward
+        ends = {end // row for end in itertools.accumulate(dst) if end % row}
+        fixed = len(ends - {numel // row}) * row + numel % row
+        total += 4 * (numel // row) + 12 * fixed // fine
+    return total
 
 
 class PartsOrder:
