@@ -547,11 +547,8 @@ class NVFP4Codec(Codec):
                      error_out: torch.Tensor | None = None
                      ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         shards = group_map(shards)
-        if not shards.lengths:
-            return super().encode_whole(x, shards, with_error, error_out)
-        if (fused := triton_fp4.encode_whole(self, x, shards, error=with_error,
-                                             error_out=error_out)) is not None:
-            return fused
+        if (done := whole_elsewhere(self, x, shards, with_error, error_out)) is not None:
+            return done
         s, code, packed, *_, decoded = self._encode_whole(x, shards, [None] * len(shards),
                                                           decoded=with_error)
         error = None
@@ -587,6 +584,16 @@ class NVFP4Codec(Codec):
 
     def clipped_fraction(self, x: torch.Tensor) -> torch.Tensor:
         return flushed_fraction(self, x)
+
+
+def whole_elsewhere(codec: Codec, x: torch.Tensor, shards: GroupMap, with_error: bool,
+                    error_out: torch.Tensor | None):
+    """A block-scaled codec's :meth:`Codec.encode_whole` where its torch ops do not make
+    it: no groups (the default's), or the kernels' (:func:`.triton_fp4.encode_whole`);
+    ``None`` otherwise."""
+    if not shards.lengths:
+        return Codec.encode_whole(codec, x, shards, with_error, error_out)
+    return triton_fp4.encode_whole(codec, x, shards, error=with_error, error_out=error_out)
 
 
 def flushed_fraction(codec: Codec, x: torch.Tensor) -> torch.Tensor:

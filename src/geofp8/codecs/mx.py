@@ -66,6 +66,7 @@ from .fp4 import (
     unpack_into,
     unpack_shards,
     whole_bytes,
+    whole_elsewhere,
 )
 from .fp8 import e4m3_into, group_lengths, lookup_into
 
@@ -247,11 +248,8 @@ class MXCodec(Codec):
         """:meth:`Codec.encode_whole` from the whole bucket's two tensors (no Python per
         shard or segment); the error decoded back from them (:meth:`decode_whole`)."""
         shards = group_map(shards)
-        if not shards.lengths:
-            return super().encode_whole(x, shards, with_error, error_out)
-        if (fused := triton_fp4.encode_whole(self, x, shards, error=with_error,
-                                             error_out=error_out)) is not None:
-            return fused
+        if (done := whole_elsewhere(self, x, shards, with_error, error_out)) is not None:
+            return done
         wholes = list(self._encode_whole(x, shards, [None] * len(shards)))
         if not with_error:
             return wholes, None
