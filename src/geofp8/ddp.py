@@ -161,8 +161,7 @@ class GeoFP8State:
         """Fold the bucket into the step's finite flag (on the side stream, where the flags
         are stacked too; ``finite``: the value's own, when the collective has it); the last
         one settles the step."""
-        self.engine.observe(value, finite=finite)
-        self.engine.finish_unit()
+        self.engine.finish_unit(value, finite)
         return value
 
     def _failed(self, fut: torch.futures.Future) -> torch.Tensor:

@@ -165,9 +165,13 @@ class SyncEngine:
         with self._lock:
             return self.verdict.slot(device)
 
-    def finish_unit(self) -> None:
-        """A unit's result is ready; the last one of a launched step settles it."""
+    def finish_unit(self, values: torch.Tensor | None = None,
+                    finite: torch.Tensor | None = None) -> None:
+        """A unit's result is ready (``values``: observed first, as :meth:`observe`, under
+        the same lock); the last one of a launched step settles it."""
         with self._lock:
+            if values is not None:
+                self.verdict.observe(all_finite(values) if finite is None else finite)
             self._outstanding -= 1
             if self._outstanding == 0 and self.ledger.unsettled:
                 self._settle()

@@ -133,6 +133,7 @@ class Communicator:
         self._in_flight: list[_AllToAll] = []  # all-to-alls whose all-gather is not issued
         self._pending: list = []  # (work, finish, result): results this thread completes
         self._splits: dict[int, tuple] = {}  # id(layout) -> (layout, its all-to-all splits)
+        self._side = stream.use if stream is not None else contextlib.nullcontext
 
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
                unmap=None, gather: bool = True, seed: int | None = None,
@@ -158,15 +159,15 @@ class Communicator:
         ``sent`` is the communicator's from here: its memory is freed once it is sent."""
         then = then if then is not None else _same
         with self._side():
-            self.flush(keep=self.lag - 1)
-            self.complete(block=False)
+            self._flush(keep=self.lag - 1)  # (already under the stream: no nested entries)
+            self._complete(block=False)
             if self.collective == "allgather":
                 if unmap is not None or not gather:
                     raise ValueError("per-sender decoding and reduce-scatter need "
                                      "collective='exact'")
                 result = self._allgather(sent, layout, out, then, divide)
                 if last:
-                    self.complete(block=True)
+                    self._complete(block=True)
                 return result
             return self._all_to_all(sent, layout, last, unmap, gather, seed, owner_keys, out,
                                     then, divide)
@@ -183,8 +184,8 @@ class Communicator:
                                          owner_keys if self.owner is not None else None, out,
                                          then, divide))
         if last:
-            self.flush()  # issue the all-gather now, from this thread (see the class notes)
-            self.complete(block=True)
+            self._flush()  # issue the all-gather now, from this thread (see the class notes)
+            self._complete(block=True)
         return result
 
     def _split(self, layout: ShardLayout) -> tuple:
@@ -207,13 +208,16 @@ class Communicator:
         """Complete the tracked results whose collectives are done, in launch order (all of
         them, waiting, when ``block``), under :attr:`stream`."""
         with self._side():
-            while self._pending and (block or self._pending[0][0].is_completed()):
-                work, finish, result = self._pending.pop(0)
-                try:
-                    work.wait()
-                    result.set_result(finish())
-                except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-                    result.set_exception(exc)
+            self._complete(block)
+
+    def _complete(self, block: bool) -> None:
+        while self._pending and (block or self._pending[0][0].is_completed()):
+            work, finish, result = self._pending.pop(0)
+            try:
+                work.wait()
+                result.set_result(finish())
+            except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
+                result.set_exception(exc)
 
     def reset(self) -> None:
         """Drop unfinished launches (after a failed step): their collectives' results are
@@ -224,13 +228,13 @@ class Communicator:
         """Finish the oldest all-to-alls in flight and issue their all-gathers, in launch
         order, until ``keep`` are left."""
         with self._side():
-            while len(self._in_flight) > keep:
-                launch = self._in_flight.pop(0)
-                launch.work.wait()
-                self._gather(launch)
+            self._flush(keep)
 
-    def _side(self):
-        return self.stream.use() if self.stream is not None else contextlib.nullcontext()
+    def _flush(self, keep: int = 0) -> None:
+        while len(self._in_flight) > keep:
+            launch = self._in_flight.pop(0)
+            launch.work.wait()
+            self._gather(launch)
 
     def _gather(self, launch: _AllToAll) -> None:
         layout, result, keys = launch.layout, launch.result, launch.keys

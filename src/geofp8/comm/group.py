@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import collections
 import json
+import operator
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["KEEP", "DeviceGroup", "collective", "release"]
 
+_EMPTIED = operator.methodcaller("resize_", 0)  # a storage shrunk to no bytes
 KEEP = 4  # collectives whose Work a group keeps alive (module notes)
 _BEFORE_2_12 = {"all_gather_single": "all_gather_into_tensor",  # torch < 2.12's names,
                 "reduce_scatter_single": "reduce_scatter_tensor"}  # the same arguments
@@ -47,8 +49,7 @@ def release(*buffers: torch.Tensor) -> None:
     is resized to zero bytes (every view of it included). Call it only after the collective
     was waited for (on an accelerator the current stream then waits for it, and a freed block
     is reused in that order) and once nothing reads the buffers again."""
-    for t in buffers:
-        t.untyped_storage().resize_(0)
+    list(map(_EMPTIED, map(torch.Tensor.untyped_storage, buffers)))  # no Python per buffer
 
 
 class DeviceGroup:
@@ -133,9 +134,11 @@ class DeviceGroup:
         if out.device != self.device or inp.device != self.device:
             raise ValueError(f"all_to_all buffers must live on {self.device}")
         self.charge(kind, sum(in_splits) - in_splits[self.rank])  # to the others
-        return self._keep(dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
-                                                 input_split_sizes=in_splits, group=self.group,
-                                                 async_op=True))
+        work = dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
+                                      input_split_sizes=in_splits, group=self.group,
+                                      async_op=True)
+        self._works.append(work)  # kept alive (module notes)
+        return work
 
     # -- plain data: JSON text and named tensors as bytes (no Python objects) -----------------
 
