@@ -161,9 +161,8 @@ class SyncEngine:
 
     def flag_slot(self, device: torch.device) -> torch.Tensor | None:
         """Where a fused decode may write its unit's finite flag before it is observed
-        (:meth:`StepVerdict.slot`: the step then settles in one kernel)."""
-        with self._lock:
-            return self.verdict.slot(device)
+        (:meth:`StepVerdict.slot`: the step then settles in one kernel; no lock needed)."""
+        return self.verdict.slot(device)
 
     def finish_unit(self, values: torch.Tensor | None = None,
                     finite: torch.Tensor | None = None) -> None:
