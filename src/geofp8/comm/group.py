@@ -134,11 +134,9 @@ class DeviceGroup:
         if out.device != self.device or inp.device != self.device:
             raise ValueError(f"all_to_all buffers must live on {self.device}")
         self.charge(kind, sum(in_splits) - in_splits[self.rank])  # to the others
-        work = dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
-                                      input_split_sizes=in_splits, group=self.group,
-                                      async_op=True)
-        self._works.append(work)  # kept alive (module notes)
-        return work
+        return self._keep(dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
+                                                 input_split_sizes=in_splits, group=self.group,
+                                                 async_op=True))
 
     # -- plain data: JSON text and named tensors as bytes (no Python objects) -----------------
 
