@@ -169,8 +169,8 @@ class SyncEngine:
         """A unit's result is ready (``values``: observed first, as :meth:`observe`, under
         the same lock); the last one of a launched step settles it."""
         with self._lock:
-            if values is not None:
-                self.verdict.observe(all_finite(values) if finite is None else finite)
+            if values is not None:  # (the verdict's list, appended to under the lock)
+                self.verdict.flags.append(all_finite(values) if finite is None else finite)
             self._outstanding -= 1
             if self._outstanding == 0 and self.ledger.unsettled:
                 self._settle()

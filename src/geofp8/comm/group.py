@@ -52,6 +52,10 @@ def release(*buffers: torch.Tensor) -> None:
     list(map(_EMPTIED, map(torch.Tensor.untyped_storage, buffers)))  # no Python per buffer
 
 
+def _waited(work) -> None:
+    work.wait()
+
+
 class DeviceGroup:
     """A process group and the device its collectives run on.
 
@@ -67,24 +71,21 @@ class DeviceGroup:
         self.group, self.device, self.link = group, torch.device(device), link
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.bytes: dict[str, float] = {}
+        self.bytes: dict[str, float] = collections.defaultdict(float)  # by kind
         self._works: collections.deque = collections.deque(maxlen=KEEP)
 
     def _keep(self, work, async_op: bool = True):
         """``work`` kept alive (module notes); waited for here unless ``async_op``."""
         self._works.append(work)
-        if not async_op:
-            work.wait()
-            return None
-        return work
+        return work if async_op else _waited(work)
 
     def charge(self, kind: str, nbytes: float) -> None:
         """Count ``nbytes`` under ``kind`` (also for traffic computed, not issued, here)."""
-        self.bytes[kind] = self.bytes.get(kind, 0.0) + nbytes
+        self.bytes[kind] += nbytes
 
     def take_bytes(self) -> dict[str, float]:
         """The bytes charged since the last call, by kind (and reset)."""
-        taken, self.bytes = self.bytes, {}
+        taken, self.bytes = self.bytes, collections.defaultdict(float)
         return taken
 
     def on_device(self, t: torch.Tensor) -> torch.Tensor:

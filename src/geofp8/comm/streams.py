@@ -97,18 +97,20 @@ class SideStream:
         self.device = torch.device(device)
         self.api = streams_for(self.device)
         self.stream = self.api.new(self.device) if self.api is not None else None
-        # bound once: no Python of ours between a caller and the stream's context manager
-        self.use = contextlib.nullcontext if self.api is None else \
-            functools.partial(self.api.use, self.stream)
+        # bound once: no Python of ours between a caller and the context manager it enters
+        if self.api is None:  # nothing to order, mark nor enter
+            self.use = self.after_current = contextlib.nullcontext
+        else:
+            self.use = functools.partial(self.api.use, self.stream)
 
     @contextlib.contextmanager
-    def after_current(self):
-        """Order the side stream after the current one (the gradients are ready), then run
-        the block on it."""
-        if self.api is None:
-            yield
-            return
+    def after_current(self, tensor: torch.Tensor | None = None):
+        """Order the side stream after the current one (the gradients are ready), mark
+        ``tensor`` (e.g. DDP's bucket) as used by it (:meth:`hand_over`), then run the block
+        on it."""
         self.stream.wait_stream(self.api.current(self.device))
+        if tensor is not None:
+            self.hand_over(tensor)
         with self.api.use(self.stream):
             yield
 
