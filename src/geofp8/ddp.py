@@ -57,6 +57,8 @@ __all__ = [
 ]
 
 SUPPORTED_BACKENDS = ("gloo", "nccl")
+_SIZE = ("elements", "bytes_fp32_equivalent")  # a bucket's figures per step (_Bucket.size)
+_SECONDS = ("codec_s", "transform_s")  # its encode's and map back's host seconds
 
 
 class GeoFP8State:
@@ -96,7 +98,8 @@ class GeoFP8State:
         self.stream = SideStream(device)
         self.communicator = Communicator(config.collective, self.engine.group,
                                          stream=self.stream, lag=self.lag)
-        self.communicator.flag_slot = self.engine.flag_slot  # the step settles in one kernel
+        # the step settles in one kernel (StepVerdict.slot: one list.pop, no lock needed)
+        self.communicator.flag_slot = self.engine.verdict.slot
         if config.owner_feedback:
             self.communicator.owner = self.engine.add_feedback("owner", "fp32")
             self.communicator.owner_route = IDENTITY
@@ -147,8 +150,7 @@ class GeoFP8State:
             with self.stream.after_current(buffer):
                 kept = self._bucket_of(bucket, buffer)
                 engine.start_unit(last)
-                engine.ledger.add("elements", kept.elements)
-                engine.ledger.add("bytes_fp32_equivalent", kept.fp32_bytes)
+                engine.ledger.add_each(_SIZE, kept.size)
                 if engine.fp8:
                     future = self._fp8_allreduce(bucket, kept, last)
                 else:
@@ -230,7 +232,7 @@ class GeoFP8State:
         encoded = pipeline.encode(kept.names, kept.grads, seed, flat=kept.flat,
                                   record=kept.record)
         kept.record = encoded.record  # the bucket's decisions for its next call
-        engine.ledger.add("codec_s", time.perf_counter() - t0)
+        codec_s = time.perf_counter() - t0  # (added with the map back's)
         # before the launch: the last one settles the step, bytes charged included
         if encoded.side_bytes:
             engine.group.charge("payload", -encoded.side_bytes)  # sender factors: factor bytes
@@ -242,21 +244,22 @@ class GeoFP8State:
         return self.communicator.launch(
             encoded.sent, encoded.layout, last, pipeline.unmap(encoded) if per_sender else None,
             seed=seed, owner_keys=owner_keys, out=kept.flat, divide=engine.group.size,
-            then=functools.partial(self._map_back, kept, encoded, per_sender))
+            then=functools.partial(self._map_back, kept, encoded, per_sender, codec_s))
 
-    def _map_back(self, kept: "_Bucket", encoded, per_sender: bool, total: torch.Tensor,
-                  finite: torch.Tensor | None) -> torch.Tensor:
+    def _map_back(self, kept: "_Bucket", encoded, per_sender: bool, codec_s: float,
+                  total: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
         """The mean of ``kept``'s launch written into its buffer, from the collective's
         ``total`` (divided by N in its fused decode; all NaN on every rank if any rank sent
         a non-finite value): its finite flag stands for the bucket's where nothing is
         mapped back, else (a map may overflow) the mean's own check is written over it (a
-        poisoned sum maps back to NaN), in its step's slot."""
+        poisoned sum maps back to NaN), in its step's slot. ``codec_s``: the encode's
+        seconds, added to the step's figures with the map back's."""
         t1 = time.perf_counter()
         mean = self.engine.pipeline.decode(encoded, total, divided=True)  # the buffer in place
         if kept.flat is None:
             for off, y in zip(kept.offsets, mean.split([g.numel() for g in kept.grads])):
                 kept.buffer[off : off + y.numel()].copy_(y)
-        self.engine.ledger.add("transform_s", time.perf_counter() - t1)
+        self.engine.ledger.add_each(_SECONDS, (codec_s, time.perf_counter() - t1))
         if (encoded.slots or per_sender) and finite is not None:
             all_finite(kept.buffer, out=finite)
         self.engine.finish_unit(kept.buffer, finite)
@@ -326,18 +329,17 @@ def hadamard_fp8_hook(state: HadamardFP8State,
 class _Bucket:
     """A DDP bucket's parameters' names, gradients (views of ``buffer``) and their offsets
     in it (elements); ``flat``: the buffer where the gradients tile it in order (FP32: the
-    hook's working memory), else ``None``; its figures per step (elements, the FP32 ring
-    all-reduce's bytes) and the pipeline's record of its decisions
+    hook's working memory), else ``None``; ``size``: its figures per step (elements, the FP32
+    ring all-reduce's bytes) and the pipeline's record of its decisions
     (:mod:`geofp8.bucket_record`) once made."""
 
-    __slots__ = ("buffer", "elements", "flat", "fp32_bytes", "grads", "names", "offsets",
-                 "record")
+    __slots__ = ("buffer", "flat", "grads", "names", "offsets", "record", "size")
 
     def __init__(self, buffer: torch.Tensor, names: list[str], grads: list[torch.Tensor],
                  offsets: list[int], in_place: bool, fp32_bytes: int) -> None:
         self.buffer, self.names, self.grads = buffer, names, grads
         self.offsets, self.flat, self.record = offsets, buffer if in_place else None, None
-        self.elements, self.fp32_bytes = buffer.numel(), fp32_bytes
+        self.size = (buffer.numel(), fp32_bytes)  # its figures _SIZE
 
 
 def backend_of(process_group: dist.ProcessGroup | None, device: torch.device) -> str:

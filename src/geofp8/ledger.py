@@ -7,9 +7,10 @@ that phase, the step clock (every settled step, skipped or not: the schedule of 
 refreshes and rounding seeds), the skipped steps (a device counter, read when asked) and the
 per-step figures (bytes, seconds);
 :attr:`StepLedger.last` is the last settled step's figures, read without side effects.
-Figures may be added from completion callbacks on other threads without a lock:
-:meth:`StepLedger.add` appends to a per-figure list (``list.append`` is one atomic step under
-the GIL), and the step's lists are swapped out and summed once, at settling.
+Figures are added without a lock: :meth:`StepLedger.add` appends to a per-figure list
+(``list.append`` is one atomic step under the GIL, whichever thread calls it), and the
+step's lists are swapped out and summed once, at settling, which follows every unit's
+adds (the units' results are ready; an add of the next step finds the new lists).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class StepLedger:
     def add(self, key: str, value: float) -> None:
         """Add ``value`` to this step's figure ``key`` (one of :data:`COUNTERS`)."""
         self._added[key].append(value)
+
+    def add_each(self, keys: tuple[str, ...], values) -> None:
+        """:meth:`add` of each of ``values`` to its figure in ``keys`` (no Python per
+        figure)."""
+        list(map(list.append, map(self._added.__getitem__, keys), values))
 
     @property
     def current(self) -> dict[str, float]:

@@ -45,7 +45,7 @@ class StepVerdict:
         first settling, on another device, or past the last step's number of units. (One
         ``list.pop``: atomic under the GIL, no lock needed.)"""
         free = self._free
-        return free.pop() if free and free[0].device == device else None
+        return free.pop() if free and free[0].device == torch.device(device) else None
 
     def observe(self, flag: torch.Tensor) -> None:
         self.flags.append(flag)

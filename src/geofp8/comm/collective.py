@@ -123,7 +123,7 @@ class Communicator:
     :class:`DeviceGroup` keeps the last collectives' ``Work`` objects alive, not their bytes.
 
     ``flag_slot(device)``: where the fused decode of a launch's gathered shards writes its
-    finite flag (a 0-dim uint8, e.g. :meth:`geofp8.engine.SyncEngine.flag_slot`; ``None``:
+    finite flag (a 0-dim uint8, e.g. :meth:`geofp8.verdict.StepVerdict.slot`; ``None``:
     a new one), the flag handed to ``then``.
     """
 
@@ -241,11 +241,11 @@ class Communicator:
             self._gather(launch)
 
     def _gather(self, launch: _AllToAll) -> None:
-        layout, result, keys = launch.layout, launch.result, launch.keys
+        layout = launch.layout
         try:
             launch.work.get_future().value()
             release(launch.sent)
-            pieces = self._pieces(layout, keys) if keys is not None else []
+            pieces = self._pieces(layout, launch.keys) if launch.keys is not None else []
             if launch.gather and launch.unmap is None and not pieces:  # the fused kernels' case
                 shard = reduce_encode(launch.recv, layout, self.rank, launch.seed,
                                       scratch=launch.out)[0]
@@ -256,7 +256,7 @@ class Communicator:
                                      scratch=launch.out)
                 release(launch.recv)
                 if not launch.gather:
-                    result.set_result(launch.then(reduced, None))
+                    launch.result.set_result(launch.then(reduced, None))
                     return
                 for key, lo, hi in pieces:
                     residual = self.owner.residual_in(key, self.owner_route)
@@ -268,11 +268,11 @@ class Communicator:
                 for key, lo, hi in pieces:
                     self.owner.stage(key, reduced[lo:hi], self.owner_route)
         except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-            result.set_exception(exc)
+            launch.result.set_exception(exc)
             return
         gathered, work = self.group.all_gather(shard, self.kind, async_op=True)
         self._pending.append((work, functools.partial(self._finish, launch, shard, gathered),
-                              result))
+                              launch.result))
 
     def _finish(self, launch: _AllToAll, shard: torch.Tensor, gathered: torch.Tensor
                 ) -> torch.Tensor:

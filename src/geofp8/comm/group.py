@@ -116,7 +116,7 @@ class DeviceGroup:
         by NCCL)."""
         t = self.on_device(t)
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # gloo: concatenated form
-        self.charge(kind, (self.size - 1) * t.numel() * t.element_size())
+        self.bytes[kind] += (self.size - 1) * t.numel() * t.element_size()
         work = collective("all_gather_single")(out, t, group=self.group, async_op=True)
         return out.view(self.size, *t.shape), self._keep(work, async_op)
 
@@ -134,7 +134,7 @@ class DeviceGroup:
         """Asynchronous ``all_to_all_single`` of uint8 buffers already on the device."""
         if out.device != self.device or inp.device != self.device:
             raise ValueError(f"all_to_all buffers must live on {self.device}")
-        self.charge(kind, sum(in_splits) - in_splits[self.rank])  # to the others
+        self.bytes[kind] += sum(in_splits) - in_splits[self.rank]  # to the others
         return self._keep(dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
                                                  input_split_sizes=in_splits, group=self.group,
                                                  async_op=True))
