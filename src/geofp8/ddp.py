@@ -148,7 +148,7 @@ class GeoFP8State:
             # the gradients are written: read them on the side stream, which the buffer is
             # handed over to
             with self.stream.after_current(buffer):
-                kept = self._bucket_of(bucket, buffer)
+                kept = self._bucket_of(bucket, buffer, last)
                 engine.start_unit(last)
                 engine.ledger.add_each(_SIZE, kept.size)
                 if engine.fp8:
@@ -192,13 +192,15 @@ class GeoFP8State:
         communicator.complete(block=last)
         return future
 
-    def _bucket_of(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> "_Bucket":
+    def _bucket_of(self, bucket: dist.GradBucket, buffer: torch.Tensor, last: bool
+                   ) -> "_Bucket":
         """What this call of DDP's bucket needs that does not change while it holds the same
         parameters in the same buffer (DDP builds its buckets once, again after the first
         step): made at its first call, then found by its index and the buffer's address
         alone. The record holds that buffer, so no other bucket's can be allocated at
         the same address while it is kept: a rebuilt bucket is a new buffer, a new record
-        (the records past the last index of a smaller rebuild are let go at its last call)."""
+        (the records past the last index of a smaller rebuild are let go at the first call
+        of its last bucket)."""
         kept = self._buckets.get(bucket.index())
         if kept is not None and kept.buffer.data_ptr() == buffer.data_ptr() and \
                 kept.buffer.numel() == buffer.numel():
@@ -218,13 +220,13 @@ class GeoFP8State:
         kept = _Bucket(buffer, [names[id(p)] for p in params], grads, offsets, in_place,
                        fp32_allreduce_wire_bytes(buffer.numel(), self.engine.group.size))
         self._buckets[bucket.index()] = kept
+        if last:  # DDP may have rebuilt fewer buckets
+            self._buckets = {i: b for i, b in self._buckets.items() if i <= bucket.index()}
         return kept
 
     def _fp8_allreduce(self, bucket: dist.GradBucket, kept: "_Bucket", last: bool):
-        engine, pipeline, index = self.engine, self.engine.pipeline, bucket.index()
-        if last and len(self._buckets) > index + 1:  # DDP rebuilt fewer buckets
-            self._buckets = {i: b for i, b in self._buckets.items() if i <= index}
-        seed = engine.seed(index)
+        engine, pipeline = self.engine, self.engine.pipeline
+        seed = engine.seed(bucket.index())
         if self.hierarchy is not None:  # several buckets in flight (see geofp8.hierarchy)
             return self.hierarchy.launch(kept.names, kept.grads, kept.buffer, kept.offsets,
                                          seed, last, then=self._bucket_done)

@@ -42,10 +42,11 @@ class StepVerdict:
 
     def slot(self, device: torch.device) -> torch.Tensor | None:
         """The next slot, a 0-dim uint8 on ``device`` for a unit's flag; ``None`` before the
-        first settling, on another device, or past the last step's number of units. (One
-        ``list.pop``: atomic under the GIL, no lock needed.)"""
-        free = self._free
-        return free.pop() if free and free[0].device == torch.device(device) else None
+        first settling, on another device, or past the last step's number of units. (No lock:
+        it is called on the thread that completes the units, DDP's hook's, the
+        :class:`~geofp8.comm.collective.Communicator`'s completion; one ``list.pop``.)"""
+        return self._free.pop() if self._free and self._free[0].device == torch.device(device) \
+            else None
 
     def observe(self, flag: torch.Tensor) -> None:
         self.flags.append(flag)
