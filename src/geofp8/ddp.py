@@ -30,6 +30,7 @@ inside the hook rolls the step back (its residuals reset likewise).
 """
 
 # No `from __future__ import annotations`: DDP inspects the hooks' annotations at runtime.
+import functools
 import time
 
 import torch
@@ -56,6 +57,8 @@ __all__ = [
 ]
 
 SUPPORTED_BACKENDS = ("gloo", "nccl")
+_SIZE = ("elements", "bytes_fp32_equivalent")  # a bucket's figures per step (_Bucket.size)
+_SECONDS = ("codec_s", "transform_s")  # its encode's and map back's host seconds
 
 
 class GeoFP8State:
@@ -95,7 +98,8 @@ class GeoFP8State:
         self.stream = SideStream(device)
         self.communicator = Communicator(config.collective, self.engine.group,
                                          stream=self.stream, lag=self.lag)
-        self.communicator.flag_slot = self.engine.flag_slot  # the step settles in one kernel
+        # the step settles in one kernel (StepVerdict.slot: one list.pop, no lock needed)
+        self.communicator.flag_slot = self.engine.verdict.slot
         if config.owner_feedback:
             self.communicator.owner = self.engine.add_feedback("owner", "fp32")
             self.communicator.owner_route = IDENTITY
@@ -138,17 +142,17 @@ class GeoFP8State:
 
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """Launch this bucket's all-reduce; the future's value is the averaged gradient."""
-        engine, last = self.engine, bucket.is_last()  # (the engine's parts by their own
-        try:  # names here, not the properties: the hook's Python per bucket)
-            with self.stream.after_current():  # the gradients are written: read them there
-                buffer = bucket.buffer()
-                self.stream.hand_over(buffer)
+        buffer, last = bucket.buffer(), bucket.is_last()
+        engine = self.engine  # (the engine's parts by their own names here, not the
+        try:  # properties: the hook's Python per bucket)
+            # the gradients are written: read them on the side stream, which the buffer is
+            # handed over to
+            with self.stream.after_current(buffer):
+                kept = self._bucket_of(bucket, buffer, last)
                 engine.start_unit(last)
-                engine.group.charge("fp32_equivalent",
-                                    fp32_allreduce_wire_bytes(buffer.numel(), engine.group.size))
-                engine.ledger.add("elements", buffer.numel())
+                engine.ledger.add_each(_SIZE, kept.size)
                 if engine.fp8:
-                    future = self._fp8_allreduce(bucket, buffer, last)
+                    future = self._fp8_allreduce(bucket, kept, last)
                 else:
                     future = self._fp32_allreduce(buffer, last)
         except BaseException:
@@ -161,8 +165,7 @@ class GeoFP8State:
         """Fold the bucket into the step's finite flag (on the side stream, where the flags
         are stacked too; ``finite``: the value's own, when the collective has it); the last
         one settles the step."""
-        self.engine.observe(value, finite=finite)
-        self.engine.finish_unit()
+        self.engine.finish_unit(value, finite)
         return value
 
     def _failed(self, fut: torch.futures.Future) -> torch.Tensor:
@@ -189,13 +192,15 @@ class GeoFP8State:
         communicator.complete(block=last)
         return future
 
-    def _bucket_of(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> "_Bucket":
+    def _bucket_of(self, bucket: dist.GradBucket, buffer: torch.Tensor, last: bool
+                   ) -> "_Bucket":
         """What this call of DDP's bucket needs that does not change while it holds the same
         parameters in the same buffer (DDP builds its buckets once, again after the first
         step): made at its first call, then found by its index and the buffer's address
         alone. The record holds that buffer, so no other bucket's can be allocated at
         the same address while it is kept: a rebuilt bucket is a new buffer, a new record
-        (the records past the last index of a smaller rebuild are let go at its last call)."""
+        (the records past the last index of a smaller rebuild are let go at the first call
+        of its last bucket)."""
         kept = self._buckets.get(bucket.index())
         if kept is not None and kept.buffer.data_ptr() == buffer.data_ptr() and \
                 kept.buffer.numel() == buffer.numel():
@@ -212,44 +217,24 @@ class GeoFP8State:
         ends = [off + g.numel() for off, g in zip(offsets, grads)]
         in_place = bool(buffer.dtype == torch.float32 and ends and ends[-1] == buffer.numel()
                         and offsets == [0, *ends[:-1]])
-        kept = _Bucket(buffer, [names[id(p)] for p in params], grads, offsets, in_place)
+        kept = _Bucket(buffer, [names[id(p)] for p in params], grads, offsets, in_place,
+                       fp32_allreduce_wire_bytes(buffer.numel(), self.engine.group.size))
         self._buckets[bucket.index()] = kept
+        if last:  # DDP may have rebuilt fewer buckets
+            self._buckets = {i: b for i, b in self._buckets.items() if i <= bucket.index()}
         return kept
 
-    def _fp8_allreduce(self, bucket: dist.GradBucket, buffer: torch.Tensor, last: bool):
-        engine, kept = self.engine, self._bucket_of(bucket, buffer)
-        pipeline, ledger = engine.pipeline, engine.ledger
-        if last and len(self._buckets) > bucket.index() + 1:  # DDP rebuilt fewer buckets
-            self._buckets = {i: b for i, b in self._buckets.items() if i <= bucket.index()}
-        names, grads, offsets, in_place = kept.names, kept.grads, kept.offsets, kept.in_place
+    def _fp8_allreduce(self, bucket: dist.GradBucket, kept: "_Bucket", last: bool):
+        engine, pipeline = self.engine, self.engine.pipeline
         seed = engine.seed(bucket.index())
         if self.hierarchy is not None:  # several buckets in flight (see geofp8.hierarchy)
-            return self.hierarchy.launch(names, grads, buffer, offsets, seed, last,
-                                         then=self._bucket_done)
+            return self.hierarchy.launch(kept.names, kept.grads, kept.buffer, kept.offsets,
+                                         seed, last, then=self._bucket_done)
         t0 = time.perf_counter()
-        encoded = pipeline.encode(names, grads, seed, flat=buffer if in_place else None,
+        encoded = pipeline.encode(kept.names, kept.grads, seed, flat=kept.flat,
                                   record=kept.record)
         kept.record = encoded.record  # the bucket's decisions for its next call
-        ledger.add("codec_s", time.perf_counter() - t0)
-
-        # the collective divides by N (in its fused decode), and its finite flag stands for
-        # the bucket's where nothing is mapped back; else (a map may overflow) the mean's own
-        # check is written over it (a poisoned sum maps back to NaN), in its step's slot
-        per_sender = any(encoded.per_sender)
-        unmapped = not encoded.slots and not per_sender
-
-        def map_back(total: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
-            # `total` is all NaN on every rank if any rank sent a non-finite value
-            t1 = time.perf_counter()
-            mean = pipeline.decode(encoded, total, divided=True)  # the buffer when in place
-            if not in_place:
-                for off, y in zip(offsets, mean.split([g.numel() for g in grads])):
-                    buffer[off : off + y.numel()].copy_(y)
-            ledger.add("transform_s", time.perf_counter() - t1)
-            if not unmapped and finite is not None:
-                all_finite(buffer, out=finite)
-            return self._bucket_done(buffer, finite)
-
+        codec_s = time.perf_counter() - t0  # (added with the map back's)
         # before the launch: the last one settles the step, bytes charged included
         if encoded.side_bytes:
             engine.group.charge("payload", -encoded.side_bytes)  # sender factors: factor bytes
@@ -257,12 +242,30 @@ class GeoFP8State:
         # the owners' residuals are in communication coordinates, which stay put only for
         # tensors sent without a map (refreshes change maps): see GradientPipeline.owner_keys
         owner_keys = pipeline.owner_keys(encoded) if pipeline.owner is not None else None
-        return self.communicator.launch(encoded.sent, encoded.layout, last,
-                                        pipeline.unmap(encoded) if per_sender else None,
-                                        seed=seed,
-                                        owner_keys=owner_keys,
-                                        out=buffer if in_place else None,
-                                        then=map_back, divide=engine.group.size)
+        per_sender = any(encoded.per_sender)
+        return self.communicator.launch(
+            encoded.sent, encoded.layout, last, pipeline.unmap(encoded) if per_sender else None,
+            seed=seed, owner_keys=owner_keys, out=kept.flat, divide=engine.group.size,
+            then=functools.partial(self._map_back, kept, encoded, per_sender, codec_s))
+
+    def _map_back(self, kept: "_Bucket", encoded, per_sender: bool, codec_s: float,
+                  total: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
+        """The mean of ``kept``'s launch written into its buffer, from the collective's
+        ``total`` (divided by N in its fused decode; all NaN on every rank if any rank sent
+        a non-finite value): its finite flag stands for the bucket's where nothing is
+        mapped back, else (a map may overflow) the mean's own check is written over it (a
+        poisoned sum maps back to NaN), in its step's slot. ``codec_s``: the encode's
+        seconds, added to the step's figures with the map back's."""
+        t1 = time.perf_counter()
+        mean = self.engine.pipeline.decode(encoded, total, divided=True)  # the buffer in place
+        if kept.flat is None:
+            for off, y in zip(kept.offsets, mean.split([g.numel() for g in kept.grads])):
+                kept.buffer[off : off + y.numel()].copy_(y)
+        self.engine.ledger.add_each(_SECONDS, (codec_s, time.perf_counter() - t1))
+        if (encoded.slots or per_sender) and finite is not None:
+            all_finite(kept.buffer, out=finite)
+        self.engine.finish_unit(kept.buffer, finite)
+        return kept.buffer
 
     # -- reporting and checkpoints -----------------------------------------------------------
 
@@ -327,15 +330,18 @@ def hadamard_fp8_hook(state: HadamardFP8State,
 
 class _Bucket:
     """A DDP bucket's parameters' names, gradients (views of ``buffer``) and their offsets
-    in it (elements), whether they tile it in order (FP32: the hook's working memory), and
-    the pipeline's record of its decisions (:mod:`geofp8.bucket_record`) once made."""
+    in it (elements); ``flat``: the buffer where the gradients tile it in order (FP32: the
+    hook's working memory), else ``None``; ``size``: its figures per step (elements, the FP32
+    ring all-reduce's bytes) and the pipeline's record of its decisions
+    (:mod:`geofp8.bucket_record`) once made."""
 
-    __slots__ = ("buffer", "grads", "in_place", "names", "offsets", "record")
+    __slots__ = ("buffer", "flat", "grads", "names", "offsets", "record", "size")
 
     def __init__(self, buffer: torch.Tensor, names: list[str], grads: list[torch.Tensor],
-                 offsets: list[int], in_place: bool) -> None:
+                 offsets: list[int], in_place: bool, fp32_bytes: int) -> None:
         self.buffer, self.names, self.grads = buffer, names, grads
-        self.offsets, self.in_place, self.record = offsets, in_place, None
+        self.offsets, self.flat, self.record = offsets, buffer if in_place else None, None
+        self.size = (buffer.numel(), fp32_bytes)  # its figures _SIZE
 
 
 def backend_of(process_group: dist.ProcessGroup | None, device: torch.device) -> str:

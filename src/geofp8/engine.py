@@ -10,7 +10,7 @@ DDP's comm hook (:mod:`geofp8.ddp`), FSDP2's reduce-scatter and HSDP's replica a
 * **route, EF, encode** per unit: :attr:`pipeline` (``Ũ = G T + R``, new residuals written);
 * **finite agreement**: every unit's result gives a device flag (:meth:`observe`, no host
   sync), and the step's verdict stays on the device (:mod:`geofp8.verdict`: one kernel
-  where the fused decodes wrote the flags into the step's slots, :meth:`flag_slot`):
+  where the fused decodes wrote the flags into the step's slots, :meth:`StepVerdict.slot`):
   nothing is read back in an ordinary step. Adapters whose collective does not already
   give every rank the same verdict (a reduce-scatter leaves each rank its own shard) set
   ``agree=True``: the flags are then all-reduced at settling;
@@ -48,8 +48,9 @@ __all__ = ["STATE_VERSION", "SyncEngine"]
 
 STATE_VERSION = 5  # 4: rank, parameters, checksum; shared inputs agreed; 5: low-rank maps
 #   up to their scale (U, a_fwd, a_inv), residuals in those coordinates
-BYTE_KINDS = (("bytes_sent", "payload"), ("factor_bytes_sent", "factor"),
-              ("bytes_fp32_equivalent", "fp32_equivalent"))
+# the ledger's figure of each kind of bytes a DeviceGroup charges (flags: payload bytes)
+BYTE_FIGURES = ("bytes_sent", "factor_bytes_sent", "bytes_fp32_equivalent", "bytes_sent")
+BYTE_KINDS = ("payload", "factor", "fp32_equivalent", "flag")
 
 
 class SyncEngine:
@@ -139,14 +140,14 @@ class SyncEngine:
     def start_unit(self, last: bool = False) -> None:
         """A unit of the step starts; the first one begins the step (collectives)."""
         with self._lock:
-            first = self.ledger.begin_unit(last)
             self._outstanding += 1
-        if first:
-            if not self._checked:
-                self.check_consistency()
-            if self.grad_scaler is not None and self.grad_scaler.is_enabled():
-                self.set_grad_scale(float(self.grad_scaler.get_scale()))
-            self.pipeline.start_step(self.ledger.step)
+            if not self.ledger.begin_unit(last):
+                return
+        if not self._checked:
+            self.check_consistency()
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            self.set_grad_scale(float(self.grad_scaler.get_scale()))
+        self.pipeline.start_step(self.ledger.step)
 
     def observe(self, values: torch.Tensor, also: torch.Tensor | None = None,
                 finite: torch.Tensor | None = None) -> None:
@@ -159,15 +160,13 @@ class SyncEngine:
         with self._lock:
             self.verdict.observe(finite if also is None else finite & also)
 
-    def flag_slot(self, device: torch.device) -> torch.Tensor | None:
-        """Where a fused decode may write its unit's finite flag before it is observed
-        (:meth:`StepVerdict.slot`: the step then settles in one kernel)."""
+    def finish_unit(self, values: torch.Tensor | None = None,
+                    finite: torch.Tensor | None = None) -> None:
+        """A unit's result is ready (``values``: observed first, as :meth:`observe`, under
+        the same lock); the last one of a launched step settles it."""
         with self._lock:
-            return self.verdict.slot(device)
-
-    def finish_unit(self) -> None:
-        """A unit's result is ready; the last one of a launched step settles it."""
-        with self._lock:
+            if values is not None:  # (the verdict's list, appended to under the lock)
+                self.verdict.flags.append(all_finite(values) if finite is None else finite)
             self._outstanding -= 1
             if self._outstanding == 0 and self.ledger.unsettled:
                 self._settle()
@@ -306,13 +305,11 @@ def _take_bytes(groups: list[DeviceGroup], ledger: StepLedger) -> None:
     """The bytes every group counted at its door since the last call, into the ledger's
     step figures (the finite flags' bytes are payload bytes; per link too)."""
     for group in groups:
-        taken = group.take_bytes()
-        for key, kind in BYTE_KINDS:
-            ledger.add(key, taken.get(kind, 0.0))
-        ledger.add("bytes_sent", taken.get("flag", 0.0))
+        taken = group.take_bytes()  # by kind, 0.0 for a kind not charged
+        ledger.add_each(BYTE_FIGURES, map(taken.__getitem__, BYTE_KINDS))
         if group.link is not None:
-            ledger.add(f"bytes_{group.link}", sum(taken.get(kind, 0.0) for kind in
-                                                  ("payload", "factor", "flag")))
+            ledger.add(f"bytes_{group.link}", taken["payload"] + taken["factor"] +
+                       taken["flag"])
 
 
 def _byte_figures(last: dict) -> dict:

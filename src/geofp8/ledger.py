@@ -7,14 +7,16 @@ that phase, the step clock (every settled step, skipped or not: the schedule of 
 refreshes and rounding seeds), the skipped steps (a device counter, read when asked) and the
 per-step figures (bytes, seconds);
 :attr:`StepLedger.last` is the last settled step's figures, read without side effects.
-Figures may be added from completion callbacks on other threads: :meth:`StepLedger.add`
-takes a lock.
+Figures are added without a lock: :meth:`StepLedger.add` appends to a per-figure list
+(``list.append`` is one atomic step under the GIL, whichever thread calls it), and the
+step's lists are swapped out and summed once, at settling, which follows every unit's
+adds (the units' results are ready; an add of the next step finds the new lists).
 """
 
 from __future__ import annotations
 
 import enum
-import threading
+import math
 
 import torch
 
@@ -37,13 +39,22 @@ class StepLedger:
         self.step = 0
         self._skipped: torch.Tensor | int = 0  # a device counter once a step settled
         self.phase = Phase.IDLE
-        self.current = dict.fromkeys(COUNTERS, 0.0)
         self.last = dict.fromkeys(COUNTERS, 0.0)
-        self._lock = threading.Lock()
+        self._added = _nothing_added()  # figure -> the values added this step, in order
 
     def add(self, key: str, value: float) -> None:
-        with self._lock:
-            self.current[key] += value
+        """Add ``value`` to this step's figure ``key`` (one of :data:`COUNTERS`)."""
+        self._added[key].append(value)
+
+    def add_each(self, keys: tuple[str, ...], values) -> None:
+        """:meth:`add` of each of ``values`` to its figure in ``keys`` (no Python per
+        figure)."""
+        list(map(list.append, map(self._added.__getitem__, keys), values))
+
+    @property
+    def current(self) -> dict[str, float]:
+        """This step's figures so far."""
+        return _summed(self._added)
 
     def begin_unit(self, last: bool) -> bool:
         """Record a unit's start; ``True`` if it is the first unit of a step."""
@@ -78,12 +89,21 @@ class StepLedger:
         self.step += 1
         self._skipped = counted if counted is not None else (~finite).to(torch.int64) + \
             self._skipped
-        with self._lock:
-            self.last, self.current = self.current, dict.fromkeys(COUNTERS, 0.0)
+        added, self._added = self._added, _nothing_added()  # a late add lands in `added`
+        self.last = _summed(added)
         self.phase = Phase.IDLE
 
     def reset_phase(self) -> None:
         """No step in flight (after a checkpoint load or a failed step); its figures go."""
-        with self._lock:
-            self.current = dict.fromkeys(COUNTERS, 0.0)
+        self._added = _nothing_added()
         self.phase = Phase.IDLE
+
+
+def _nothing_added() -> dict[str, list[float]]:
+    """A new empty list per figure (``iter(list, None)``: ``list()`` called for each)."""
+    return dict(zip(COUNTERS, iter(list, None)))
+
+
+def _summed(added: dict[str, list[float]]) -> dict[str, float]:
+    """Each figure's values summed (exactly rounded: bytes stay exact integers)."""
+    return dict(zip(added, map(math.fsum, added.values())))

@@ -18,6 +18,7 @@ per-unit flags wanted) torch ops stack and reduce the flags.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -26,6 +27,8 @@ from .codecs import triton_fp8
 
 __all__ = ["StepVerdict"]
 
+_ADDRESS, _DEVICE = torch.Tensor.data_ptr, operator.attrgetter("device")
+
 
 class StepVerdict:
     """The flags of the step in flight and the slots they may be written into."""
@@ -33,24 +36,24 @@ class StepVerdict:
     def __init__(self) -> None:
         self.flags: list[torch.Tensor] = []  # per observed unit, in order
         self._slots: torch.Tensor | None = None  # uint8 [capacity]
-        self._handed = 0
+        self._views: list[torch.Tensor] = []  # each slot's 0-dim view, made with the vector
+        self._free: list[torch.Tensor] = []  # the views not handed out this step, last first
+        self._addresses: list[int] = []  # the views' data_ptr, in order
 
     def slot(self, device: torch.device) -> torch.Tensor | None:
         """The next slot, a 0-dim uint8 on ``device`` for a unit's flag; ``None`` before the
-        first settling, on another device, or past the last step's number of units."""
-        slots = self._slots
-        if slots is None or slots.device != torch.device(device) or \
-                self._handed == slots.numel():
-            return None
-        self._handed += 1
-        return slots[self._handed - 1]
+        first settling, on another device, or past the last step's number of units. (No lock:
+        it is called on the thread that completes the units, DDP's hook's, the
+        :class:`~geofp8.comm.collective.Communicator`'s completion; one ``list.pop``.)"""
+        return self._free.pop() if self._free and self._free[0].device == torch.device(device) \
+            else None
 
     def observe(self, flag: torch.Tensor) -> None:
         self.flags.append(flag)
 
     def reset(self) -> None:
         """Forget the step in flight (settled or rolled back)."""
-        self.flags, self._handed = [], 0
+        self.flags, self._free = [], self._views[::-1]
 
     def settle(self, device: torch.device, skipped: Callable[[torch.device], torch.Tensor],
                agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -63,7 +66,7 @@ class StepVerdict:
         decides."""
         flags, slots = self.flags, self._slots
         self.reset()
-        if agree is None and not per_unit and _are_slots(flags, slots) and \
+        if agree is None and not per_unit and self._are_slots(flags) and \
                 triton_fp8.available(slots):
             counter = skipped(slots.device)
             return triton_fp8.verdict(slots, len(flags), counter), None, counter
@@ -74,13 +77,14 @@ class StepVerdict:
         if slots is None or slots.numel() < len(flags) or slots.device != device:
             self._slots = torch.empty(max(2 * len(flags), 64), dtype=torch.uint8,
                                       device=device)
+            self._views = list(self._slots.unbind())
+            self._addresses = list(map(_ADDRESS, self._views))
+            self._free = self._views[::-1]
         return ok.all(), ok, None
 
-
-def _are_slots(flags: list[torch.Tensor], slots: torch.Tensor | None) -> bool:
-    """Whether ``flags`` are the first ``len(flags)`` slots, in order."""
-    if slots is None or not flags:
-        return False
-    base = slots.data_ptr()
-    return all(f.device == slots.device and f.data_ptr() == base + k
-               for k, f in enumerate(flags))
+    def _are_slots(self, flags: list[torch.Tensor]) -> bool:
+        """Whether ``flags`` are the first ``len(flags)`` slots, in order (addresses and
+        devices compared without Python per flag)."""
+        return 0 < len(flags) <= len(self._addresses) and \
+            list(map(_ADDRESS, flags)) == self._addresses[:len(flags)] and \
+            set(map(_DEVICE, flags)) == {self._slots.device}

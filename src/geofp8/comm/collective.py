@@ -6,6 +6,7 @@ re-encode, all-gather (see :mod:`geofp8.comm.stages`). Per rank and element that
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -33,6 +34,15 @@ COLLECTIVES = ("exact", "allgather")
 
 
 Then = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class _Route(NamedTuple):
+    """A layout's all-to-all arguments: bytes received from and sent to each rank."""
+
+    layout: ShardLayout
+    received: list[int]
+    sends: list[int]
+    received_total: int
 
 
 class _AllToAll(NamedTuple):
@@ -113,7 +123,7 @@ class Communicator:
     :class:`DeviceGroup` keeps the last collectives' ``Work`` objects alive, not their bytes.
 
     ``flag_slot(device)``: where the fused decode of a launch's gathered shards writes its
-    finite flag (a 0-dim uint8, e.g. :meth:`geofp8.engine.SyncEngine.flag_slot`; ``None``:
+    finite flag (a 0-dim uint8, e.g. :meth:`geofp8.verdict.StepVerdict.slot`; ``None``:
     a new one), the flag handed to ``then``.
     """
 
@@ -132,7 +142,8 @@ class Communicator:
         self.rank = group.rank
         self._in_flight: list[_AllToAll] = []  # all-to-alls whose all-gather is not issued
         self._pending: list = []  # (work, finish, result): results this thread completes
-        self._splits: dict[int, tuple] = {}  # id(layout) -> (layout, its all-to-all splits)
+        self._routes: dict[int, _Route] = {}  # id(layout) -> its all-to-all's arguments
+        self._side = stream.use if stream is not None else contextlib.nullcontext
 
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
                unmap=None, gather: bool = True, seed: int | None = None,
@@ -156,45 +167,39 @@ class Communicator:
         completed; ``finite``: the 0-dim bool device flag "every element of the value is
         finite" where the collective has it (the fused decode's; ``None``: not known).
         ``sent`` is the communicator's from here: its memory is freed once it is sent."""
-        then = then if then is not None else _same
         with self._side():
-            self.flush(keep=self.lag - 1)
-            self.complete(block=False)
+            self._flush(keep=self.lag - 1)  # (already under the stream: no nested entries)
+            self._complete(block=False)
             if self.collective == "allgather":
                 if unmap is not None or not gather:
                     raise ValueError("per-sender decoding and reduce-scatter need "
                                      "collective='exact'")
-                result = self._allgather(sent, layout, out, then, divide)
+                result = self._allgather(sent, layout, out, then or _same, divide)
                 if last:
-                    self.complete(block=True)
+                    self._complete(block=True)
                 return result
-            return self._all_to_all(sent, layout, last, unmap, gather, seed, owner_keys, out,
-                                    then, divide)
-
-    def _all_to_all(self, sent, layout, last, unmap, gather, seed, owner_keys, out, then,
-                    divide):
-        """The exact collective's first hop; its all-gather is issued ``lag`` launches
-        later."""
-        result = device_future(sent.device)
-        _, received, sends = self._split(layout)
-        recv = torch.empty(sum(received), dtype=torch.uint8, device=sent.device)
-        work = self.group.all_to_all(recv, sent, received, sends, self.kind)
-        self._in_flight.append(_AllToAll(work, sent, recv, layout, result, unmap, gather, seed,
-                                         owner_keys if self.owner is not None else None, out,
-                                         then, divide))
-        if last:
-            self.flush()  # issue the all-gather now, from this thread (see the class notes)
-            self.complete(block=True)
+            # the exact collective's first hop; its all-gather is issued `lag` launches later
+            result = device_future(sent.device)
+            route = self._route(layout)
+            recv = sent.new_empty(route.received_total, dtype=torch.uint8)
+            work = self.group.all_to_all(recv, sent, route.received, route.sends, self.kind)
+            self._in_flight.append(_AllToAll(
+                work, sent, recv, layout, result, unmap, gather, seed,
+                owner_keys if self.owner is not None else None, out, then or _same, divide))
+            if last:
+                self._flush()  # issue the all-gather now, from this thread (class notes)
+                self._complete(block=True)
         return result
 
-    def _split(self, layout: ShardLayout) -> tuple:
-        """``(layout, bytes received from each rank, bytes sent to each)`` of its all-to-all,
-        made once per layout (kept with it: no Python per rank at each launch)."""
-        kept = self._splits.get(id(layout))
-        if kept is None or kept[0] is not layout:
+    def _route(self, layout: ShardLayout) -> _Route:
+        """The all-to-all's arguments for ``layout``, made once per layout (kept with it: no
+        Python per rank at each launch)."""
+        route = self._routes.get(id(layout))
+        if route is None or route.layout is not layout:
             sends = [layout.send_bytes(j) for j in range(layout.world_size)]
-            kept = self._splits[id(layout)] = (layout, [sends[self.rank]] * len(sends), sends)
-        return kept
+            received = [sends[self.rank]] * len(sends)
+            route = self._routes[id(layout)] = _Route(layout, received, sends, sum(received))
+        return route
 
     def track(self, work, finish, device: torch.device) -> torch.futures.Future:
         """A future that this thread completes with ``finish()`` once ``work`` is done (see
@@ -207,13 +212,16 @@ class Communicator:
         """Complete the tracked results whose collectives are done, in launch order (all of
         them, waiting, when ``block``), under :attr:`stream`."""
         with self._side():
-            while self._pending and (block or self._pending[0][0].is_completed()):
-                work, finish, result = self._pending.pop(0)
-                try:
-                    work.wait()
-                    result.set_result(finish())
-                except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-                    result.set_exception(exc)
+            self._complete(block)
+
+    def _complete(self, block: bool) -> None:
+        while self._pending and (block or self._pending[0][0].is_completed()):
+            work, finish, result = self._pending.pop(0)
+            try:
+                work.wait()
+                result.set_result(finish())
+            except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
+                result.set_exception(exc)
 
     def reset(self) -> None:
         """Drop unfinished launches (after a failed step): their collectives' results are
@@ -224,20 +232,20 @@ class Communicator:
         """Finish the oldest all-to-alls in flight and issue their all-gathers, in launch
         order, until ``keep`` are left."""
         with self._side():
-            while len(self._in_flight) > keep:
-                launch = self._in_flight.pop(0)
-                launch.work.wait()
-                self._gather(launch)
+            self._flush(keep)
 
-    def _side(self):
-        return self.stream.use() if self.stream is not None else contextlib.nullcontext()
+    def _flush(self, keep: int = 0) -> None:
+        while len(self._in_flight) > keep:
+            launch = self._in_flight.pop(0)
+            launch.work.wait()
+            self._gather(launch)
 
     def _gather(self, launch: _AllToAll) -> None:
-        layout, result, keys = launch.layout, launch.result, launch.keys
+        layout = launch.layout
         try:
             launch.work.get_future().value()
             release(launch.sent)
-            pieces = self._pieces(layout, keys) if keys is not None else []
+            pieces = self._pieces(layout, launch.keys) if launch.keys is not None else []
             if launch.gather and launch.unmap is None and not pieces:  # the fused kernels' case
                 shard = reduce_encode(launch.recv, layout, self.rank, launch.seed,
                                       scratch=launch.out)[0]
@@ -248,7 +256,7 @@ class Communicator:
                                      scratch=launch.out)
                 release(launch.recv)
                 if not launch.gather:
-                    result.set_result(launch.then(reduced, None))
+                    launch.result.set_result(launch.then(reduced, None))
                     return
                 for key, lo, hi in pieces:
                     residual = self.owner.residual_in(key, self.owner_route)
@@ -260,18 +268,21 @@ class Communicator:
                 for key, lo, hi in pieces:
                     self.owner.stage(key, reduced[lo:hi], self.owner_route)
         except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-            result.set_exception(exc)
+            launch.result.set_exception(exc)
             return
         gathered, work = self.group.all_gather(shard, self.kind, async_op=True)
+        self._pending.append((work, functools.partial(self._finish, launch, shard, gathered),
+                              launch.result))
 
-        def finish() -> torch.Tensor:
-            flag = self.flag_slot(shard.device) if self.flag_slot is not None else None
-            total, finite = decode_gathered_flagged(gathered, layout, launch.out,
-                                                    launch.divide, flag)
-            release(shard, gathered)
-            return launch.then(total, finite)
-
-        self._pending.append((work, finish, result))
+    def _finish(self, launch: _AllToAll, shard: torch.Tensor, gathered: torch.Tensor
+                ) -> torch.Tensor:
+        """The last hop of ``launch`` once its all-gather of ``shard`` is done: the gathered
+        shards decoded (with its finite flag, in :attr:`flag_slot`'s slot), ``then``."""
+        flag = self.flag_slot(shard.device) if self.flag_slot is not None else None
+        total, finite = decode_gathered_flagged(gathered, launch.layout, launch.out,
+                                                launch.divide, flag)
+        release(shard, gathered)
+        return launch.then(total, finite)
 
     def _pieces(self, layout: ShardLayout, keys: list[str | None]
                 ) -> list[tuple[str, int, int]]:

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import collections
 import json
+import operator
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["KEEP", "DeviceGroup", "collective", "release"]
 
+_EMPTIED = operator.methodcaller("resize_", 0)  # a storage shrunk to no bytes
 KEEP = 4  # collectives whose Work a group keeps alive (module notes)
 _BEFORE_2_12 = {"all_gather_single": "all_gather_into_tensor",  # torch < 2.12's names,
                 "reduce_scatter_single": "reduce_scatter_tensor"}  # the same arguments
@@ -47,8 +49,11 @@ def release(*buffers: torch.Tensor) -> None:
     is resized to zero bytes (every view of it included). Call it only after the collective
     was waited for (on an accelerator the current stream then waits for it, and a freed block
     is reused in that order) and once nothing reads the buffers again."""
-    for t in buffers:
-        t.untyped_storage().resize_(0)
+    list(map(_EMPTIED, map(torch.Tensor.untyped_storage, buffers)))  # no Python per buffer
+
+
+def _waited(work) -> None:
+    work.wait()
 
 
 class DeviceGroup:
@@ -66,24 +71,21 @@ class DeviceGroup:
         self.group, self.device, self.link = group, torch.device(device), link
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.bytes: dict[str, float] = {}
+        self.bytes: dict[str, float] = collections.defaultdict(float)  # by kind
         self._works: collections.deque = collections.deque(maxlen=KEEP)
 
     def _keep(self, work, async_op: bool = True):
         """``work`` kept alive (module notes); waited for here unless ``async_op``."""
         self._works.append(work)
-        if not async_op:
-            work.wait()
-            return None
-        return work
+        return work if async_op else _waited(work)
 
     def charge(self, kind: str, nbytes: float) -> None:
         """Count ``nbytes`` under ``kind`` (also for traffic computed, not issued, here)."""
-        self.bytes[kind] = self.bytes.get(kind, 0.0) + nbytes
+        self.bytes[kind] += nbytes
 
     def take_bytes(self) -> dict[str, float]:
         """The bytes charged since the last call, by kind (and reset)."""
-        taken, self.bytes = self.bytes, {}
+        taken, self.bytes = self.bytes, collections.defaultdict(float)
         return taken
 
     def on_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +116,7 @@ class DeviceGroup:
         by NCCL)."""
         t = self.on_device(t)
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # gloo: concatenated form
-        self.charge(kind, (self.size - 1) * t.numel() * t.element_size())
+        self.bytes[kind] += (self.size - 1) * t.numel() * t.element_size()
         work = collective("all_gather_single")(out, t, group=self.group, async_op=True)
         return out.view(self.size, *t.shape), self._keep(work, async_op)
 
@@ -132,7 +134,7 @@ class DeviceGroup:
         """Asynchronous ``all_to_all_single`` of uint8 buffers already on the device."""
         if out.device != self.device or inp.device != self.device:
             raise ValueError(f"all_to_all buffers must live on {self.device}")
-        self.charge(kind, sum(in_splits) - in_splits[self.rank])  # to the others
+        self.bytes[kind] += sum(in_splits) - in_splits[self.rank]  # to the others
         return self._keep(dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
                                                  input_split_sizes=in_splits, group=self.group,
                                                  async_op=True))

@@ -31,14 +31,14 @@ class Lagged:
 
     def __init__(self, stream: SideStream | None = None) -> None:
         self.stream = stream
+        self._side = stream.use if stream is not None else contextlib.nullcontext
         self._runs: list[tuple[Run, torch.futures.Future, Callable]] = []
 
     def start(self, run: Run, device: torch.device, last: bool,
               then: Callable[[torch.Tensor], torch.Tensor]) -> torch.futures.Future:
         """Advance the runs in flight, start ``run``; with ``last``, finish them all."""
         result = device_future(device)
-        side = self.stream.use() if self.stream is not None else contextlib.nullcontext()
-        with side:
+        with self._side():
             self._advance()
             self._runs.append((run, result, then))
             self._step(self._runs[-1])

@@ -24,6 +24,7 @@ it with a recording stand-in to check the protocol without a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -89,27 +90,29 @@ class StreamsUsed:
 
 
 class SideStream:
-    """One side stream on ``device`` (module notes); a no-op where there are no streams."""
+    """One side stream on ``device`` (module notes); a no-op where there are no streams.
+    ``use()``: a context manager running the block on the side stream (no new ordering)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.api = streams_for(self.device)
         self.stream = self.api.new(self.device) if self.api is not None else None
+        # bound once: no Python of ours between a caller and the context manager it enters
+        if self.api is None:  # nothing to order, mark nor enter
+            self.use = self.after_current = contextlib.nullcontext
+        else:
+            self.use = functools.partial(self.api.use, self.stream)
 
     @contextlib.contextmanager
-    def after_current(self):
-        """Order the side stream after the current one (the gradients are ready), then run
-        the block on it."""
-        if self.api is None:
-            yield
-            return
+    def after_current(self, tensor: torch.Tensor | None = None):
+        """Order the side stream after the current one (the gradients are ready), mark
+        ``tensor`` (e.g. DDP's bucket) as used by it (:meth:`hand_over`), then run the block
+        on it."""
         self.stream.wait_stream(self.api.current(self.device))
+        if tensor is not None:
+            self.hand_over(tensor)
         with self.api.use(self.stream):
             yield
-
-    def use(self):
-        """Run the block on the side stream (no new ordering)."""
-        return contextlib.nullcontext() if self.api is None else self.api.use(self.stream)
 
     def hand_over(self, *tensors: torch.Tensor) -> None:
         """Mark tensors allocated on another stream as used by the side stream too."""
