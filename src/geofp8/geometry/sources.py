@@ -580,13 +580,13 @@ def _finite(built: Transform, name: str, source: FactorSource) -> bool:
 
 def _chosen(ok: torch.Tensor, fresh: LowRankInput, last: Transform | None) -> LowRankInput:
     """``fresh`` where the 0-dim ``ok`` holds, else ``last`` (the identity when ``None``),
-    field by field on the device."""
+    field by field on the device, ``V = U diag(a)`` each way chosen too (made once, by the
+    map it comes from: the bits of :meth:`LowRankInput._restored`)."""
     chosen = LowRankInput.__new__(LowRankInput)
-    for field in LowRankInput.fields:  # the identity is U = 0, a = 0
+    for field in (*LowRankInput.fields, "V_fwd", "V_inv"):  # the identity is U = 0, a = 0
         new = getattr(fresh, field)
         old = getattr(last, field) if last is not None else torch.zeros_like(new)
         setattr(chosen, field, torch.where(ok, new, old))
-    chosen._restored()
     return chosen
 
 

@@ -1,0 +1,125 @@
+"""A bucket's low-rank maps in one Triton launch each way (geofp8.codecs.triton_map),
+interpreted, against the torch path (``mm`` + ``addmm`` per layer).
+
+``TRITON_INTERPRET=1`` must be set before the kernel is decorated, so the checks run in a
+child process (this file run as a script). Tolerance: the kernel sums the same products in
+another order (blocks of ``BLOCK_K`` columns, the BLAS's order in torch), two GEMMs each
+way, so an element may differ by FP32 summation round-off,
+``|Δ| ≤ 2 (d_in + rank) ε (|G| |V| |Uᵀ| + |G|)``, ``ε = 2⁻²³`` (elementwise, from the
+absolute values: the standard bound on a dot product's rounding).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from interpreted import Child
+
+pytest.importorskip("triton")
+
+# (rows, d_in, rank): unequal shapes, a rank past 16 (padded to 32), a rank of 0 (the
+# identity), rows not a multiple of the row block, d_in not a multiple of the column block
+LAYERS = [(20, 40, 3), (7, 33, 0), (33, 64, 17), (5, 8, 8), (1, 16, 1)]
+
+
+def _maps(seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    maps, pos = [], 3  # the first slot not at the bucket's start
+    for rows, d, k in LAYERS:
+        U = torch.linalg.qr(torch.randn(d, max(k, 1), generator=g))[0][:, :k]
+        a_fwd, a_inv = torch.rand(k, generator=g) * 4 - 0.9, torch.rand(k, generator=g) - 0.5
+        maps.append((pos, rows, d, U, U * a_fwd, U * a_inv))
+        pos += rows * d + 2  # an unmapped tensor between two maps
+    return maps, pos + 5
+
+
+def _bound(G, V, U):
+    eps = 2.0 ** -23
+    return 2 * (G.shape[1] + V.shape[1]) * eps * ((G.abs() @ V.abs()) @ U.abs().T + G.abs())
+
+
+def check() -> list[str]:
+    """Every case; returns the failures (empty: all within the bound)."""
+    import torch
+
+    from geofp8.codecs.triton_map import GroupedMaps, reference
+
+    failures = []
+    for seed in range(3):
+        maps, n = _maps(seed)
+        flat = torch.randn(n, generator=torch.Generator().manual_seed(100 + seed)) * 10
+        if seed == 2:  # a NaN in one layer's row, an Inf in another's
+            flat[maps[0][0] + 45] = float("nan")
+            flat[maps[2][0] + 5 * 64 + 7] = float("inf")
+        grouped = GroupedMaps(maps, flat.device)
+        for inverse in (False, True):
+            out, ref = flat.clone(), flat.clone()
+            grouped(out, inverse)
+            reference(ref, maps, inverse)
+            for pos, rows, d, U, V_fwd, V_inv in maps:
+                G, o, r = (x[pos : pos + rows * d].view(rows, d) for x in (flat, out, ref))
+                finite = G.isfinite().all(dim=1)
+                if not torch.equal(o.isfinite(), r.isfinite()):
+                    failures.append(f"seed {seed} inverse {inverse} {rows}x{d} k={U.shape[1]}: "
+                                    "non-finite elements differ")
+                bound = _bound(G[finite], V_inv if inverse else V_fwd, U)
+                if not bool(((o[finite] - r[finite]).abs() <= bound).all()):
+                    failures.append(f"seed {seed} inverse {inverse} {rows}x{d} "
+                                    f"k={U.shape[1]}: past the round-off bound")
+                if U.shape[1] == 0 and not torch.equal(o.view(torch.int32), G.view(torch.int32)):
+                    failures.append("rank 0 changed its slot")
+            gaps = torch.ones(n, dtype=torch.bool)
+            for pos, rows, d, *_ in maps:
+                gaps[pos : pos + rows * d] = False
+            if not torch.equal(out[gaps], flat[gaps]):
+                failures.append("an unmapped element changed")
+    return failures
+
+
+def launches() -> tuple[int, int]:
+    """Triton launches of one call each way over a bucket of every layer."""
+    import torch
+
+    from geofp8.codecs import triton_map
+
+    maps, n = _maps(0)
+    flat, count = torch.randn(n), [0]
+    run = triton_map._map_kernel.run
+    triton_map._map_kernel.run = lambda *a, **k: count.__setitem__(0, count[0] + 1) or run(*a, **k)
+    grouped = triton_map.GroupedMaps(maps, flat.device)
+    grouped(flat, False)
+    forward = count[0]
+    grouped(flat, True)
+    return forward, count[0] - forward
+
+
+CHILD = Child([__file__])  # this file run as a script: the checks above
+
+
+@pytest.mark.child(CHILD)
+def test_one_launch_each_way_agrees_with_the_torch_maps_within_fp32_round_off():
+    lines = CHILD.lines()
+    assert lines[:-1] == [], lines  # no failure
+    assert lines[-1] == "launches (1, 1)"
+
+
+def test_a_cpu_bucket_without_the_interpreter_stays_on_the_torch_path():
+    import torch
+
+    from geofp8.codecs import triton_map
+
+    maps, _ = _maps(0)
+    assert not triton_map.places(torch.zeros(4), [U for _, _, _, U, _, _ in maps]) \
+        or os.environ.get("TRITON_INTERPRET") == "1"
+    assert not triton_map.places(torch.zeros(4, dtype=torch.float64), [])
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    for failure in check():
+        print(failure)
+    print(f"launches {launches()}")
