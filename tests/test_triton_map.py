@@ -48,14 +48,20 @@ def check() -> list[str]:
 
     from geofp8.codecs.triton_map import GroupedMaps, reference
 
-    failures = []
+    failures, last = [], None
     for seed in range(3):
         maps, n = _maps(seed)
         flat = torch.randn(n, generator=torch.Generator().manual_seed(100 + seed)) * 10
         if seed == 2:  # a NaN in one layer's row, an Inf in another's
             flat[maps[0][0] + 45] = float("nan")
             flat[maps[2][0] + 5 * 64 + 7] = float("inf")
-        grouped = GroupedMaps(maps, flat.device)
+        # new maps in the same slots (every seed's): the last packing's table, values repacked
+        grouped = GroupedMaps(maps, flat.device, last)
+        if last is not None and grouped.table is not last.table:
+            failures.append(f"seed {seed}: the same slots built a new table")
+        if GroupedMaps(maps[1:], flat.device, grouped).table is grouped.table:
+            failures.append(f"seed {seed}: other slots took the last table")
+        last = grouped
         for inverse in (False, True):
             out, ref = flat.clone(), flat.clone()
             grouped(out, inverse)
@@ -97,10 +103,11 @@ def launches() -> tuple[int, int]:
     return forward, count[0] - forward
 
 
-def _ranks_worker(rank, world_size, steps=5):
-    """geofp8 with layers="all" (refreshed every 2 steps, 4 layers of unequal shapes in one
-    bucket: 3 on a map, the last Euclidean under ``min_dim``) on the fused path,
-    interpreted: the maps' grouped calls each way and the final parameters' bits."""
+def _ranks_worker(rank, world_size, source, steps=5):
+    """geofp8 with layers="all" (``source``'s maps: refreshed every 2 steps, or fresh every
+    step; 4 layers of unequal shapes in one bucket: 3 on a map, the last Euclidean under
+    ``min_dim``) on the fused path, interpreted: the maps' grouped calls each way, the
+    tables packed, and the final parameters' bits."""
     import torch
     from torch import nn
 
@@ -111,32 +118,32 @@ def _ranks_worker(rank, world_size, steps=5):
     model = nn.Sequential(nn.Linear(24, 40, bias=False), nn.Linear(40, 17, bias=False),
                           nn.Linear(17, 33, bias=False), nn.Linear(33, 8, bias=False))
     state = GeoFP8State(model, GeoFP8Config(layers="all", refresh_every=2, k=4,
-                                            kernels="batched"))
+                                            factor_source=source, kernels="batched"))
     ddp = nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(state, geofp8_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    calls, call = [], GroupedMaps.__call__
-    GroupedMaps.__call__ = lambda self, flat, inverse: calls.append(inverse) or call(
-        self, flat, inverse)
+    calls, call, tables = [], GroupedMaps.__call__, set()
+    GroupedMaps.__call__ = lambda self, flat, inverse: (
+        calls.append(inverse), tables.add(id(self.table)), call(self, flat, inverse))
     for step in range(steps):
         opt.zero_grad()
         x = torch.randn(8, 24, generator=torch.Generator().manual_seed(step + 10 * rank))
         ddp(x).pow(2).mean().backward()
         opt.step()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return {"calls": calls, "mapped": len(state.pipeline.transforms()),
+    return {"calls": calls, "tables": len(tables), "mapped": len(state.pipeline.transforms()),
             "params": params.view(torch.int32).tolist()}
 
 
-def ranks() -> str:
+def ranks(source: str) -> str:
     """The 2-rank gloo run: whether both ranks took the grouped maps and ended bit-identical."""
     from distributed import run_ranks
 
-    out = run_ranks(_ranks_worker, 2, timeout=300)
+    out = run_ranks(_ranks_worker, 2, (source,), timeout=300)
     calls = [o["calls"] for o in out]
-    return (f"ranks mapped {[o['mapped'] for o in out]} grouped calls equal "
-            f"{calls[0] == calls[1]} both ways {sorted(set(calls[0]))} "
-            f"params equal {out[0]['params'] == out[1]['params']}")
+    return (f"{source}: ranks mapped {[o['mapped'] for o in out]} grouped calls equal "
+            f"{calls[0] == calls[1]} ways {sorted(set(calls[0]))} tables "
+            f"{[o['tables'] for o in out]} params equal {out[0]['params'] == out[1]['params']}")
 
 
 CHILD = Child([__file__])  # this file run as a script: the checks above
@@ -145,12 +152,18 @@ CHILD = Child([__file__])  # this file run as a script: the checks above
 @pytest.mark.child(CHILD)
 def test_one_launch_each_way_agrees_with_the_torch_maps_within_fp32_round_off():
     lines = CHILD.lines()
-    assert lines[:-2] == [], lines  # no failure
-    assert lines[-2] == "launches (1, 1)"
+    assert lines[:-3] == [], lines  # no failure
+    assert lines[-3] == "launches (1, 1)"
     # a real 2-rank gloo group, 3 of 4 layers on a map (one bucket): the maps went through
-    # the grouped kernel each way, the same calls on both ranks, bit-identical parameters
-    assert lines[-1] == ("ranks mapped [3, 3] grouped calls equal True both ways "
-                         "[False, True] params equal True"), lines[-1]
+    # the grouped kernel (refreshed maps: each way; fresh maps: back, the forward made per
+    # layer as the map is built), the same calls on both ranks, one program table per set of
+    # slots however often the maps in them change (refreshed: from step 2, in DDP's rebuilt
+    # bucket; fresh: every step, in step 0's bucket and the rebuilt one), bit-identical
+    # parameters
+    assert lines[-2] == ("refresh: ranks mapped [3, 3] grouped calls equal True ways "
+                         "[False, True] tables [1, 1] params equal True"), lines[-2]
+    assert lines[-1] == ("fresh: ranks mapped [3, 3] grouped calls equal True ways "
+                         "[True] tables [2, 2] params equal True"), lines[-1]
 
 
 def test_a_cpu_bucket_without_the_interpreter_stays_on_the_torch_path():
@@ -169,4 +182,5 @@ if __name__ == "__main__":
     for failure in check():
         print(failure)
     print(f"launches {launches()}")
-    print(ranks())
+    print(ranks("refresh"))
+    print(ranks("fresh"))

@@ -163,14 +163,15 @@ class BucketPath:
                    routes: list[Transform], per_sender: tuple[bool, ...], flat: torch.Tensor,
                    layout: ShardLayout) -> MapSlots:
         """:meth:`MapSlots.of` this bucket, its last one while its maps are the same ones
-        (packed once per set of maps, not per call of a bucket resolved again)."""
+        (packed once per set of maps, not per call of a bucket resolved again; new maps in
+        the same slots keep the last packing's program table)."""
         slots = MapSlots.of(shapes, routes, per_sender)
         if self._last_slots is None:
             self._last_slots = {}
         last = self._last_slots.get(tuple(names))
         if last is not None and last == slots:
             return last
-        self._last_slots[tuple(names)] = slots.group(flat, layout)
+        self._last_slots[tuple(names)] = slots.group(flat, layout, last)
         return slots
 
     def codec_of(self, name: str):
@@ -210,16 +211,18 @@ class MapSlots(tuple):
             pos += n
         return cls(slots)
 
-    def group(self, flat: torch.Tensor, layout: ShardLayout) -> MapSlots:
+    def group(self, flat: torch.Tensor, layout: ShardLayout, last: MapSlots | None
+              ) -> MapSlots:
         """These slots grouped over ``flat`` where the stages take the batched kernels on
         its device and every map is an FP32 low-rank one the Triton kernel places
-        (:func:`~geofp8.codecs.triton_map.places`); returns them."""
+        (:func:`~geofp8.codecs.triton_map.places`), ``last`` (the bucket's previous slots)
+        lending its program table; returns them."""
         if self and layout.batched(flat.device) and all(
                 isinstance(t, LowRankInput) and len(shape) == 2 for _, _, shape, t in self) \
                 and triton_map.places(flat, [t.U for *_, t in self]):
             self.grouped = triton_map.GroupedMaps(
                 [(pos, shape[0], shape[1], t.U, t.V_fwd, t.V_inv) for pos, _, shape, t in self],
-                flat.device)
+                flat.device, getattr(last, "grouped", None))
         return self
 
 

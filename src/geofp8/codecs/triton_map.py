@@ -13,7 +13,9 @@ second writes it; rows are a program's own).
 The maps are packed once per set of maps (a bucket's record, at a refresh): ``U``, ``V_fwd``
 and ``V_inv`` of every layer in one FP32 device buffer, and a program table, int64
 ``[P, 7]``: ``(first element of the rows, rows, d_in, rank, U's, V_fwd's, V_inv's offset)``,
-so a call passes two tensors and a flag (no per-call host work). Layers of rank 0 (the
+so a call passes two tensors and a flag (no per-call host work). The table depends on the
+slots' geometry alone: maps made every step (``fresh``) repack their values, one ``cat``,
+under the table of the last packing. Layers of rank 0 (the
 identity) get no program: ``G + 0`` is ``G``. FP32 only; a bucket whose maps are not all
 FP32 low-rank maps on the kernels' device stays on the torch path (decided once, by
 :func:`places`).
@@ -59,27 +61,33 @@ def places(flat: torch.Tensor, Us: list[torch.Tensor]) -> bool:
 class GroupedMaps:
     """A bucket's low-rank maps packed for one launch each way (module notes)."""
 
-    __slots__ = ("launches", "maps", "packed", "rank", "table")
+    __slots__ = ("geometry", "launches", "maps", "packed", "rank", "table")
 
     def __init__(self, maps: list[tuple[int, int, int, torch.Tensor, torch.Tensor,
-                                        torch.Tensor]], device: torch.device) -> None:
+                                        torch.Tensor]], device: torch.device,
+                 like: GroupedMaps | None = None) -> None:
         """``maps``: ``(offset, rows, d_in, U, V_fwd, V_inv)`` of each layer over the flat
-        bucket (``U``, ``V`` ``d_in × rank``)."""
+        bucket (``U``, ``V`` ``d_in × rank``). ``like``: the last packing of the same slots;
+        where its geometry (offsets, shapes, ranks) is this one's, its program table is
+        taken as it is (maps made every step are packed with one ``cat``, no table)."""
         self.maps = maps
-        parts, programs, at, most = [], [], 0, 1
-        for pos, rows, d, U, V_fwd, V_inv in maps:
-            k = U.shape[1]
-            if k == 0:
+        self.geometry = tuple((pos, rows, d, U.shape[1]) for pos, rows, d, U, _, _ in maps)
+        parts = [x.reshape(-1) for *_, U, V_fwd, V_inv in maps if U.shape[1]
+                 for x in (U, V_fwd, V_inv)]
+        self.packed = torch.cat(parts) if parts else None
+        if like is not None and like.geometry == self.geometry:
+            self.table, self.launches, self.rank = like.table, like.launches, like.rank
+            return
+        programs, at, most = [], 0, 1
+        for pos, rows, d, k in self.geometry:
+            if k == 0:  # the identity: no program
                 continue
             most = max(most, k)
-            offsets = (at, at + d * k, at + 2 * d * k)
-            parts += [U.reshape(-1), V_fwd.reshape(-1), V_inv.reshape(-1)]
+            programs += [(pos + r0 * d, min(BLOCK_M, rows - r0), d, k, at, at + d * k,
+                          at + 2 * d * k) for r0 in range(0, rows, BLOCK_M)]
             at += 3 * d * k
-            programs += [(pos + r0 * d, min(BLOCK_M, rows - r0), d, k, *offsets)
-                         for r0 in range(0, rows, BLOCK_M)]
         self.launches = len(programs)
         self.rank = max(16, 1 << (most - 1).bit_length())  # the next power of two
-        self.packed = torch.cat(parts).float() if parts else None
         self.table = torch.tensor(programs, dtype=torch.int64, device=device) \
             if programs else None
 
