@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_fp8 import attempt, available, triton
+from .triton_fp8 import Launch, attempt, available, triton
 
 if triton is not None:
     import triton.language as tl
@@ -61,7 +61,7 @@ def places(flat: torch.Tensor, Us: list[torch.Tensor]) -> bool:
 class GroupedMaps:
     """A bucket's low-rank maps packed for one launch each way (module notes)."""
 
-    __slots__ = ("geometry", "launches", "maps", "packed", "rank", "table")
+    __slots__ = ("geometry", "launch", "maps", "packed", "table")
 
     def __init__(self, maps: list[tuple[int, int, int, torch.Tensor, torch.Tensor,
                                         torch.Tensor]], device: torch.device,
@@ -76,7 +76,7 @@ class GroupedMaps:
                  for x in (U, V_fwd, V_inv)]
         self.packed = torch.cat(parts) if parts else None
         if like is not None and like.geometry == self.geometry:
-            self.table, self.launches, self.rank = like.table, like.launches, like.rank
+            self.table, self.launch = like.table, like.launch
             return
         programs, at, most = [], 0, 1
         for pos, rows, d, k in self.geometry:
@@ -86,20 +86,18 @@ class GroupedMaps:
             programs += [(pos + r0 * d, min(BLOCK_M, rows - r0), d, k, at, at + d * k,
                           at + 2 * d * k) for r0 in range(0, rows, BLOCK_M)]
             at += 3 * d * k
-        self.launches = len(programs)
-        self.rank = max(16, 1 << (most - 1).bit_length())  # the next power of two
         self.table = torch.tensor(programs, dtype=torch.int64, device=device) \
             if programs else None
+        rank = max(16, 1 << (most - 1).bit_length())  # the next power of two
+        self.launch = Launch(_map_kernel, (len(programs),), table_ptr=self.table, RANK=rank,
+                             BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K) if programs else None
 
     def __call__(self, flat: torch.Tensor, inverse: bool) -> None:
         """``G ← G + (G V) Uᵀ`` over every layer's slot of ``flat`` (``V`` the inverse's
         when ``inverse``), one launch (none when every map has rank 0)."""
-        if self.table is None:
-            return
-        attempt(lambda: _map_kernel[(self.launches,)](
-                    flat, self.packed, self.table, INVERSE=int(inverse), RANK=self.rank,
-                    BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K),
-                lambda: reference(flat, self.maps, inverse))
+        if self.launch is not None:
+            attempt(lambda: self.launch(flat, self.packed, INVERSE=int(inverse)),
+                    lambda: reference(flat, self.maps, inverse))
 
 
 if triton is not None:
