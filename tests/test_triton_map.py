@@ -20,8 +20,9 @@ from interpreted import Child
 pytest.importorskip("triton")
 
 # (rows, d_in, rank): unequal shapes, a rank past 16 (padded to 32), a rank of 0 (the
-# identity), rows not a multiple of the row block, d_in not a multiple of the column block
-LAYERS = [(20, 40, 3), (7, 33, 0), (33, 64, 17), (5, 8, 8), (1, 16, 1)]
+# identity), rows past one row block (64) and not a multiple of it, d_in not a multiple of
+# the column block (32)
+LAYERS = [(70, 40, 3), (7, 33, 0), (33, 64, 17), (5, 8, 8), (1, 16, 1)]
 
 
 def _maps(seed: int):
@@ -53,7 +54,7 @@ def check() -> list[str]:
         maps, n = _maps(seed)
         flat = torch.randn(n, generator=torch.Generator().manual_seed(100 + seed)) * 10
         if seed == 2:  # a NaN in one layer's row, an Inf in another's
-            flat[maps[0][0] + 45] = float("nan")
+            flat[maps[0][0] + 65 * 40 + 3] = float("nan")  # the second row block
             flat[maps[2][0] + 5 * 64 + 7] = float("inf")
         # new maps in the same slots (every seed's): the last packing's table, values repacked
         grouped = GroupedMaps(maps, flat.device, last)

@@ -6,7 +6,7 @@ inverse's ``V`` (:class:`~geofp8.geometry.transforms.LowRankInput`): ``mm`` + ``
 two launches per layer each way in torch (:func:`reference`). :class:`GroupedMaps` applies
 every layer of a bucket in **one** launch each way: a program per (layer, block of
 ``BLOCK_M`` rows) computes ``P = G_rows V`` (a loop over ``d_in``, ``tl.dot`` in IEEE FP32,
-the rank padded to a power of two ≥ 16, ``P``'s padded columns zero), then writes
+the rank padded to a power of two ≥ 16, the padding's ``V`` and ``Uᵀ`` read as 0), then writes
 ``G_rows + P Uᵀ`` over its rows in place (every row read whole by the first loop before the
 second writes it; rows are a program's own).
 
@@ -37,7 +37,10 @@ if triton is not None:
 
 __all__ = ["BLOCK_M", "GroupedMaps", "places", "reference"]
 
-BLOCK_M = 16  # rows per program
+# rows per program: each program reads V and U whole (2 d_in k floats, from L2) beside its
+# rows' 3 BLOCK_M d_in (G read twice, written once), 1/3 more at k = 32 with 64 rows, 4/3
+# with 16; a guess to time on a GPU (not measured)
+BLOCK_M = 64
 BLOCK_K = 32  # columns of d_in per step of a program's loops
 
 
@@ -116,6 +119,8 @@ if triton is not None:
         kk = tl.arange(0, BLOCK_K)
         m_ok = m < rows
         r_ok = r < rank
+        # the rank's padding reads V and Uᵀ as 0: a finite row's padded P is 0, and a
+        # non-finite row stays non-finite as in torch (its real P is NaN or Inf already)
         P = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
         for k0 in range(0, d, BLOCK_K):  # P = G_rows V
             k = k0 + kk
@@ -125,7 +130,6 @@ if triton is not None:
             v = tl.load(maps_ptr + v0 + k[:, None] * rank + r[None, :],
                         mask=k_ok[:, None] & r_ok[None, :], other=0.0)
             P = tl.dot(g, v, P, input_precision="ieee")
-        P = tl.where(r_ok[None, :], P, 0.0)  # a non-finite row's padding stays out of Uᵀ
         for k0 in range(0, d, BLOCK_K):  # G_rows + P Uᵀ, over G_rows
             k = k0 + kk
             k_ok = k < d
