@@ -123,6 +123,7 @@ def _map_overflow_worker(rank, world_size, steps=5, bad=3):
     from torch import nn
 
     from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
+    from geofp8.codecs.triton_map import GroupedMaps
     from geofp8.geometry.transforms import LowRankInput
 
     torch.manual_seed(0)
@@ -133,9 +134,11 @@ def _map_overflow_worker(rank, world_size, steps=5, bad=3):
     ddp.register_comm_hook(state, geofp8_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kernel, saw_bad, mapped, now = _kernel_verdicts(state), [], [], [0]
-    inverse_over = LowRankInput.inverse_over
+    inverse_over, grouped = LowRankInput.inverse_over, GroupedMaps.__call__
     LowRankInput.inverse_over = lambda self, Gt: inverse_over(self, Gt).mul_(
         float("inf") if now[0] == bad else 1.0)
+    GroupedMaps.__call__ = lambda self, flat, inverse: (grouped(self, flat, inverse), flat.mul_(
+        float("inf") if inverse and now[0] == bad else 1.0))  # every layer of the bucket
     for step in range(steps):
         now[0] = step
         mapped.append(len(state.pipeline.transforms()))
@@ -162,13 +165,14 @@ def test_a_map_that_overflows_skips_the_step_through_the_one_kernel_verdict():
     assert fused[0]["params"] == fused[1]["params"]
 
 
-# torch launches per layer on a low-rank map, beyond the flat bucket's: the forward map
-# written over the gradient in its slot of the bucket (G V, then addmm G + (G V) Uᵀ) and the
-# inverse, written over the sum (the same two): the map's two skinny GEMMs each way and no
-# elementwise op (its diagonal is folded into V = U diag(a) when the map is made, its scale
-# dropped: geometry.transforms.LowRankInput); its residual is the bucket's flat one (read
-# and written in the fused sender's kernels)
-MAPPED_LAYER = 4
+# launches per bucket with layers on a low-rank map, beyond the flat bucket's: the forward
+# maps written over the gradients in their slots of the bucket (G + (G V) Uᵀ) and the
+# inverse, written over the sum, every layer of the bucket in one grouped Triton kernel each
+# way (codecs.triton_map; the torch path: mm + addmm per layer each way); no elementwise op
+# (the diagonal is folded into V = U diag(a) when the map is made, its scale dropped:
+# geometry.transforms.LowRankInput); the residual is the bucket's flat one (read and
+# written in the fused sender's kernels)
+MAPPED_BUCKET_MAPS = 2
 # a bucket with a layer on a map checks its mean after the map back (a map may overflow:
 # geofp8.ddp), one pass and four scalar ops (comm.stages.all_finite), written into the
 # bucket's slot of the step's verdict: the step still settles in its one kernel
@@ -180,23 +184,22 @@ PER_TENSOR_RESIDUAL = ("aten.where.self_out", "aten.new_zeros.default", "aten.ad
                        "aten.copy_.default")
 
 
-def test_geometry_hook_launches_grow_only_by_each_mapped_layers_maps():
+def test_geometry_hook_launches_do_not_grow_with_the_mapped_layers():
     """geofp8 at an ordinary step with every layer on its refreshed map: the fused stages
     and the step's settling (the statistics' finite check and window add included) do not
-    grow with the layers; each layer adds its maps' two GEMMs each way, nothing else: its
-    residual is the bucket's flat one. 8 layers in 4 buckets, 2 of them on a map: the
-    unmapped layers and the buckets add nothing but their fused stages and the second
-    mapped bucket's check."""
+    grow with the layers; a bucket with maps adds its grouped map kernel each way, whatever
+    its layers, and no GEMM: its residual is the bucket's flat one. 8 layers in 4 buckets,
+    2 of them on a map: the unmapped layers and the buckets add nothing but their fused
+    stages and the second mapped bucket's maps and check."""
     (b2, tri2, ops2, _, names2, on2), (b8, tri8, ops8, _, names8, on8), \
         (b4, tri4, ops4, _, names4, on4) = _measure(
             "geofp8", [(2, 1), (8, 1), (8, 4, 2, 2)], slice(0, 6))  # (…, ranks, mapped)
     assert (b2, b8, b4, on2, on8, on4) == (1, 1, 4, 2, 8, 2)  # every layer on a map; 2 of 8
-    assert tri2 == tri8 == FUSED_STAGES + SETTLE and tri4 == 4 * FUSED_STAGES + SETTLE
-    def gemms(names):  # G U and the addmm with Uᵀ (written over G, and over the sum: .out)
-        return sum(c for n, c in names.items() if n.startswith(("aten.mm.", "aten.addmm.")))
-    assert gemms(names2) == gemms(names4) == 2 * 4 and gemms(names8) == 8 * 4, names8
-    assert ops8 - ops2 == MAPPED_LAYER * 6, (ops2, ops8)
-    assert ops8 - ops2 == gemms(names8) - gemms(names2), names8  # GEMMs and nothing else
+    assert tri2 == tri8 == FUSED_STAGES + SETTLE + MAPPED_BUCKET_MAPS, (tri2, tri8)
+    assert tri4 == 4 * FUSED_STAGES + SETTLE + 2 * MAPPED_BUCKET_MAPS, tri4
+    for names in (names2, names8, names4):  # no GEMM left in torch
+        assert not any(n.startswith(("aten.mm.", "aten.addmm.")) for n in names), names
+    assert ops8 == ops2, (ops2, ops8, names2, names8)
     assert ops4 == ops2 + MAPPED_BUCKET, (ops2, ops4, names2, names4)
     for names in (names2, names8, names4):
         assert not set(PER_TENSOR_RESIDUAL) & set(names), names

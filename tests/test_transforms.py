@@ -318,3 +318,39 @@ def test_lowrank_needs_a_matrix():
     with pytest.raises(ValueError):
         T.forward(torch.zeros(D_IN, dtype=F64))
     assert torch.allclose((1 + T.a_fwd) * (1 + T.a_inv), torch.ones_like(T.a_fwd))
+
+
+def test_a_lowrank_map_is_chosen_with_one_where_a_buffer_and_the_bits_of_remaking_it():
+    """``LowRankInput.chosen`` (a fresh or local source's choice between this step's map
+    and the last, on the device): two ``torch.where`` launches whatever the map's size
+    (the state's buffer and V's), and the chosen map is bit for bit the one its state
+    would make again; with no last map the identity (U = 0, a = 0)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    fresh, last = (LowRankInput(LowRankFactor.from_matrix(_psd(D_IN, seed).float(), 5), DAMPING)
+                   for seed in (20, 21))
+    G = _grad(D_OUT, D_IN).float()
+    for ok, other, want in ((True, last, fresh), (False, last, last), (False, None, None)):
+        flag = torch.tensor(ok)
+        with Ops() as counted:
+            chosen = LowRankInput.chosen(flag, fresh, other)
+        launched = [op for op in counted.ops if not op.startswith(  # views; the identity's 0:
+            ("aten.view.", "aten.slice.", "aten.scalar_tensor."))]   # a host scalar
+        assert launched == ["aten.where.self"] * 2, counted.ops
+        remade = transform_from_state(chosen.name, {k: v.clone()
+                                                    for k, v in chosen.state().items()})
+        for field in ("U", "a_fwd", "a_inv", "V_fwd", "V_inv"):
+            assert torch.equal(getattr(chosen, field), getattr(remade, field)), field
+            if want is not None:
+                assert torch.equal(getattr(chosen, field), getattr(want, field)), field
+        if want is None:
+            assert torch.equal(chosen.forward(G), G)  # the identity

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from .bucket_record import BucketRecord
+from .codecs import triton_map
 from .codecs.base import device_scalar
 from .comm.layout import ShardLayout
 from .comm.stages import encode, encode_with_error
-from .geometry.transforms import IDENTITY, Transform
+from .geometry.transforms import IDENTITY, LowRankInput, Transform
 
 __all__ = ["BucketPath", "Encoded"]
 
@@ -34,7 +35,7 @@ class Encoded:
     routes: list[Transform]
     per_sender: tuple[bool, ...]  # mapped back by the receiver with each sender's own map
     side_bytes: int  # bytes of sender factors in what this rank sends to the others
-    slots: tuple = ()  # (offset, numel, shape, T) of each tensor the receiver maps back by T⁻¹
+    slots: tuple = ()  # MapSlots: each tensor the receiver maps back by T⁻¹
     record: BucketRecord | None = None  # the bucket's decisions, kept for its next call
 
 
@@ -59,21 +60,19 @@ class BucketPath:
         if flat is None:
             flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32,
                                device=grads[0].device if grads else self.group.device)
+        per_sender = tuple(self._per_sender(n) for n in names)
+        layout = self._layout(shapes, per_sender, tuple(self.codec_of(n) for n in names))
         routes, bucket = self._bucket_residual(names, shapes) if in_place else (None, None)
         if bucket is not None:  # Ũ = G T + R over the bucket at once, in the encode
-            pos = 0
-            for g, route in zip(grads, routes):
-                if route is not IDENTITY:  # G T over G, in its slot of the flat bucket
-                    route.forward_over(flat[pos : pos + g.numel()].view(g.shape))
-                pos += g.numel()
+            slots = self._map_slots(names, shapes, routes, per_sender, flat, layout)
+            _map_over(slots, flat, inverse=False)  # G T over G, in its slot of the bucket
         else:
             routes, pos = [], 0
             for name, g in zip(names, grads):
                 slot = flat[pos : pos + g.numel()].view(g.shape)
                 routes.append(self.prepare_into(name, g, slot, in_place))
                 pos += g.numel()
-        per_sender = tuple(self._per_sender(n) for n in names)
-        layout = self._layout(shapes, per_sender, tuple(self.codec_of(n) for n in names))
+            slots = self._map_slots(names, shapes, routes, per_sender, flat, layout)
         side = self._sender_factors(shapes, per_sender, routes, layout) if any(per_sender) \
             else None
         if self.config.error_feedback:  # R ← Ũ − deq(Q(Ũ)): into a bucket's R, or over Ũ
@@ -91,7 +90,6 @@ class BucketPath:
         else:
             sent = encode(flat, layout, side, seed, sender=self.group.rank)
         side_bytes = sum(layout.side[j] for j in range(self.world_size) if j != self.rank)
-        slots = _slots(shapes, routes, per_sender)
         # the flat path: with error feedback the bucket's residual; without, every tensor
         # plain (Ũ = G, in place already)
         flat_path = bucket is not None or (in_place and not self.config.error_feedback
@@ -108,8 +106,7 @@ class BucketPath:
         over each mapped tensor's slot, then the encode, with error feedback the bucket's
         residual added and the new one written back into it (no Python per tensor but a
         map's)."""
-        for pos, n, shape, route in record.slots:
-            route.forward_over(flat[pos : pos + n].view(shape))
+        _map_over(record.slots, flat, inverse=False)
         if self.config.error_feedback:
             sent, residual = encode_with_error(flat, record.layout, None, seed,
                                                self.group.rank, error_out=flat,
@@ -157,9 +154,25 @@ class BucketPath:
         ``Σ / N`` already, the collective's ``divide``); returns it."""
         if not divided:
             total.div_(device_scalar(self.world_size, total.dtype, total.device))  # exact on CUDA
-        for pos, n, shape, route in encoded.slots:
-            route.inverse_over(total[pos : pos + n].view(shape))
+        _map_over(encoded.slots, total, inverse=True)
         return total
+
+    _last_slots: dict | None = None  # a bucket's names → its last MapSlots
+
+    def _map_slots(self, names: list[str], shapes: list[tuple[int, ...]],
+                   routes: list[Transform], per_sender: tuple[bool, ...], flat: torch.Tensor,
+                   layout: ShardLayout) -> MapSlots:
+        """:meth:`MapSlots.of` this bucket, its last one while its maps are the same ones
+        (packed once per set of maps, not per call of a bucket resolved again; new maps in
+        the same slots keep the last packing's program table)."""
+        slots = MapSlots.of(shapes, routes, per_sender)
+        if self._last_slots is None:
+            self._last_slots = {}
+        last = self._last_slots.get(tuple(names))
+        if last is not None and last == slots:
+            return last
+        self._last_slots[tuple(names)] = slots.group(flat, layout, last)
+        return slots
 
     def codec_of(self, name: str):
         """The wire codec of ``name`` this step (the selection's under a budget)."""
@@ -177,14 +190,52 @@ class BucketPath:
         return self._layouts[key]
 
 
-def _slots(shapes: list[tuple[int, ...]], routes: list[Transform],
-           per_sender: tuple[bool, ...]) -> tuple:
+class MapSlots(tuple):
     """:attr:`Encoded.slots`: ``(offset, numel, shape, T)`` of each tensor laid one after the
-    other that the receiver maps back by ``T⁻¹`` (on a map, not per sender)."""
-    slots, pos = [], 0
-    for shape, route, mapped in zip(shapes, routes, per_sender):
-        n = torch.Size(shape).numel()
-        if not mapped and route is not IDENTITY:
-            slots.append((pos, n, shape, route))
-        pos += n
-    return tuple(slots)
+    other that the receiver maps back by ``T⁻¹`` (on a map, not per sender), and
+    :attr:`grouped`, the same maps packed for one Triton launch each way
+    (:class:`~geofp8.codecs.triton_map.GroupedMaps`), or ``None`` (the torch path, map by
+    map)."""
+
+    grouped: triton_map.GroupedMaps | None = None
+
+    @classmethod
+    def of(cls, shapes: list[tuple[int, ...]], routes: list[Transform],
+           per_sender: tuple[bool, ...]) -> MapSlots:
+        """A bucket's slots, not grouped."""
+        slots, pos = [], 0
+        for shape, route, mapped in zip(shapes, routes, per_sender):
+            n = torch.Size(shape).numel()
+            if not mapped and route is not IDENTITY:
+                slots.append((pos, n, shape, route))
+            pos += n
+        return cls(slots)
+
+    def group(self, flat: torch.Tensor, layout: ShardLayout, last: MapSlots | None
+              ) -> MapSlots:
+        """These slots grouped over ``flat`` where the stages take the batched kernels on
+        its device and every map is an FP32 low-rank one the Triton kernel places
+        (:func:`~geofp8.codecs.triton_map.places`), ``last`` (the bucket's previous slots)
+        lending its program table; returns them."""
+        if self and layout.batched(flat.device) and all(
+                isinstance(t, LowRankInput) and len(shape) == 2 for _, _, shape, t in self) \
+                and triton_map.places(flat, [t.U for *_, t in self]):
+            self.grouped = triton_map.GroupedMaps(
+                [(pos, shape[0], shape[1], t.U, t.V_fwd, t.V_inv) for pos, _, shape, t in self],
+                flat.device, getattr(last, "grouped", None))
+        return self
+
+
+def _map_over(slots: MapSlots, flat: torch.Tensor, inverse: bool) -> None:
+    """``G T`` (``inverse``: ``G T⁻¹``) over each mapped slot of ``flat``: one launch when
+    grouped, else map by map."""
+    grouped = getattr(slots, "grouped", None)  # an Encoded made without maps: ()
+    if grouped is not None:
+        grouped(flat, inverse)
+        return
+    for pos, n, shape, route in slots:
+        view = flat[pos : pos + n].view(shape)
+        if inverse:
+            route.inverse_over(view)
+        else:
+            route.forward_over(view)

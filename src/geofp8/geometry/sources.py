@@ -161,7 +161,7 @@ class FactorSource:
         """Keep this step's maps where the 0-dim ``finite`` holds, else the last ones (on the
         device)."""
         for key, made in self._step.items():
-            self.transforms[key] = _chosen(finite, made, self.transforms.get(key))
+            self.transforms[key] = LowRankInput.chosen(finite, made, self.transforms.get(key))
         self._step = {}
 
     @property
@@ -410,10 +410,8 @@ class _SketchedFactors(FactorSource):
         Y = torch.where(ok, sketch.view(d, omega.shape[1]) / count, omega)
         trace = torch.where(ok, moments[0] / count, float(d)).double()
         fresh = LowRankInput(nystrom_factor(Y, omega, min(cfg.k, d), trace), cfg.damping)
-        fields = torch.cat([getattr(fresh, f).reshape(-1)  # one finite pass
-                            for f in LowRankInput.fields])
-        ok = ok & torch.isfinite(fields).all()
-        self._step[key] = _chosen(ok, fresh, self.transforms.get(key))
+        ok = ok & torch.isfinite(fresh.packed).all()  # the state's one buffer: one pass
+        self._step[key] = LowRankInput.chosen(ok, fresh, self.transforms.get(key))
         self._flags.append((key, ~ok & (tokens > 0)))
 
     def report(self) -> None:
@@ -576,18 +574,6 @@ def _finite(built: Transform, name: str, source: FactorSource) -> bool:
         return True
     source._rejected([name], "the refreshed map")
     return False
-
-
-def _chosen(ok: torch.Tensor, fresh: LowRankInput, last: Transform | None) -> LowRankInput:
-    """``fresh`` where the 0-dim ``ok`` holds, else ``last`` (the identity when ``None``),
-    field by field on the device."""
-    chosen = LowRankInput.__new__(LowRankInput)
-    for field in LowRankInput.fields:  # the identity is U = 0, a = 0
-        new = getattr(fresh, field)
-        old = getattr(last, field) if last is not None else torch.zeros_like(new)
-        setattr(chosen, field, torch.where(ok, new, old))
-    chosen._restored()
-    return chosen
 
 
 @dataclass

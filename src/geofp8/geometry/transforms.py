@@ -157,7 +157,9 @@ class LowRankInput(Transform):
     scaled codecs absorb into their scales, and which the inverse undoes (``c · c⁻¹ = 1``),
     so the mean, the round-trip error and the residual's Euclidean meaning are those of ``T``.
     Each way is two GEMMs and nothing else: ``G + (G V) Uᵀ`` with ``V = U diag(a)``, made
-    once per map from its state (``U``, ``a_fwd``, ``a_inv``), on the map's device.
+    once per map from its state (``U``, ``a_fwd``, ``a_inv``), on the map's device. The state
+    lies in one buffer and ``V`` each way in another (the fields are views of them), so a
+    source chooses between two maps with one ``torch.where`` a buffer (:meth:`chosen`).
     """
 
     name = "lowrank"
@@ -174,9 +176,35 @@ class LowRankInput(Transform):
         self._restored()
 
     def _restored(self) -> None:
-        """``V = U diag(a)`` each way (a pure function of the state: a restored map gives
-        the bits of the one it was saved from)."""
-        self.V_fwd, self.V_inv = self.U * self.a_fwd, self.U * self.a_inv
+        """The state packed into one buffer (``[U | a_fwd | a_inv]``) and ``V = U diag(a)``
+        each way made into another (``[V_fwd | V_inv]``; a pure function of the state: a
+        restored map gives the bits of the one it was saved from)."""
+        d, k = self.U.shape
+        self.packed = torch.cat([self.U.reshape(-1), self.a_fwd, self.a_inv])
+        self.packed_V = self.packed.new_empty(2 * d * k)
+        self._views(d, k)
+        torch.mul(self.U, self.a_fwd, out=self.V_fwd)
+        torch.mul(self.U, self.a_inv, out=self.V_inv)
+
+    def _views(self, d: int, k: int) -> None:
+        """The fields and ``V`` as views of :attr:`packed` and :attr:`packed_V`."""
+        n = d * k
+        self.U, self.a_fwd, self.a_inv = (self.packed[:n].view(d, k),
+                                          self.packed[n : n + k], self.packed[n + k :])
+        self.V_fwd, self.V_inv = self.packed_V[:n].view(d, k), self.packed_V[n:].view(d, k)
+
+    @classmethod
+    def chosen(cls, ok: torch.Tensor, fresh: LowRankInput, last: LowRankInput | None
+               ) -> LowRankInput:
+        """``fresh`` where the 0-dim ``ok`` holds, else ``last`` (the identity when ``None``:
+        ``U = 0``, ``a = 0``), on the device: one ``torch.where`` over each buffer, ``V``
+        chosen with the state (the bits of remaking it from the chosen state)."""
+        chosen = cls.__new__(cls)
+        pick = ((fresh.packed, 0.0), (fresh.packed_V, 0.0)) if last is None else \
+            ((fresh.packed, last.packed), (fresh.packed_V, last.packed_V))
+        chosen.packed, chosen.packed_V = (torch.where(ok, new, old) for new, old in pick)
+        chosen._views(*fresh.U.shape)
+        return chosen
 
     def _apply(self, G: torch.Tensor, V: torch.Tensor, out: torch.Tensor | None = None
                ) -> torch.Tensor:

@@ -1,0 +1,141 @@
+"""Every low-rank map of a bucket in one Triton launch each way, beside its torch reference.
+
+A layer on a low-rank map sends ``G + (G V) Uᵀ`` (``V = U diag(a)``, ``G`` its
+``rows × d_in`` slot of the flat bucket) and maps the mean back the same way with the
+inverse's ``V`` (:class:`~geofp8.geometry.transforms.LowRankInput`): ``mm`` + ``addmm``,
+two launches per layer each way in torch (:func:`reference`). :class:`GroupedMaps` applies
+every layer of a bucket in **one** launch each way: a program per (layer, block of
+``BLOCK_M`` rows) computes ``P = G_rows V`` (a loop over ``d_in``, ``tl.dot`` in IEEE FP32,
+the rank padded to a power of two ≥ 16, the padding's ``V`` and ``Uᵀ`` read as 0), then writes
+``G_rows + P Uᵀ`` over its rows in place (every row read whole by the first loop before the
+second writes it; rows are a program's own).
+
+The maps are packed once per set of maps (a bucket's record, at a refresh): ``U``, ``V_fwd``
+and ``V_inv`` of every layer in one FP32 device buffer, and a program table, int64
+``[P, 7]``: ``(first element of the rows, rows, d_in, rank, U's, V_fwd's, V_inv's offset)``,
+so a call passes two tensors and a flag (no per-call host work). The table depends on the
+slots' geometry alone: maps made every step (``fresh``) repack their values, one ``cat``,
+under the table of the last packing. Layers of rank 0 (the
+identity) get no program: ``G + 0`` is ``G``. FP32 only; a bucket whose maps are not all
+FP32 low-rank maps on the kernels' device stays on the torch path (decided once, by
+:func:`places`).
+
+Agreement with the reference: the same products summed in another order (blocks of
+``BLOCK_K`` here, the BLAS's order there), so each element differs by at most FP32
+summation round-off, ``|Δ| ≤ 2 (d_in + rank) ε (|G| |V| |Uᵀ| + |G|)`` elementwise
+(``ε = 2⁻²³``); a non-finite row stays non-finite (the step is skipped), as in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_fp8 import Launch, attempt, available, triton
+
+if triton is not None:
+    import triton.language as tl
+
+__all__ = ["BLOCK_M", "GroupedMaps", "places", "reference"]
+
+# rows per program: each program reads V and U whole (2 d_in k floats, from L2) beside its
+# rows' 3 BLOCK_M d_in (G read twice, written once), 1/3 more at k = 32 with 64 rows, 4/3
+# with 16; a guess to time on a GPU (not measured)
+BLOCK_M = 64
+BLOCK_K = 32  # columns of d_in per step of a program's loops
+
+
+def reference(flat: torch.Tensor, maps: list[tuple[int, int, int, torch.Tensor, torch.Tensor,
+                                                   torch.Tensor]], inverse: bool) -> None:
+    """The torch path: ``G ← G + (G V) Uᵀ`` over each ``(offset, rows, d_in, U, V_fwd,
+    V_inv)`` slot of ``flat``, ``mm`` + ``addmm`` per layer (the bits of
+    :meth:`LowRankInput.forward_over` / ``inverse_over``)."""
+    for pos, rows, d, U, V_fwd, V_inv in maps:
+        G = flat[pos : pos + rows * d].view(rows, d)
+        torch.addmm(G, G @ (V_inv if inverse else V_fwd), U.T, out=G)
+
+
+def places(flat: torch.Tensor, Us: list[torch.Tensor]) -> bool:
+    """Whether :class:`GroupedMaps` applies maps with these ``U`` over ``flat``: FP32 on a
+    device the Triton kernels run on (CUDA, or the CPU under the interpreter)."""
+    return (flat.dtype == torch.float32 and all(U.dtype == torch.float32 for U in Us)
+            and available(flat, *Us))
+
+
+class GroupedMaps:
+    """A bucket's low-rank maps packed for one launch each way (module notes)."""
+
+    __slots__ = ("geometry", "launch", "maps", "packed", "table")
+
+    def __init__(self, maps: list[tuple[int, int, int, torch.Tensor, torch.Tensor,
+                                        torch.Tensor]], device: torch.device,
+                 like: GroupedMaps | None = None) -> None:
+        """``maps``: ``(offset, rows, d_in, U, V_fwd, V_inv)`` of each layer over the flat
+        bucket (``U``, ``V`` ``d_in × rank``). ``like``: the last packing of the same slots;
+        where its geometry (offsets, shapes, ranks) is this one's, its program table is
+        taken as it is (maps made every step are packed with one ``cat``, no table)."""
+        self.maps = maps
+        self.geometry = tuple((pos, rows, d, U.shape[1]) for pos, rows, d, U, _, _ in maps)
+        parts = [x.reshape(-1) for *_, U, V_fwd, V_inv in maps if U.shape[1]
+                 for x in (U, V_fwd, V_inv)]
+        self.packed = torch.cat(parts) if parts else None
+        if like is not None and like.geometry == self.geometry:
+            self.table, self.launch = like.table, like.launch
+            return
+        programs, at, most = [], 0, 1
+        for pos, rows, d, k in self.geometry:
+            if k == 0:  # the identity: no program
+                continue
+            most = max(most, k)
+            programs += [(pos + r0 * d, min(BLOCK_M, rows - r0), d, k, at, at + d * k,
+                          at + 2 * d * k) for r0 in range(0, rows, BLOCK_M)]
+            at += 3 * d * k
+        self.table = torch.tensor(programs, dtype=torch.int64, device=device) \
+            if programs else None
+        rank = max(16, 1 << (most - 1).bit_length())  # the next power of two
+        self.launch = Launch(_map_kernel, (len(programs),), table_ptr=self.table, RANK=rank,
+                             BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K) if programs else None
+
+    def __call__(self, flat: torch.Tensor, inverse: bool) -> None:
+        """``G ← G + (G V) Uᵀ`` over every layer's slot of ``flat`` (``V`` the inverse's
+        when ``inverse``), one launch (none when every map has rank 0)."""
+        if self.launch is not None:
+            attempt(lambda: self.launch(flat, self.packed, INVERSE=int(inverse)),
+                    lambda: reference(flat, self.maps, inverse))
+
+
+if triton is not None:
+    @triton.jit
+    def _map_kernel(flat_ptr, maps_ptr, table_ptr, INVERSE: tl.constexpr, RANK: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        entry = table_ptr + tl.program_id(0) * 7
+        start = tl.load(entry)
+        rows = tl.load(entry + 1)
+        d = tl.load(entry + 2)
+        rank = tl.load(entry + 3)
+        u0 = tl.load(entry + 4)
+        v0 = tl.load(entry + 5 + INVERSE)
+        m = tl.arange(0, BLOCK_M)
+        r = tl.arange(0, RANK)
+        kk = tl.arange(0, BLOCK_K)
+        m_ok = m < rows
+        r_ok = r < rank
+        # the rank's padding reads V and Uᵀ as 0: a finite row's padded P is 0, and a
+        # non-finite row stays non-finite as in torch (its real P is NaN or Inf already)
+        P = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+        for k0 in range(0, d, BLOCK_K):  # P = G_rows V
+            k = k0 + kk
+            k_ok = k < d
+            g = tl.load(flat_ptr + start + m[:, None] * d + k[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            v = tl.load(maps_ptr + v0 + k[:, None] * rank + r[None, :],
+                        mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            P = tl.dot(g, v, P, input_precision="ieee")
+        for k0 in range(0, d, BLOCK_K):  # G_rows + P Uᵀ, over G_rows
+            k = k0 + kk
+            k_ok = k < d
+            at = flat_ptr + start + m[:, None] * d + k[None, :]
+            g = tl.load(at, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            ut = tl.load(maps_ptr + u0 + k[None, :] * rank + r[:, None],
+                         mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            tl.store(at, g + tl.dot(P, ut, input_precision="ieee"),
+                     mask=m_ok[:, None] & k_ok[None, :])

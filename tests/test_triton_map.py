@@ -1,0 +1,187 @@
+"""A bucket's low-rank maps in one Triton launch each way (geofp8.codecs.triton_map),
+interpreted, against the torch path (``mm`` + ``addmm`` per layer).
+
+``TRITON_INTERPRET=1`` must be set before the kernel is decorated, so the checks run in a
+child process (this file run as a script). Tolerance: the kernel sums the same products in
+another order (blocks of ``BLOCK_K`` columns, the BLAS's order in torch), two GEMMs each
+way, so an element may differ by FP32 summation round-off,
+``|Δ| ≤ 2 (d_in + rank) ε (|G| |V| |Uᵀ| + |G|)``, ``ε = 2⁻²³`` (elementwise, from the
+absolute values: the standard bound on a dot product's rounding).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from interpreted import Child
+
+pytest.importorskip("triton")
+
+# (rows, d_in, rank): unequal shapes, a rank past 16 (padded to 32), a rank of 0 (the
+# identity), rows past one row block (64) and not a multiple of it, d_in not a multiple of
+# the column block (32)
+LAYERS = [(70, 40, 3), (7, 33, 0), (33, 64, 17), (5, 8, 8), (1, 16, 1)]
+
+
+def _maps(seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    maps, pos = [], 3  # the first slot not at the bucket's start
+    for rows, d, k in LAYERS:
+        U = torch.linalg.qr(torch.randn(d, max(k, 1), generator=g))[0][:, :k]
+        a_fwd, a_inv = torch.rand(k, generator=g) * 4 - 0.9, torch.rand(k, generator=g) - 0.5
+        maps.append((pos, rows, d, U, U * a_fwd, U * a_inv))
+        pos += rows * d + 2  # an unmapped tensor between two maps
+    return maps, pos + 5
+
+
+def _bound(G, V, U):
+    eps = 2.0 ** -23
+    return 2 * (G.shape[1] + V.shape[1]) * eps * ((G.abs() @ V.abs()) @ U.abs().T + G.abs())
+
+
+def check() -> list[str]:
+    """Every case; returns the failures (empty: all within the bound)."""
+    import torch
+
+    from geofp8.codecs.triton_map import GroupedMaps, reference
+
+    failures, last = [], None
+    for seed in range(3):
+        maps, n = _maps(seed)
+        flat = torch.randn(n, generator=torch.Generator().manual_seed(100 + seed)) * 10
+        if seed == 2:  # a NaN in one layer's row, an Inf in another's
+            flat[maps[0][0] + 65 * 40 + 3] = float("nan")  # the second row block
+            flat[maps[2][0] + 5 * 64 + 7] = float("inf")
+        # new maps in the same slots (every seed's): the last packing's table, values repacked
+        grouped = GroupedMaps(maps, flat.device, last)
+        if last is not None and grouped.table is not last.table:
+            failures.append(f"seed {seed}: the same slots built a new table")
+        if GroupedMaps(maps[1:], flat.device, grouped).table is grouped.table:
+            failures.append(f"seed {seed}: other slots took the last table")
+        last = grouped
+        for inverse in (False, True):
+            out, ref = flat.clone(), flat.clone()
+            grouped(out, inverse)
+            reference(ref, maps, inverse)
+            for pos, rows, d, U, V_fwd, V_inv in maps:
+                G, o, r = (x[pos : pos + rows * d].view(rows, d) for x in (flat, out, ref))
+                finite = G.isfinite().all(dim=1)
+                if not torch.equal(o.isfinite(), r.isfinite()):
+                    failures.append(f"seed {seed} inverse {inverse} {rows}x{d} k={U.shape[1]}: "
+                                    "non-finite elements differ")
+                bound = _bound(G[finite], V_inv if inverse else V_fwd, U)
+                if not bool(((o[finite] - r[finite]).abs() <= bound).all()):
+                    failures.append(f"seed {seed} inverse {inverse} {rows}x{d} "
+                                    f"k={U.shape[1]}: past the round-off bound")
+                if U.shape[1] == 0 and not torch.equal(o.view(torch.int32), G.view(torch.int32)):
+                    failures.append("rank 0 changed its slot")
+            gaps = torch.ones(n, dtype=torch.bool)
+            for pos, rows, d, *_ in maps:
+                gaps[pos : pos + rows * d] = False
+            if not torch.equal(out[gaps], flat[gaps]):
+                failures.append("an unmapped element changed")
+    return failures
+
+
+def launches() -> tuple[int, int]:
+    """Triton launches of one call each way over a bucket of every layer."""
+    import torch
+
+    from geofp8.codecs import triton_map
+
+    maps, n = _maps(0)
+    flat, count = torch.randn(n), [0]
+    run = triton_map._map_kernel.run
+    triton_map._map_kernel.run = lambda *a, **k: count.__setitem__(0, count[0] + 1) or run(*a, **k)
+    grouped = triton_map.GroupedMaps(maps, flat.device)
+    grouped(flat, False)
+    forward = count[0]
+    grouped(flat, True)
+    return forward, count[0] - forward
+
+
+def _ranks_worker(rank, world_size, source, steps=5):
+    """geofp8 with layers="all" (``source``'s maps: refreshed every 2 steps, or fresh every
+    step; 4 layers of unequal shapes in one bucket: 3 on a map, the last Euclidean under
+    ``min_dim``) on the fused path, interpreted: the maps' grouped calls each way, the
+    tables packed, and the final parameters' bits."""
+    import torch
+    from torch import nn
+
+    from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
+    from geofp8.codecs.triton_map import GroupedMaps
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40, bias=False), nn.Linear(40, 17, bias=False),
+                          nn.Linear(17, 33, bias=False), nn.Linear(33, 8, bias=False))
+    state = GeoFP8State(model, GeoFP8Config(layers="all", refresh_every=2, k=4,
+                                            factor_source=source, kernels="batched"))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(state, geofp8_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls, call, tables = [], GroupedMaps.__call__, set()
+    GroupedMaps.__call__ = lambda self, flat, inverse: (
+        calls.append(inverse), tables.add(id(self.table)), call(self, flat, inverse))
+    for step in range(steps):
+        opt.zero_grad()
+        x = torch.randn(8, 24, generator=torch.Generator().manual_seed(step + 10 * rank))
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"calls": calls, "tables": len(tables), "mapped": len(state.pipeline.transforms()),
+            "params": params.view(torch.int32).tolist()}
+
+
+def ranks(source: str) -> str:
+    """The 2-rank gloo run: whether both ranks took the grouped maps and ended bit-identical."""
+    from distributed import run_ranks
+
+    out = run_ranks(_ranks_worker, 2, (source,), timeout=300)
+    calls = [o["calls"] for o in out]
+    return (f"{source}: ranks mapped {[o['mapped'] for o in out]} grouped calls equal "
+            f"{calls[0] == calls[1]} ways {sorted(set(calls[0]))} tables "
+            f"{[o['tables'] for o in out]} params equal {out[0]['params'] == out[1]['params']}")
+
+
+CHILD = Child([__file__])  # this file run as a script: the checks above
+
+
+@pytest.mark.child(CHILD)
+def test_one_launch_each_way_agrees_with_the_torch_maps_within_fp32_round_off():
+    lines = CHILD.lines()
+    assert lines[:-3] == [], lines  # no failure
+    assert lines[-3] == "launches (1, 1)"
+    # a real 2-rank gloo group, 3 of 4 layers on a map (one bucket): the maps went through
+    # the grouped kernel (refreshed maps: each way; fresh maps: back, the forward made per
+    # layer as the map is built), the same calls on both ranks, one program table per set of
+    # slots however often the maps in them change (refreshed: from step 2, in DDP's rebuilt
+    # bucket; fresh: every step, in step 0's bucket and the rebuilt one), bit-identical
+    # parameters
+    assert lines[-2] == ("refresh: ranks mapped [3, 3] grouped calls equal True ways "
+                         "[False, True] tables [1, 1] params equal True"), lines[-2]
+    assert lines[-1] == ("fresh: ranks mapped [3, 3] grouped calls equal True ways "
+                         "[True] tables [2, 2] params equal True"), lines[-1]
+
+
+def test_a_cpu_bucket_without_the_interpreter_stays_on_the_torch_path():
+    import torch
+
+    from geofp8.codecs import triton_map
+
+    maps, _ = _maps(0)
+    assert not triton_map.places(torch.zeros(4), [U for _, _, _, U, _, _ in maps]) \
+        or os.environ.get("TRITON_INTERPRET") == "1"
+    assert not triton_map.places(torch.zeros(4, dtype=torch.float64), [])
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    for failure in check():
+        print(failure)
+    print(f"launches {launches()}")
+    print(ranks("refresh"))
+    print(ranks("fresh"))
