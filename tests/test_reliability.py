@@ -601,6 +601,7 @@ def _misconfig_worker(rank, world_size):
 
 
 @pytest.mark.distributed
+@pytest.mark.timed
 def test_misconfiguration_fails_fast_naming_the_difference():
     t0 = time.monotonic()
     for out in run_ranks(_misconfig_worker, 2, timeout=90):
@@ -724,6 +725,7 @@ def _killed_worker(rank, world_size, die_at):
 
 
 @pytest.mark.distributed
+@pytest.mark.timed
 def test_killed_rank_makes_the_survivor_fail_within_the_timeout():
     reports, codes, after_death = _spawn_bounded(_killed_worker, 2, (3,), PG_TIMEOUT_S,
                                                  wall_s=60)
@@ -755,6 +757,7 @@ def _hung_worker(rank, world_size, hang_at, hang_s):
 
 
 @pytest.mark.distributed
+@pytest.mark.timed
 def test_hung_rank_makes_the_survivor_fail_at_the_timeout():
     timeout = 5
     reports, _, _ = _spawn_bounded(_hung_worker, 2, (2, 60), timeout, wall_s=45, wait_for={0})
@@ -794,6 +797,7 @@ def _train_worker(rank, world_size, cfg_dict, kill_at):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.timed
 def test_killed_training_resumes_bit_identically(tmp_path):
     from geofp8.tools.train import to_argv
     from geofp8.tools.train.checkpoint import latest_step
@@ -874,6 +878,7 @@ def test_atomic_save_survives_a_crash_mid_write(tmp_path, monkeypatch):
 
 
 @pytest.mark.distributed
+@pytest.mark.timed
 def test_crash_while_writing_a_checkpoint_leaves_the_previous_one_usable(tmp_path):
     from geofp8.tools.train import checkpoint as ckpt
 
