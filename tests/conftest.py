@@ -4,27 +4,12 @@ import sys
 # tests/distributed.py is imported by the test modules and by spawned worker processes.
 sys.path.insert(0, os.path.dirname(__file__))
 
-import pytest  # noqa: E402
-
 import interpreted  # noqa: E402
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "child(child): the test takes the lines of this "
                             "interpreted.Child, started on a background lane after collection")
-    config.addinivalue_line("markers", "timed: the test asserts a wall-clock bound: it runs "
-                            "with the background lane paused (interpreted.paused)")
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    """A ``timed`` test runs alone beside the suite: no interpreter child (nor its ranks)
-    competes for the cores while its clock runs."""
-    if item.get_closest_marker("timed") is None:
-        yield
-        return
-    with interpreted.paused():
-        yield
 
 
 def pytest_collection_finish(session):

@@ -7,12 +7,10 @@ suite, so a test declares its child once (``CHILD = Child([...])``) and marks it
 the selected tests on one background lane (one child at a time, beside the tests: the
 second core of a 2-core runner), and the test takes its child's lines when it runs. A child
 the lane has not started yet when its test runs is run by the test itself, in the
-foreground, as before. A test that asserts a wall-clock bound runs with the lane
-:func:`paused` (``@pytest.mark.timed``): no child and none of its ranks beside it."""
+foreground, as before."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import subprocess
@@ -75,21 +73,11 @@ _GUARD = threading.Lock()  # a child is started, or the session ends, not both a
 _STOPPED: list[bool] = []
 _LANE: queue.Queue = queue.Queue()
 _QUEUED: list[Child] = []
-_RUNNING = threading.Lock()  # held by the lane while it runs a child, or while it is paused
 
 
 def _lane() -> None:
     while (child := _LANE.get()) is not None:
-        with _RUNNING:
-            child.run()
-
-
-@contextlib.contextmanager
-def paused():
-    """The lane runs no child inside: waits for the child it runs (if any) to end, and starts
-    none until the end."""
-    with _RUNNING:
-        yield
+        child.run()
 
 
 def start(children) -> None:
