@@ -87,9 +87,10 @@ def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
     dist.destroy_process_group()
 
 
-# what the ranks' server imports once (as tests/distributed.py's): torch, and the Llama of
-# Hugging Face that benchmarks/memory.py builds (a module that is not installed is skipped)
-PRELOAD = ["torch", "torch.distributed", "transformers.models.llama.modeling_llama"]
+# what the ranks' server imports once (as tests/distributed.py's), before a caller's own
+PRELOAD = ("torch", "torch.distributed")
+# the Llama of Hugging Face, for the callers whose ranks build one (not installed: skipped)
+LLAMA = ("transformers.models.llama.modeling_llama",)
 
 
 def _entry(worker, environ: dict, *args) -> None:
@@ -100,11 +101,13 @@ def _entry(worker, environ: dict, *args) -> None:
     worker(*args)
 
 
-def on_ranks(worker, world: int, method: str, *extra, fresh: bool = False) -> tuple:
+def on_ranks(worker, world: int, method: str, *extra, fresh: bool = False,
+             preload: tuple = ()) -> tuple:
     """What rank 0 of ``world`` gloo ranks puts on the queue, each running
     ``worker(rank, world, port, method, queue, *extra)`` (it puts ``(rank, *figures)``).
-    The ranks are forked from a server that has imported ``PRELOAD`` once (each starts as a
-    clean single-threaded process); ``fresh``: spawned afresh, each importing torch itself,
+    The ranks are forked from a server that has imported ``PRELOAD`` and ``preload`` once
+    (each starts as a clean single-threaded process; a server already started keeps its
+    own); ``fresh``: spawned afresh, each importing torch itself,
     as a launcher's ranks are (their resident set then holds the pages touched only by the
     imports, which a forked rank never touches)."""
     with socket.socket() as s:
@@ -112,7 +115,7 @@ def on_ranks(worker, world: int, method: str, *extra, fresh: bool = False) -> tu
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn" if fresh else "forkserver")
     if not fresh:
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx.set_forkserver_preload([*PRELOAD, *preload])
     queue = ctx.Queue()
     environ = dict(os.environ)
     procs = [ctx.Process(target=_entry,

@@ -55,7 +55,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import geofp8
-from host_syncs import on_ranks  # this folder is on sys.path when run as a script
+from host_syncs import LLAMA, on_ranks  # this folder is on sys.path when run as a script
 
 PACKAGE = os.path.dirname(geofp8.__file__) + os.sep
 WARMUP = 2  # step 0 checks the ranks' configurations; step 1 is the first ordinary step
@@ -330,7 +330,8 @@ def measure(method: str, world: int, fsdp: bool = False, residual: str | None = 
     """``(parameters, peak bytes, process peak resident bytes, the parts)`` of rank 0;
     ``sender``: FSDP's ``sender_feedback`` (``None``: its default); ``fresh``: ranks
     spawned afresh (``host_syncs.on_ranks``), else forked from a preloaded server."""
-    return on_ranks(_worker, world, method, fsdp, residual, model, sender, fresh=fresh)
+    return on_ranks(_worker, world, method, fsdp, residual, model, sender, fresh=fresh,
+                    preload=LLAMA)
 
 
 def main() -> None:
