@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from host_syncs import on_ranks  # this folder is on sys.path when run as a script
+from host_syncs import LLAMA, on_ranks  # this folder is on sys.path when run as a script
 from memory import VOCAB, called_from_package, package_function
 
 # the reduce-scatter's input, which FSDP asks the custom reduce-scatter to allocate (its own
@@ -128,7 +128,7 @@ def main() -> None:
         sender = {} if args.sender_feedback == "default" else {
             "sender_feedback": args.sender_feedback == "on"}
         units, ops, written, peak, common = on_ranks(_worker, args.ranks, method,
-                                                     args.residual, sender)
+                                                     args.residual, sender, preload=LLAMA)
         top = ", ".join(f"{name} {count / units:.1f}" for name, count in common)
         print(f"| {method} | {args.ranks} | {units} | {ops:.1f} | {written:.2f} | "
               f"{peak:.2f} | {top} |", flush=True)

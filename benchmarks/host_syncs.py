@@ -87,15 +87,39 @@ def _worker(rank: int, world: int, port: int, method: str, queue) -> None:
     dist.destroy_process_group()
 
 
-def on_ranks(worker, world: int, method: str, *extra) -> tuple:
-    """What rank 0 of ``world`` spawned gloo ranks puts on the queue, each running
-    ``worker(rank, world, port, method, queue, *extra)`` (it puts ``(rank, *figures)``)."""
+# what the ranks' server imports once (as tests/distributed.py's), before a caller's own
+PRELOAD = ("torch", "torch.distributed")
+# the Llama of Hugging Face, for the callers whose ranks build one (not installed: skipped)
+LLAMA = ("transformers.models.llama.modeling_llama",)
+
+
+def _entry(worker, environ: dict, *args) -> None:
+    """``worker(*args)`` in the caller's environment as it was when the ranks started (not
+    the server's, from when it started)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    worker(*args)
+
+
+def on_ranks(worker, world: int, method: str, *extra, fresh: bool = False,
+             preload: tuple = ()) -> tuple:
+    """What rank 0 of ``world`` gloo ranks puts on the queue, each running
+    ``worker(rank, world, port, method, queue, *extra)`` (it puts ``(rank, *figures)``).
+    The ranks are forked from a server that has imported ``PRELOAD`` and ``preload`` once
+    (each starts as a clean single-threaded process; a server already started keeps its
+    own); ``fresh``: spawned afresh, each importing torch itself,
+    as a launcher's ranks are (their resident set then holds the pages touched only by the
+    imports, which a forked rank never touches)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn" if fresh else "forkserver")
+    if not fresh:
+        ctx.set_forkserver_preload([*PRELOAD, *preload])
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, method, queue, *extra))
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_entry,
+                         args=(worker, environ, r, world, port, method, queue, *extra))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -22,7 +22,9 @@ gloo group, under plain FP32 DDP / FSDP2 and under each GeoFP8 method:
   buckets, and the storages alive at the peak that other code created;
 * **process peak**: the process's peak resident set (``ru_maxrss``) by the end of the step:
   the allocator's view (it holds the interpreter and libraries too, and freed pages may stay
-  resident), shown against FP32's.
+  resident), shown against FP32's. The ranks are spawned afresh here, as a launcher's are
+  (``measure(..., fresh=False)``, as the tests call it, forks them from a preloaded server:
+  the same bytes, a smaller resident set).
 
 Figures are bytes per model parameter (FP32 weights are 4); ``extra / fp32`` is the extra over
 the model's (FSDP: the rank's shard's) FP32 parameter bytes, the issue's goal being <= 0.6.
@@ -53,7 +55,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import geofp8
-from host_syncs import on_ranks  # this folder is on sys.path when run as a script
+from host_syncs import LLAMA, on_ranks  # this folder is on sys.path when run as a script
 
 PACKAGE = os.path.dirname(geofp8.__file__) + os.sep
 WARMUP = 2  # step 0 checks the ranks' configurations; step 1 is the first ordinary step
@@ -323,11 +325,13 @@ def _worker(rank, world, port, method, queue, fsdp, residual, model_name, sender
 
 
 def measure(method: str, world: int, fsdp: bool = False, residual: str | None = None,
-            model: str = "llama-small", sender: bool | None = None
+            model: str = "llama-small", sender: bool | None = None, fresh: bool = True
             ) -> tuple[int, int, int, Parts]:
     """``(parameters, peak bytes, process peak resident bytes, the parts)`` of rank 0;
-    ``sender``: FSDP's ``sender_feedback`` (``None``: its default)."""
-    return on_ranks(_worker, world, method, fsdp, residual, model, sender)
+    ``sender``: FSDP's ``sender_feedback`` (``None``: its default); ``fresh``: ranks
+    spawned afresh (``host_syncs.on_ranks``), else forked from a preloaded server."""
+    return on_ranks(_worker, world, method, fsdp, residual, model, sender, fresh=fresh,
+                    preload=LLAMA)
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ def pytest_configure(config):
 
 def pytest_collection_finish(session):
     """The selected tests' interpreter children, queued on the background lane in the
-    tests' order (tests/interpreted.py); none for a test skipped by a true ``skipif``."""
+    tests' order (it runs them from the last: tests/interpreted.py); none for a test skipped
+    by a true ``skipif``."""
     if not session.config.option.collectonly:
         interpreted.start(mark.args[0] for item in session.items
                           if not any(m.args and m.args[0] is True

@@ -7,7 +7,9 @@ suite, so a test declares its child once (``CHILD = Child([...])``) and marks it
 the selected tests on one background lane (one child at a time, beside the tests: the
 second core of a 2-core runner), and the test takes its child's lines when it runs. A child
 the lane has not started yet when its test runs is run by the test itself, in the
-foreground, as before."""
+foreground, as before. The lane takes the children from the last test's back to the first
+while the tests reach theirs from the front: the two meet once, so a test rarely waits on a
+child the lane runs, and the lane is done early in the suite, not beside its last tests."""
 
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ class Child:
 
 _GUARD = threading.Lock()  # a child is started, or the session ends, not both at once
 _STOPPED: list[bool] = []
-_LANE: queue.Queue = queue.Queue()
+_LANE: queue.LifoQueue = queue.LifoQueue()  # the last queued first; None ends it at once
 _QUEUED: list[Child] = []
 
 
@@ -81,13 +83,15 @@ def _lane() -> None:
 
 
 def start(children) -> None:
-    """Queue ``children`` (each once, in order) on the background lane."""
+    """Queue ``children`` (each once, in the tests' order) on the background lane, which
+    runs the last queued first."""
     fresh = [c for c in dict.fromkeys(children) if c not in _QUEUED]
-    if fresh and not _QUEUED:
-        threading.Thread(target=_lane, name="interpreter children", daemon=True).start()
+    idle = fresh and not _QUEUED
     for child in fresh:
         _QUEUED.append(child)
         _LANE.put(child)
+    if idle:  # started once all are queued: it starts from the last
+        threading.Thread(target=_lane, name="interpreter children", daemon=True).start()
 
 
 def stop() -> None:

@@ -3,33 +3,58 @@ tensors in a bucket.
 
 ``benchmarks/hook_launches.py`` counts them on gloo ranks under Triton's interpreter (the
 fused FP8 stages taken as on CUDA); the interpreter must be on before the kernels are
-decorated, so the count runs in a child process. Counts are deterministic."""
+decorated, so the count runs in a child process. Counts are deterministic. Each test's
+children are declared below (``tests/interpreted.Child``) and run on the background lane."""
 
 import json
 import os
 
 import pytest
 
-from interpreted import run_child
+from interpreted import Child
 
-BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
+BENCHMARKS = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+TESTS = os.path.dirname(os.path.abspath(__file__))
 FUSED_STAGES = 6  # Triton kernels of a bucket's four stages (comm.plan, comm.block_plan)
 SETTLE = 1  # the step's verdict from its buckets' flags (geofp8.verdict.StepVerdict)
 
 
-def _measure(method, cases, fields=slice(0, 4)):
+def _measure_child(method, cases, fields=slice(0, 4)) -> Child:
+    """A child printing ``hook_launches.measure(method, *case)[fields]`` for each case."""
     code = ("import json, sys, hook_launches as h\n"
             f"print(json.dumps([h.measure({method!r}, *case, lines=False)"
             f"[{fields.start}:{fields.stop}] "
             f"for case in {cases!r}]))")
-    lines = run_child(["-c", code], cwd=BENCHMARKS, path=(os.path.abspath(BENCHMARKS),))
-    return json.loads(lines[-1])
+    return Child(["-c", code], cwd=BENCHMARKS, path=(BENCHMARKS,))
 
 
-@pytest.mark.parametrize("method", ["fp8-ef", "nvfp4-ef"])
+def _skip_child(interpret: bool, worker: str) -> Child:
+    """A child printing ``run_ranks(worker, 2)``'s results: the fused path (``interpret``)
+    or the torch batched path."""
+    code = ("import json, test_hook_launches as t\nfrom distributed import run_ranks\n"
+            f"print(json.dumps(run_ranks(t.{worker}, 2, timeout=300)))")
+    return Child(["-c", code], cwd=TESTS, path=(TESTS,), interpret=interpret)
+
+
+def _result(child: Child):
+    return json.loads(child.lines()[-1])
+
+
+# (buckets, triton launches, torch ops, …) per case: (tensors, buckets[, ranks, mapped])
+MEASURE = {"fp8-ef": _measure_child("fp8-ef", [(8, 1), (8, 4)]),
+           "nvfp4-ef": _measure_child("nvfp4-ef", [(8, 1), (8, 4)]),
+           "geofp8": _measure_child("geofp8", [(2, 1), (8, 1), (8, 4, 2, 2)], slice(0, 6)),
+           "geofp8-auto": _measure_child("geofp8-auto", [(2, 1), (8, 1)], slice(0, 6))}
+# (fused, torch path) runs of the workers below
+SKIP = {w: (_skip_child(True, w), _skip_child(False, w))
+        for w in ("_skip_worker", "_map_overflow_worker")}
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.child(MEASURE[m]))
+                                    for m in ("fp8-ef", "nvfp4-ef")])
 def test_the_hook_launches_six_kernels_per_bucket_and_one_per_step(method):
     """E4M3 (comm.plan.FusedPlan) and NVFP4 (comm.block_plan) with error feedback."""
-    (b8, tri8, ops8, _), (b4, tri4, ops4, _) = _measure(method, [(8, 1), (8, 4)])
+    (b8, tri8, ops8, _), (b4, tri4, ops4, _) = _result(MEASURE[method])
     assert (b8, b4) == (1, 4)
     # the fused stages, the error feedback folded into them (no where, add_ nor copy_), and
     # the step's verdict and skipped-step counter in one kernel: nothing per tensor, no
@@ -89,18 +114,12 @@ def _sgd_step(ddp, model, opt, step, rank) -> bool:
     return not finite
 
 
-def _skip_run(interpret: bool, worker: str = "_skip_worker") -> list[dict]:
-    code = ("import json, test_hook_launches as t\nfrom distributed import run_ranks\n"
-            f"print(json.dumps(run_ranks(t.{worker}, 2, timeout=300)))")
-    tests = os.path.dirname(os.path.abspath(__file__))
-    return json.loads(run_child(["-c", code], cwd=tests, path=(tests,),
-                                interpret=interpret)[-1])
-
-
+@pytest.mark.child(SKIP["_skip_worker"][0])
+@pytest.mark.child(SKIP["_skip_worker"][1])
 def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_one_kernel_verdict():
     """The fused path (interpreted: EF in the kernels, the one-kernel verdict) against the
     torch batched path of the same run, bit for bit, a NaN step included."""
-    fused, torch_path = _skip_run(interpret=True), _skip_run(interpret=False)
+    fused, torch_path = map(_result, SKIP["_skip_worker"])
     for out, ref in zip(fused, torch_path):
         assert out["buckets"] == 2
         assert out["saw_bad"] == [False, False, True, False, False]  # every rank, that step
@@ -149,12 +168,13 @@ def _map_overflow_worker(rank, world_size, steps=5, bad=3):
             "mapped": mapped, "params": params.view(torch.int32).tolist()}
 
 
+@pytest.mark.child(SKIP["_map_overflow_worker"][0])
+@pytest.mark.child(SKIP["_map_overflow_worker"][1])
 def test_a_map_that_overflows_skips_the_step_through_the_one_kernel_verdict():
     """A bucket with layers on a map writes its mean's check into its slot of the step's
     verdict (geofp8.ddp): the step settles in the one kernel, and a map back that overflows
     (the collective's own flag up) still skips it on every rank, as the torch path does."""
-    fused = _skip_run(interpret=True, worker="_map_overflow_worker")
-    torch_path = _skip_run(interpret=False, worker="_map_overflow_worker")
+    fused, torch_path = map(_result, SKIP["_map_overflow_worker"])
     for out, ref in zip(fused, torch_path):
         assert out["mapped"][3:] == [4, 4]  # every layer on its map by the bad step
         assert out["saw_bad"] == [False, False, False, True, False]
@@ -184,6 +204,7 @@ PER_TENSOR_RESIDUAL = ("aten.where.self_out", "aten.new_zeros.default", "aten.ad
                        "aten.copy_.default")
 
 
+@pytest.mark.child(MEASURE["geofp8"])
 def test_geometry_hook_launches_do_not_grow_with_the_mapped_layers():
     """geofp8 at an ordinary step with every layer on its refreshed map: the fused stages
     and the step's settling (the statistics' finite check and window add included) do not
@@ -192,8 +213,7 @@ def test_geometry_hook_launches_do_not_grow_with_the_mapped_layers():
     2 of them on a map: the unmapped layers and the buckets add nothing but their fused
     stages and the second mapped bucket's maps and check."""
     (b2, tri2, ops2, _, names2, on2), (b8, tri8, ops8, _, names8, on8), \
-        (b4, tri4, ops4, _, names4, on4) = _measure(
-            "geofp8", [(2, 1), (8, 1), (8, 4, 2, 2)], slice(0, 6))  # (…, ranks, mapped)
+        (b4, tri4, ops4, _, names4, on4) = _result(MEASURE["geofp8"])
     assert (b2, b8, b4, on2, on8, on4) == (1, 1, 4, 2, 8, 2)  # every layer on a map; 2 of 8
     assert tri2 == tri8 == FUSED_STAGES + SETTLE + MAPPED_BUCKET_MAPS, (tri2, tri8)
     assert tri4 == 4 * FUSED_STAGES + SETTLE + 2 * MAPPED_BUCKET_MAPS, tri4
@@ -206,11 +226,11 @@ def test_geometry_hook_launches_do_not_grow_with_the_mapped_layers():
         assert not set(TORCH_SETTLE) & set(names), names
 
 
+@pytest.mark.child(MEASURE["geofp8-auto"])
 def test_geometry_hook_launches_without_a_map_are_the_flat_buckets():
     """geofp8-auto at an ordinary step with no layer on a map: its candidates join the flat
     bucket path, so the launches do not grow with the tensors at all."""
-    (b2, tri2, ops2, _, _, on2), (b8, tri8, ops8, _, _, on8) = _measure(
-        "geofp8-auto", [(2, 1), (8, 1)], slice(0, 6))
+    (b2, tri2, ops2, _, _, on2), (b8, tri8, ops8, _, _, on8) = _result(MEASURE["geofp8-auto"])
     assert (b2, b8, on2, on8) == (1, 1, 0, 0)
     assert tri2 == tri8 == FUSED_STAGES + SETTLE  # the flat buckets' one-kernel verdict
     assert ops8 == ops2, (ops2, ops8)

@@ -11,7 +11,7 @@ def test_a_child_runs_once_and_its_test_sees_its_output_or_its_failure(tmp_path)
     code = f"open({str(runs)!r}, 'a').write('x'); print('first'); print('last')"
     ok = interpreted.Child(["-c", code], interpret=False)
     bad = interpreted.Child(["-c", "import sys; sys.exit('it broke')"])
-    interpreted.start([ok, bad, ok])  # queued behind the suite's own children, if any
+    interpreted.start([ok, bad, ok])  # the lane's next, before the suite's own, if any
     assert ok.lines() == ["first", "last"]
     assert ok.lines() == ["first", "last"] and runs.read_text() == "x"  # run once
     with pytest.raises(AssertionError, match="it broke"):

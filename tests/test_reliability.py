@@ -644,25 +644,44 @@ def test_codec_rejects_non_real_floating_input(dtype):
 # == 4. A killed rank ======================================================================
 
 
+KILLED_EXIT = 17
+_TO_TEST: list = []  # in a rank: (its rank, the test's queue)
+
+
+def _die() -> None:
+    """This rank is killed here, with no goodbye to its group: it only tells the test when
+    (``time.monotonic``: one clock for every process of this machine), then exits
+    ``KILLED_EXIT``."""
+    rank, queue = _TO_TEST[0]
+    queue.put((rank, "died", None, time.monotonic()))
+    queue.close()
+    queue.join_thread()
+    os._exit(KILLED_EXIT)
+
+
 def _bounded_entry(rank, world_size, port, pg_timeout_s, fn, args, queue, environ):
     os.environ.clear()  # the caller's, not the pre-forked server's
     os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    _TO_TEST.append((rank, queue))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        report = ("ok", fn(rank, world_size, *args))
     except BaseException as exc:  # noqa: BLE001
-        queue.put((rank, "error", f"{type(exc).__name__}: {exc}"))
+        report = ("error", f"{type(exc).__name__}: {exc}")
+    queue.put((rank, *report, time.monotonic()))
     queue.close()
     queue.join_thread()
     os._exit(0)  # skip the process group's teardown: a peer may be gone
 
 
 def _spawn_bounded(fn, world_size, args, pg_timeout_s, wall_s, wait_for=None):
-    """Run ``fn`` on real ranks of which some may die. Returns ``(reports, exit codes,
-    seconds from the first death to each report)``. Every process is killed after ``wall_s``
+    """Run ``fn`` on real ranks of which some may die (:func:`_die`). Returns ``(reports,
+    exit codes, seconds from the first death to each report)``, both instants read by the
+    ranks themselves (``None``: no rank died), so the figure holds under any load: it does
+    not wait for this process to notice the death. Every process is killed after ``wall_s``
     seconds, or once the ranks in ``wait_for`` (default: all) reported: a hang shows up as a
     missing report, never as a stuck test."""
     wait_for = set(range(world_size)) if wait_for is None else set(wait_for)
@@ -676,31 +695,30 @@ def _spawn_bounded(fn, world_size, args, pg_timeout_s, wall_s, wait_for=None):
              for r in range(world_size)]
     for p in procs:
         p.start()
-    reports, after_death, death = {}, {}, None
+    reports, reported_at, deaths = {}, {}, []
     deadline = time.monotonic() + wall_s
     try:
         while time.monotonic() < deadline and not wait_for <= set(reports):
-            if death is None and any(p.exitcode not in (None, 0) for p in procs):
-                death = time.monotonic()
             try:
-                rank, status, value = queue.get(timeout=0.2)
+                rank, status, value, at = queue.get(timeout=0.2)
             except Exception:  # noqa: BLE001 - queue.Empty
                 if all(p.exitcode is not None for p in procs) and queue.empty():
                     break
                 continue
-            if death is None and any(p.exitcode not in (None, 0) for p in procs):
-                death = time.monotonic()  # died while this report was on its way
-            reports[rank] = (status, value)
-            after_death[rank] = None if death is None else time.monotonic() - death
+            if status == "died":
+                deaths.append(at)
+            else:
+                reports[rank], reported_at[rank] = (status, value), at
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
+    death = min(deaths, default=None)
+    after_death = {r: None if death is None else at - death for r, at in reported_at.items()}
     return reports, [p.exitcode for p in procs], after_death
 
 
-KILLED_EXIT = 17
 PG_TIMEOUT_S = 12
 NETWORK_ERROR = ("gloo", "connection", "timed out", "timeout", "peer")
 
@@ -713,7 +731,7 @@ def _killed_worker(rank, world_size, die_at):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(die_at + 3):
         if rank == 1 and step == die_at:
-            os._exit(KILLED_EXIT)  # killed mid-run, without any goodbye
+            _die()  # killed mid-run, without any goodbye to its group
         try:
             opt.zero_grad()
             loss_fn(ddp, step, rank).backward()
@@ -782,7 +800,7 @@ def _train_worker(rank, world_size, cfg_dict, kill_at):
 
         def get_batch(data, step, *args, **kwargs):
             if step == kill_at:
-                os._exit(KILLED_EXIT)
+                _die()
             return real(data, step, *args, **kwargs)
         loop.get_batch = get_batch
     try:
@@ -845,7 +863,7 @@ def _crashing_checkpoint_worker(rank, world_size, out):
             real(obj, f, *args, **kwargs)
             f.seek(f.tell() // 2)
             f.truncate()
-            os._exit(KILLED_EXIT)
+            _die()
         ckpt.torch.save = dying_save  # the one torch.save that atomic_save calls
     with torch.no_grad():
         for p in model.parameters():
