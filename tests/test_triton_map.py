@@ -38,16 +38,11 @@ def _maps(seed: int):
     return maps, pos + 5
 
 
-def _bound(G, V, U):
-    eps = 2.0 ** -23
-    return 2 * (G.shape[1] + V.shape[1]) * eps * ((G.abs() @ V.abs()) @ U.abs().T + G.abs())
-
-
 def check() -> list[str]:
     """Every case; returns the failures (empty: all within the bound)."""
     import torch
 
-    from geofp8.codecs.triton_map import GroupedMaps, reference
+    from geofp8.codecs.triton_map import GroupedMaps, reference, round_off_bound
 
     failures, last = [], None
     for seed in range(3):
@@ -73,7 +68,7 @@ def check() -> list[str]:
                 if not torch.equal(o.isfinite(), r.isfinite()):
                     failures.append(f"seed {seed} inverse {inverse} {rows}x{d} k={U.shape[1]}: "
                                     "non-finite elements differ")
-                bound = _bound(G[finite], V_inv if inverse else V_fwd, U)
+                bound = round_off_bound(G[finite], V_inv if inverse else V_fwd, U)
                 if not bool(((o[finite] - r[finite]).abs() <= bound).all()):
                     failures.append(f"seed {seed} inverse {inverse} {rows}x{d} "
                                     f"k={U.shape[1]}: past the round-off bound")

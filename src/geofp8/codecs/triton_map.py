@@ -35,7 +35,7 @@ from .triton_fp8 import Launch, attempt, available, triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["BLOCK_M", "GroupedMaps", "places", "reference"]
+__all__ = ["BLOCK_M", "GroupedMaps", "places", "reference", "round_off_bound"]
 
 # rows per program: each program reads V and U whole (2 d_in k floats, from L2) beside its
 # rows' 3 BLOCK_M d_in (G read twice, written once), 1/3 more at k = 32 with 64 rows, 4/3
@@ -52,6 +52,14 @@ def reference(flat: torch.Tensor, maps: list[tuple[int, int, int, torch.Tensor, 
     for pos, rows, d, U, V_fwd, V_inv in maps:
         G = flat[pos : pos + rows * d].view(rows, d)
         torch.addmm(G, G @ (V_inv if inverse else V_fwd), U.T, out=G)
+
+
+def round_off_bound(G: torch.Tensor, V: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
+    """Elementwise bound on the kernel's difference from :func:`reference` over rows ``G``:
+    ``2 (d_in + rank) ε (|G| |V| |Uᵀ| + |G|)``, ``ε = 2⁻²³`` (the same products summed in
+    another order; module notes)."""
+    eps = 2.0 ** -23
+    return 2 * (G.shape[1] + V.shape[1]) * eps * ((G.abs() @ V.abs()) @ U.abs().T + G.abs())
 
 
 def places(flat: torch.Tensor, Us: list[torch.Tensor]) -> bool:

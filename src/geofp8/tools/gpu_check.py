@@ -8,8 +8,9 @@ Run it where a CUDA build of torch is installed (no network needed)::
    simulation of the exact collective at ``N = 4`` (the same stage code the real collective
    runs) on the device against the CPU, bitwise (stochastic rounding too: its uniforms are
    a counter-based hash, :mod:`geofp8.codecs.uniforms`, the same numbers on every device).
-   The fused Triton kernels (:mod:`geofp8.codecs.triton_fp8`, :mod:`~geofp8.codecs.triton_fp4`),
-   kernel by kernel against the torch reference on the device, and one 25 MB bucket's
+   The fused Triton kernels (:mod:`geofp8.codecs.triton_fp8`, :mod:`~geofp8.codecs.triton_fp4`,
+   the grouped low-rank maps of :mod:`~geofp8.codecs.triton_map`), kernel by kernel against
+   the torch reference on the device, and one 25 MB bucket's
    fused stages timed for E4M3 and for NVFP4.
 2. Transforms: every kind maps back (``T⁻¹(T(G)) ≈ G``) on the device.
 3. Methods: every geofp8 row of :data:`geofp8.methods.METHODS`, one ordinary step simulated
@@ -521,6 +522,47 @@ def check_fused_block_stages(rows: list) -> None:
              _collective_matches(make_codec(fmt, rounding=rounding), seed=5))
 
 
+def check_fused_maps(rows: list) -> None:
+    """A bucket's low-rank maps in one grouped kernel each way
+    (:class:`geofp8.codecs.triton_map.GroupedMaps`) against ``mm`` + ``addmm`` per layer on
+    the device: within FP32 summation round-off (``triton_map.round_off_bound``), a row with
+    a NaN or an Inf non-finite in both, rank 0 and unmapped elements untouched."""
+    from ..codecs import triton_map
+
+    g = torch.Generator().manual_seed(7)
+    maps, at = [], 3  # (offset, rows, d_in, U, V_fwd, V_inv); a gap before and between slots
+    for rows_, d, k in ((70, 40, 3), (7, 33, 0), (33, 64, 17), (130, 96, 32)):
+        U = torch.linalg.qr(torch.randn(d, max(k, 1), generator=g))[0][:, :k]
+        a_fwd, a_inv = torch.rand(k, generator=g) * 4 - 0.9, torch.rand(k, generator=g) - 0.5
+        maps.append((at, rows_, d, *(x.to(DEVICE) for x in (U, U * a_fwd, U * a_inv))))
+        at += rows_ * d + 2
+    flat = (torch.randn(at + 5, generator=g) * 10).to(DEVICE)
+    flat[maps[0][0] + 65 * 40 + 3], flat[maps[2][0] + 5 * 64 + 7] = float("nan"), float("inf")
+    if not triton_map.places(flat, [U for *_, U, _, _ in maps]):
+        rows.append(("fused low-rank maps", _no_kernels(triton_map), "FAIL"))
+        return
+    grouped = triton_map.GroupedMaps(maps, flat.device)
+    gaps = torch.ones_like(flat, dtype=torch.bool)
+    for pos, n, d, *_ in maps:
+        gaps[pos : pos + n * d] = False
+
+    def apply(inverse: bool):
+        out, ref = flat.clone(), flat.clone()
+        grouped(out, inverse)
+        triton_map.reference(ref, maps, inverse)
+        ok = [torch.equal(out[gaps], flat[gaps])]
+        for pos, n, d, U, V_fwd, V_inv in maps:
+            G, o, r = (x[pos : pos + n * d].view(n, d) for x in (flat, out, ref))
+            finite = G.isfinite().all(dim=1)
+            bound = triton_map.round_off_bound(G[finite], V_inv if inverse else V_fwd, U)
+            ok += [torch.equal(o.isfinite(), r.isfinite()),
+                   bool(((o[finite] - r[finite]).abs() <= bound).all())]
+        return f"unmapped, then per layer non-finite rows and round-off: {ok}", all(ok)
+
+    _row(rows, "fused low-rank maps forward (4 layers, ranks 0-32)", lambda: apply(False))
+    _row(rows, "fused low-rank maps inverse", lambda: apply(True))
+
+
 def check_fused_stages(rows: list) -> None:
     """The exact collective's stages on the fused kernels (:class:`geofp8.comm.plan.FusedPlan`)
     against the CPU's chunked path, bitwise (a sender's encode with its error written over
@@ -603,7 +645,7 @@ def triton_kernels() -> dict[str, object]:
     :mod:`~geofp8.codecs.triton_fp8` and :mod:`~geofp8.codecs.triton_fp4` name them; new
     modules' kernels are found the same way), by ``module.name``, each once; none where
     Triton does not import."""
-    from ..codecs import block_records, triton_fp4, triton_fp8  # noqa: F401 - their kernels
+    from ..codecs import block_records, triton_fp4, triton_fp8, triton_map  # noqa: F401
 
     found: dict[int, tuple[str, object]] = {}
     for module_name, module in sorted(sys.modules.items()):
@@ -638,11 +680,13 @@ def kernel_census():
 
 
 SECTIONS = {"fused": check_fused, "fused-stages": check_fused_stages,
-            "fused-blocks": check_fused_blocks, "fused-block-stages": check_fused_block_stages,
+            "fused-maps": check_fused_maps, "fused-blocks": check_fused_blocks,
+            "fused-block-stages": check_fused_block_stages,
             "bucket": check_bucket_stages, "codecs": check_codecs,
             "transforms": check_transforms, "methods": check_methods,
             "throughput": check_throughput, "training": check_training}
-FUSED = ("fused", "fused-stages", "fused-blocks", "fused-block-stages")  # every kernel's rows
+FUSED = ("fused", "fused-stages", "fused-maps", "fused-blocks",
+         "fused-block-stages")  # every kernel's rows
 
 
 def run_sections(names, rows: list) -> None:
