@@ -26,8 +26,10 @@ METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_laun
 # included), 2 / 8 tensors, here: before the records fp8 423 / 657, fp8-ef 484 / 802,
 # geofp8-auto 506 / 824; after them (f8ae040) 308, 319 and 341 whatever the tensors; with
 # the collective's arguments bound per layout, the ledger's adds without a lock and the
-# bucket's figures made once (q40a) 219, 230 and 252
-MOST = 235
+# bucket's figures made once (q40a) 219, 230 and 252; grown at ff7ad82 to 225, 236 and 258;
+# with the kernels' availability checked without Python per tensor and no map call for a
+# bucket without maps (r40a) 219, 230 and 252 again
+MOST = 230
 
 
 def _hook_lines(method: str, tensors: int) -> int:
@@ -72,7 +74,7 @@ def test_the_hooks_own_lines_per_bucket_do_not_grow_with_its_tensors():
     for method in METHODS:
         few, many = lines[f"{method} 2"], lines[f"{method} 8"]
         assert few == many, (method, lines)
-        assert 0 < many <= MOST + (20 if method == "geofp8-auto" else 0), (method, lines)
+        assert 0 < many <= MOST + (22 if method == "geofp8-auto" else 0), (method, lines)
 
 
 STEPS, BAD, RESUME = 9, 7, 5  # rank 1's NaN at step 7; a checkpoint round trip after step 5

@@ -106,7 +106,8 @@ class BucketPath:
         over each mapped tensor's slot, then the encode, with error feedback the bucket's
         residual added and the new one written back into it (no Python per tensor but a
         map's)."""
-        _map_over(record.slots, flat, inverse=False)
+        if record.slots:  # (no call for a bucket without a map)
+            _map_over(record.slots, flat, inverse=False)
         if self.config.error_feedback:
             sent, residual = encode_with_error(flat, record.layout, None, seed,
                                                self.group.rank, error_out=flat,
@@ -154,7 +155,8 @@ class BucketPath:
         ``Σ / N`` already, the collective's ``divide``); returns it."""
         if not divided:
             total.div_(device_scalar(self.world_size, total.dtype, total.device))  # exact on CUDA
-        _map_over(encoded.slots, total, inverse=True)
+        if encoded.slots:
+            _map_over(encoded.slots, total, inverse=True)
         return total
 
     _last_slots: dict | None = None  # a bucket's names → its last MapSlots

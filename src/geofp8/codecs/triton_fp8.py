@@ -50,6 +50,7 @@ interpreter (``TRITON_INTERPRET=1``, whose own FP8 casts round differently).
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from collections.abc import Callable
@@ -71,6 +72,8 @@ __all__ = ["NO_FEEDBACK", "TILE", "AmaxSlots", "Feedback", "Launch", "amax", "at
            "feedback_fits", "placed_tiles", "reference", "scale_rows", "tiles", "verdict"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# whether a tensor is where the kernels run (no Python per tensor in `available`)
+_ON_DEVICE = operator.attrgetter("is_cpu" if _INTERPRET else "is_cuda")
 _FAILED: list[Exception] = []  # the first compile or launch failure (see attempt)
 T = TypeVar("T")
 TILE = 1024  # elements per program
@@ -83,11 +86,7 @@ def available(*tensors: torch.Tensor) -> bool:
     compile or launch here (:func:`attempt`), and they are on a CUDA device, or on the CPU
     under Triton's interpreter (``TRITON_INTERPRET=1`` when this module was imported: the
     tests' way to run them without a GPU)."""
-    if triton is None or _FAILED:
-        return False
-    if _INTERPRET:
-        return all(t.device.type == "cpu" for t in tensors)
-    return all(t.is_cuda for t in tensors)
+    return triton is not None and not _FAILED and all(map(_ON_DEVICE, tensors))
 
 
 def attempt(fused: Callable[[], T], fallback: Callable[[], T]) -> T:

@@ -29,11 +29,14 @@ takes effect on a layout bound before.
 from __future__ import annotations
 
 import functools
+import operator
 from types import ModuleType
 
 import torch
 
 __all__ = ["BoundStages", "guarded"]
+
+_CONTIGUOUS, _DTYPE = torch.Tensor.is_contiguous, operator.attrgetter("dtype")
 
 
 def guarded(stage):
@@ -60,12 +63,9 @@ class BoundStages:
     def takes(cls, first: torch.Tensor, other: torch.Tensor | None = None) -> bool:
         """Whether the kernels run on ``first`` and ``other`` (``None``: not given): available
         on their device, each contiguous in one of :attr:`dtypes`."""
-        if other is None:
-            return (cls.kernels.available(first) and first.dtype in cls.dtypes
-                    and first.is_contiguous())
-        return (cls.kernels.available(first, other) and first.dtype in cls.dtypes
-                and other.dtype in cls.dtypes and first.is_contiguous()
-                and other.is_contiguous())
+        tensors = (first,) if other is None else (first, other)  # (no Python per tensor)
+        return cls.kernels.available(*tensors) and all(map(_CONTIGUOUS, tensors)) \
+            and all(map(cls.dtypes.__contains__, map(_DTYPE, tensors)))
 
     def reduce_encode(self, received: torch.Tensor, shard: int, seed: int | None):
         """The owner of ``shard``: ``(its record, the FP32 sum it encodes)``, the sum's amax

@@ -58,15 +58,15 @@ class FusedPlan:
               ) -> BoundStages | None:
         """The layout's fused stages bound on ``first``'s device (:mod:`.bound`), made once
         per device, when they run on ``first`` and ``other`` (:meth:`runs`); else ``None``
-        (the torch path)."""
-        stages = self._stages
+        (the torch path). Once bound on a device: one lookup and the tensors' check."""
+        found = self._bound.get(first.device)  # False: not batched on this device
+        if found is not None:
+            return found if found and found.takes(first, other) else None
+        stages, device = self._stages, first.device
         if stages is None or not stages.takes(first, other):
             return None
-        device = first.device
-        found = self._bound.get(device)
-        if found is None:  # False: not batched on this device
-            found = self._bound[device] = self.layout.batched(device) and stages(
-                self if self.fits else BlockPlan(self.layout), device)
+        found = self._bound[device] = self.layout.batched(device) and stages(
+            self if self.fits else BlockPlan(self.layout), device)
         return found or None
 
     def runs(self, first: torch.Tensor, other: torch.Tensor | None = None) -> bool:
