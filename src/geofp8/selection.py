@@ -39,7 +39,13 @@ ResidualIn = Callable[[Transform], "torch.Tensor | None"]
 
 
 class Selection:
-    """Base: a fixed set of selected names; nothing observed, nothing decided."""
+    """Base: a fixed set of selected names; nothing observed, nothing decided.
+
+    ``static``: it never observes nor decides (the selected names change only when a
+    state is loaded): :meth:`start_step` and :meth:`settle` need not be called.
+    ``charges``: :meth:`charged` is wanted after every settled step."""
+
+    static, charges = True, False
 
     def __init__(self, candidates: list[str], selected: set[str] | None = None) -> None:
         self.candidates = list(candidates)
@@ -85,6 +91,8 @@ class FixedSelection(Selection):
 
 class ProfileSelection(Selection):
     """The paper's vulnerability profile (see the module notes)."""
+
+    static = False
 
     def __init__(self, candidates: list[str], codec: Codec, start: int, steps: int,
                  top: int | None) -> None:
@@ -134,6 +142,8 @@ class ProfileSelection(Selection):
 
 class AutoSelection(Selection):
     """Switch by the measured error each path sends with error feedback (module notes)."""
+
+    static = False
 
     def __init__(self, candidates: list[str], codec: Codec, every: int, margin: float,
                  first_step: int) -> None:
@@ -259,6 +269,8 @@ class BudgetSelection(Selection):
     nothing undelivered is lost (:meth:`~geofp8.pipeline.GradientPipeline.prepare_into`);
     a change back starts a new owner's residual.
     """
+
+    static, charges = False, True
 
     def __init__(self, candidates: list[str], floor: Codec, shapes: dict[str, tuple],
                  world_size: int, budget: float, every: int, first_step: int) -> None:
