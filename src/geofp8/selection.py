@@ -42,10 +42,11 @@ class Selection:
     """Base: a fixed set of selected names; nothing observed, nothing decided.
 
     ``static``: it never observes nor decides (the selected names change only when a
-    state is loaded): :meth:`start_step` and :meth:`settle` need not be called.
-    ``charges``: :meth:`charged` is wanted after every settled step."""
+    state is loaded), so :meth:`start_step` and :meth:`settle` need not be called (a
+    subclass is not, unless it says so). ``charges``: :meth:`charged` is wanted after every
+    settled step."""
 
-    static, charges = True, False
+    static, charges = False, False
 
     def __init__(self, candidates: list[str], selected: set[str] | None = None) -> None:
         self.candidates = list(candidates)
@@ -88,11 +89,11 @@ class Selection:
 class FixedSelection(Selection):
     """``all``, ``none`` or explicit names (they never change)."""
 
+    static = True
+
 
 class ProfileSelection(Selection):
     """The paper's vulnerability profile (see the module notes)."""
-
-    static = False
 
     def __init__(self, candidates: list[str], codec: Codec, start: int, steps: int,
                  top: int | None) -> None:
@@ -142,8 +143,6 @@ class ProfileSelection(Selection):
 
 class AutoSelection(Selection):
     """Switch by the measured error each path sends with error feedback (module notes)."""
-
-    static = False
 
     def __init__(self, candidates: list[str], codec: Codec, every: int, margin: float,
                  first_step: int) -> None:
@@ -270,7 +269,7 @@ class BudgetSelection(Selection):
     a change back starts a new owner's residual.
     """
 
-    static, charges = False, True
+    charges = True
 
     def __init__(self, candidates: list[str], floor: Codec, shapes: dict[str, tuple],
                  world_size: int, budget: float, every: int, first_step: int) -> None:
