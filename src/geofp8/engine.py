@@ -75,7 +75,8 @@ class SyncEngine:
                                          residual_storage=residual_storage)
         self.feedbacks: dict[str, ErrorFeedback] = {"sender": self.pipeline.feedback}
         self._more_feedbacks: list[ErrorFeedback] = []  # committed here (not the pipeline's)
-        self._agree = self._agree_flags if agree else None
+        # per unit, the number of ranks whose flag is down (``bad``: this rank's, FP32)
+        self._agree = (lambda bad: self.group.all_reduce(bad, "flag")[0]) if agree else None
         self.groups: list[DeviceGroup] = [group]
         self._links = [group.link]  # each group's, in order
         self.grad_scaler, self.grad_scale = grad_scaler, 1.0
@@ -195,10 +196,6 @@ class SyncEngine:
             self.pipeline.selection.charged(self.ledger.last["factor_bytes_sent"])
         for callback in self.on_skip:
             callback(list(ok.unbind()))
-
-    def _agree_flags(self, bad: torch.Tensor) -> torch.Tensor:
-        """Per unit, the number of ranks whose flag is down (``bad``: this rank's, FP32)."""
-        return self.group.all_reduce(bad, "flag")[0]
 
     def rollback(self) -> None:
         """Forget the step in flight after an exception: the residuals it wrote are reset to
