@@ -230,3 +230,28 @@ def test_hsdp_accumulation_all_reduces_once():
     for r in (0, 1):  # replicas (r, r + 2) hold the same shard: bit-identical
         for name, g in results[r][0]["geofp8"].items():
             assert torch.equal(g, results[r + 2][0]["geofp8"][name]), name
+
+
+def test_the_ledgers_step_figures_are_summed_when_read_bytes_and_links_included():
+    """A settled step's figures (adds from any unit, the groups' bytes by kind, a link's
+    bytes) come out exact at the read after settling, and the next step's adds do not
+    reach them; a rolled-back step's adds are dropped."""
+    from geofp8.ledger import StepLedger
+
+    ledger, finite = StepLedger(), torch.tensor(True)
+    ledger.add("codec_s", 0.25)
+    ledger.add_each(("elements", "bytes_fp32_equivalent"), (10, 1e16 + 2))
+    ledger.add_each(("elements", "bytes_fp32_equivalent"), iter((5, 2.0)))
+    flat = {"payload": 100.0, "factor": 7.0, "fp32_equivalent": 0.0, "flag": 3.0}
+    node = {"payload": 40.0, "flag": 1.0}  # a kind not charged is not in the dict
+    ledger.settle(finite, None, [None, "inter_node"], [flat, node])
+    ledger.add("codec_s", 9.0)  # the next step's
+    last = ledger.last
+    assert last["elements"] == 15 and last["bytes_fp32_equivalent"] == 1e16 + 4
+    assert last["codec_s"] == 0.25 and last["bytes_sent"] == 144.0
+    assert last["factor_bytes_sent"] == 7.0 and last["bytes_inter_node"] == 41.0
+    assert last["bytes_intra_node"] == 0.0 and ledger.step == 1
+    assert ledger.skipped_steps == 0 and ledger.last == last  # reading changes nothing
+    ledger.reset_phase()  # the step in flight is forgotten
+    ledger.settle(~finite, None, [], [])
+    assert ledger.last["codec_s"] == 0.0 and ledger.skipped_steps == 1

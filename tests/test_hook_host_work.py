@@ -28,8 +28,11 @@ METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_laun
 # the collective's arguments bound per layout, the ledger's adds without a lock and the
 # bucket's figures made once (q40a) 219, 230 and 252; grown at ff7ad82 to 225, 236 and 258;
 # with the kernels' availability checked without Python per tensor and no map call for a
-# bucket without maps (r40a) 219, 230 and 252 again
-MOST = 230
+# bucket without maps (r40a) 219, 230 and 252 again; with the step's figures summed when
+# read, and a static selection without a factor source deciding nothing per step (s40c)
+# 191, 202 and 235 (geofp8-auto, which decides every step, gains less)
+MOST = 202
+AUTO = 33  # geofp8-auto's decisions at the step's start and its factors' settling, more
 
 
 def _hook_lines(method: str, tensors: int) -> int:
@@ -74,7 +77,7 @@ def test_the_hooks_own_lines_per_bucket_do_not_grow_with_its_tensors():
     for method in METHODS:
         few, many = lines[f"{method} 2"], lines[f"{method} 8"]
         assert few == many, (method, lines)
-        assert 0 < many <= MOST + (22 if method == "geofp8-auto" else 0), (method, lines)
+        assert 0 < many <= MOST + (AUTO if method == "geofp8-auto" else 0), (method, lines)
 
 
 STEPS, BAD, RESUME = 9, 7, 5  # rank 1's NaN at step 7; a checkpoint round trip after step 5

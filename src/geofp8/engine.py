@@ -30,6 +30,7 @@ DDP's comm hook (:mod:`geofp8.ddp`), FSDP2's reduce-scatter and HSDP's replica a
 
 from __future__ import annotations
 
+import operator
 import threading
 
 import torch
@@ -48,9 +49,7 @@ __all__ = ["STATE_VERSION", "SyncEngine"]
 
 STATE_VERSION = 5  # 4: rank, parameters, checksum; shared inputs agreed; 5: low-rank maps
 #   up to their scale (U, a_fwd, a_inv), residuals in those coordinates
-# the ledger's figure of each kind of bytes a DeviceGroup charges (flags: payload bytes)
-BYTE_FIGURES = ("bytes_sent", "factor_bytes_sent", "bytes_fp32_equivalent", "bytes_sent")
-BYTE_KINDS = ("payload", "factor", "fp32_equivalent", "flag")
+_TAKE_BYTES = operator.methodcaller("take_bytes")  # a DeviceGroup's bytes since the last call
 
 
 class SyncEngine:
@@ -75,7 +74,11 @@ class SyncEngine:
         self.pipeline = GradientPipeline(model, config, group, self.ledger, config.candidates,
                                          residual_storage=residual_storage)
         self.feedbacks: dict[str, ErrorFeedback] = {"sender": self.pipeline.feedback}
+        self._more_feedbacks: list[ErrorFeedback] = []  # committed here (not the pipeline's)
+        # per unit, the number of ranks whose flag is down (``bad``: this rank's, FP32)
+        self._agree = (lambda bad: self.group.all_reduce(bad, "flag")[0]) if agree else None
         self.groups: list[DeviceGroup] = [group]
+        self._links = [group.link]  # each group's, in order
         self.grad_scaler, self.grad_scale = grad_scaler, 1.0
         self.fingerprint_extra: dict = {}
         self.on_skip: list = []  # callbacks(0-dim device flags, finite per observed unit)
@@ -99,11 +102,13 @@ class SyncEngine:
                 return known
         made = DeviceGroup(group, device, link)
         self.groups.append(made)
+        self._links = [g.link for g in self.groups]
         return made
 
     def add_feedback(self, name: str, storage: str) -> ErrorFeedback:
         """A further set of residuals (e.g. HSDP's replica hop), committed with the step."""
         self.feedbacks[name] = ErrorFeedback(storage=storage)
+        self._more_feedbacks = [f for n, f in self.feedbacks.items() if n != "sender"]
         return self.feedbacks[name]
 
     def remove_hooks(self) -> None:
@@ -181,16 +186,14 @@ class SyncEngine:
                 self._settle()
 
     def _settle(self) -> None:
-        agree = (lambda bad: self.group.all_reduce(bad, "flag")[0]) if self.agree else None
         finite, ok, counted = self.verdict.settle(self.group.device, self.ledger.skipped_counter,
-                                                  agree, per_unit=bool(self.on_skip))
-        self.pipeline.settle(finite)
-        for name, feedback in self.feedbacks.items():
-            if name != "sender":  # the pipeline settles its own
-                feedback.commit(finite)
-        _take_bytes(self.groups, self.ledger)
-        self.pipeline.selection.charged(self.ledger.current["factor_bytes_sent"])
-        self.ledger.settle(finite, counted)
+                                                  self._agree, per_unit=bool(self.on_skip))
+        self.pipeline.settle(finite)  # the sender's residuals too
+        for feedback in self._more_feedbacks:
+            feedback.commit(finite)
+        self.ledger.settle(finite, counted, self._links, list(map(_TAKE_BYTES, self.groups)))
+        if self.pipeline.selection.charges:
+            self.pipeline.selection.charged(self.ledger.last["factor_bytes_sent"])
         for callback in self.on_skip:
             callback(list(ok.unbind()))
 
@@ -299,17 +302,6 @@ class SyncEngine:
         for name, feedback in self.feedbacks.items():
             feedback.load_state_dict(state["feedback"][name],
                                      transforms if name == "sender" else {})
-
-
-def _take_bytes(groups: list[DeviceGroup], ledger: StepLedger) -> None:
-    """The bytes every group counted at its door since the last call, into the ledger's
-    step figures (the finite flags' bytes are payload bytes; per link too)."""
-    for group in groups:
-        taken = group.take_bytes()  # by kind, 0.0 for a kind not charged
-        ledger.add_each(BYTE_FIGURES, map(taken.__getitem__, BYTE_KINDS))
-        if group.link is not None:
-            ledger.add(f"bytes_{group.link}", taken["payload"] + taken["factor"] +
-                       taken["flag"])
 
 
 def _byte_figures(last: dict) -> dict:

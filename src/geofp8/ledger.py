@@ -7,10 +7,12 @@ that phase, the step clock (every settled step, skipped or not: the schedule of 
 refreshes and rounding seeds), the skipped steps (a device counter, read when asked) and the
 per-step figures (bytes, seconds);
 :attr:`StepLedger.last` is the last settled step's figures, read without side effects.
-Figures are added without a lock: :meth:`StepLedger.add` appends to a per-figure list
-(``list.append`` is one atomic step under the GIL, whichever thread calls it), and the
-step's lists are swapped out and summed once, at settling, which follows every unit's
-adds (the units' results are ready; an add of the next step finds the new lists).
+Figures are added without a lock: :meth:`StepLedger.add` appends ``(figure, value)`` to the
+step's list (``list.append``, or ``list.extend`` of a ``zip`` of tuples: one atomic step
+under the GIL, whichever thread calls it), and the list is swapped out at settling, which
+follows every unit's adds (the units' results are ready; an add of the next step finds the
+new list), with the bytes every :class:`~geofp8.comm.group.DeviceGroup` counted at its door
+that step (by kind). Both are summed when :attr:`~StepLedger.last` is read, not in the step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ __all__ = ["Phase", "StepLedger"]
 
 COUNTERS = ("bytes_sent", "factor_bytes_sent", "bytes_fp32_equivalent", "elements",
             "codec_s", "transform_s", "statistics_s", "bytes_intra_node", "bytes_inter_node")
+# the figure of each kind of bytes a DeviceGroup charges (the finite flags': payload bytes)
+BYTE_FIGURES = {"payload": "bytes_sent", "factor": "factor_bytes_sent",
+                "fp32_equivalent": "bytes_fp32_equivalent", "flag": "bytes_sent"}
+LINK_KINDS = ("payload", "factor", "flag")  # what a group's link figure counts
 
 
 class Phase(enum.Enum):
@@ -39,22 +45,23 @@ class StepLedger:
         self.step = 0
         self._skipped: torch.Tensor | int = 0  # a device counter once a step settled
         self.phase = Phase.IDLE
-        self.last = dict.fromkeys(COUNTERS, 0.0)
-        self._added = _nothing_added()  # figure -> the values added this step, in order
+        self._added: list[tuple[str, float]] = []  # (figure, value) added this step, in order
+        # the last settled step's adds, and its groups' links and bytes by kind
+        self._settled: tuple[list, list, list] = ([], [], [])
 
     def add(self, key: str, value: float) -> None:
         """Add ``value`` to this step's figure ``key`` (one of :data:`COUNTERS`)."""
-        self._added[key].append(value)
+        self._added.append((key, value))
 
     def add_each(self, keys: tuple[str, ...], values) -> None:
         """:meth:`add` of each of ``values`` to its figure in ``keys`` (no Python per
         figure)."""
-        list(map(list.append, map(self._added.__getitem__, keys), values))
+        self._added.extend(zip(keys, values))
 
     @property
-    def current(self) -> dict[str, float]:
-        """This step's figures so far."""
-        return _summed(self._added)
+    def last(self) -> dict[str, float]:
+        """The last settled step's figures (summed here, not in the step)."""
+        return _summed(*self._settled)
 
     def begin_unit(self, last: bool) -> bool:
         """Record a unit's start; ``True`` if it is the first unit of a step."""
@@ -82,28 +89,34 @@ class StepLedger:
             self._skipped = torch.tensor(int(self._skipped), dtype=torch.int64, device=device)
         return self._skipped
 
-    def settle(self, finite: torch.Tensor, counted: torch.Tensor | None = None) -> None:
+    def settle(self, finite: torch.Tensor, counted: torch.Tensor | None,
+               links: list[str | None], taken: list[dict[str, float]]) -> None:
         """Close the launched step (``finite``: its 0-dim verdict, on the device; counted
-        there when false, unless ``counted``: the :meth:`skipped_counter` already advanced).
-        Its figures become :attr:`last`."""
+        there when false, unless ``counted``: the :meth:`skipped_counter` already advanced;
+        ``taken``: every group's :meth:`~geofp8.comm.group.DeviceGroup.take_bytes`, by kind,
+        ``links`` their links). Its figures become :attr:`last`."""
         self.step += 1
-        self._skipped = counted if counted is not None else (~finite).to(torch.int64) + \
-            self._skipped
-        added, self._added = self._added, _nothing_added()  # a late add lands in `added`
-        self.last = _summed(added)
+        if counted is None:
+            self._skipped = (~finite).to(torch.int64) + self._skipped
+        self._settled, self._added = (self._added, links, taken), []
         self.phase = Phase.IDLE
 
     def reset_phase(self) -> None:
         """No step in flight (after a checkpoint load or a failed step); its figures go."""
-        self._added = _nothing_added()
+        self._added = []
         self.phase = Phase.IDLE
 
 
-def _nothing_added() -> dict[str, list[float]]:
-    """A new empty list per figure (``iter(list, None)``: ``list()`` called for each)."""
-    return dict(zip(COUNTERS, iter(list, None)))
-
-
-def _summed(added: dict[str, list[float]]) -> dict[str, float]:
-    """Each figure's values summed (exactly rounded: bytes stay exact integers)."""
-    return dict(zip(added, map(math.fsum, added.values())))
+def _summed(added: list[tuple[str, float]], links: list[str | None],
+            taken: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's values summed, every group's bytes (``taken``) included under their
+    figures and their link's (exactly rounded: bytes stay exact integers)."""
+    values: dict[str, list[float]] = {k: [] for k in COUNTERS}
+    for key, value in added:
+        values[key].append(value)
+    for link, by_kind in zip(links, taken):
+        for kind, figure in BYTE_FIGURES.items():
+            values[figure].append(by_kind.get(kind, 0.0))
+        if link is not None:
+            values[f"bytes_{link}"].append(sum(by_kind.get(k, 0.0) for k in LINK_KINDS))
+    return {k: math.fsum(v) for k, v in values.items()}

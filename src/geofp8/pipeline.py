@@ -74,6 +74,8 @@ class GradientPipeline(BucketPath, RecordedDecisions):
                                         config.factor_source, shapes, self.world_size)
         self.feedback = ErrorFeedback(storage=residual_storage)
         self.shared = self.source.shared if self.source is not None else SharedInputs()
+        # whether a step may refresh, decide or observe (a loaded state forgets the records)
+        self._decides = self.source is not None or not self.selection.static
         modules = dict(model.named_modules())
         self.hooks = self.source.attach(modules) if self.source is not None else []
         self._layouts: dict[tuple, ShardLayout] = {}
@@ -100,13 +102,15 @@ class GradientPipeline(BucketPath, RecordedDecisions):
             self.shared.agree(list(self.layers), self.group)
 
     def start_step(self, step: int) -> None:
-        """Decisions and refreshes due at the start of ``step`` (collective)."""
+        """Decisions and refreshes due at the start of ``step`` (collective), if any may be."""
+        self.step = step
+        if not self._decides:
+            return
         self.selection.start_step(step, self.group)
         if self.source is not None:
             self._agree()  # already done at the forward's end, unless the model's own
             self.source.start_step(step)  # forward was never called (its parts were)
         self._observing = self.source is not None and self.selection.wants(step)
-        self.step = step
         self.note_decisions()
 
     def report(self) -> None:
@@ -128,14 +132,16 @@ class GradientPipeline(BucketPath, RecordedDecisions):
     def settle(self, finite: torch.Tensor) -> None:
         """Hand the step's 0-dim verdict (on the device) to what it produced: kept where
         true, chosen away (residuals: reset to zero) where false."""
+        self.feedback.commit(finite)
+        if not self._decides:
+            return
         if self.source is not None:
             self.source.settle(finite)
         self.selection.settle(finite)
-        if self.geometry_since is None and self.geometry_layers():
+        if self.geometry_since is None and self.selection.selected and self.geometry_layers():
             self._geometry_steps.append((self.step, finite))
             if len(self._geometry_steps) >= 64:  # bounded: one host read per 64 such steps
                 self._resolve_geometry_since()
-        self.feedback.commit(finite)
 
     # -- per tensor --------------------------------------------------------------------------
 

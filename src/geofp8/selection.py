@@ -39,7 +39,14 @@ ResidualIn = Callable[[Transform], "torch.Tensor | None"]
 
 
 class Selection:
-    """Base: a fixed set of selected names; nothing observed, nothing decided."""
+    """Base: a fixed set of selected names; nothing observed, nothing decided.
+
+    ``static``: it never observes nor decides (the selected names change only when a
+    state is loaded), so :meth:`start_step` and :meth:`settle` need not be called (a
+    subclass is not, unless it says so). ``charges``: :meth:`charged` is wanted after every
+    settled step."""
+
+    static, charges = False, False
 
     def __init__(self, candidates: list[str], selected: set[str] | None = None) -> None:
         self.candidates = list(candidates)
@@ -81,6 +88,8 @@ class Selection:
 
 class FixedSelection(Selection):
     """``all``, ``none`` or explicit names (they never change)."""
+
+    static = True
 
 
 class ProfileSelection(Selection):
@@ -259,6 +268,8 @@ class BudgetSelection(Selection):
     nothing undelivered is lost (:meth:`~geofp8.pipeline.GradientPipeline.prepare_into`);
     a change back starts a new owner's residual.
     """
+
+    charges = True
 
     def __init__(self, candidates: list[str], floor: Codec, shapes: dict[str, tuple],
                  world_size: int, budget: float, every: int, first_step: int) -> None:
