@@ -27,11 +27,13 @@ seed: one int64 per shard).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..codecs import triton_fp4
 from ..codecs.block_records import ShardPlace, place
-from ..codecs.triton_fp8 import AmaxSlots
+from ..codecs.triton_fp8 import AmaxSlots, Launch
 from ..codecs.uniforms import StepSeed
 from .bound import BoundStages, guarded
 
@@ -93,6 +95,18 @@ class BlockPlan:
         return self._maps[key]
 
 
+class _Owner(NamedTuple):
+    """An owner shard's bound launches (:meth:`BlockStages._owner`)."""
+
+    place: triton_fp4.Bound
+    slots: AmaxSlots
+    amax: Launch  # no feedback
+    encode: Launch  # no feedback; the error where asked
+    encode_sum: Launch  # no feedback, no error: a reduction's sum
+    reduce: Launch  # the N senders' records of send_bytes(shard), back to back
+    numel: int
+
+
 class BlockStages(BoundStages):
     """A block-scaled layout's stages bound on one device (module notes, :mod:`.bound`): the
     send map's two launches and the gathered decode's two made at once, each owner shard's
@@ -124,13 +138,11 @@ class BlockStages(BoundStages):
             encode = encode.bind(seeds_ptr=b.p.seg_start, seed0=0, prefix=0, offset=0, SEEDS=0)
         return b, slots, b.amax.bind(slots_ptr=slots.buffer), encode
 
-    def _owner(self, shard: int):
-        """Shard ``shard``'s ``(placement, slots, amax, encode, the encode of a sum (no error
-        written), reduction of the N records)``: :meth:`_encoder` with the record's padding
-        and no feedback (an owner's values are its sum), the reduction reading every
-        sender's record of ``send_bytes(shard)``; or ``None`` (empty: the torch path, whose
-        own work dwarfs this). Made on its first call (the stages look it up in
-        ``_owners`` first)."""
+    def _owner(self, shard: int) -> _Owner | None:
+        """Shard ``shard``'s :class:`_Owner`: :meth:`_encoder` with the record's padding and
+        no feedback (an owner's values are its sum), the reduction of the ``N`` records; or
+        ``None`` (empty: the torch path, whose own work dwarfs this). Made on its first
+        call (the stages look it up in ``_owners`` first)."""
         layout = self.layout
         if layout.shard_numel(shard) == 0:
             self._owners[shard] = None
@@ -138,11 +150,11 @@ class BlockStages(BoundStages):
         b, slots, amax, encode = self._encoder(shard, (layout.shard_bytes(shard),
                                                        layout.max_shard_bytes))
         encode, nbytes = encode.bind(HAS_R=False, KEEP=False), layout.send_bytes(shard)
-        found = self._owners[shard] = (
+        found = self._owners[shard] = _Owner(
             b, slots, amax.bind(HAS_R=False, KEEP=False, STORE_U=False), encode,
             encode.bind(HAS_ERR=False, ERR_BF16=False),
             b.reduce.bind(s_stride=nbytes, blk_stride=nbytes, code_stride=nbytes,
-                          n_senders=layout.world_size, slots_ptr=slots.buffer))
+                          n_senders=layout.world_size, slots_ptr=slots.buffer), b.p.numel)
         return found
 
     def _seeds(self, b, seed, prefix, offset, device) -> dict:
@@ -183,7 +195,7 @@ class BlockStages(BoundStages):
         fed = self._fed
         if fed[0] is not r:
             fed = self._fed = self._with_residual(r)
-        keep_ptr = triton_fp4.keep_arg(flat, keep)
+        keep_ptr = flat if keep is None else keep.view(torch.uint8)  # any pointer without
         fed[1](flat, keep_ptr=keep_ptr, u_ptr=flat, epoch=next(slots.epochs),
                KEEP=keep is not None)
         fed[2](flat, keep_ptr=keep_ptr, s_out=sent, blk_out=sent, code_out=sent,
@@ -197,10 +209,10 @@ class BlockStages(BoundStages):
         owner = self._owners.get(shard) or self._owner(shard)
         if owner is None:
             return None
-        out = torch.empty(owner[0].p.numel, dtype=torch.float32, device=received.device)
-        owner[5](received, blk_in=received, code_in=received, out_ptr=out,
-                 epoch=next(owner[1].epochs))
-        return out, owner[1].buffer
+        out = torch.empty(owner.numel, dtype=torch.float32, device=received.device)
+        owner.reduce(received, blk_in=received, code_in=received, out_ptr=out,
+                     epoch=next(owner.slots.epochs))
+        return out, owner.slots.buffer
 
     @guarded
     def reduce_encode(self, received, shard, seed):
@@ -210,14 +222,13 @@ class BlockStages(BoundStages):
         owner = self._owners.get(shard) or self._owner(shard)
         if owner is None:
             return None
-        b, slots = owner[0], owner[1]
-        total = torch.empty(b.p.numel, dtype=torch.float32, device=received.device)
-        owner[5](received, blk_in=received, code_in=received, out_ptr=total,
-                 epoch=next(slots.epochs))
-        seeds = self._seeds(b, seed, None, self.layout.world_size + shard,
+        total = torch.empty(owner.numel, dtype=torch.float32, device=received.device)
+        owner.reduce(received, blk_in=received, code_in=received, out_ptr=total,
+                     epoch=next(owner.slots.epochs))
+        seeds = self._seeds(owner.place, seed, None, self.layout.world_size + shard,
                             received.device) if self.stochastic else {}
         record = torch.empty(self.record_bytes, dtype=torch.uint8, device=received.device)
-        owner[4](total, total, total, total, record, record, record, **seeds)
+        owner.encode_sum(total, total, total, total, record, record, record, **seeds)
         return record, total
 
     @guarded
@@ -230,12 +241,12 @@ class BlockStages(BoundStages):
         if owner is None:
             return None
         if bits is None:
-            owner[2](values, values, values, values, epoch=next(owner[1].epochs))
-        seeds = self._seeds(owner[0], seed, None, self.layout.world_size + shard,
+            owner.amax(values, values, values, values, epoch=next(owner.slots.epochs))
+        seeds = self._seeds(owner.place, seed, None, self.layout.world_size + shard,
                             values.device) if self.stochastic else {}
         record = torch.empty(self.record_bytes, dtype=torch.uint8, device=values.device)
-        owner[3](values, values, values, s_out=record, blk_out=record, code_out=record,
-                 **_error_args(error, values), **seeds)
+        owner.encode(values, values, values, s_out=record, blk_out=record, code_out=record,
+                     **_error_args(error, values), **seeds)
         return record
 
     @guarded

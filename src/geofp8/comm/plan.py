@@ -227,7 +227,7 @@ class FP8Stages(BoundStages):
         fed = self._fed
         if fed[0] is not r:
             fed = self._fed = self._with_residual(r)
-        keep_ptr = flat if keep is None else keep.view(torch.uint8)
+        keep_ptr = flat if keep is None else keep.view(torch.uint8)  # any pointer without
         fed[1](flat, keep_ptr=keep_ptr, u_ptr=flat, epoch=next(slots.epochs),
                HAS_KEEP=keep is not None)
         fed[2](flat, keep_ptr=keep_ptr, out_ptr=sent, HAS_KEEP=keep is not None)
