@@ -35,7 +35,7 @@ from ..codecs import triton_fp4
 from ..codecs.block_records import ShardPlace, place
 from ..codecs.triton_fp8 import AmaxSlots, Launch
 from ..codecs.uniforms import StepSeed
-from .bound import BoundStages, guarded
+from .bound import RESIDUALS, BoundStages, guarded
 
 __all__ = ["BlockPlan", "BlockStages"]
 
@@ -111,8 +111,8 @@ class BlockStages(BoundStages):
     """A block-scaled layout's stages bound on one device (module notes, :mod:`.bound`): the
     send map's two launches and the gathered decode's two made at once, each owner shard's
     on its first call (an empty shard: the torch path); rounding to nearest, the encodes'
-    seed arguments fixed with them; the send's two bound to a bucket's residual once per
-    residual."""
+    seed arguments fixed with them; the send's two with a residual's constexprs, per
+    residual dtype."""
 
     kernels = triton_fp4
     dtypes = (torch.float32, torch.bfloat16, torch.uint8)
@@ -127,7 +127,7 @@ class BlockStages(BoundStages):
         self.finite = gather.finite.bind(slot_ptr=self.finite_slot.buffer)
         self.decode = gather.decode.bind(slot_ptr=self.finite_slot.buffer, POISON=True)
         self._owners: dict[int, tuple | None] = {}  # None: an empty shard
-        self._fed: tuple = (None,)  # (R, the send's launches bound to it): _with_residual
+        self._feedback = {dtype: self._with_residual(dtype) for dtype in RESIDUALS}
 
     def _encoder(self, what, pad: tuple[int, int]):
         """``(placement, slots, amax launch, encode launch)`` of ``what``, slots and padding
@@ -167,14 +167,15 @@ class BlockStages(BoundStages):
         return {"seeds_ptr": b.p.seg_start if table is None else table, "seed0": seed0,
                 "prefix": prefix, "offset": offset, "SEEDS": mode}
 
-    def _with_residual(self, r: torch.Tensor) -> tuple:
-        """``(R, amax launch, encode launch)``: the send's two bound to a bucket's residual
-        ``R`` (read in its dtype, the error written in it: BF16's bits as int16), made once
-        per ``R``: a bucket's is the same tensor every step (a new one, after a resume or a
-        rebucketing, is a new object; the last one is held until then)."""
+    def _with_residual(self, dtype: torch.dtype) -> tuple:
+        """``(amax launch, encode launch, whether the error is written as int16)``: the
+        send's two with the constexprs of a residual ``R`` of ``dtype`` fixed (read in its
+        dtype, the error written in it: BF16's bits as int16); ``R``'s pointers and the
+        keep flag per call."""
         _, _, amax, encode = self._send
-        return (r, amax.bind(r_ptr=r, HAS_R=True, STORE_U=False),
-                encode.bind(r_ptr=r, HAS_R=True, **_error_args(r)))
+        bf16 = dtype == torch.bfloat16
+        return (amax.bind(HAS_R=True, STORE_U=False),
+                encode.bind(HAS_R=True, HAS_ERR=True, ERR_BF16=bf16), bf16)
 
     @guarded
     def send(self, flat, error, feedback, seed, sender):
@@ -192,13 +193,10 @@ class BlockStages(BoundStages):
                    KEEP=False, **_error_args(error, flat), **seeds)
             return sent
         r, keep = feedback
-        fed = self._fed
-        if fed[0] is not r:
-            fed = self._fed = self._with_residual(r)
+        amax, encode, bf16 = self._feedback[r.dtype]
         keep_ptr = flat if keep is None else keep.view(torch.uint8)  # any pointer without
-        fed[1](flat, keep_ptr=keep_ptr, u_ptr=flat, epoch=next(slots.epochs),
-               KEEP=keep is not None)
-        fed[2](flat, keep_ptr=keep_ptr, s_out=sent, blk_out=sent, code_out=sent,
+        amax(flat, r, keep_ptr, flat, epoch=next(slots.epochs), KEEP=keep is not None)
+        encode(flat, r, keep_ptr, r.view(torch.int16) if bf16 else r, sent, sent, sent,
                KEEP=keep is not None, **seeds)
         return sent
 

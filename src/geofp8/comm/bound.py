@@ -38,6 +38,7 @@ import torch
 __all__ = ["BoundStages", "guarded"]
 
 _CONTIGUOUS, _DTYPE = torch.Tensor.is_contiguous, operator.attrgetter("dtype")
+RESIDUALS = (torch.float32, torch.bfloat16)  # an error feedback residual's dtypes
 
 
 def guarded(stage):

@@ -30,7 +30,7 @@ import torch
 from ..codecs import triton_fp4, triton_fp8
 from ..codecs.triton_fp8 import TILE, Launch
 from .block_plan import BlockPlan, BlockStages
-from .bound import BoundStages, guarded
+from .bound import RESIDUALS, BoundStages, guarded
 
 __all__ = ["FP8Stages", "FusedPlan"]
 
@@ -147,7 +147,7 @@ class FusedPlan:
 class FP8Stages(BoundStages):
     """A one-codec FP8 layout's stages bound on one device (:mod:`.bound`): the send map's
     two launches and the gathered decode's two made at once, each owner shard's on its
-    first call; the send's two bound to a bucket's residual once per residual."""
+    first call; the send's two with a residual's constexprs, per residual dtype."""
 
     kernels = triton_fp8
     dtypes = _PLAIN
@@ -166,7 +166,7 @@ class FP8Stages(BoundStages):
                              slot_ptr=self.finite_slot.buffer, tiles_ptr=gather, **self.fmt,
                              **triton_fp8._NO_FUSION)
         self._owners: dict[int, tuple] = {}
-        self._fed: tuple = (None,)  # (R, the send's launches bound to it): _with_residual
+        self._feedback = {dtype: self._with_residual(dtype) for dtype in RESIDUALS}
 
     def _encoder(self, what, pad: tuple[int, int]) -> tuple:
         """``(slots, amax launch, encode launch)`` of ``what``'s tile map, slots and padding
@@ -197,16 +197,14 @@ class FP8Stages(BoundStages):
                                        plan.shard_numels[shard])
         return found
 
-    def _with_residual(self, r: torch.Tensor) -> tuple:
-        """``(R, amax launch, encode launch)``: the send's two bound to a bucket's residual
-        ``R`` (its pointer, BF16's bits viewed as int16, and constexprs), made once per
-        ``R``: a bucket's is the same tensor every step (a new one, after a resume or a
-        rebucketing, is a new object; the last one is held until then)."""
+    def _with_residual(self, dtype: torch.dtype) -> tuple:
+        """``(amax launch, encode launch, whether R is read as int16)``: the send's two with
+        the constexprs of a residual ``R`` of ``dtype`` fixed (BF16: its bits, read as int16,
+        are the FP32's high half); ``R``'s pointer and the keep flag per call."""
         _, amax, encode = self._send
-        bf16 = r.dtype == torch.bfloat16
-        ptr, flags = r.view(torch.int16) if bf16 else r, {"HAS_R": True, "BF16": bf16}
-        return (r, amax.bind(r_ptr=ptr, **flags),
-                encode.bind(r_ptr=ptr, err_ptr=ptr, HAS_ERR=True, **flags))
+        bf16 = dtype == torch.bfloat16
+        flags = {"HAS_R": True, "BF16": bf16}
+        return amax.bind(**flags), encode.bind(HAS_ERR=True, **flags), bf16
 
     @guarded
     def send(self, flat, error, feedback, seed, sender):
@@ -224,13 +222,11 @@ class FP8Stages(BoundStages):
                    HAS_ERR=error is not None, **triton_fp8.NO_FEEDBACK)
             return sent
         r, keep = feedback
-        fed = self._fed
-        if fed[0] is not r:
-            fed = self._fed = self._with_residual(r)
+        amax, encode, bf16 = self._feedback[r.dtype]
+        ptr = r.view(torch.int16) if bf16 else r
         keep_ptr = flat if keep is None else keep.view(torch.uint8)  # any pointer without
-        fed[1](flat, keep_ptr=keep_ptr, u_ptr=flat, epoch=next(slots.epochs),
-               HAS_KEEP=keep is not None)
-        fed[2](flat, keep_ptr=keep_ptr, out_ptr=sent, HAS_KEEP=keep is not None)
+        amax(flat, ptr, keep_ptr, flat, epoch=next(slots.epochs), HAS_KEEP=keep is not None)
+        encode(flat, ptr, keep_ptr, out_ptr=sent, err_ptr=ptr, HAS_KEEP=keep is not None)
         return sent
 
     @guarded
