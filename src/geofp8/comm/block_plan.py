@@ -205,12 +205,7 @@ class BlockStages(BoundStages):
         """``(the FP32 sum of the N senders' copies, in sender order from +0, read from their
         records back to back in received; its amax slots)``, one kernel."""
         owner = self._owners.get(shard) or self._owner(shard)
-        if owner is None:
-            return None
-        out = torch.empty(owner.numel, dtype=torch.float32, device=received.device)
-        owner.reduce(received, blk_in=received, code_in=received, out_ptr=out,
-                     epoch=next(owner.slots.epochs))
-        return out, owner.slots.buffer
+        return None if owner is None else (self._sum(owner, received), owner.slots.buffer)
 
     @guarded
     def reduce_encode(self, received, shard, seed):
@@ -220,14 +215,21 @@ class BlockStages(BoundStages):
         owner = self._owners.get(shard) or self._owner(shard)
         if owner is None:
             return None
-        total = torch.empty(owner.numel, dtype=torch.float32, device=received.device)
-        owner.reduce(received, blk_in=received, code_in=received, out_ptr=total,
-                     epoch=next(owner.slots.epochs))
+        total = self._sum(owner, received)
         seeds = self._seeds(owner.place, seed, None, self.layout.world_size + shard,
                             received.device) if self.stochastic else {}
         record = torch.empty(self.record_bytes, dtype=torch.uint8, device=received.device)
         owner.encode_sum(total, total, total, total, record, record, record, **seeds)
         return record, total
+
+    @staticmethod
+    def _sum(owner: _Owner, received: torch.Tensor) -> torch.Tensor:
+        """The owner's reduction of the ``N`` records in ``received`` into a new FP32 vector
+        (and its amax into the next epoch of its slots)."""
+        out = torch.empty(owner.numel, dtype=torch.float32, device=received.device)
+        owner.reduce(received, blk_in=received, code_in=received, out_ptr=out,
+                     epoch=next(owner.slots.epochs))
+        return out
 
     @guarded
     def encode_reduced(self, values, shard, seed, error, bits):
