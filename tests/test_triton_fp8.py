@@ -145,7 +145,8 @@ def check_feedback() -> list[str]:
     kernels (``Ũ = G + where(keep, R, 0)`` read in both, the new residual written into ``R``)
     against the CPU's chunked path (one add, the encode, one copy into ``R``), bit for bit:
     BF16 and FP32 residuals, ``keep`` true, false and ``None``, NaN and ±Inf in ``G`` and in
-    ``R``, a ``-0`` gradient, N = 1, 3, 4. ``G`` is not written by the kernels."""
+    ``R``, a ``-0`` gradient, N = 1, 3, 4, and one layout's residual replaced twice. ``G``
+    is not written by the kernels."""
     import torch
 
     from geofp8.codecs import make_codec
@@ -188,9 +189,21 @@ def check_feedback() -> list[str]:
         if not same(flat, _bucket(shapes, n, special=bool(special)).index_fill_(
                 0, torch.tensor([7]), -0.0)):
             failures.append(f"{name}: G written")
+    # one layout whose residual is replaced (a resume, a rebucketing) by one of another
+    # dtype, then by another FP32 one: each send reads and writes the R it is given
+    fused, chunked = (ShardLayout.build(shapes, make_codec("e4m3", "row"), 3, kernels=k)
+                      for k in ("batched", "chunked"))
+    for step, dtype in enumerate((torch.float32, torch.bfloat16, torch.float32)):
+        r = (torch.randn(fused.numel, generator=torch.Generator().manual_seed(step)) * 1e-2
+             ).to(dtype)
+        got, want = ((st.encode_with_error(_bucket(shapes, 3, special=False), lay,
+                                           feedback=(residual, torch.tensor(True)))[0],
+                      residual) for lay, residual in ((fused, r), (chunked, r.clone())))
+        if not (same(got[0], want[0]) and same(got[1].float(), want[1].float())):
+            failures.append(f"a replaced residual, {step}: {dtype}")
     FP8Stages.send = send
-    if sum(c is not None for c in calls) != 36:
-        failures.append(f"the fused kernels took the feedback {len(calls)} times, not 36")
+    if sum(c is not None for c in calls) != 39:
+        failures.append(f"the fused kernels took the feedback {len(calls)} times, not 39")
     return failures
 
 

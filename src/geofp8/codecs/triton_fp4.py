@@ -552,7 +552,7 @@ def amax(x: torch.Tensor, b: Bound, amax_slots: AmaxSlots,
     without a residual; ``residual`` FP32 or BF16, ``keep`` a 0-dim bool device tensor or
     ``None`` for true) in the next epoch of ``amax_slots``: what :func:`encode_placed`
     reads. ``u``: where ``u`` is written, else nowhere. One kernel."""
-    bits, epoch = amax_slots.next()
+    bits, epoch = amax_slots.buffer, next(amax_slots.epochs)
     b.amax(x, x if residual is None else residual, keep_arg(x, keep), x if u is None else u,
            slots_ptr=bits, epoch=epoch, HAS_R=residual is not None, KEEP=keep is not None,
            STORE_U=u is not None)
@@ -596,7 +596,7 @@ def reduce(rows: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor], b: Boun
     s, blk, codes = rows
     s = blk if s is None else s
     out = torch.empty(b.p.numel, dtype=torch.float32, device=codes.device)
-    bits, epoch = amax_slots.next()
+    bits, epoch = amax_slots.buffer, next(amax_slots.epochs)
     b.reduce(s, s.stride(0), blk, blk.stride(0), codes, codes.stride(0), codes.shape[0], out,
              slots_ptr=bits, epoch=epoch)
     return out, bits
@@ -614,7 +614,7 @@ def decode_placed(out: torch.Tensor, ins: tuple[torch.Tensor | None, torch.Tenso
     s = blk if s is None else s
     if flag is None:
         flag = torch.empty((), dtype=torch.uint8, device=out.device)
-    slot, epoch = finite_slot.next()
+    slot, epoch = finite_slot.buffer, next(finite_slot.epochs)
     b.finite(s, blk, slot_ptr=slot, epoch=epoch)
     b.decode(s, blk, codes, out, slot_ptr=slot, epoch=epoch, flag_ptr=flag,
              divisor=float(divisor or 1), DIVIDE=divisor is not None, POISON=poison)

@@ -50,6 +50,7 @@ interpreter (``TRITON_INTERPRET=1``, whose own FP8 casts round differently).
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
 import warnings
@@ -67,8 +68,8 @@ try:  # an optional dependency (geofp8[gpu])
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
-__all__ = ["NO_FEEDBACK", "TILE", "AmaxSlots", "Feedback", "Launch", "amax", "attempt",
-           "available", "decode", "decode_sum", "encode", "failed", "feedback_args",
+__all__ = ["NO_FEEDBACK", "TILE", "AmaxSlots", "Feedback", "Launch", "amax",
+           "attempt", "available", "decode", "decode_sum", "encode", "failed",
            "feedback_fits", "placed_tiles", "reference", "scale_rows", "tiles", "verdict"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -488,17 +489,16 @@ def decode_sum(codes: torch.Tensor, scales: torch.Tensor, groups: GroupMap,
 
 class AmaxSlots:
     """Persistent amax slots of ``n`` groups on ``device`` (module notes): an int64 buffer
-    zeroed once, and an epoch per call, so no call zeroes it (a launch) again. The calls of
-    one :class:`AmaxSlots` must run in order on one stream (a stage's kernels do)."""
+    zeroed once, and an epoch per call, so no call zeroes it (a launch) again:
+    ``next(slots.epochs)`` is this call's, ``k << 32`` for the ``k``-th call (its high
+    word; a C iterator, no Python frame per call). The calls of one :class:`AmaxSlots` must
+    run in order on one stream (a stage's kernels do)."""
+
+    __slots__ = ("buffer", "epochs")
 
     def __init__(self, n: int, device: torch.device) -> None:
         self.buffer = torch.zeros(max(n, 1), dtype=torch.int64, device=device)
-        self.epoch = 0
-
-    def next(self) -> tuple[torch.Tensor, int]:
-        """``(the buffer, this call's epoch in its high word)``."""
-        self.epoch += 1
-        return self.buffer, self.epoch << 32
+        self.epochs = itertools.count(1 << 32, 1 << 32)
 
 
 Feedback = tuple[torch.Tensor, torch.Tensor | None]  # (R, keep): see feedback_fits
@@ -515,20 +515,6 @@ def feedback_fits(x: torch.Tensor, feedback: Feedback | None) -> bool:
             and r.numel() == x.numel() and r.device == x.device
             and (keep is None or (keep.dtype == torch.bool and keep.dim() == 0
                                   and keep.device == x.device)))
-
-
-def feedback_args(x: torch.Tensor, feedback: Feedback | None) -> tuple[list, dict]:
-    """The kernels' ``(r, keep)`` pointers and constexprs for ``feedback`` (two views, made
-    once for a stage's two kernels, the amax pass and the encode). With ``(R, keep)`` the
-    kernels read ``Ũ = x + where(keep, R, 0)`` (``x + R`` when ``keep`` is ``None``; ``keep``
-    read in the kernel: no host read) and the encode writes its error into ``R`` in ``R``'s
-    dtype (BF16: rounded to nearest even, the bits of torch's ``.to(torch.bfloat16)``)."""
-    if feedback is None:
-        return [x, x], NO_FEEDBACK
-    r, keep = feedback
-    bf16 = r.dtype == torch.bfloat16
-    return ([r.view(torch.int16) if bf16 else r, x if keep is None else keep.view(torch.uint8)],
-            {"HAS_R": True, "HAS_KEEP": keep is not None, "BF16": bf16})
 
 
 def scale_rows(records) -> list[tuple[int, int]]:

@@ -27,13 +27,15 @@ seed: one int64 per shard).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..codecs import triton_fp4
 from ..codecs.block_records import ShardPlace, place
-from ..codecs.triton_fp8 import AmaxSlots
+from ..codecs.triton_fp8 import AmaxSlots, Launch
 from ..codecs.uniforms import StepSeed
-from .bound import BoundStages, guarded
+from .bound import RESIDUALS, BoundStages, guarded
 
 __all__ = ["BlockPlan", "BlockStages"]
 
@@ -93,10 +95,24 @@ class BlockPlan:
         return self._maps[key]
 
 
+class _Owner(NamedTuple):
+    """An owner shard's bound launches (:meth:`BlockStages._owner`)."""
+
+    place: triton_fp4.Bound
+    slots: AmaxSlots
+    amax: Launch  # no feedback
+    encode: Launch  # no feedback; the error where asked
+    encode_sum: Launch  # no feedback, no error: a reduction's sum
+    reduce: Launch  # the N senders' records of send_bytes(shard), back to back
+    numel: int
+
+
 class BlockStages(BoundStages):
     """A block-scaled layout's stages bound on one device (module notes, :mod:`.bound`): the
     send map's two launches and the gathered decode's two made at once, each owner shard's
-    on its first call (an empty shard: the torch path)."""
+    on its first call (an empty shard: the torch path); rounding to nearest, the encodes'
+    seed arguments fixed with them; the send's two with a residual's constexprs, per
+    residual dtype."""
 
     kernels = triton_fp4
     dtypes = (torch.float32, torch.bfloat16, torch.uint8)
@@ -104,73 +120,116 @@ class BlockStages(BoundStages):
     def __init__(self, plan: BlockPlan, device: torch.device) -> None:
         layout = self.layout = plan.layout
         self.plan, self.device, self.send_bytes = plan, device, plan.send_bytes
+        self.numel, self.record_bytes = layout.numel, layout.max_shard_bytes
         self.stochastic = layout.codec.rounding == "stochastic"
         self._send = self._encoder("send", (0, 0))
-        self.gather, self.finite_slot = plan.place("gather", device), plan.slots("finite", device)
-        self._owners: dict[int, tuple | None] = {}
+        gather, self.finite_slot = plan.place("gather", device), plan.slots("finite", device)
+        self.finite = gather.finite.bind(slot_ptr=self.finite_slot.buffer)
+        self.decode = gather.decode.bind(slot_ptr=self.finite_slot.buffer, POISON=True)
+        self._owners: dict[int, tuple | None] = {}  # None: an empty shard
+        self._feedback = {dtype: self._with_residual(dtype) for dtype in RESIDUALS}
 
     def _encoder(self, what, pad: tuple[int, int]):
         """``(placement, slots, amax launch, encode launch)`` of ``what``, slots and padding
-        fixed."""
+        fixed (and the seed arguments, rounding to nearest)."""
         b, slots = self.plan.place(what, self.device), self.plan.slots(what, self.device)
-        return (b, slots, b.amax.bind(slots_ptr=slots.buffer),
-                b.encode.bind(slots_ptr=slots.buffer, pad_lo=pad[0], pad_hi=pad[1]))
+        encode = b.encode.bind(slots_ptr=slots.buffer, pad_lo=pad[0], pad_hi=pad[1])
+        if not self.stochastic:
+            encode = encode.bind(seeds_ptr=b.p.seg_start, seed0=0, prefix=0, offset=0, SEEDS=0)
+        return b, slots, b.amax.bind(slots_ptr=slots.buffer), encode
 
-    def _owner(self, shard: int):
-        """Shard ``shard``'s :meth:`_encoder` with the record's padding, and the bytes every
-        sender hands over for it; or ``None`` (empty: the torch path)."""
-        found = self._owners.get(shard, ())
-        if found == ():
-            layout = self.layout
-            found = self._owners[shard] = None if layout.shard_numel(shard) == 0 else (
-                *self._encoder(shard, (layout.shard_bytes(shard), layout.max_shard_bytes)),
-                layout.send_bytes(shard))
+    def _owner(self, shard: int) -> _Owner | None:
+        """Shard ``shard``'s :class:`_Owner`: :meth:`_encoder` with the record's padding and
+        no feedback (an owner's values are its sum), the reduction of the ``N`` records; or
+        ``None`` (empty: the torch path, whose own work dwarfs this). Made on its first
+        call (the stages look it up in ``_owners`` first)."""
+        layout = self.layout
+        if layout.shard_numel(shard) == 0:
+            self._owners[shard] = None
+            return None
+        b, slots, amax, encode = self._encoder(shard, (layout.shard_bytes(shard),
+                                                       layout.max_shard_bytes))
+        encode, nbytes = encode.bind(HAS_R=False, KEEP=False), layout.send_bytes(shard)
+        found = self._owners[shard] = _Owner(
+            b, slots, amax.bind(HAS_R=False, KEEP=False, STORE_U=False), encode,
+            encode.bind(HAS_ERR=False, ERR_BF16=False),
+            b.reduce.bind(s_stride=nbytes, blk_stride=nbytes, code_stride=nbytes,
+                          n_senders=layout.world_size, slots_ptr=slots.buffer), b.p.numel)
         return found
 
-    def _encode(self, stage, u, error, feedback, seed, prefix, offset, out) -> None:
-        """The encoding pass of ``stage`` (:meth:`_encoder`) into the uint8 ``out``: the
-        amax slots' scales, the codes, the error into ``error`` or ``R`` (module notes);
-        rounded to nearest, or stochastically with the step's seed as kernel scalars
-        (:class:`~geofp8.codecs.uniforms.StepSeed`; without a seed every shard's is 0: a
+    def _seeds(self, b, seed, prefix, offset, device) -> dict:
+        """The stochastic encode's seed arguments: the step's seed as kernel scalars
+        (:class:`~geofp8.codecs.uniforms.StepSeed`), or without one every shard's 0 (a
         table, :func:`~geofp8.codecs.triton_fp4.seed_args`)."""
-        b, encode = stage[0], stage[3]
-        r, keep = feedback or (None, None)
-        error = error if r is None else r
-        seeds = None if not self.stochastic else [None] * self.layout.world_size \
-            if seed is None else StepSeed(seed, prefix, offset)
-        mode, (table, *scalars) = triton_fp4.seed_args(seeds, u.device)
-        bf16 = error is not None and error.dtype == torch.bfloat16
-        encode(u, u if r is None else r, triton_fp4.keep_arg(u, keep),
-               u if error is None else error.view(torch.int16) if bf16 else error,
-               out, out, out, seeds_ptr=b.p.seg_start if table is None else table,
-               seed0=scalars[0], prefix=scalars[1], offset=scalars[2], HAS_R=r is not None,
-               KEEP=keep is not None, HAS_ERR=error is not None, ERR_BF16=bf16, SEEDS=mode)
+        seeds = [None] * self.layout.world_size if seed is None else StepSeed(seed, prefix,
+                                                                               offset)
+        mode, (table, seed0, prefix, offset) = triton_fp4.seed_args(seeds, device)
+        return {"seeds_ptr": b.p.seg_start if table is None else table, "seed0": seed0,
+                "prefix": prefix, "offset": offset, "SEEDS": mode}
+
+    def _with_residual(self, dtype: torch.dtype) -> tuple:
+        """``(amax launch, encode launch, whether the error is written as int16)``: the
+        send's two with the constexprs of a residual ``R`` of ``dtype`` fixed (read in its
+        dtype, the error written in it: BF16's bits as int16); ``R``'s pointers and the
+        keep flag per call."""
+        _, _, amax, encode = self._send
+        bf16 = dtype == torch.bfloat16
+        return (amax.bind(HAS_R=True, STORE_U=False),
+                encode.bind(HAS_R=True, HAS_ERR=True, ERR_BF16=bf16), bf16)
 
     @guarded
     def send(self, flat, error, feedback, seed, sender):
-        """The send buffer of ``flat``: the amax pass of ``Ũ``, then the encoding pass; shard
-        ``j`` rounded with ``mix_seed(seed, sender, j)`` when stochastic."""
-        b, slots, amax, _ = self._send
-        r, keep = feedback or (None, None)
-        amax(flat, flat if r is None else r, triton_fp4.keep_arg(flat, keep), flat,
-             epoch=slots.next()[1], HAS_R=r is not None, KEEP=keep is not None, STORE_U=False)
+        """The send buffer of ``flat``: the amax pass of ``Ũ = flat + where(keep, R, 0)``
+        (``feedback = (R, keep)``; ``flat`` without), then the encoding pass (``Ũ`` made
+        again), the rounding error into ``R`` or ``error``; shard ``j`` rounded with
+        ``mix_seed(seed, sender, j)`` when stochastic."""
+        b, slots, amax, encode = self._send
+        seeds = self._seeds(b, seed, sender, 0, flat.device) if self.stochastic else {}
         sent = torch.empty(self.send_bytes, dtype=torch.uint8, device=flat.device)
-        self._encode(self._send, flat, error, feedback, seed, sender, 0, sent)
+        if feedback is None:
+            amax(flat, flat, flat, flat, epoch=next(slots.epochs), HAS_R=False, KEEP=False,
+                 STORE_U=False)
+            encode(flat, flat, flat, s_out=sent, blk_out=sent, code_out=sent, HAS_R=False,
+                   KEEP=False, **_error_args(error, flat), **seeds)
+            return sent
+        r, keep = feedback
+        amax, encode, bf16 = self._feedback[r.dtype]
+        keep_ptr = flat if keep is None else keep.view(torch.uint8)  # any pointer without
+        amax(flat, r, keep_ptr, flat, epoch=next(slots.epochs), KEEP=keep is not None)
+        encode(flat, r, keep_ptr, r.view(torch.int16) if bf16 else r, sent, sent, sent,
+               KEEP=keep is not None, **seeds)
         return sent
 
     @guarded
     def reduce_sum(self, received, shard):
         """``(the FP32 sum of the N senders' copies, in sender order from +0, read from their
         records back to back in received; its amax slots)``, one kernel."""
-        owner = self._owner(shard)
+        owner = self._owners.get(shard) or self._owner(shard)
+        return None if owner is None else (self._sum(owner, received), owner.slots.buffer)
+
+    @guarded
+    def reduce_encode(self, received, shard, seed):
+        """``(record, sum)``: the reduction of :meth:`reduce_sum` (its amax taken with it),
+        then the sum's encoding pass (:meth:`encode_reduced`'s, no error written); two
+        kernels."""
+        owner = self._owners.get(shard) or self._owner(shard)
         if owner is None:
             return None
-        b, slots, nbytes = owner[0], owner[1], owner[4]
-        out = torch.empty(b.p.numel, dtype=torch.float32, device=received.device)
-        # the first N records, rows of nbytes: each part's pointer and row stride
-        b.reduce(received, nbytes, received, nbytes, received, nbytes, self.layout.world_size,
-                 out, slots_ptr=slots.buffer, epoch=slots.next()[1])
-        return out, slots.buffer
+        total = self._sum(owner, received)
+        seeds = self._seeds(owner.place, seed, None, self.layout.world_size + shard,
+                            received.device) if self.stochastic else {}
+        record = torch.empty(self.record_bytes, dtype=torch.uint8, device=received.device)
+        owner.encode_sum(total, total, total, total, record, record, record, **seeds)
+        return record, total
+
+    @staticmethod
+    def _sum(owner: _Owner, received: torch.Tensor) -> torch.Tensor:
+        """The owner's reduction of the ``N`` records in ``received`` into a new FP32 vector
+        (and its amax into the next epoch of its slots)."""
+        out = torch.empty(owner.numel, dtype=torch.float32, device=received.device)
+        owner.reduce(received, blk_in=received, code_in=received, out_ptr=out,
+                     epoch=next(owner.slots.epochs))
+        return out
 
     @guarded
     def encode_reduced(self, values, shard, seed, error, bits):
@@ -178,16 +237,16 @@ class BlockStages(BoundStages):
         (unless ``bits`` of :meth:`reduce_sum` are given) and the encoding pass, re-encoded
         with ``mix_seed(seed, N + shard)`` when stochastic; ``error``: where the rounding
         error goes (FP32, may be ``values``)."""
-        owner = self._owner(shard)
+        owner = self._owners.get(shard) or self._owner(shard)
         if owner is None:
             return None
         if bits is None:
-            owner[2](values, values, values, values, epoch=owner[1].next()[1], HAS_R=False,
-                     KEEP=False, STORE_U=False)
-        record = torch.empty(self.layout.max_shard_bytes, dtype=torch.uint8,
-                             device=values.device)
-        self._encode(owner, values, error, None, seed, None, self.layout.world_size + shard,
-                     record)
+            owner.amax(values, values, values, values, epoch=next(owner.slots.epochs))
+        seeds = self._seeds(owner.place, seed, None, self.layout.world_size + shard,
+                            values.device) if self.stochastic else {}
+        record = torch.empty(self.record_bytes, dtype=torch.uint8, device=values.device)
+        owner.encode(values, values, values, s_out=record, blk_out=record, code_out=record,
+                     **_error_args(error, values), **seeds)
         return record
 
     @guarded
@@ -195,14 +254,22 @@ class BlockStages(BoundStages):
         """``(values, finite)``: the flat vector from the all-gather's ``N`` padded records
         (``/ divide`` when given), all NaN unless every scale is finite, and that flag
         (written into the 0-dim uint8 ``flag`` when given: a step's slot): two kernels."""
-        values = out if out is not None else torch.empty(self.layout.numel, dtype=torch.float32,
+        values = out if out is not None else torch.empty(self.numel, dtype=torch.float32,
                                                          device=gathered.device)
         if flag is None:
             flag = torch.empty((), dtype=torch.uint8, device=gathered.device)
-        slot, epoch = self.finite_slot.next()
-        b = self.gather
-        b.finite(gathered, gathered, slot_ptr=slot, epoch=epoch)
-        b.decode(gathered, gathered, gathered, values, slot_ptr=slot, epoch=epoch,
-                 flag_ptr=flag, divisor=float(divide or 1), DIVIDE=divide is not None,
-                 POISON=True)
+        epoch = next(self.finite_slot.epochs)
+        self.finite(gathered, gathered, epoch=epoch)
+        self.decode(gathered, gathered, gathered, values, epoch=epoch, flag_ptr=flag,
+                    divisor=float(divide or 1), DIVIDE=divide is not None)
         return values, flag.view(torch.bool)
+
+
+def _error_args(error: torch.Tensor | None, anywhere: torch.Tensor | None = None) -> dict:
+    """The encoding pass's arguments for the rounding error written into ``error`` (FP32, or
+    BF16 through its bits as int16), or for none (its pointer ``anywhere``)."""
+    if error is None:
+        return {"err_ptr": anywhere, "HAS_ERR": False, "ERR_BF16": False}
+    bf16 = error.dtype == torch.bfloat16
+    return {"err_ptr": error.view(torch.int16) if bf16 else error, "HAS_ERR": True,
+            "ERR_BF16": bf16}

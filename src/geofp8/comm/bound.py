@@ -11,7 +11,8 @@ and launch (:class:`~geofp8.codecs.triton_fp8.Launch`). Its protocol:
 * ``reduce_sum(received, shard)`` — ``(sum, its amax slots)`` of the ``N`` received copies;
 * ``encode_reduced(values, shard, seed, error, bits)`` — the owner's padded record, the
   values' amax taken unless ``bits`` (``reduce_sum``'s) are given;
-* ``reduce_encode(received, shard, seed)`` — ``(record, sum)``, the two above;
+* ``reduce_encode(received, shard, seed)`` — ``(record, sum)``, the two above in one
+  stage (one owner lookup, the sum's amax from the reduction);
 * ``decode_gathered(gathered, out, divide, flag)`` — ``(values, finite)``.
 
 Each returns ``None`` where the torch path must run the call instead: a kernel failed (its
@@ -37,6 +38,7 @@ import torch
 __all__ = ["BoundStages", "guarded"]
 
 _CONTIGUOUS, _DTYPE = torch.Tensor.is_contiguous, operator.attrgetter("dtype")
+RESIDUALS = (torch.float32, torch.bfloat16)  # an error feedback residual's dtypes
 
 
 def guarded(stage):
@@ -66,12 +68,3 @@ class BoundStages:
         tensors = (first,) if other is None else (first, other)  # (no Python per tensor)
         return cls.kernels.available(*tensors) and all(map(_CONTIGUOUS, tensors)) \
             and all(map(cls.dtypes.__contains__, map(_DTYPE, tensors)))
-
-    def reduce_encode(self, received: torch.Tensor, shard: int, seed: int | None):
-        """The owner of ``shard``: ``(its record, the FP32 sum it encodes)``, the sum's amax
-        taken from the reduction (``reduce_sum`` then ``encode_reduced``)."""
-        summed = self.reduce_sum(received, shard)
-        if summed is None:
-            return None
-        record = self.encode_reduced(summed[0], shard, seed, None, summed[1])
-        return None if record is None else (record, summed[0])

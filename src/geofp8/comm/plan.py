@@ -30,7 +30,7 @@ import torch
 from ..codecs import triton_fp4, triton_fp8
 from ..codecs.triton_fp8 import TILE, Launch
 from .block_plan import BlockPlan, BlockStages
-from .bound import BoundStages, guarded
+from .bound import RESIDUALS, BoundStages, guarded
 
 __all__ = ["FP8Stages", "FusedPlan"]
 
@@ -60,8 +60,12 @@ class FusedPlan:
         per device, when they run on ``first`` and ``other`` (:meth:`runs`); else ``None``
         (the torch path). Once bound on a device: one lookup and the tensors' check."""
         found = self._bound.get(first.device)  # False: not batched on this device
-        if found is not None:
-            return found if found and found.takes(first, other) else None
+        if found:
+            return found if found.takes(first, other) else None
+        return None if found is False else self._bind(first, other)
+
+    def _bind(self, first: torch.Tensor, other: torch.Tensor | None) -> BoundStages | None:
+        """:meth:`bound`'s first call on ``first``'s device."""
         stages, device = self._stages, first.device
         if stages is None or not stages.takes(first, other):
             return None
@@ -143,13 +147,15 @@ class FusedPlan:
 class FP8Stages(BoundStages):
     """A one-codec FP8 layout's stages bound on one device (:mod:`.bound`): the send map's
     two launches and the gathered decode's two made at once, each owner shard's on its
-    first call."""
+    first call; the send's two with a residual's constexprs, per residual dtype."""
 
     kernels = triton_fp8
     dtypes = _PLAIN
 
     def __init__(self, plan: FusedPlan, device: torch.device) -> None:
+        layout = plan.layout
         self.plan, self.device, self.send_bytes = plan, device, plan.send_bytes
+        self.numel, self.record_bytes = layout.numel, layout.max_shard_bytes
         self.fmt = {"E5M2": plan.fmt == "e5m2", "TILE": TILE}
         self._send = self._encoder("send", (0, 0))
         rows, gather = plan.scale_rows(device), plan.tiles("gather", device)
@@ -160,6 +166,7 @@ class FP8Stages(BoundStages):
                              slot_ptr=self.finite_slot.buffer, tiles_ptr=gather, **self.fmt,
                              **triton_fp8._NO_FUSION)
         self._owners: dict[int, tuple] = {}
+        self._feedback = {dtype: self._with_residual(dtype) for dtype in RESIDUALS}
 
     def _encoder(self, what, pad: tuple[int, int]) -> tuple:
         """``(slots, amax launch, encode launch)`` of ``what``'s tile map, slots and padding
@@ -174,68 +181,95 @@ class FP8Stages(BoundStages):
                        **triton_fp8._NO_FUSION))
 
     def _owner(self, shard: int) -> tuple:
-        """Shard ``shard``'s :meth:`_encoder` with the record's padding, and its reduction."""
-        found = self._owners.get(shard)
-        if found is None:
-            plan, layout = self.plan, self.plan.layout
-            slots, amax, encode = self._encoder(shard, (layout.shard_bytes(shard),
-                                                        layout.max_shard_bytes))
-            tiles = plan.tiles(shard, self.device)
-            reduce = Launch(triton_fp8._reduce_kernel, (tiles.shape[0],), bits_ptr=slots.buffer,
-                            tiles_ptr=tiles, n_senders=layout.world_size,
-                            record=layout.send_bytes(shard), **self.fmt,
-                            **triton_fp8._NO_FUSION)
-            found = self._owners[shard] = (slots, amax, encode, reduce,
-                                           plan.shard_numels[shard])
+        """Shard ``shard``'s ``(slots, amax, encode, the encode of a sum (no error written),
+        reduction, values)``: :meth:`_encoder` with the record's padding and no feedback
+        (an owner's values are its sum); made on its first call (the stages look it up in
+        ``_owners`` first)."""
+        plan, layout = self.plan, self.plan.layout
+        slots, amax, encode = self._encoder(shard, (layout.shard_bytes(shard),
+                                                    layout.max_shard_bytes))
+        tiles, encode = plan.tiles(shard, self.device), encode.bind(**triton_fp8.NO_FEEDBACK)
+        reduce = Launch(triton_fp8._reduce_kernel, (tiles.shape[0],), bits_ptr=slots.buffer,
+                        tiles_ptr=tiles, n_senders=layout.world_size,
+                        record=layout.send_bytes(shard), **self.fmt, **triton_fp8._NO_FUSION)
+        found = self._owners[shard] = (slots, amax.bind(**triton_fp8.NO_FEEDBACK), encode,
+                                       encode.bind(HAS_ERR=False), reduce,
+                                       plan.shard_numels[shard])
         return found
+
+    def _with_residual(self, dtype: torch.dtype) -> tuple:
+        """``(amax launch, encode launch, whether R is read as int16)``: the send's two with
+        the constexprs of a residual ``R`` of ``dtype`` fixed (BF16: its bits, read as int16,
+        are the FP32's high half); ``R``'s pointer and the keep flag per call."""
+        _, amax, encode = self._send
+        bf16 = dtype == torch.bfloat16
+        flags = {"HAS_R": True, "BF16": bf16}
+        return amax.bind(**flags), encode.bind(HAS_ERR=True, **flags), bf16
 
     @guarded
     def send(self, flat, error, feedback, seed, sender):
-        """The send buffer of ``flat`` (``Ũ``, see :func:`~geofp8.codecs.triton_fp8.
-        feedback_args`): its groups' amax, then the codes and scales where they travel and
-        the error into ``error`` (or ``R``); FP8 rounds to nearest whatever the seed."""
+        """The send buffer of ``flat``: its groups' amax, then the codes and scales where
+        they travel and the error into ``error``; FP8 rounds to nearest whatever the seed.
+        ``feedback = (R, keep)`` (:func:`~geofp8.codecs.triton_fp8.feedback_fits`): both
+        read ``Ũ = flat + where(keep, R, 0)`` (``keep`` read in the kernel: no host read)
+        and the encode writes its error into ``R`` in ``R``'s dtype (BF16: rounded to
+        nearest even, the bits of torch's ``.to(torch.bfloat16)``)."""
         slots, amax, encode = self._send
-        (r, keep), flags = triton_fp8.feedback_args(flat, feedback)
-        amax(flat, r, keep, flat, epoch=slots.next()[1], **flags)
         sent = torch.empty(self.send_bytes, dtype=torch.uint8, device=flat.device)
-        encode(flat, r, keep, out_ptr=sent,
-               err_ptr=r if feedback is not None else flat if error is None else error,
-               HAS_ERR=feedback is not None or error is not None, **flags)
+        if feedback is None:
+            amax(flat, flat, flat, flat, epoch=next(slots.epochs), **triton_fp8.NO_FEEDBACK)
+            encode(flat, flat, flat, out_ptr=sent, err_ptr=flat if error is None else error,
+                   HAS_ERR=error is not None, **triton_fp8.NO_FEEDBACK)
+            return sent
+        r, keep = feedback
+        amax, encode, bf16 = self._feedback[r.dtype]
+        ptr = r.view(torch.int16) if bf16 else r
+        keep_ptr = flat if keep is None else keep.view(torch.uint8)  # any pointer without
+        amax(flat, ptr, keep_ptr, flat, epoch=next(slots.epochs), HAS_KEEP=keep is not None)
+        encode(flat, ptr, keep_ptr, out_ptr=sent, err_ptr=ptr, HAS_KEEP=keep is not None)
         return sent
 
     @guarded
     def reduce_sum(self, received, shard):
         """``(sum, its amax slots)``: the ``N`` received records decoded and summed in FP32
         sender after sender from +0, and the sum's groups' amax; one kernel."""
-        slots, _, _, reduce, numel = self._owner(shard)
+        slots, _, _, _, reduce, numel = self._owners.get(shard) or self._owner(shard)
         out = torch.empty(numel, dtype=torch.float32, device=received.device)
-        reduce(received, out, epoch=slots.next()[1])
+        reduce(received, out, epoch=next(slots.epochs))
         return out, slots.buffer
+
+    @guarded
+    def reduce_encode(self, received, shard, seed):
+        """``(record, sum)``: the reduction of :meth:`reduce_sum` (its amax taken with it),
+        then the sum's encode (:meth:`encode_reduced`'s, no error written); two kernels."""
+        slots, _, _, encode, reduce, numel = self._owners.get(shard) or self._owner(shard)
+        total = torch.empty(numel, dtype=torch.float32, device=received.device)
+        reduce(received, total, epoch=next(slots.epochs))
+        record = torch.empty(self.record_bytes, dtype=torch.uint8, device=received.device)
+        encode(total, total, total, out_ptr=record, err_ptr=total)
+        return record, total
 
     @guarded
     def encode_reduced(self, values, shard, seed, error, bits):
         """Shard ``shard``'s record, zero-padded to ``max_shard_bytes`` (the amax pass unless
         ``bits`` are given, then the encode; the error into ``error`` when given)."""
-        slots, amax, encode = self._owner(shard)[:3]
+        slots, amax, encode = (self._owners.get(shard) or self._owner(shard))[:3]
         if bits is None:
-            amax(values, values, values, values, epoch=slots.next()[1],
-                 **triton_fp8.NO_FEEDBACK)
-        record = torch.empty(self.plan.layout.max_shard_bytes, dtype=torch.uint8,
-                             device=values.device)
+            amax(values, values, values, values, epoch=next(slots.epochs))
+        record = torch.empty(self.record_bytes, dtype=torch.uint8, device=values.device)
         encode(values, values, values, out_ptr=record,
-               err_ptr=values if error is None else error, HAS_ERR=error is not None,
-               **triton_fp8.NO_FEEDBACK)
+               err_ptr=values if error is None else error, HAS_ERR=error is not None)
         return record
 
     @guarded
     def decode_gathered(self, gathered, out, divide, flag):
         """``(values, finite)`` from the ``N`` padded records: the finite check, then the
         decode (``/ divide``), all NaN unless finite, the flag into ``flag`` when given."""
-        values = out if out is not None else torch.empty(
-            self.plan.layout.numel, dtype=torch.float32, device=gathered.device)
+        values = out if out is not None else torch.empty(self.numel, dtype=torch.float32,
+                                                         device=gathered.device)
         if flag is None:
             flag = torch.empty((), dtype=torch.uint8, device=gathered.device)
-        epoch = self.finite_slot.next()[1]
+        epoch = next(self.finite_slot.epochs)
         self.finite(gathered, epoch=epoch)
         self.decode(gathered, values, epoch=epoch, flag_ptr=flag, divisor=float(divide or 1),
                     DIVIDE=divide is not None)
