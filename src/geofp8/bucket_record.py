@@ -39,6 +39,9 @@ class BucketRecord:
     slots: tuple  # (offset, numel, shape, T) of each tensor on a map (Encoded.slots)
     layout: ShardLayout
     side_bytes: int  # sender-factor bytes this rank sends the others (none on this path)
+    # the layout's fused stages bound for the bucket's flat vector and residual, checked once
+    # here (both kept while the record is: the same buffer, the same version), or None
+    bound: object = None
 
 
 class RecordedDecisions:

@@ -60,6 +60,7 @@ class _AllToAll(NamedTuple):
     out: torch.Tensor | None
     then: Then  # applied before the result is set
     divide: int | None
+    bound: object  # the layout's BoundStages for its buffers, or None: each stage checks
 
 
 def wire_bytes(layout: ShardLayout, rank: int, collective: str) -> int:
@@ -125,11 +126,21 @@ class Communicator:
     ``flag_slot(device)``: where the fused decode of a launch's gathered shards writes its
     finite flag (a 0-dim uint8, e.g. :meth:`geofp8.verdict.StepVerdict.slot`; ``None``:
     a new one), the flag handed to ``then``.
+
+    Fused stages: a launch given ``bound`` hands them to its later stages
+    (:func:`reduce_encode`, :func:`decode_gathered_flagged`), whose inputs this
+    communicator allocated itself (contiguous uint8 on ``sent``'s device) or were checked
+    with them (``out``): no check per stage (a kernel that fails falls back to the torch
+    path in its stage).
+
+    ``on_failure()``: called on this thread before a launch's future is failed (a stage or
+    ``then`` raised), e.g. the DDP hook's rollback of its step.
     """
 
     owner = None  # ErrorFeedback of the owners' re-quantization, when enabled
     flag_slot: Callable[[torch.device], torch.Tensor | None] | None = None
     owner_route = None  # the coordinates its residuals are kept in (the identity transform)
+    on_failure: Callable[[], None] | None = None
 
     def __init__(self, collective: str, group: DeviceGroup, kind: str = "payload",
                  stream: SideStream | None = None, lag: int = 1):
@@ -149,7 +160,7 @@ class Communicator:
                unmap=None, gather: bool = True, seed: int | None = None,
                owner_keys: list[str | None] | None = None,
                out: torch.Tensor | None = None, then: Then | None = None,
-               divide: int | None = None) -> torch.futures.Future:
+               divide: int | None = None, bound=None) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
         (mapped back per sender by ``unmap(rows, sides)`` first, see :func:`decode_sum`).
         ``gather=False`` stops after the FP32 sum (a reduce-scatter): the value is this
@@ -166,7 +177,10 @@ class Communicator:
         future's value instead, run by this thread under :attr:`stream` before the future is
         completed; ``finite``: the 0-dim bool device flag "every element of the value is
         finite" where the collective has it (the fused decode's; ``None``: not known).
-        ``sent`` is the communicator's from here: its memory is freed once it is sent."""
+        ``sent`` is the communicator's from here: its memory is freed once it is sent.
+        ``bound``: the layout's fused stages (:meth:`~geofp8.comm.plan.FusedPlan.bound`)
+        bound already for ``sent`` and ``out``, e.g. when ``sent`` was encoded (class
+        notes); ``None``: each stage checks for itself."""
         with self._side():
             self._flush(keep=self.lag - 1)  # (already under the stream: no nested entries)
             self._complete(block=False)
@@ -185,7 +199,8 @@ class Communicator:
             work = self.group.all_to_all(recv, sent, route.received, route.sends, self.kind)
             self._in_flight.append(_AllToAll(
                 work, sent, recv, layout, result, unmap, gather, seed,
-                owner_keys if self.owner is not None else None, out, then or _same, divide))
+                owner_keys if self.owner is not None else None, out, then or _same, divide,
+                bound))
             if last:
                 self._flush()  # issue the all-gather now, from this thread (class notes)
                 self._complete(block=True)
@@ -221,7 +236,7 @@ class Communicator:
                 work.wait()
                 result.set_result(finish())
             except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-                result.set_exception(exc)
+                fail(result, exc, self.on_failure)
 
     def reset(self) -> None:
         """Drop unfinished launches (after a failed step): their collectives' results are
@@ -237,18 +252,17 @@ class Communicator:
     def _flush(self, keep: int = 0) -> None:
         while len(self._in_flight) > keep:
             launch = self._in_flight.pop(0)
-            launch.work.wait()
+            launch.work.wait()  # (raises if the all-to-all failed)
             self._gather(launch)
 
     def _gather(self, launch: _AllToAll) -> None:
         layout = launch.layout
         try:
-            launch.work.get_future().value()
-            release(launch.sent)
+            release(launch.sent)  # (its all-to-all waited for: _flush)
             pieces = self._pieces(layout, launch.keys) if launch.keys is not None else []
             if launch.gather and launch.unmap is None and not pieces:  # the fused kernels' case
                 shard = reduce_encode(launch.recv, layout, self.rank, launch.seed,
-                                      scratch=launch.out)[0]
+                                      scratch=launch.out, bound=launch.bound)[0]
                 release(launch.recv)
             else:
                 # `out` is not read again (see launch): the senders' copies are decoded there
@@ -268,7 +282,7 @@ class Communicator:
                 for key, lo, hi in pieces:
                     self.owner.stage(key, reduced[lo:hi], self.owner_route)
         except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-            launch.result.set_exception(exc)
+            fail(launch.result, exc, self.on_failure)
             return
         gathered, work = self.group.all_gather(shard, self.kind, async_op=True)
         self._pending.append((work, functools.partial(self._finish, launch, shard, gathered),
@@ -280,7 +294,7 @@ class Communicator:
         shards decoded (with its finite flag, in :attr:`flag_slot`'s slot), ``then``."""
         flag = self.flag_slot(shard.device) if self.flag_slot is not None else None
         total, finite = decode_gathered_flagged(gathered, launch.layout, launch.out,
-                                                launch.divide, flag)
+                                                launch.divide, flag, bound=launch.bound)
         release(shard, gathered)
         return launch.then(total, finite)
 
@@ -315,6 +329,14 @@ class Communicator:
 
 def _same(value: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
     return value
+
+
+def fail(result: torch.futures.Future, exc: Exception,
+         on_failure: Callable[[], None] | None) -> None:
+    """``result`` failed with ``exc``, ``on_failure()`` called first (when given)."""
+    if on_failure is not None:
+        on_failure()
+    result.set_exception(exc)
 
 
 def device_future(device: torch.device) -> torch.futures.Future:
