@@ -123,7 +123,7 @@ class BucketPath:
                                         bound=bound)
             self.feedback.restage(record.names)
         else:
-            sent = encode(flat, record.layout, None, seed, sender=self.group.rank)
+            sent = encode(flat, record.layout, None, seed, self.group.rank, bound)
         return Encoded(sent, record.layout, record.names, record.shapes, record.routes,
                        record.per_sender, record.side_bytes, record.slots, record, bound)
 

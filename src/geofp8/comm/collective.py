@@ -284,7 +284,8 @@ class Communicator:
         except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
             fail(launch.result, exc, self.on_failure)
             return
-        gathered, work = self.group.all_gather(shard, self.kind, async_op=True)
+        # the N records back to back, as the decode reads them
+        gathered, work = self.group.all_gather(shard, self.kind, async_op=True, flat=True)
         self._pending.append((work, functools.partial(self._finish, launch, shard, gathered),
                               launch.result))
 

@@ -41,13 +41,13 @@ def _shard_seed(seed: int | None, *index: int) -> int | None:
 
 def encode(flat: torch.Tensor, layout: ShardLayout,
            side: list[torch.Tensor] | None = None, seed: int | None = None,
-           sender: int = 0) -> torch.Tensor:
+           sender: int = 0, bound: BoundStages | None = None) -> torch.Tensor:
     """Stage 1: every shard quantized with its own scales (then its ``side`` bytes, if any),
     one after the other in one uint8 buffer; ``sender``: this rank (its rounding stream).
     Batched (:attr:`ShardLayout.kernels`) or segmentwise: one codec call over the bucket
     (the kernels do not grow with ``N``, :meth:`ShardLayout.encode_pieces`); else chunked:
-    shard by shard straight into the buffer."""
-    return _encode(flat, layout, side, seed, sender)[0]
+    shard by shard straight into the buffer. ``bound``: as :func:`encode_with_error`'s."""
+    return _encode(flat, layout, side, seed, sender, bound=bound)[0]
 
 
 def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
@@ -106,11 +106,15 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
 
 def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | None,
             seed: int | None, sender: int, with_error: bool = False,
-            error_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            error_out: torch.Tensor | None = None, bound: BoundStages | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(sent, the rounding error when with_error, else None)``; the error is written into
-    ``error_out`` where the layout's codec call can (see :meth:`ShardLayout.encode_pieces`)."""
+    ``error_out`` where the layout's codec call can (see :meth:`ShardLayout.encode_pieces`).
+    ``bound``: the fused stages bound for ``flat`` already (without ``with_error``)."""
     n = layout.world_size
-    fused = None if with_error or side else layout.plan.bound(flat)
+    fused = bound
+    if fused is None and not (with_error or side):
+        fused = layout.plan.bound(flat)
     if fused is not None and (sent := fused.send(flat, None, None, seed, sender)) is not None:
         return sent, None
     if not side and (done := layout.encode_send(flat, seed, sender, with_error,
