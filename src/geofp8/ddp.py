@@ -26,7 +26,8 @@ was non-finite on any rank returns NaN for its buckets on every rank (the exact 
 poisons the whole bucket everywhere, so ``GradScaler`` or the caller skips it); its
 statistics and selections are not kept and the residuals it wrote are reset to zero (on the
 device: :mod:`geofp8.feedback`); it is counted in ``stats()["skipped_steps"]``. An exception
-inside the hook rolls the step back (its residuals reset likewise).
+inside the hook, or in a bucket's collective after it (the communicator's ``on_failure``,
+before the bucket's future fails), rolls the step back (its residuals reset likewise).
 """
 
 # No `from __future__ import annotations`: DDP inspects the hooks' annotations at runtime.

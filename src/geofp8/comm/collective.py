@@ -127,12 +127,6 @@ class Communicator:
     finite flag (a 0-dim uint8, e.g. :meth:`geofp8.verdict.StepVerdict.slot`; ``None``:
     a new one), the flag handed to ``then``.
 
-    Fused stages: a launch given ``bound`` hands them to its later stages
-    (:func:`reduce_encode`, :func:`decode_gathered_flagged`), whose inputs this
-    communicator allocated itself (contiguous uint8 on ``sent``'s device) or were checked
-    with them (``out``): no check per stage (a kernel that fails falls back to the torch
-    path in its stage).
-
     ``on_failure()``: called on this thread before a launch's future is failed (a stage or
     ``then`` raised), e.g. the DDP hook's rollback of its step.
     """
@@ -179,8 +173,9 @@ class Communicator:
         finite" where the collective has it (the fused decode's; ``None``: not known).
         ``sent`` is the communicator's from here: its memory is freed once it is sent.
         ``bound``: the layout's fused stages (:meth:`~geofp8.comm.plan.FusedPlan.bound`)
-        bound already for ``sent`` and ``out``, e.g. when ``sent`` was encoded (class
-        notes); ``None``: each stage checks for itself."""
+        bound already for ``sent`` and ``out``, e.g. when ``sent`` was encoded: handed to
+        the later stages, whose other inputs this communicator allocates (contiguous uint8
+        on ``sent``'s device), with no check of their own; ``None``: each stage checks."""
         with self._side():
             self._flush(keep=self.lag - 1)  # (already under the stream: no nested entries)
             self._complete(block=False)
