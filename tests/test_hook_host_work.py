@@ -28,8 +28,9 @@ METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_laun
 # the collective's arguments bound per layout, the ledger's adds without a lock and the
 # bucket's figures made once (q40a) 219, 230 and 252; grown at ff7ad82 to 225, 236 and 258;
 # with the kernels' availability checked without Python per tensor and no map call for a
-# bucket without maps (r40a) 219, 230 and 252 again
-MOST = 230
+# bucket without maps (r40a) 219, 230 and 252 again; with the bucket's residual restaged in
+# place, no decode call nor future callback per bucket (s40b) 217, 225 and 247
+MOST = 225
 
 
 def _hook_lines(method: str, tensors: int) -> int:
