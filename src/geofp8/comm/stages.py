@@ -313,11 +313,15 @@ def decode_gathered_flagged(gathered: torch.Tensor | list[torch.Tensor], layout:
     bool flag "every scale finite" (``values`` are all NaN unless it is set, and finite
     where it is), written into the 0-dim uint8 ``flag`` when given (a step's slot,
     :class:`geofp8.verdict.StepVerdict`); ``None`` from the torch path (check the values,
-    :func:`all_finite`). ``bound``: as :func:`reduce_encode`'s, for ``gathered`` and
-    ``out``."""
+    :func:`all_finite`). ``bound``: as :func:`reduce_encode`'s, for ``gathered`` (then the
+    records back to back, 1-D) and ``out``."""
+    if bound is not None:  # a launch's: its all-gather's buffer as gathered
+        done = bound.decode_gathered(gathered, out, divide, flag)
+        if done is not None:
+            return done
     if isinstance(gathered, torch.Tensor) and gathered.dim() != 1:
         gathered = gathered.view(-1)
-    fused = layout.plan.bound(_first(gathered), out) if bound is None else bound
+    fused = layout.plan.bound(_first(gathered), out)
     if fused is not None:
         joined = gathered if isinstance(gathered, torch.Tensor) else torch.cat(gathered)
         if (done := fused.decode_gathered(joined, out, divide, flag)) is not None:
