@@ -6,7 +6,6 @@ re-encode, all-gather (see :mod:`geofp8.comm.stages`). Per rank and element that
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -43,24 +42,6 @@ class _Route(NamedTuple):
     received: list[int]
     sends: list[int]
     received_total: int
-
-
-class _AllToAll(NamedTuple):
-    """A launch whose all-to-all is in flight: what its all-gather stage needs."""
-
-    work: object  # the all-to-all's Work
-    sent: torch.Tensor
-    recv: torch.Tensor
-    layout: ShardLayout
-    result: torch.futures.Future
-    unmap: object  # per-sender decoding (see decode_sum), or None
-    gather: bool
-    seed: int | None
-    keys: list[str | None] | None  # owner residual keys, None without owner feedback
-    out: torch.Tensor | None
-    then: Then  # applied before the result is set
-    divide: int | None
-    bound: object  # the layout's BoundStages for its buffers, or None: each stage checks
 
 
 def wire_bytes(layout: ShardLayout, rank: int, collective: str) -> int:
@@ -145,7 +126,8 @@ class Communicator:
             raise ValueError(f"lag must be >= 1, got {lag}")
         self.stream, self.lag = stream, lag
         self.rank = group.rank
-        self._in_flight: list[_AllToAll] = []  # all-to-alls whose all-gather is not issued
+        # (work, run, result) of the launches whose all-to-all's all-gather is not issued
+        self._in_flight: list[tuple] = []
         self._pending: list = []  # (work, finish, result): results this thread completes
         self._routes: dict[int, _Route] = {}  # id(layout) -> its all-to-all's arguments
         self._side = stream.use if stream is not None else contextlib.nullcontext
@@ -189,13 +171,10 @@ class Communicator:
                 return result
             # the exact collective's first hop; its all-gather is issued `lag` launches later
             result = device_future(sent.device)
-            route = self._route(layout)
-            recv = sent.new_empty(route.received_total, dtype=torch.uint8)
-            work = self.group.all_to_all(recv, sent, route.received, route.sends, self.kind)
-            self._in_flight.append(_AllToAll(
-                work, sent, recv, layout, result, unmap, gather, seed,
-                owner_keys if self.owner is not None else None, out, then or _same, divide,
-                bound))
+            run = self._exact(sent, layout, unmap, gather, seed,
+                              owner_keys if self.owner is not None else None, out,
+                              then or _same, divide, bound, result)
+            self._in_flight.append((next(run), run, result))  # its all-to-all issued
             if last:
                 self._flush()  # issue the all-gather now, from this thread (class notes)
                 self._complete(block=True)
@@ -246,63 +225,63 @@ class Communicator:
 
     def _flush(self, keep: int = 0) -> None:
         while len(self._in_flight) > keep:
-            launch = self._in_flight.pop(0)
-            launch.work.wait()  # (raises if the all-to-all failed)
-            self._gather(launch)
+            work, run, result = self._in_flight.pop(0)
+            work.wait()  # (raises if the all-to-all failed)
+            self._gather(run, result)
 
-    def _gather(self, launch: _AllToAll) -> None:
-        layout = launch.layout
+    def _gather(self, run, result: torch.futures.Future) -> None:
+        """Run a launch's second hop (its all-to-all done): its all-gather pending, or for a
+        reduce-scatter its result set."""
         try:
-            release(launch.sent)  # (its all-to-all waited for: _flush)
-            pieces = self._pieces(layout, launch.keys) if launch.keys is not None else []
-            if launch.gather and launch.unmap is None and not pieces:  # the fused kernels' case
-                shard = reduce_encode(launch.recv, layout, self.rank, launch.seed,
-                                      scratch=launch.out, bound=launch.bound)[0]
-                release(launch.recv)
-            else:
-                # `out` is not read again (see launch): the senders' copies are decoded there
-                reduced = decode_sum(launch.recv, layout, self.rank, launch.unmap,
-                                     scratch=launch.out)
-                release(launch.recv)
-                if not launch.gather:
-                    launch.result.set_result(launch.then(reduced, None))
-                    return
-                for key, lo, hi in pieces:
-                    residual = self.owner.residual_in(key, self.owner_route)
-                    if residual is not None:
-                        reduced[lo:hi] += residual
-                # the owner's rounding error, written over the sum (not read again)
-                shard = encode_reduced(reduced, layout, self.rank, launch.seed,
-                                       error_out=reduced if pieces else None)
-                for key, lo, hi in pieces:
-                    self.owner.stage(key, reduced[lo:hi], self.owner_route)
-        except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-            fail(launch.result, exc, self.on_failure)
+            work = next(run)
+        except StopIteration:  # a reduce-scatter: done
             return
+        except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
+            fail(result, exc, self.on_failure)
+            return
+        self._pending.append((work, run.__next__, result))
+
+    def _exact(self, sent: torch.Tensor, layout: ShardLayout, unmap, gather: bool,
+               seed: int | None, keys: list[str | None] | None, out: torch.Tensor | None,
+               then: Then, divide: int | None, bound, result: torch.futures.Future):
+        """One launch of the exact collective, run by this thread hop by hop (a generator,
+        its locals the launch's state): it issues the all-to-all and yields its work; once
+        that is done (:meth:`_flush`), it sums and re-encodes this rank's shard, issues the
+        all-gather and yields its work (a reduce-scatter sets ``result`` instead); once that
+        is done (:meth:`_complete`), it decodes the gathered shards and yields the value."""
+        route = self._route(layout)
+        recv = sent.new_empty(route.received_total, dtype=torch.uint8)
+        yield self.group.all_to_all(recv, sent, route.received, route.sends, self.kind)
+        release(sent)
+        pieces = _pieces(layout, self.rank, keys) if keys is not None else ()
+        if gather and unmap is None and not pieces:  # the fused kernels' case
+            shard = reduce_encode(recv, layout, self.rank, seed, scratch=out, bound=bound)[0]
+            release(recv)
+        else:
+            # `out` is not read again (see launch): the senders' copies are decoded there
+            reduced = decode_sum(recv, layout, self.rank, unmap, scratch=out)
+            release(recv)
+            if not gather:
+                result.set_result(then(reduced, None))
+                return
+            for key, lo, hi in pieces:
+                residual = self.owner.residual_in(key, self.owner_route)
+                if residual is not None:
+                    reduced[lo:hi] += residual
+            # the owner's rounding error, written over the sum (not read again)
+            shard = encode_reduced(reduced, layout, self.rank, seed,
+                                   error_out=reduced if pieces else None)
+            for key, lo, hi in pieces:
+                self.owner.stage(key, reduced[lo:hi], self.owner_route)
         # the N records back to back, as the decode reads them
         gathered, work = self.group.all_gather(shard, self.kind, async_op=True, flat=True)
-        self._pending.append((work, functools.partial(self._finish, launch, shard, gathered),
-                              launch.result))
-
-    def _finish(self, launch: _AllToAll, shard: torch.Tensor, gathered: torch.Tensor
-                ) -> torch.Tensor:
-        """The last hop of ``launch`` once its all-gather of ``shard`` is done: the gathered
-        shards decoded (with its finite flag, in :attr:`flag_slot`'s slot), ``then``."""
+        yield work
+        # its finite flag in flag_slot's slot
         flag = self.flag_slot(shard.device) if self.flag_slot is not None else None
-        total, finite = decode_gathered_flagged(gathered, launch.layout, launch.out,
-                                                launch.divide, flag, bound=launch.bound)
+        total, finite = decode_gathered_flagged(gathered, layout, out, divide, flag,
+                                                bound=bound)
         release(shard, gathered)
-        return launch.then(total, finite)
-
-    def _pieces(self, layout: ShardLayout, keys: list[str | None]
-                ) -> list[tuple[str, int, int]]:
-        """``(tensor name, start, end)`` of each keyed tensor's piece of this rank's shard."""
-        out, pos = [], 0
-        for (lo, hi), index in zip(layout.segments[self.rank], layout.owners[self.rank]):
-            if keys[index] is not None:
-                out.append((keys[index], pos, pos + hi - lo))
-            pos += hi - lo
-        return out
+        yield then(total, finite)
 
     def _allgather(self, sent: torch.Tensor, layout: ShardLayout, out: torch.Tensor | None,
                    then: Then, divide: int | None) -> torch.futures.Future:
@@ -321,6 +300,17 @@ class Communicator:
 
         gathered, work = self.group.all_gather(sent, self.kind, async_op=True)
         return self.track(work, decode_all, sent.device)
+
+
+def _pieces(layout: ShardLayout, rank: int, keys: list[str | None]
+            ) -> list[tuple[str, int, int]]:
+    """``(tensor name, start, end)`` of each keyed tensor's piece of ``rank``'s shard."""
+    out, pos = [], 0
+    for (lo, hi), index in zip(layout.segments[rank], layout.owners[rank]):
+        if keys[index] is not None:
+            out.append((keys[index], pos, pos + hi - lo))
+        pos += hi - lo
+    return out
 
 
 def _same(value: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
