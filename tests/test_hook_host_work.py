@@ -29,8 +29,9 @@ METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_laun
 # bucket's figures made once (q40a) 219, 230 and 252; grown at ff7ad82 to 225, 236 and 258;
 # with the kernels' availability checked without Python per tensor and no map call for a
 # bucket without maps (r40a) 219, 230 and 252 again; with the bucket's residual restaged in
-# place, no decode call nor future callback per bucket (s40b) 217, 225 and 247
-MOST = 225
+# place, no decode call nor future callback per bucket and a launch run as a generator
+# (s40b) 212, 220 and 242
+MOST = 220
 
 
 def _hook_lines(method: str, tensors: int) -> int:
