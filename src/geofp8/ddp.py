@@ -97,8 +97,9 @@ class GeoFP8State:
         self.engine = SyncEngine(model, config, DeviceGroup(process_group, device), "ddp",
                                  residual_storage=config.residual, grad_scaler=grad_scaler)
         self.stream = SideStream(device)
-        self.communicator = Communicator(config.collective, self.engine.group,
-                                         stream=self.stream, lag=self.lag)
+        # every call of it runs inside the hook's side-stream context (communicate): it
+        # enters no stream of its own
+        self.communicator = Communicator(config.collective, self.engine.group, lag=self.lag)
         # the step settles in one kernel (StepVerdict.slot: one list.pop, no lock needed)
         self.communicator.flag_slot = self.engine.verdict.slot
         self.communicator.on_failure = self._rollback  # a failed bucket rolls the step back
