@@ -18,6 +18,7 @@ from .bucket_record import BucketRecord
 from .codecs import triton_map
 from .codecs.base import device_scalar
 from .codecs.triton_fp8 import feedback_fits
+from .comm.bound import BoundStages
 from .comm.layout import ShardLayout
 from .comm.stages import encode, encode_with_error
 from .geometry.transforms import IDENTITY, LowRankInput, Transform
@@ -38,7 +39,7 @@ class Encoded:
     side_bytes: int  # bytes of sender factors in what this rank sends to the others
     slots: tuple = ()  # MapSlots: each tensor the receiver maps back by T⁻¹
     record: BucketRecord | None = None  # the bucket's decisions, kept for its next call
-    bound: object = None  # its record's fused stages, for the collective's later stages
+    bound: BoundStages | None = None  # its record's stages, for the collective's later ones
 
 
 class BucketPath:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .comm.bound import BoundStages
 from .comm.layout import ShardLayout
 from .geometry.transforms import Transform
 from .selection import BudgetSelection
@@ -41,7 +42,7 @@ class BucketRecord:
     side_bytes: int  # sender-factor bytes this rank sends the others (none on this path)
     # the layout's fused stages bound for the bucket's flat vector and residual, checked once
     # here (both kept while the record is: the same buffer, the same version), or None
-    bound: object = None
+    bound: BoundStages | None = None
 
 
 class RecordedDecisions:

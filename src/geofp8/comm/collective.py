@@ -6,12 +6,13 @@ re-encode, all-gather (see :mod:`geofp8.comm.stages`). Per rank and element that
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from .bound import BoundStages
 from .group import DeviceGroup, release
 from .layout import ShardLayout
 from .stages import (
@@ -136,7 +137,8 @@ class Communicator:
                unmap=None, gather: bool = True, seed: int | None = None,
                owner_keys: list[str | None] | None = None,
                out: torch.Tensor | None = None, then: Then | None = None,
-               divide: int | None = None, bound=None) -> torch.futures.Future:
+               divide: int | None = None, bound: BoundStages | None = None
+               ) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
         (mapped back per sender by ``unmap(rows, sides)`` first, see :func:`decode_sum`).
         ``gather=False`` stops after the FP32 sum (a reduce-scatter): the value is this
@@ -243,7 +245,8 @@ class Communicator:
 
     def _exact(self, sent: torch.Tensor, layout: ShardLayout, unmap, gather: bool,
                seed: int | None, keys: list[str | None] | None, out: torch.Tensor | None,
-               then: Then, divide: int | None, bound, result: torch.futures.Future):
+               then: Then, divide: int | None, bound: BoundStages | None,
+               result: torch.futures.Future) -> Generator:
         """One launch of the exact collective, run by this thread hop by hop (a generator,
         its locals the launch's state): it issues the all-to-all and yields its work; once
         that is done (:meth:`_flush`), it sums and re-encodes this rank's shard, issues the
