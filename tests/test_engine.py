@@ -142,18 +142,24 @@ def _ddp(model):
     return ddp
 
 
-def _trained(rank, fail_at=None):
-    """Four SGD steps; with ``fail_at``, that step's hook raises, and the run resumes from a
-    checkpoint taken before it, with a new DDP wrapper around the same model and state."""
+def _trained(rank, fail_at=None, where="encode"):
+    """Four SGD steps; with ``fail_at``, that step's hook raises (``where="encode"``), or its
+    collective's last hop, run once the hook has launched it (``"decode"``), and the run
+    resumes from a checkpoint taken before it, with a new DDP wrapper around the same model
+    and state. Also returns the steps the engine was rolled back at by the failure."""
     import gc
 
     from geofp8 import GeoFP8State
+    from geofp8.comm import collective
 
     torch.manual_seed(0)
     model = Tiny()
     model.geofp8 = GeoFP8State(model, GeoFP8Config(**EUCLID))
     ddp, opt = _ddp(model), torch.optim.SGD(model.parameters(), lr=0.1)
-    failed, step = False, 0
+    failed, step, rollbacks, rolled_back = False, 0, [], []
+    engine, rollback = model.geofp8.engine, model.geofp8.engine.rollback
+    engine.rollback = lambda: (rollbacks.append(engine.step), rollback())[1]
+    decode = collective.decode_gathered_flagged
     while step < 4:
         if step == fail_at and not failed:
             buf = io.BytesIO()
@@ -162,12 +168,18 @@ def _trained(rank, fail_at=None):
 
             def broken(*args, **kwargs):
                 raise RuntimeError("injected failure")
-            model.geofp8.pipeline.encode = broken
+            if where == "encode":
+                model.geofp8.pipeline.encode = broken
+            else:
+                collective.decode_gathered_flagged = broken
             try:
                 _backward(ddp, step, rank)
             except RuntimeError as exc:
                 failed = "injected failure" in str(exc)
-            del model.geofp8.pipeline.encode
+            rolled_back = list(rollbacks)  # (loading a checkpoint rolls back too)
+            if where == "encode":
+                del model.geofp8.pipeline.encode
+            collective.decode_gathered_flagged = decode
             saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
             with torch.no_grad():
                 for p, t in zip(model.parameters(), saved["params"]):
@@ -181,17 +193,23 @@ def _trained(rank, fail_at=None):
         _backward(ddp, step, rank)
         opt.step()
         step += 1
-    return failed, [p.detach().clone() for p in model.parameters()], model.geofp8.stats()
+    return (failed, [p.detach().clone() for p in model.parameters()], model.geofp8.stats(),
+            rolled_back)
 
 
-def _rollback_worker(rank, world):
-    return _trained(rank), _trained(rank, fail_at=2)
+def _rollback_worker(rank, world, where):
+    return _trained(rank), _trained(rank, fail_at=2, where=where)
 
 
-def test_ddp_hook_exception_rolls_back_and_resume_is_bitwise():
-    for (clean_failed, clean, clean_stats), (failed, resumed, stats) in run_ranks(
-            _rollback_worker, 2):
+@pytest.mark.parametrize("where", ["encode", "decode"])
+def test_ddp_hook_exception_rolls_back_and_resume_is_bitwise(where):
+    """A failure in the hook, or in its collective after the hook launched it (the
+    communicator's exception path: no callback per bucket), rolls the step back once."""
+    for clean_run, failed_run in run_ranks(_rollback_worker, 2, (where,)):
+        (clean_failed, clean, clean_stats, clean_rollbacks) = clean_run
+        (failed, resumed, stats, rollbacks) = failed_run
         assert failed and not clean_failed
+        assert clean_rollbacks == [] and rollbacks == [2]
         assert stats["step"] == clean_stats["step"] == 4
         assert all(torch.equal(a, b) for a, b in zip(clean, resumed))
 

@@ -112,3 +112,25 @@ def test_a_bucket_reads_residuals_in_their_routes_coordinates_only():
     again, flag = fb.bucket_in(NAMES, SHAPES, routes)
     assert again is block and bool(flag)
     assert fb.bucket_in(NAMES, SHAPES, [new, IDENTITY, IDENTITY]) is None
+
+
+def test_a_recorded_bucket_written_in_place_is_restaged_as_stage_bucket_stages_it():
+    """``restage`` (a recorded bucket: the encode wrote its vector in place) leaves what
+    ``stage_bucket`` of that vector leaves: its tensors written this step (flag unset until
+    committed, then the step's), the same bases and version; a skipped step zeroes them."""
+    staged, restaged = _staged("fp32"), _staged("fp32")
+    for fb in (staged, restaged):
+        fb.bucket_in(NAMES, SHAPES)[0].copy_(torch.arange(17.0 + 8))  # the new residual
+    version = restaged.version
+    staged.stage_bucket(NAMES, staged.bucket_in(NAMES, SHAPES)[0])
+    restaged.restage(tuple(NAMES))
+    assert restaged.version == version
+    for fb in (staged, restaged):
+        assert all(fb.finite[n] is None for n in NAMES) and fb._written == NAMES
+        assert all(fb.basis[n] is IDENTITY for n in NAMES)
+    assert restaged.version == staged.version
+    for fb in (staged, restaged):
+        fb.commit(torch.tensor(False))
+        block, flag = fb.recorded(tuple(NAMES))
+        assert not bool(flag) and torch.equal(block, torch.arange(17.0 + 8))
+        assert not fb.residual_in("b.bias", IDENTITY).any()

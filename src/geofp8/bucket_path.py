@@ -17,6 +17,8 @@ import torch
 from .bucket_record import BucketRecord
 from .codecs import triton_map
 from .codecs.base import device_scalar
+from .codecs.triton_fp8 import feedback_fits
+from .comm.bound import BoundStages
 from .comm.layout import ShardLayout
 from .comm.stages import encode, encode_with_error
 from .geometry.transforms import IDENTITY, LowRankInput, Transform
@@ -37,6 +39,7 @@ class Encoded:
     side_bytes: int  # bytes of sender factors in what this rank sends to the others
     slots: tuple = ()  # MapSlots: each tensor the receiver maps back by T⁻¹
     record: BucketRecord | None = None  # the bucket's decisions, kept for its next call
+    bound: BoundStages | None = None  # its record's stages, for the collective's later ones
 
 
 class BucketPath:
@@ -95,7 +98,9 @@ class BucketPath:
         flat_path = bucket is not None or (in_place and not self.config.error_feedback
                                            and all(self.plain(n) for n in names))
         record = BucketRecord(self.generation(), tuple(names), tuple(shapes), tuple(routes),
-                              per_sender, slots, layout, side_bytes) \
+                              per_sender, slots, layout, side_bytes,
+                              layout.plan.bound(flat, flat) if feedback_fits(flat, bucket)
+                              else None) \
             if flat_path and self.recordable() and not any(per_sender) else None
         return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes,
                        slots, record)
@@ -106,17 +111,22 @@ class BucketPath:
         over each mapped tensor's slot, then the encode, with error feedback the bucket's
         residual added and the new one written back into it (no Python per tensor but a
         map's)."""
+        bound = record.bound  # its check but the kernels' availability (a kernel may fail)
+        if bound is not None and not bound.kernels.available(flat):
+            bound = None
         if record.slots:  # (no call for a bucket without a map)
             _map_over(record.slots, flat, inverse=False)
         if self.config.error_feedback:
-            sent, residual = encode_with_error(flat, record.layout, None, seed,
-                                               self.group.rank, error_out=flat,
-                                               feedback=self.feedback.recorded(record.names))
-            self.feedback.stage_bucket(record.names, residual, routes=record.routes)
+            # the residual written in place: the bucket's vector (encode_with_error's R)
+            sent, _ = encode_with_error(flat, record.layout, None, seed, self.group.rank,
+                                        error_out=flat,
+                                        feedback=self.feedback.recorded(record.names),
+                                        bound=bound)
+            self.feedback.restage(record.names)
         else:
-            sent = encode(flat, record.layout, None, seed, sender=self.group.rank)
+            sent = encode(flat, record.layout, None, seed, self.group.rank, bound)
         return Encoded(sent, record.layout, record.names, record.shapes, record.routes,
-                       record.per_sender, record.side_bytes, record.slots, record)
+                       record.per_sender, record.side_bytes, record.slots, record, bound)
 
     def _bucket_residual(self, names: list[str], shapes: list[tuple[int, ...]]):
         """``(routes, (R, flag))`` of a bucket whose every tensor is :meth:`steady` and has

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .comm.bound import BoundStages
 from .comm.layout import ShardLayout
 from .geometry.transforms import Transform
 from .selection import BudgetSelection
@@ -39,6 +40,9 @@ class BucketRecord:
     slots: tuple  # (offset, numel, shape, T) of each tensor on a map (Encoded.slots)
     layout: ShardLayout
     side_bytes: int  # sender-factor bytes this rank sends the others (none on this path)
+    # the layout's fused stages bound for the bucket's flat vector and residual, checked once
+    # here (both kept while the record is: the same buffer, the same version), or None
+    bound: BoundStages | None = None
 
 
 class RecordedDecisions:

@@ -26,7 +26,8 @@ was non-finite on any rank returns NaN for its buckets on every rank (the exact 
 poisons the whole bucket everywhere, so ``GradScaler`` or the caller skips it); its
 statistics and selections are not kept and the residuals it wrote are reset to zero (on the
 device: :mod:`geofp8.feedback`); it is counted in ``stats()["skipped_steps"]``. An exception
-inside the hook rolls the step back (its residuals reset likewise).
+inside the hook, or in a bucket's collective after it (the communicator's ``on_failure``,
+before the bucket's future fails), rolls the step back (its residuals reset likewise).
 """
 
 # No `from __future__ import annotations`: DDP inspects the hooks' annotations at runtime.
@@ -96,10 +97,12 @@ class GeoFP8State:
         self.engine = SyncEngine(model, config, DeviceGroup(process_group, device), "ddp",
                                  residual_storage=config.residual, grad_scaler=grad_scaler)
         self.stream = SideStream(device)
-        self.communicator = Communicator(config.collective, self.engine.group,
-                                         stream=self.stream, lag=self.lag)
+        # every call of it runs inside the hook's side-stream context (communicate): it
+        # enters no stream of its own
+        self.communicator = Communicator(config.collective, self.engine.group, lag=self.lag)
         # the step settles in one kernel (StepVerdict.slot: one list.pop, no lock needed)
         self.communicator.flag_slot = self.engine.verdict.slot
+        self.communicator.on_failure = self._rollback  # a failed bucket rolls the step back
         if config.owner_feedback:
             self.communicator.owner = self.engine.add_feedback("owner", "fp32")
             self.communicator.owner_route = IDENTITY
@@ -114,6 +117,8 @@ class GeoFP8State:
                              "ranks here; set hierarchy='flat'")
         self.hierarchy = (HierarchicalAllReduce(self.engine, size, device, self.stream)
                           if size else None)
+        if self.hierarchy is not None:
+            self.hierarchy.runs.on_failure = self._rollback
         self.engine.fingerprint_extra = {"node_size": size}
         self._buckets: dict[int, _Bucket] = {}  # by DDP's bucket index
 
@@ -158,7 +163,7 @@ class GeoFP8State:
         except BaseException:
             self._rollback()
             raise
-        return future.then(self._failed)
+        return future  # (a failure in its collective rolls the step back: on_failure)
 
     def _bucket_done(self, value: torch.Tensor, finite: torch.Tensor | None = None
                      ) -> torch.Tensor:
@@ -167,14 +172,6 @@ class GeoFP8State:
         one settles the step."""
         self.engine.finish_unit(value, finite)
         return value
-
-    def _failed(self, fut: torch.futures.Future) -> torch.Tensor:
-        """The bucket's value; a failure anywhere in its collective rolls the step back."""
-        try:
-            return fut.value()
-        except BaseException:
-            self._rollback()
-            raise
 
     def _rollback(self) -> None:
         self.communicator.reset()
@@ -235,34 +232,44 @@ class GeoFP8State:
                                   record=kept.record)
         kept.record = encoded.record  # the bucket's decisions for its next call
         codec_s = time.perf_counter() - t0  # (added with the map back's)
-        # before the launch: the last one settles the step, bytes charged included
+        unmap = owner_keys = None
+        if encoded.record is None:  # (a record has none of these: BucketRecord)
+            unmap, owner_keys = self._resolved(encoded)
+        return self.communicator.launch(
+            encoded.sent, encoded.layout, last, unmap, seed=seed, owner_keys=owner_keys,
+            out=kept.flat, divide=engine.group.size, bound=encoded.bound,
+            then=functools.partial(self._map_back, kept, encoded,
+                                   bool(encoded.slots) or unmap is not None, codec_s))
+
+    def _resolved(self, encoded) -> tuple:
+        """``(unmap, owner keys)`` of a launch whose bucket was resolved this call, its
+        sender factors' bytes charged as factor bytes (before the launch: the last one
+        settles the step, bytes charged included)."""
+        engine, pipeline = self.engine, self.engine.pipeline
         if encoded.side_bytes:
-            engine.group.charge("payload", -encoded.side_bytes)  # sender factors: factor bytes
+            engine.group.charge("payload", -encoded.side_bytes)
             engine.group.charge("factor", encoded.side_bytes)
         # the owners' residuals are in communication coordinates, which stay put only for
         # tensors sent without a map (refreshes change maps): see GradientPipeline.owner_keys
         owner_keys = pipeline.owner_keys(encoded) if pipeline.owner is not None else None
-        per_sender = any(encoded.per_sender)
-        return self.communicator.launch(
-            encoded.sent, encoded.layout, last, pipeline.unmap(encoded) if per_sender else None,
-            seed=seed, owner_keys=owner_keys, out=kept.flat, divide=engine.group.size,
-            then=functools.partial(self._map_back, kept, encoded, per_sender, codec_s))
+        return pipeline.unmap(encoded) if any(encoded.per_sender) else None, owner_keys
 
-    def _map_back(self, kept: "_Bucket", encoded, per_sender: bool, codec_s: float,
+    def _map_back(self, kept: "_Bucket", encoded, mapped: bool, codec_s: float,
                   total: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
         """The mean of ``kept``'s launch written into its buffer, from the collective's
         ``total`` (divided by N in its fused decode; all NaN on every rank if any rank sent
         a non-finite value): its finite flag stands for the bucket's where nothing is
-        mapped back, else (a map may overflow) the mean's own check is written over it (a
-        poisoned sum maps back to NaN), in its step's slot. ``codec_s``: the encode's
-        seconds, added to the step's figures with the map back's."""
+        ``mapped`` back (by ``T⁻¹`` or per sender), else (a map may overflow) the mean's own
+        check is written over it (a poisoned sum maps back to NaN), in its step's slot.
+        ``codec_s``: the encode's seconds, added to the step's figures with the map back's."""
         t1 = time.perf_counter()
-        mean = self.engine.pipeline.decode(encoded, total, divided=True)  # the buffer in place
-        if kept.flat is None:
-            for off, y in zip(kept.offsets, mean.split([g.numel() for g in kept.grads])):
+        if encoded.slots:  # (T⁻¹ over each mapped tensor of the sum, in place)
+            self.engine.pipeline.decode(encoded, total, divided=True)
+        if kept.flat is None:  # the sum was not decoded into the buffer itself
+            for off, y in zip(kept.offsets, total.split([g.numel() for g in kept.grads])):
                 kept.buffer[off : off + y.numel()].copy_(y)
         self.engine.ledger.add_each(_SECONDS, (codec_s, time.perf_counter() - t1))
-        if (encoded.slots or per_sender) and finite is not None:
+        if mapped and finite is not None:
             all_finite(kept.buffer, out=finite)
         self.engine.finish_unit(kept.buffer, finite)
         return kept.buffer

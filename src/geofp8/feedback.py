@@ -193,6 +193,13 @@ class ErrorFeedback:
         self.finite.update(dict.fromkeys(names))  # None: kept as written, until committed
         self._written.extend(names)
 
+    def restage(self, names: tuple[str, ...]) -> None:
+        """:meth:`stage_bucket` of a :meth:`recorded` bucket whose vector the encode wrote in
+        place (the same ``version`` since: no copy, and the residuals' bases are its routes
+        already): its tensors marked written this step."""
+        self.finite.update(dict.fromkeys(names))  # None: kept as written, until committed
+        self._written.extend(names)
+
     def _forget(self, names) -> None:
         """Let go of the flat vectors that hold any of ``names`` (re-bucketed or dropped)."""
         names = set(names)

@@ -6,13 +6,13 @@ re-encode, all-gather (see :mod:`geofp8.comm.stages`). Per rank and element that
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from .bound import BoundStages
 from .group import DeviceGroup, release
 from .layout import ShardLayout
 from .stages import (
@@ -43,23 +43,6 @@ class _Route(NamedTuple):
     received: list[int]
     sends: list[int]
     received_total: int
-
-
-class _AllToAll(NamedTuple):
-    """A launch whose all-to-all is in flight: what its all-gather stage needs."""
-
-    work: object  # the all-to-all's Work
-    sent: torch.Tensor
-    recv: torch.Tensor
-    layout: ShardLayout
-    result: torch.futures.Future
-    unmap: object  # per-sender decoding (see decode_sum), or None
-    gather: bool
-    seed: int | None
-    keys: list[str | None] | None  # owner residual keys, None without owner feedback
-    out: torch.Tensor | None
-    then: Then  # applied before the result is set
-    divide: int | None
 
 
 def wire_bytes(layout: ShardLayout, rank: int, collective: str) -> int:
@@ -125,11 +108,15 @@ class Communicator:
     ``flag_slot(device)``: where the fused decode of a launch's gathered shards writes its
     finite flag (a 0-dim uint8, e.g. :meth:`geofp8.verdict.StepVerdict.slot`; ``None``:
     a new one), the flag handed to ``then``.
+
+    ``on_failure()``: called on this thread before a launch's future is failed (a stage or
+    ``then`` raised), e.g. the DDP hook's rollback of its step.
     """
 
     owner = None  # ErrorFeedback of the owners' re-quantization, when enabled
     flag_slot: Callable[[torch.device], torch.Tensor | None] | None = None
     owner_route = None  # the coordinates its residuals are kept in (the identity transform)
+    on_failure: Callable[[], None] | None = None
 
     def __init__(self, collective: str, group: DeviceGroup, kind: str = "payload",
                  stream: SideStream | None = None, lag: int = 1):
@@ -140,7 +127,8 @@ class Communicator:
             raise ValueError(f"lag must be >= 1, got {lag}")
         self.stream, self.lag = stream, lag
         self.rank = group.rank
-        self._in_flight: list[_AllToAll] = []  # all-to-alls whose all-gather is not issued
+        # (work, run, result) of the launches whose all-to-all's all-gather is not issued
+        self._in_flight: list[tuple] = []
         self._pending: list = []  # (work, finish, result): results this thread completes
         self._routes: dict[int, _Route] = {}  # id(layout) -> its all-to-all's arguments
         self._side = stream.use if stream is not None else contextlib.nullcontext
@@ -149,7 +137,8 @@ class Communicator:
                unmap=None, gather: bool = True, seed: int | None = None,
                owner_keys: list[str | None] | None = None,
                out: torch.Tensor | None = None, then: Then | None = None,
-               divide: int | None = None) -> torch.futures.Future:
+               divide: int | None = None, bound: BoundStages | None = None
+               ) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
         (mapped back per sender by ``unmap(rows, sides)`` first, see :func:`decode_sum`).
         ``gather=False`` stops after the FP32 sum (a reduce-scatter): the value is this
@@ -166,7 +155,11 @@ class Communicator:
         future's value instead, run by this thread under :attr:`stream` before the future is
         completed; ``finite``: the 0-dim bool device flag "every element of the value is
         finite" where the collective has it (the fused decode's; ``None``: not known).
-        ``sent`` is the communicator's from here: its memory is freed once it is sent."""
+        ``sent`` is the communicator's from here: its memory is freed once it is sent.
+        ``bound``: the layout's fused stages (:meth:`~geofp8.comm.plan.FusedPlan.bound`)
+        bound already for ``sent`` and ``out``, e.g. when ``sent`` was encoded: handed to
+        the later stages, whose other inputs this communicator allocates (contiguous uint8
+        on ``sent``'s device), with no check of their own; ``None``: each stage checks."""
         with self._side():
             self._flush(keep=self.lag - 1)  # (already under the stream: no nested entries)
             self._complete(block=False)
@@ -180,12 +173,10 @@ class Communicator:
                 return result
             # the exact collective's first hop; its all-gather is issued `lag` launches later
             result = device_future(sent.device)
-            route = self._route(layout)
-            recv = sent.new_empty(route.received_total, dtype=torch.uint8)
-            work = self.group.all_to_all(recv, sent, route.received, route.sends, self.kind)
-            self._in_flight.append(_AllToAll(
-                work, sent, recv, layout, result, unmap, gather, seed,
-                owner_keys if self.owner is not None else None, out, then or _same, divide))
+            run = self._exact(sent, layout, unmap, gather, seed,
+                              owner_keys if self.owner is not None else None, out,
+                              then or _same, divide, bound, result)
+            self._in_flight.append((next(run), run, result))  # its all-to-all issued
             if last:
                 self._flush()  # issue the all-gather now, from this thread (class notes)
                 self._complete(block=True)
@@ -221,7 +212,7 @@ class Communicator:
                 work.wait()
                 result.set_result(finish())
             except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-                result.set_exception(exc)
+                fail(result, exc, self.on_failure)
 
     def reset(self) -> None:
         """Drop unfinished launches (after a failed step): their collectives' results are
@@ -236,63 +227,64 @@ class Communicator:
 
     def _flush(self, keep: int = 0) -> None:
         while len(self._in_flight) > keep:
-            launch = self._in_flight.pop(0)
-            launch.work.wait()
-            self._gather(launch)
+            work, run, result = self._in_flight.pop(0)
+            work.wait()  # (raises if the all-to-all failed)
+            self._gather(run, result)
 
-    def _gather(self, launch: _AllToAll) -> None:
-        layout = launch.layout
+    def _gather(self, run, result: torch.futures.Future) -> None:
+        """Run a launch's second hop (its all-to-all done): its all-gather pending, or for a
+        reduce-scatter its result set."""
         try:
-            launch.work.get_future().value()
-            release(launch.sent)
-            pieces = self._pieces(layout, launch.keys) if launch.keys is not None else []
-            if launch.gather and launch.unmap is None and not pieces:  # the fused kernels' case
-                shard = reduce_encode(launch.recv, layout, self.rank, launch.seed,
-                                      scratch=launch.out)[0]
-                release(launch.recv)
-            else:
-                # `out` is not read again (see launch): the senders' copies are decoded there
-                reduced = decode_sum(launch.recv, layout, self.rank, launch.unmap,
-                                     scratch=launch.out)
-                release(launch.recv)
-                if not launch.gather:
-                    launch.result.set_result(launch.then(reduced, None))
-                    return
-                for key, lo, hi in pieces:
-                    residual = self.owner.residual_in(key, self.owner_route)
-                    if residual is not None:
-                        reduced[lo:hi] += residual
-                # the owner's rounding error, written over the sum (not read again)
-                shard = encode_reduced(reduced, layout, self.rank, launch.seed,
-                                       error_out=reduced if pieces else None)
-                for key, lo, hi in pieces:
-                    self.owner.stage(key, reduced[lo:hi], self.owner_route)
-        except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-            launch.result.set_exception(exc)
+            work = next(run)
+        except StopIteration:  # a reduce-scatter: done
             return
-        gathered, work = self.group.all_gather(shard, self.kind, async_op=True)
-        self._pending.append((work, functools.partial(self._finish, launch, shard, gathered),
-                              launch.result))
+        except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
+            fail(result, exc, self.on_failure)
+            return
+        self._pending.append((work, run.__next__, result))
 
-    def _finish(self, launch: _AllToAll, shard: torch.Tensor, gathered: torch.Tensor
-                ) -> torch.Tensor:
-        """The last hop of ``launch`` once its all-gather of ``shard`` is done: the gathered
-        shards decoded (with its finite flag, in :attr:`flag_slot`'s slot), ``then``."""
+    def _exact(self, sent: torch.Tensor, layout: ShardLayout, unmap, gather: bool,
+               seed: int | None, keys: list[str | None] | None, out: torch.Tensor | None,
+               then: Then, divide: int | None, bound: BoundStages | None,
+               result: torch.futures.Future) -> Generator:
+        """One launch of the exact collective, run by this thread hop by hop (a generator,
+        its locals the launch's state): it issues the all-to-all and yields its work; once
+        that is done (:meth:`_flush`), it sums and re-encodes this rank's shard, issues the
+        all-gather and yields its work (a reduce-scatter sets ``result`` instead); once that
+        is done (:meth:`_complete`), it decodes the gathered shards and yields the value."""
+        route = self._route(layout)
+        recv = sent.new_empty(route.received_total, dtype=torch.uint8)
+        yield self.group.all_to_all(recv, sent, route.received, route.sends, self.kind)
+        release(sent)
+        pieces = _pieces(layout, self.rank, keys) if keys is not None else ()
+        if gather and unmap is None and not pieces:  # the fused kernels' case
+            shard = reduce_encode(recv, layout, self.rank, seed, scratch=out, bound=bound)[0]
+            release(recv)
+        else:
+            # `out` is not read again (see launch): the senders' copies are decoded there
+            reduced = decode_sum(recv, layout, self.rank, unmap, scratch=out)
+            release(recv)
+            if not gather:
+                result.set_result(then(reduced, None))
+                return
+            for key, lo, hi in pieces:
+                residual = self.owner.residual_in(key, self.owner_route)
+                if residual is not None:
+                    reduced[lo:hi] += residual
+            # the owner's rounding error, written over the sum (not read again)
+            shard = encode_reduced(reduced, layout, self.rank, seed,
+                                   error_out=reduced if pieces else None)
+            for key, lo, hi in pieces:
+                self.owner.stage(key, reduced[lo:hi], self.owner_route)
+        # the N records back to back, as the decode reads them
+        gathered, work = self.group.all_gather(shard, self.kind, async_op=True, flat=True)
+        yield work
+        # its finite flag in flag_slot's slot
         flag = self.flag_slot(shard.device) if self.flag_slot is not None else None
-        total, finite = decode_gathered_flagged(gathered, launch.layout, launch.out,
-                                                launch.divide, flag)
+        total, finite = decode_gathered_flagged(gathered, layout, out, divide, flag,
+                                                bound=bound)
         release(shard, gathered)
-        return launch.then(total, finite)
-
-    def _pieces(self, layout: ShardLayout, keys: list[str | None]
-                ) -> list[tuple[str, int, int]]:
-        """``(tensor name, start, end)`` of each keyed tensor's piece of this rank's shard."""
-        out, pos = [], 0
-        for (lo, hi), index in zip(layout.segments[self.rank], layout.owners[self.rank]):
-            if keys[index] is not None:
-                out.append((keys[index], pos, pos + hi - lo))
-            pos += hi - lo
-        return out
+        yield then(total, finite)
 
     def _allgather(self, sent: torch.Tensor, layout: ShardLayout, out: torch.Tensor | None,
                    then: Then, divide: int | None) -> torch.futures.Future:
@@ -313,8 +305,27 @@ class Communicator:
         return self.track(work, decode_all, sent.device)
 
 
+def _pieces(layout: ShardLayout, rank: int, keys: list[str | None]
+            ) -> list[tuple[str, int, int]]:
+    """``(tensor name, start, end)`` of each keyed tensor's piece of ``rank``'s shard."""
+    out, pos = [], 0
+    for (lo, hi), index in zip(layout.segments[rank], layout.owners[rank]):
+        if keys[index] is not None:
+            out.append((keys[index], pos, pos + hi - lo))
+        pos += hi - lo
+    return out
+
+
 def _same(value: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
     return value
+
+
+def fail(result: torch.futures.Future, exc: Exception,
+         on_failure: Callable[[], None] | None) -> None:
+    """``result`` failed with ``exc``, ``on_failure()`` called first (when given)."""
+    if on_failure is not None:
+        on_failure()
+    result.set_exception(exc)
 
 
 def device_future(device: torch.device) -> torch.futures.Future:

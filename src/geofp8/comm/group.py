@@ -110,15 +110,17 @@ class DeviceGroup:
                                   async_op=True), async_op=False)
         return t
 
-    def all_gather(self, t: torch.Tensor, kind: str, async_op: bool = False):
+    def all_gather(self, t: torch.Tensor, kind: str, async_op: bool = False,
+                   flat: bool = False):
         """``(every rank's t stacked as [N, *t.shape], work)``: one buffer, gathered in place
         (a list of outputs would be gathered into a buffer and copied out, one copy per rank,
-        by NCCL)."""
+        by NCCL); ``flat``: that buffer as gathered, ``[N · t.shape[0], *t.shape[1:]]`` (the
+        ranks' 1-D ``t`` back to back), not viewed."""
         t = self.on_device(t)
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # gloo: concatenated form
         self.bytes[kind] += (self.size - 1) * t.numel() * t.element_size()
         work = collective("all_gather_single")(out, t, group=self.group, async_op=True)
-        return out.view(self.size, *t.shape), self._keep(work, async_op)
+        return out if flat else out.view(self.size, *t.shape), self._keep(work, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, kind: str,
                        async_op: bool = False):

@@ -18,7 +18,7 @@ from collections.abc import Callable, Generator
 
 import torch
 
-from .collective import device_future
+from .collective import device_future, fail
 from .streams import SideStream
 
 __all__ = ["Lagged"]
@@ -27,7 +27,10 @@ Run = Generator[None, None, torch.Tensor]
 
 
 class Lagged:
-    """Runs advanced one stage per start (module notes)."""
+    """Runs advanced one stage per start (module notes). ``on_failure()``: called on this
+    thread before a run's future is failed (a stage or ``then`` raised)."""
+
+    on_failure: Callable[[], None] | None = None
 
     def __init__(self, stream: SideStream | None = None) -> None:
         self.stream = stream
@@ -64,7 +67,7 @@ class Lagged:
             try:
                 result.set_result(then(done.value))
             except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-                result.set_exception(exc)
+                fail(result, exc, self.on_failure)
         except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
             self._runs.remove(entry)
-            result.set_exception(exc)
+            fail(result, exc, self.on_failure)
