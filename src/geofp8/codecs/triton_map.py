@@ -103,18 +103,29 @@ class GroupedMaps:
         self.launch = Launch(_map_kernel, (len(programs),), table_ptr=self.table, RANK=rank,
                              BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K) if programs else None
 
-    def __call__(self, flat: torch.Tensor, inverse: bool) -> None:
+    def __call__(self, flat: torch.Tensor, inverse: bool,
+                 finite: torch.Tensor | None = None) -> bool:
         """``G ← G + (G V) Uᵀ`` over every layer's slot of ``flat`` (``V`` the inverse's
-        when ``inverse``), one launch (none when every map has rank 0)."""
-        if self.launch is not None:
-            attempt(lambda: self.launch(flat, self.packed, INVERSE=int(inverse)),
-                    lambda: reference(flat, self.maps, inverse))
+        when ``inverse``), one launch (none when every map has rank 0). ``finite``: a 0-dim
+        uint8 flag the kernel clears where a value it writes is not finite (left as it is
+        where all are: ANDed with what it holds; rank 0 writes nothing). Returns whether
+        it did (``False``: the torch path ran, which checks nothing)."""
+        if self.launch is None:
+            return True
+        return attempt(lambda: self._launch(flat, inverse, finite),
+                       lambda: reference(flat, self.maps, inverse))
+
+    def _launch(self, flat: torch.Tensor, inverse: bool, finite: torch.Tensor | None) -> bool:
+        self.launch(flat, self.packed, flat if finite is None else finite,
+                    INVERSE=int(inverse), FLAG=finite is not None)
+        return True
 
 
 if triton is not None:
     @triton.jit
-    def _map_kernel(flat_ptr, maps_ptr, table_ptr, INVERSE: tl.constexpr, RANK: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _map_kernel(flat_ptr, maps_ptr, flag_ptr, table_ptr, INVERSE: tl.constexpr,
+                    FLAG: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
         entry = table_ptr + tl.program_id(0) * 7
         start = tl.load(entry)
         rows = tl.load(entry + 1)
@@ -138,6 +149,7 @@ if triton is not None:
             v = tl.load(maps_ptr + v0 + k[:, None] * rank + r[None, :],
                         mask=k_ok[:, None] & r_ok[None, :], other=0.0)
             P = tl.dot(g, v, P, input_precision="ieee")
+        bad = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)  # non-finite values written
         for k0 in range(0, d, BLOCK_K):  # G_rows + P Uᵀ, over G_rows
             k = k0 + kk
             k_ok = k < d
@@ -145,5 +157,11 @@ if triton is not None:
             g = tl.load(at, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             ut = tl.load(maps_ptr + u0 + k[None, :] * rank + r[:, None],
                          mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            tl.store(at, g + tl.dot(P, ut, input_precision="ieee"),
-                     mask=m_ok[:, None] & k_ok[None, :])
+            out = g + tl.dot(P, ut, input_precision="ieee")
+            tl.store(at, out, mask=m_ok[:, None] & k_ok[None, :])
+            if FLAG:  # exponent all ones: ±inf or NaN, over the values written
+                bits = out.to(tl.uint32, bitcast=True)
+                nonfinite = ((bits & 0x7F800000) == 0x7F800000) & m_ok[:, None] & k_ok[None, :]
+                bad = tl.maximum(bad, nonfinite.to(tl.int32))
+        if FLAG:  # cleared by any program that wrote a non-finite value, else left alone
+            tl.store(flag_ptr, tl.zeros((), dtype=tl.uint8), mask=tl.max(tl.max(bad, 1), 0) > 0)
