@@ -85,7 +85,7 @@ def check() -> list[str]:
 def flags() -> list[str]:
     """The finite flag the kernel ANDs over what it writes, against the torch path's
     values checked afterwards: finite values, a NaN and an Inf in a row (seed 2), and
-    finite values whose map overflows (times 2¹⁰⁰: ``G V`` past FP32's range); a cleared
+    finite values whose map overflows (times 2¹²⁶: past FP32's range); a cleared
     flag stays cleared; elements outside the maps (a NaN there) are not the kernel's."""
     import torch
 

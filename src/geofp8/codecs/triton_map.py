@@ -13,12 +13,20 @@ second writes it; rows are a program's own).
 The maps are packed once per set of maps (a bucket's record, at a refresh): ``U``, ``V_fwd``
 and ``V_inv`` of every layer in one FP32 device buffer, and a program table, int64
 ``[P, 7]``: ``(first element of the rows, rows, d_in, rank, U's, V_fwd's, V_inv's offset)``,
-so a call passes two tensors and a flag (no per-call host work). The table depends on the
+so a call passes its tensors and flags (no per-call host work). The table depends on the
 slots' geometry alone: maps made every step (``fresh``) repack their values, one ``cat``,
 under the table of the last packing. Layers of rank 0 (the
 identity) get no program: ``G + 0`` is ``G``. FP32 only; a bucket whose maps are not all
 FP32 low-rank maps on the kernels' device stays on the torch path (decided once, by
 :func:`places`).
+
+The map back checks what it writes: given a 0-dim uint8 ``finite`` (a bucket's slot of the
+step's verdict, holding the collective's flag "every element of the sum finite"), a program
+that wrote a non-finite value (exponent bits all ones) stores 0 there and one that did not
+stores nothing, so the flag ends ``finite ∧ every mapped-back value finite``: with the
+elements outside the maps (the sum's, unchanged) that is "every element of the mean
+finite", the torch path's check of the whole mean after ``mm`` + ``addmm``
+(:func:`geofp8.comm.stages.all_finite`) without its pass over the bucket.
 
 Agreement with the reference: the same products summed in another order (blocks of
 ``BLOCK_K`` here, the BLAS's order there), so each element differs by at most FP32
@@ -112,13 +120,17 @@ class GroupedMaps:
         it did (``False``: the torch path ran, which checks nothing)."""
         if self.launch is None:
             return True
-        return attempt(lambda: self._launch(flat, inverse, finite),
-                       lambda: reference(flat, self.maps, inverse))
+        return attempt(lambda: self._fused(flat, inverse, finite),
+                       lambda: self._reference(flat, inverse))
 
-    def _launch(self, flat: torch.Tensor, inverse: bool, finite: torch.Tensor | None) -> bool:
+    def _fused(self, flat: torch.Tensor, inverse: bool, finite: torch.Tensor | None) -> bool:
         self.launch(flat, self.packed, flat if finite is None else finite,
                     INVERSE=int(inverse), FLAG=finite is not None)
         return True
+
+    def _reference(self, flat: torch.Tensor, inverse: bool) -> bool:
+        reference(flat, self.maps, inverse)
+        return False
 
 
 if triton is not None:
