@@ -81,10 +81,10 @@ class RecordedDecisions:
         not empty): looked up layer by layer once per generation of the decisions and the
         selection (the first moves whenever the maps or the observing do,
         :meth:`note_decisions`), every step for a source that makes its maps every step."""
-        if self.source is None:
-            return False
+        if self.source is None or self.source.per_step:
+            return bool(self.geometry_layers())
         key = (self._decisions, frozenset(self.selection.selected))
-        if self.source.per_step or self._mapped_in is None or self._mapped_in[0] != key:
+        if self._mapped_in is None or self._mapped_in[0] != key:
             self._mapped_in = (key, bool(self.geometry_layers()))
         return self._mapped_in[1]
 
