@@ -153,3 +153,53 @@ def test_a_bucket_record_is_resolved_again_after_each_change_with_the_same_bits(
         assert fresh["calls"] == [(step, False) for step, _ in CALLS]
         assert kept["calls"] == CALLS
     assert ranks[0][0]["params"] == ranks[1][0]["params"]  # every rank ends the same
+
+
+def _geometry_check_worker(rank, world):
+    """geofp8, every layer on a map (refreshes every 3 steps), one bucket, 7 steps: per step
+    the lookups of a layer's map made while the step settles, the steps it counted as sent
+    through a map, and the same with the check asked afresh at every settling (uncached)."""
+    return {cached: _geometry_checks(rank, cached) for cached in (True, False)}
+
+
+def _geometry_checks(rank: int, cached: bool) -> dict:
+    sys.path.insert(0, BENCHMARKS)
+    from host_lines import hooked
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(4)])
+    state, hook = hooked(model, "geofp8", None)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(state, hook)
+    pipeline, source, lookups = state.engine.pipeline, state.engine.pipeline.source, []
+    transform, settle, settling = source.transform, pipeline.settle, [False]
+    if not cached:
+        pipeline._on_a_map = lambda: bool(pipeline.geometry_layers())
+    source.transform = lambda name: (lookups.__setitem__(-1, lookups[-1] + settling[0]),
+                                      transform(name))[1]
+
+    def counted_settle(finite):
+        settling[0] = True
+        try:
+            settle(finite)
+        finally:
+            settling[0] = False
+
+    pipeline.settle = counted_settle
+    for step in range(7):
+        lookups.append(0)
+        ddp(torch.randn(8, 32, generator=torch.Generator().manual_seed(step + 10 * rank))
+            ).pow(2).mean().backward()
+        ddp.zero_grad()
+    return {"lookups": lookups, "steps": [s for s, _ in pipeline._geometry_steps]}
+
+
+def test_the_settling_asks_whether_a_layer_is_on_a_map_once_per_generation():
+    """The step's settling records the steps sent through a map (``geometry_since``) by
+    asking whether a selected layer has one: layer by layer (4 lookups) at the first
+    settling of each generation of the decisions (the maps from the refresh at 3, then at
+    6), none in between; the same steps as asking at every settling."""
+    for out in run_ranks(_geometry_check_worker, 2, timeout=240):
+        assert out[True]["steps"] == out[False]["steps"] and out[True]["steps"], out
+        assert out[False]["lookups"][3:] == [4, 4, 4, 4], out  # uncached: every settling
+        assert out[True]["lookups"][3:] == [4, 0, 0, 4], out

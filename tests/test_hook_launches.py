@@ -156,8 +156,10 @@ def _map_overflow_worker(rank, world_size, steps=5, bad=3):
     inverse_over, grouped = LowRankInput.inverse_over, GroupedMaps.__call__
     LowRankInput.inverse_over = lambda self, Gt: inverse_over(self, Gt).mul_(
         float("inf") if now[0] == bad else 1.0)
-    GroupedMaps.__call__ = lambda self, flat, inverse: (grouped(self, flat, inverse), flat.mul_(
-        float("inf") if inverse and now[0] == bad else 1.0))  # every layer of the bucket
+    # the grouped kernel's own overflow: its maps scaled by 2¹⁰⁰ at the bad step, so that
+    # G V and P Uᵀ overflow inside it (every layer of the bucket; its flag must catch it)
+    GroupedMaps.__call__ = lambda self, flat, inverse, finite=None: _scaled(
+        self, 2.0 ** 100 if inverse and now[0] == bad else None, grouped, flat, inverse, finite)
     for step in range(steps):
         now[0] = step
         mapped.append(len(state.pipeline.transforms()))
@@ -166,6 +168,18 @@ def _map_overflow_worker(rank, world_size, steps=5, bad=3):
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"saw_bad": saw_bad, "kernel": kernel, "skipped": stats["skipped_steps"],
             "mapped": mapped, "params": params.view(torch.int32).tolist()}
+
+
+def _scaled(grouped, factor, call, flat, inverse, finite):
+    """``call(grouped, flat, inverse, finite)`` with its packed maps times ``factor``
+    (``None``: as they are)."""
+    if factor is None:
+        return call(grouped, flat, inverse, finite)
+    packed, grouped.packed = grouped.packed, grouped.packed * factor
+    try:
+        return call(grouped, flat, inverse, finite)
+    finally:
+        grouped.packed = packed
 
 
 @pytest.mark.child(SKIP["_map_overflow_worker"][0])
@@ -194,9 +208,11 @@ def test_a_map_that_overflows_skips_the_step_through_the_one_kernel_verdict():
 # written in the fused sender's kernels)
 MAPPED_BUCKET_MAPS = 2
 # a bucket with a layer on a map checks its mean after the map back (a map may overflow:
-# geofp8.ddp), one pass and four scalar ops (comm.stages.all_finite), written into the
-# bucket's slot of the step's verdict: the step still settles in its one kernel
-MAPPED_BUCKET = 5
+# geofp8.ddp) in the grouped map kernel itself, which clears the bucket's slot of the step's
+# verdict where a value it writes is not finite (the collective's flag covers the rest): no
+# torch op (comm.stages.all_finite's five are the torch path's)
+MAPPED_BUCKET = 0
+ALL_FINITE = ("aten.aminmax.default", "aten.eq.Scalar_out")
 # the step's settling in torch ops (stack, all, not, widen, count), replaced by that kernel
 TORCH_SETTLE = ("aten.stack.default", "aten.all.default")
 # the per-tensor residual's ops (widen, zero, where, add, write): none on the bucket path
@@ -224,6 +240,7 @@ def test_geometry_hook_launches_do_not_grow_with_the_mapped_layers():
     for names in (names2, names8, names4):
         assert not set(PER_TENSOR_RESIDUAL) & set(names), names
         assert not set(TORCH_SETTLE) & set(names), names
+        assert not set(ALL_FINITE) & set(names), names
 
 
 @pytest.mark.child(MEASURE["geofp8-auto"])

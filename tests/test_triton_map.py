@@ -79,7 +79,39 @@ def check() -> list[str]:
                 gaps[pos : pos + rows * d] = False
             if not torch.equal(out[gaps], flat[gaps]):
                 failures.append("an unmapped element changed")
-    return failures
+    return failures + flags()
+
+
+def flags() -> list[str]:
+    """The finite flag the kernel ANDs over what it writes, against the torch path's
+    values checked afterwards: finite values, a NaN and an Inf in a row (seed 2), and
+    finite values whose map overflows (times 2¹²⁶: past FP32's range); a cleared
+    flag stays cleared; elements outside the maps (a NaN there) are not the kernel's."""
+    import torch
+
+    from geofp8.codecs.triton_map import GroupedMaps, reference
+
+    failures, wants = [], []
+    for seed, scale in ((0, 1.0), (2, 1.0), (1, 2.0 ** 126)):
+        maps, n = _maps(seed)
+        flat = torch.randn(n, generator=torch.Generator().manual_seed(100 + seed)) * scale
+        flat[1] = float("nan")  # before the first slot: the collective's flag covers it
+        if seed == 2:
+            flat[maps[0][0] + 65 * 40 + 3] = float("nan")
+            flat[maps[2][0] + 5 * 64 + 7] = float("inf")
+        ref = flat.clone()
+        reference(ref, maps, True)
+        want = all(bool(ref[pos : pos + rows * d].isfinite().all())
+                   for pos, rows, d, U, _, _ in maps if U.shape[1])
+        for start in (1, 0):
+            out, flag = flat.clone(), torch.full((), start, dtype=torch.uint8)
+            done = GroupedMaps(maps, flat.device)(out, True, flag)
+            if not done or flag.item() != int(want and start):
+                failures.append(f"seed {seed} scale {scale} flag {start}: {flag.item()}, "
+                                f"want {int(want and start)}")
+        wants.append(want)
+    # finite; a NaN and an Inf; an overflow of finite values
+    return failures + ([] if wants == [True, False, False] else [f"cases {wants}"])
 
 
 def launches() -> tuple[int, int]:
@@ -119,8 +151,8 @@ def _ranks_worker(rank, world_size, source, steps=5):
     ddp.register_comm_hook(state, geofp8_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     calls, call, tables = [], GroupedMaps.__call__, set()
-    GroupedMaps.__call__ = lambda self, flat, inverse: (
-        calls.append(inverse), tables.add(id(self.table)), call(self, flat, inverse))
+    GroupedMaps.__call__ = lambda self, flat, inverse, finite=None: (
+        calls.append(inverse), tables.add(id(self.table)), call(self, flat, inverse, finite))[-1]
     for step in range(steps):
         opt.zero_grad()
         x = torch.randn(8, 24, generator=torch.Generator().manual_seed(step + 10 * rank))

@@ -158,16 +158,17 @@ class BucketPath:
             return None
         return route
 
-    def decode(self, encoded: Encoded, total: torch.Tensor, divided: bool = False
-               ) -> torch.Tensor:
+    def decode(self, encoded: Encoded, total: torch.Tensor, divided: bool = False,
+               finite: torch.Tensor | None = None) -> bool:
         """The mean ``(Σ / N) T⁻¹`` of every tensor, written over the collective's FP32 sum
         ``total`` (one tensor after the other, as :meth:`encode` laid them; ``divided``:
-        ``Σ / N`` already, the collective's ``divide``); returns it."""
+        ``Σ / N`` already, the collective's ``divide``). ``finite``: the sum's 0-dim flag
+        "every element finite" (uint8), which the grouped maps AND with the finiteness of
+        what they write; returns whether it now stands for the mean (``False``: the maps
+        ran on the torch path, which checks nothing)."""
         if not divided:
             total.div_(device_scalar(self.world_size, total.dtype, total.device))  # exact on CUDA
-        if encoded.slots:
-            _map_over(encoded.slots, total, inverse=True)
-        return total
+        return _map_over(encoded.slots, total, True, finite) if encoded.slots else True
 
     _last_slots: dict | None = None  # a bucket's names → its last MapSlots
 
@@ -238,16 +239,18 @@ class MapSlots(tuple):
         return self
 
 
-def _map_over(slots: MapSlots, flat: torch.Tensor, inverse: bool) -> None:
+def _map_over(slots: MapSlots, flat: torch.Tensor, inverse: bool,
+              finite: torch.Tensor | None = None) -> bool:
     """``G T`` (``inverse``: ``G T⁻¹``) over each mapped slot of ``flat``: one launch when
-    grouped, else map by map."""
+    grouped, which clears the 0-dim uint8 ``finite`` (if given) where a value it writes is
+    not (returns ``True``), else map by map (returns ``False``: nothing checked)."""
     grouped = getattr(slots, "grouped", None)  # an Encoded made without maps: ()
     if grouped is not None:
-        grouped(flat, inverse)
-        return
+        return grouped(flat, inverse, finite)
     for pos, n, shape, route in slots:
         view = flat[pos : pos + n].view(shape)
         if inverse:
             route.inverse_over(view)
         else:
             route.forward_over(view)
+    return False

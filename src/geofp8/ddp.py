@@ -239,7 +239,7 @@ class GeoFP8State:
             encoded.sent, encoded.layout, last, unmap, seed=seed, owner_keys=owner_keys,
             out=kept.flat, divide=engine.group.size, bound=encoded.bound,
             then=functools.partial(self._map_back, kept, encoded,
-                                   bool(encoded.slots) or unmap is not None, codec_s))
+                                   unmap is not None, codec_s))
 
     def _resolved(self, encoded) -> tuple:
         """``(unmap, owner keys)`` of a launch whose bucket was resolved this call, its
@@ -254,22 +254,27 @@ class GeoFP8State:
         owner_keys = pipeline.owner_keys(encoded) if pipeline.owner is not None else None
         return pipeline.unmap(encoded) if any(encoded.per_sender) else None, owner_keys
 
-    def _map_back(self, kept: "_Bucket", encoded, mapped: bool, codec_s: float,
+    def _map_back(self, kept: "_Bucket", encoded, check: bool, codec_s: float,
                   total: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
         """The mean of ``kept``'s launch written into its buffer, from the collective's
         ``total`` (divided by N in its fused decode; all NaN on every rank if any rank sent
         a non-finite value): its finite flag stands for the bucket's where nothing is
-        ``mapped`` back (by ``T⁻¹`` or per sender), else (a map may overflow) the mean's own
-        check is written over it (a poisoned sum maps back to NaN), in its step's slot.
-        ``codec_s``: the encode's seconds, added to the step's figures with the map back's."""
+        mapped back. A map may overflow: the grouped maps of ``T⁻¹`` clear the flag where a
+        value they write is not finite (the elements they leave are the sum's, which it
+        covers already); else (the torch path, or ``check``: mapped back per sender in the
+        collective) the mean's own check is written over it (a poisoned sum maps back to
+        NaN), in its step's slot. ``codec_s``: the encode's seconds, added to the step's
+        figures with the map back's."""
         t1 = time.perf_counter()
         if encoded.slots:  # (T⁻¹ over each mapped tensor of the sum, in place)
-            self.engine.pipeline.decode(encoded, total, divided=True)
+            check |= not self.engine.pipeline.decode(
+                encoded, total, divided=True,
+                finite=None if finite is None else finite.view(torch.uint8))
         if kept.flat is None:  # the sum was not decoded into the buffer itself
             for off, y in zip(kept.offsets, total.split([g.numel() for g in kept.grads])):
                 kept.buffer[off : off + y.numel()].copy_(y)
         self.engine.ledger.add_each(_SECONDS, (codec_s, time.perf_counter() - t1))
-        if mapped and finite is not None:
+        if check and finite is not None:
             all_finite(kept.buffer, out=finite)
         self.engine.finish_unit(kept.buffer, finite)
         return kept.buffer

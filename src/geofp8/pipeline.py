@@ -138,7 +138,7 @@ class GradientPipeline(BucketPath, RecordedDecisions):
         if self.source is not None:
             self.source.settle(finite)
         self.selection.settle(finite)
-        if self.geometry_since is None and self.selection.selected and self.geometry_layers():
+        if self.geometry_since is None and self.selection.selected and self._on_a_map():
             self._geometry_steps.append((self.step, finite))
             if len(self._geometry_steps) >= 64:  # bounded: one host read per 64 such steps
                 self._resolve_geometry_since()

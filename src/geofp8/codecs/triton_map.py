@@ -13,12 +13,20 @@ second writes it; rows are a program's own).
 The maps are packed once per set of maps (a bucket's record, at a refresh): ``U``, ``V_fwd``
 and ``V_inv`` of every layer in one FP32 device buffer, and a program table, int64
 ``[P, 7]``: ``(first element of the rows, rows, d_in, rank, U's, V_fwd's, V_inv's offset)``,
-so a call passes two tensors and a flag (no per-call host work). The table depends on the
+so a call passes its tensors and flags (no per-call host work). The table depends on the
 slots' geometry alone: maps made every step (``fresh``) repack their values, one ``cat``,
 under the table of the last packing. Layers of rank 0 (the
 identity) get no program: ``G + 0`` is ``G``. FP32 only; a bucket whose maps are not all
 FP32 low-rank maps on the kernels' device stays on the torch path (decided once, by
 :func:`places`).
+
+The map back checks what it writes: given a 0-dim uint8 ``finite`` (a bucket's slot of the
+step's verdict, holding the collective's flag "every element of the sum finite"), a program
+that wrote a non-finite value (exponent bits all ones) stores 0 there and one that did not
+stores nothing, so the flag ends ``finite ∧ every mapped-back value finite``: with the
+elements outside the maps (the sum's, unchanged) that is "every element of the mean
+finite", the torch path's check of the whole mean after ``mm`` + ``addmm``
+(:func:`geofp8.comm.stages.all_finite`) without its pass over the bucket.
 
 Agreement with the reference: the same products summed in another order (blocks of
 ``BLOCK_K`` here, the BLAS's order there), so each element differs by at most FP32
@@ -103,18 +111,33 @@ class GroupedMaps:
         self.launch = Launch(_map_kernel, (len(programs),), table_ptr=self.table, RANK=rank,
                              BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K) if programs else None
 
-    def __call__(self, flat: torch.Tensor, inverse: bool) -> None:
+    def __call__(self, flat: torch.Tensor, inverse: bool,
+                 finite: torch.Tensor | None = None) -> bool:
         """``G ← G + (G V) Uᵀ`` over every layer's slot of ``flat`` (``V`` the inverse's
-        when ``inverse``), one launch (none when every map has rank 0)."""
-        if self.launch is not None:
-            attempt(lambda: self.launch(flat, self.packed, INVERSE=int(inverse)),
-                    lambda: reference(flat, self.maps, inverse))
+        when ``inverse``), one launch (none when every map has rank 0). ``finite``: a 0-dim
+        uint8 flag the kernel clears where a value it writes is not finite (left as it is
+        where all are: ANDed with what it holds; rank 0 writes nothing). Returns whether
+        it did (``False``: the torch path ran, which checks nothing)."""
+        if self.launch is None:
+            return True
+        return attempt(lambda: self._fused(flat, inverse, finite),
+                       lambda: self._reference(flat, inverse))
+
+    def _fused(self, flat: torch.Tensor, inverse: bool, finite: torch.Tensor | None) -> bool:
+        self.launch(flat, self.packed, flat if finite is None else finite,
+                    INVERSE=int(inverse), FLAG=finite is not None)
+        return True
+
+    def _reference(self, flat: torch.Tensor, inverse: bool) -> bool:
+        reference(flat, self.maps, inverse)
+        return False
 
 
 if triton is not None:
     @triton.jit
-    def _map_kernel(flat_ptr, maps_ptr, table_ptr, INVERSE: tl.constexpr, RANK: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _map_kernel(flat_ptr, maps_ptr, flag_ptr, table_ptr, INVERSE: tl.constexpr,
+                    FLAG: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
         entry = table_ptr + tl.program_id(0) * 7
         start = tl.load(entry)
         rows = tl.load(entry + 1)
@@ -138,6 +161,7 @@ if triton is not None:
             v = tl.load(maps_ptr + v0 + k[:, None] * rank + r[None, :],
                         mask=k_ok[:, None] & r_ok[None, :], other=0.0)
             P = tl.dot(g, v, P, input_precision="ieee")
+        bad = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)  # non-finite values written
         for k0 in range(0, d, BLOCK_K):  # G_rows + P Uᵀ, over G_rows
             k = k0 + kk
             k_ok = k < d
@@ -145,5 +169,11 @@ if triton is not None:
             g = tl.load(at, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             ut = tl.load(maps_ptr + u0 + k[None, :] * rank + r[:, None],
                          mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            tl.store(at, g + tl.dot(P, ut, input_precision="ieee"),
-                     mask=m_ok[:, None] & k_ok[None, :])
+            out = g + tl.dot(P, ut, input_precision="ieee")
+            tl.store(at, out, mask=m_ok[:, None] & k_ok[None, :])
+            if FLAG:  # exponent all ones: ±inf or NaN, over the values written
+                bits = out.to(tl.uint32, bitcast=True)
+                nonfinite = ((bits & 0x7F800000) == 0x7F800000) & m_ok[:, None] & k_ok[None, :]
+                bad = tl.maximum(bad, nonfinite.to(tl.int32))
+        if FLAG:  # cleared by any program that wrote a non-finite value, else left alone
+            tl.store(flag_ptr, tl.zeros((), dtype=tl.uint8), mask=tl.max(tl.max(bad, 1), 0) > 0)

@@ -526,7 +526,9 @@ def check_fused_maps(rows: list) -> None:
     """A bucket's low-rank maps in one grouped kernel each way
     (:class:`geofp8.codecs.triton_map.GroupedMaps`) against ``mm`` + ``addmm`` per layer on
     the device: within FP32 summation round-off (``triton_map.round_off_bound``), a row with
-    a NaN or an Inf non-finite in both, rank 0 and unmapped elements untouched."""
+    a NaN or an Inf non-finite in both, rank 0 and unmapped elements untouched; the inverse's
+    finite flag cleared exactly when a mapped-back value is not finite (the torch path's
+    values checked), on these rows and on their finite ones alone."""
     from ..codecs import triton_map
 
     g = torch.Generator().manual_seed(7)
@@ -551,13 +553,24 @@ def check_fused_maps(rows: list) -> None:
         grouped(out, inverse)
         triton_map.reference(ref, maps, inverse)
         ok = [torch.equal(out[gaps], flat[gaps])]
+        if inverse:  # the flag, where the values are as they are and where all are finite
+            for values in (flat, flat.nan_to_num(0.0, 0.0, 0.0)):
+                mapped_back, flag = values.clone(), torch.ones((), dtype=torch.uint8,
+                                                               device=flat.device)
+                grouped(mapped_back, True, flag)
+                expected = values.clone()
+                triton_map.reference(expected, maps, True)
+                want = all(bool(expected[pos : pos + n * d].isfinite().all())
+                           for pos, n, d, U, _, _ in maps if U.shape[1])
+                ok.append(bool(flag.item()) == want)
         for pos, n, d, U, V_fwd, V_inv in maps:
             G, o, r = (x[pos : pos + n * d].view(n, d) for x in (flat, out, ref))
             finite = G.isfinite().all(dim=1)
             bound = triton_map.round_off_bound(G[finite], V_inv if inverse else V_fwd, U)
             ok += [torch.equal(o.isfinite(), r.isfinite()),
                    bool(((o[finite] - r[finite]).abs() <= bound).all())]
-        return f"unmapped, then per layer non-finite rows and round-off: {ok}", all(ok)
+        return (f"unmapped, {'flags, ' if inverse else ''}then per layer non-finite rows "
+                f"and round-off: {ok}", all(ok))
 
     _row(rows, "fused low-rank maps forward (4 layers, ranks 0-32)", lambda: apply(False))
     _row(rows, "fused low-rank maps inverse", lambda: apply(True))
