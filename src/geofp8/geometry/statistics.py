@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codecs import triton_fp8, triton_stats
+
 __all__ = ["JoinedMoments", "LowRankFactor", "SecondMoment", "nystrom_factor", "sketch_matrix"]
 
 
@@ -162,8 +164,9 @@ class SecondMoment:
 class JoinedMoments:
     """Moments of one dtype and device whose sums lie side by side in one flat buffer
     (:meth:`SecondMoment.place`), so a step's work on all of them takes a fixed number of
-    launches, whatever their count: ``bad[i]`` = 1 where moment ``i`` has a non-finite
-    element, and ``window += where(keep[i], moment, 0)`` over the buffer."""
+    launches, whatever their count: :meth:`commit_into` (two Triton launches on the kernels'
+    device, :class:`~geofp8.codecs.triton_stats.Commit`; else torch's, :meth:`nonfinite` and
+    :meth:`add_where`)."""
 
     def __init__(self, moments: list[SecondMoment]) -> None:
         first = moments[0].total
@@ -174,6 +177,26 @@ class JoinedMoments:
             m.place(self.flat[pos : pos + m.numel])
             pos += m.numel
         self.lengths = torch.tensor([m.numel for m in moments], device=first.device)
+        self._fused = triton_stats.Commit([m.numel for m in moments], first.device) \
+            if triton_fp8.available(first) else None
+
+    def commit_into(self, window: JoinedMoments, finite: torch.Tensor,
+                    dropped: torch.Tensor) -> None:
+        """``window += where(finite ∧ ¬bad[i], moment i, 0)`` and ``dropped[i] += finite ∧
+        bad[i]`` (``bad``: :meth:`nonfinite`; ``finite`` a 0-dim bool, ``dropped`` int64
+        ``[moments]``, the same layout and device), then these sums zeroed; no host read."""
+        if self._fused is None:
+            self._commit_reference(window, finite, dropped)
+        else:
+            triton_fp8.attempt(lambda: self._fused(self.flat, window.flat, finite, dropped),
+                               lambda: self._commit_reference(window, finite, dropped))
+
+    def _commit_reference(self, window: JoinedMoments, finite: torch.Tensor,
+                          dropped: torch.Tensor) -> None:
+        bad = self.nonfinite()
+        window.add_where(finite & ~bad, self)
+        dropped.add_(finite & bad)
+        self.flat.zero_()
 
     def nonfinite(self) -> torch.Tensor:
         """Per moment: whether any of its elements is NaN or ±Inf (bool, on the device)."""
