@@ -45,7 +45,7 @@ class Commit:
             rows += [(a, min(a + TILE, pos + n), i, int(a == pos))
                      for a in range(pos, pos + n, TILE)]
             pos += n
-        self.tiles = torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int64).to(device)
+        self.tiles = torch.tensor(rows, dtype=torch.int64).to(device)
         self.marks = AmaxSlots(len(lengths), device)
         fixed = {"tiles_ptr": self.tiles, "marks_ptr": self.marks.buffer, "TILE": TILE}
         self._flag = Launch(_nonfinite_kernel, (len(rows),), **fixed)

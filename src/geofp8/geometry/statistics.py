@@ -15,6 +15,7 @@ moving average over updates); ``decay = 1`` is a running mean over all tokens.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -176,9 +177,15 @@ class JoinedMoments:
         for m in moments:
             m.place(self.flat[pos : pos + m.numel])
             pos += m.numel
-        self.lengths = torch.tensor([m.numel for m in moments], device=first.device)
-        self._fused = triton_stats.Commit([m.numel for m in moments], first.device) \
-            if triton_fp8.available(first) else None
+        self.numels = [m.numel for m in moments]
+        self.lengths = torch.tensor(self.numels, device=first.device)
+
+    @functools.cached_property
+    def _fused(self) -> triton_stats.Commit | None:
+        """The fused commit's tile map and marks, made at the first commit (a window's
+        moments take none); ``None`` off the kernels' device."""
+        return triton_stats.Commit(self.numels, self.flat.device) \
+            if triton_fp8.available(self.flat) else None
 
     def commit_into(self, window: JoinedMoments, finite: torch.Tensor,
                     dropped: torch.Tensor) -> None:
