@@ -285,11 +285,7 @@ class RefreshFactors(FactorSource):
         finite step is dropped, counted at the refresh; a skipped step's are dropped
         uncounted)."""
         for _, pending, window, dropped in self._joined:
-            bad = pending.nonfinite()
-            finite_here = finite.to(bad.device)
-            window.add_where(finite_here & ~bad, pending)
-            dropped.add_(finite_here & bad)
-            pending.flat.zero_()
+            pending.commit_into(window, finite.to(dropped.device), dropped)
         super().settle(finite)
 
     def start_step(self, step: int) -> None:

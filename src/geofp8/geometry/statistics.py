@@ -15,9 +15,12 @@ moving average over updates); ``decay = 1`` is a running mean over all tokens.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+from ..codecs import triton_fp8, triton_stats
 
 __all__ = ["JoinedMoments", "LowRankFactor", "SecondMoment", "nystrom_factor", "sketch_matrix"]
 
@@ -162,8 +165,9 @@ class SecondMoment:
 class JoinedMoments:
     """Moments of one dtype and device whose sums lie side by side in one flat buffer
     (:meth:`SecondMoment.place`), so a step's work on all of them takes a fixed number of
-    launches, whatever their count: ``bad[i]`` = 1 where moment ``i`` has a non-finite
-    element, and ``window += where(keep[i], moment, 0)`` over the buffer."""
+    launches, whatever their count: :meth:`commit_into` (two Triton launches on the kernels'
+    device, :class:`~geofp8.codecs.triton_stats.Commit`; else torch's, :meth:`nonfinite` and
+    :meth:`add_where`)."""
 
     def __init__(self, moments: list[SecondMoment]) -> None:
         first = moments[0].total
@@ -173,7 +177,33 @@ class JoinedMoments:
         for m in moments:
             m.place(self.flat[pos : pos + m.numel])
             pos += m.numel
-        self.lengths = torch.tensor([m.numel for m in moments], device=first.device)
+        self.numels = [m.numel for m in moments]
+        self.lengths = torch.tensor(self.numels, device=first.device)
+
+    @functools.cached_property
+    def _fused(self) -> triton_stats.Commit | None:
+        """The fused commit's tile map and marks, made at the first commit (a window's
+        moments take none); ``None`` off the kernels' device."""
+        return triton_stats.Commit(self.numels, self.flat.device) \
+            if triton_fp8.available(self.flat) else None
+
+    def commit_into(self, window: JoinedMoments, finite: torch.Tensor,
+                    dropped: torch.Tensor) -> None:
+        """``window += where(finite ∧ ¬bad[i], moment i, 0)`` and ``dropped[i] += finite ∧
+        bad[i]`` (``bad``: :meth:`nonfinite`; ``finite`` a 0-dim bool, ``dropped`` int64
+        ``[moments]``, the same layout and device), then these sums zeroed; no host read."""
+        if self._fused is None:
+            self._commit_reference(window, finite, dropped)
+        else:
+            triton_fp8.attempt(lambda: self._fused(self.flat, window.flat, finite, dropped),
+                               lambda: self._commit_reference(window, finite, dropped))
+
+    def _commit_reference(self, window: JoinedMoments, finite: torch.Tensor,
+                          dropped: torch.Tensor) -> None:
+        bad = self.nonfinite()
+        window.add_where(finite & ~bad, self)
+        dropped.add_(finite & bad)
+        self.flat.zero_()
 
     def nonfinite(self) -> torch.Tensor:
         """Per moment: whether any of its elements is NaN or ±Inf (bool, on the device)."""

@@ -375,6 +375,7 @@ def check_fused(rows: list) -> None:
         return f"all of 70 / 6 slots, skipped counter: {ok}", all(ok)
 
     _row(rows, "fused step verdict", verdict)
+    _row(rows, "fused statistics commit", _statistics_commit)
     if DEVICE.type != "cuda":  # the interpreter's stand-in run checks the bits only
         return
     x = torch.randn(25 << 20 >> 2, device=DEVICE)  # 25 MiB of FP32
@@ -388,6 +389,31 @@ def check_fused(rows: list) -> None:
 
     # bytes: x, r read, u written; u read twice, codes, error; decode
     _bandwidth_row(rows, "fused e4m3 q+EF+d 25 MiB", stages, x, 22)
+
+
+def _statistics_commit() -> tuple[str, bool]:
+    """A step's statistics committed where finite in two kernels
+    (:class:`~geofp8.codecs.triton_stats.Commit`) against the torch reference, bitwise: a NaN
+    in one moment, an Inf in another's second tile, a finite and a skipped step."""
+    from ..geometry.statistics import JoinedMoments, SecondMoment
+
+    ok = []
+    for finite in (True, False):
+        fused, ref = ([JoinedMoments([SecondMoment(d, device=DEVICE) for d in (3, 40, 33)])
+                       for _ in range(2)] for _ in range(2))
+        sums, window = torch.randn(fused[0].flat.numel()), torch.rand(fused[0].flat.numel())
+        sums[5], sums[11 + 1100] = float("nan"), float("inf")
+        for pending, into in (fused, ref):
+            pending.flat.copy_(sums)
+            into.flat.copy_(window)
+        dropped = [torch.zeros(3, dtype=torch.int64, device=DEVICE) for _ in range(2)]
+        flag = torch.tensor(finite, device=DEVICE)
+        fused[0].commit_into(fused[1], flag, dropped[0])
+        ref[0]._commit_reference(ref[1], flag, dropped[1])
+        ok.append(fused[0]._fused is not None and torch.equal(*dropped)
+                  and _bits_equal(fused[1].flat, ref[1].flat)
+                  and _bits_equal(fused[0].flat, ref[0].flat))
+    return f"window, dropped counts, zeroed sums; finite and skipped step: {ok}", all(ok)
 
 
 def check_fused_blocks(rows: list) -> None:
@@ -658,7 +684,7 @@ def triton_kernels() -> dict[str, object]:
     :mod:`~geofp8.codecs.triton_fp8` and :mod:`~geofp8.codecs.triton_fp4` name them; new
     modules' kernels are found the same way), by ``module.name``, each once; none where
     Triton does not import."""
-    from ..codecs import block_records, triton_fp4, triton_fp8, triton_map  # noqa: F401
+    from ..codecs import block_records, triton_fp4, triton_fp8, triton_map, triton_stats  # noqa: F401
 
     found: dict[int, tuple[str, object]] = {}
     for module_name, module in sorted(sys.modules.items()):

@@ -1,0 +1,90 @@
+"""A step's input statistics committed where finite in two Triton launches, beside the torch
+reference (:meth:`geofp8.geometry.statistics.JoinedMoments.commit_into`).
+
+Moments lie back to back in one flat buffer (the step's sums ``P``, the window's ``W``, the
+same layout); moment ``i`` of a finite step joins the window only if all of it is finite:
+
+    bad_i = any(¬isfinite(P_i)),  keep_i = finite ∧ ¬bad_i,
+    W_i += where(keep_i, P_i, 0),  dropped_i += finite ∧ bad_i,  P_i = 0.
+
+torch takes 18 launches for it (isfinite's four ops, a segment max, a repeat_interleave, the
+where, the flags' logic); here two, a program per *tile* (at most :data:`TILE` elements of
+one moment; the int64 ``[T, 4]`` map ``(first element, end, moment, first tile of the
+moment)``, made once per layout): ``_nonfinite_kernel``, an atomic max of ``epoch + any bad``
+into the moment's mark; then ``_commit_kernel``, the add where kept and ``P = 0``, and the
+moment's first tile advances its dropped count. The marks are :class:`~.triton_fp8.AmaxSlots`
+(an epoch per call above every mark of an earlier call: zeroed once, not by a launch per
+call). The add is one IEEE add of the same operands as torch's, so ``W``'s bits are the
+reference's (a dropped moment adds +0: ``-0`` becomes ``+0`` there too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_fp8 import AmaxSlots, Launch, triton
+
+if triton is not None:
+    import triton.language as tl
+
+__all__ = ["TILE", "Commit"]
+
+TILE = 1024  # elements per program
+
+
+class Commit:
+    """The fused commit of moments of ``lengths`` elements lying back to back on ``device``
+    (module notes): ``commit(P, W, finite, dropped)``, ``finite`` a 0-dim bool and
+    ``dropped`` an int64 ``[len(lengths)]``, all on ``device``; two launches, no host read."""
+
+    __slots__ = ("_flag", "_commit", "marks", "tiles")
+
+    def __init__(self, lengths: list[int], device: torch.device) -> None:
+        rows, pos = [], 0
+        for i, n in enumerate(lengths):
+            rows += [(a, min(a + TILE, pos + n), i, int(a == pos))
+                     for a in range(pos, pos + n, TILE)]
+            pos += n
+        self.tiles = torch.tensor(rows, dtype=torch.int64).to(device)
+        self.marks = AmaxSlots(len(lengths), device)
+        fixed = {"tiles_ptr": self.tiles, "marks_ptr": self.marks.buffer, "TILE": TILE}
+        self._flag = Launch(_nonfinite_kernel, (len(rows),), **fixed)
+        self._commit = Launch(_commit_kernel, (len(rows),), **fixed)
+
+    def __call__(self, pending: torch.Tensor, window: torch.Tensor, finite: torch.Tensor,
+                 dropped: torch.Tensor) -> None:
+        epoch = next(self.marks.epochs)
+        self._flag(pending, epoch)
+        self._commit(pending, window, finite, dropped, epoch)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile(tiles_ptr, TILE: tl.constexpr):
+        row = tiles_ptr + 4 * tl.program_id(0)
+        offs = tl.load(row) + tl.arange(0, TILE).to(tl.int64)
+        return offs, offs < tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+
+    @triton.jit
+    def _nonfinite_kernel(p_ptr, epoch, tiles_ptr, marks_ptr, TILE: tl.constexpr):
+        """``mark[i] = max(mark[i], epoch + any(¬isfinite(tile)))`` (NaN < ∞ is false)."""
+        offs, mask, i, _ = _tile(tiles_ptr, TILE)
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        bad = (mask & ~(tl.abs(p) < float("inf"))).to(tl.int64)
+        tl.atomic_max(marks_ptr + i, epoch + tl.max(bad, 0))
+
+    @triton.jit
+    def _commit_kernel(p_ptr, w_ptr, finite_ptr, dropped_ptr, epoch, tiles_ptr, marks_ptr,
+                       TILE: tl.constexpr):
+        """``W += where(finite ∧ ¬bad_i, P, 0)``, ``P = 0``; the moment's first tile:
+        ``dropped[i] += finite ∧ bad_i``."""
+        offs, mask, i, first = _tile(tiles_ptr, TILE)
+        finite = tl.load(finite_ptr) != 0
+        bad = tl.load(marks_ptr + i) != epoch
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        tl.store(w_ptr + offs, w + tl.where(finite & ~bad, p, 0.0), mask=mask)
+        tl.store(p_ptr + offs, tl.zeros_like(p), mask=mask)
+        count = (finite & bad).to(tl.int64)
+        tl.store(dropped_ptr + i, tl.load(dropped_ptr + i) + count, mask=first != 0)
