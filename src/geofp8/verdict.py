@@ -14,6 +14,16 @@ every slot handed out is written in its step, so nothing zero-fills it). When th
 flags are its slots in order, one kernel makes the verdict and advances the skipped-step
 counter (:func:`~geofp8.codecs.triton_fp8.verdict`); else (the torch path, an agreement,
 per-unit flags wanted) torch ops stack and reduce the flags.
+
+The last unit's decode decides: when the engine starts a step's last unit and may let it
+decide (:meth:`StepVerdict.start_unit`: no agreement, no per-unit callbacks, no map back
+that rewrites a flag after its decode), the slot that unit will be handed (the ``n``-th of
+``n`` units) is *armed*; the fused decode that writes it finds the step by that slot
+(:func:`decode_into`) and, in its program 0, reads the ``n - 1`` earlier slots (written by
+earlier kernels on the same stream), writes the verdict and advances the counter. Settling
+then launches nothing. It checks that the step's flags were its slots in order (else the
+torch verdict, the counter corrected by ``made − finite``); a rollback takes the advance
+back (``skipped −= ¬made``): the counter moves once per skipped step, on the device.
 """
 
 from __future__ import annotations
@@ -28,6 +38,19 @@ from .codecs import triton_fp8
 __all__ = ["StepVerdict"]
 
 _ADDRESS, _DEVICE = torch.Tensor.data_ptr, operator.attrgetter("device")
+_ARMED: dict[int, StepVerdict] = {}  # the address of a step's last slot -> that step
+
+
+def decode_into(launches: tuple, flag: torch.Tensor, *args, **kwargs) -> None:
+    """Launch a fused decode writing its unit's flag into ``flag``: ``launches``' deciding
+    one (:func:`~geofp8.codecs.triton_fp8.decode_launches`) when ``flag`` is a step's armed
+    last slot (taken: once), then the step is decided; else the plain one."""
+    step = _ARMED.pop(flag.data_ptr(), None) if _ARMED else None
+    if step is None:
+        return launches[0](*args, flag_ptr=flag, **kwargs)
+    launches[1](*args, flag_ptr=flag, **kwargs, **step.args)
+    step._made = step.args["verdict_ptr"]
+    return None
 
 
 class StepVerdict:
@@ -39,6 +62,21 @@ class StepVerdict:
         self._views: list[torch.Tensor] = []  # each slot's 0-dim view, made with the vector
         self._free: list[torch.Tensor] = []  # the views not handed out this step, last first
         self._addresses: list[int] = []  # the views' data_ptr, in order
+        self._units = 0  # units started in the step in flight
+        self.args: dict | None = None  # the armed decision's kernel arguments (start_unit)
+        self._made: torch.Tensor | None = None  # uint8 0-dim: the verdict its decode made
+
+    def start_unit(self, last: bool, skipped: Callable[[torch.device], torch.Tensor]) -> None:
+        """A unit of the step starts; ``last``: the step's last, and its decode may decide
+        the step (module notes): then its slot is armed, with the decision's arguments
+        (the earlier flags, a new verdict, ``skipped(device)``'s counter; :func:`decode_into`)."""
+        self._units += 1
+        if last and self._units <= len(self._views):
+            slots = self._slots
+            self.args = {"flags_ptr": slots, "n": self._units - 1, "skipped_ptr":
+                         skipped(slots.device), "verdict_ptr": torch.empty(
+                             (), dtype=torch.uint8, device=slots.device)}
+            _ARMED[self._addresses[self._units - 1]] = self
 
     def slot(self, device: torch.device) -> torch.Tensor | None:
         """The next slot, a 0-dim uint8 on ``device`` for a unit's flag; ``None`` before the
@@ -53,7 +91,16 @@ class StepVerdict:
 
     def reset(self) -> None:
         """Forget the step in flight (settled or rolled back)."""
-        self.flags, self._free = [], self._views[::-1]
+        self.flags, self._free, self._units, self._made = [], self._views[::-1], 0, None
+        if self.args is not None:  # (armed: disarmed unless its decode took it)
+            _ARMED.pop(self._addresses[self.args["n"]], None)
+            self.args = None
+
+    def rollback(self) -> None:
+        """Forget the step in flight, and the skipped step its decode counted."""
+        if self._made is not None:
+            self.args["skipped_ptr"].sub_((1 - self._made).to(torch.int64))
+        self.reset()
 
     def settle(self, device: torch.device, skipped: Callable[[torch.device], torch.Tensor],
                agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -64,10 +111,12 @@ class StepVerdict:
         when advanced here, else ``None`` (the caller counts). ``agree(bad)``: the sum over
         ranks of the FP32 ``[U]`` "my flag is down". ``device``: where a step without units
         decides."""
-        flags, slots = self.flags, self._slots
+        flags, slots, made, args = self.flags, self._slots, self._made, self.args
         self.reset()
-        if agree is None and not per_unit and self._are_slots(flags) and \
-                triton_fp8.available(slots):
+        fused = agree is None and not per_unit and self._are_slots(flags)
+        if made is not None and fused and len(flags) == args["n"] + 1:
+            return made.view(torch.bool), None, args["skipped_ptr"]
+        if made is None and fused and triton_fp8.available(slots):
             counter = skipped(slots.device)
             return triton_fp8.verdict(slots, len(flags), counter), None, counter
         device = flags[0].device if flags else torch.device(device)
@@ -80,7 +129,11 @@ class StepVerdict:
             self._views = list(self._slots.unbind())
             self._addresses = list(map(_ADDRESS, self._views))
             self._free = self._views[::-1]
-        return ok.all(), ok, None
+        if made is None:
+            return ok.all(), ok, None
+        finite = ok.all()  # the decode counted ¬made: count ¬finite instead
+        args["skipped_ptr"].add_(made.to(torch.int64) - finite.to(torch.int64))
+        return finite, ok, args["skipped_ptr"]
 
     def _are_slots(self, flags: list[torch.Tensor]) -> bool:
         """Whether ``flags`` are the first ``len(flags)`` slots, in order (addresses and
