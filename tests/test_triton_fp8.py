@@ -279,7 +279,8 @@ def check_decision() -> list[str]:
                            ([1, 1], "not slots")):
             name, before, kernels[:] = f"decision {codec!r} {units} {how}", int(counter), []
             for i, unit in enumerate(units):
-                verdict.start_unit(i == len(units) - 1, skipped)
+                if i == len(units) - 1:  # the engine's count: units observed + outstanding
+                    verdict.arm(len(verdict.flags) + 1, skipped)
                 slot = verdict.slot("cpu")
                 if i < len(units) - 1:
                     slot.fill_(unit)  # an earlier unit's decode

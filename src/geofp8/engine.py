@@ -145,9 +145,10 @@ class SyncEngine:
     def start_unit(self, last: bool = False) -> None:
         """A unit of the step starts; the first one begins the step (collectives)."""
         with self._lock:
-            self._outstanding += 1  # the last unit's decode may decide (geofp8.verdict)
-            self.verdict.start_unit(last and self._agree is None and not self.on_skip
-                                    and self.pipeline.source is None, self.ledger.skipped_counter)
+            self._outstanding += 1  # the last unit's decode may decide (no map back: verdict)
+            if last and self._agree is None and not self.on_skip and self.pipeline.source is None:
+                self.verdict.arm(len(self.verdict.flags) + self._outstanding,
+                                 self.ledger.skipped_counter)
             if not self.ledger.begin_unit(last):
                 return
         if not self._checked:

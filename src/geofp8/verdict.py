@@ -16,7 +16,7 @@ counter (:func:`~geofp8.codecs.triton_fp8.verdict`); else (the torch path, an ag
 per-unit flags wanted) torch ops stack and reduce the flags.
 
 The last unit's decode decides: when the engine starts a step's last unit and may let it
-decide (:meth:`StepVerdict.start_unit`: no agreement, no per-unit callbacks, no map back
+decide (:meth:`StepVerdict.arm`: no agreement, no per-unit callbacks, no map back
 that rewrites a flag after its decode), the slot that unit will be handed (the ``n``-th of
 ``n`` units) is *armed*; the fused decode that writes it finds the step by that slot
 (:func:`decode_into`) and, in its program 0, reads the ``n - 1`` earlier slots (written by
@@ -62,21 +62,20 @@ class StepVerdict:
         self._views: list[torch.Tensor] = []  # each slot's 0-dim view, made with the vector
         self._free: list[torch.Tensor] = []  # the views not handed out this step, last first
         self._addresses: list[int] = []  # the views' data_ptr, in order
-        self._units = 0  # units started in the step in flight
-        self.args: dict | None = None  # the armed decision's kernel arguments (start_unit)
+        self._armable = 0  # a step of up to this many units may be decided by its decode
+        self.args: dict | None = None  # the armed decision's kernel arguments (arm)
         self._made: torch.Tensor | None = None  # uint8 0-dim: the verdict its decode made
 
-    def start_unit(self, last: bool, skipped: Callable[[torch.device], torch.Tensor]) -> None:
-        """A unit of the step starts; ``last``: the step's last, and its decode may decide
-        the step (module notes): then its slot is armed, with the decision's arguments
-        (the earlier flags, a new verdict, ``skipped(device)``'s counter; :func:`decode_into`)."""
-        self._units += 1
-        if last and self._units <= len(self._views):
-            slots = self._slots
-            self.args = {"flags_ptr": slots, "n": self._units - 1, "skipped_ptr":
-                         skipped(slots.device), "verdict_ptr": torch.empty(
-                             (), dtype=torch.uint8, device=slots.device)}
-            _ARMED[self._addresses[self._units - 1]] = self
+    def arm(self, n: int, skipped: Callable[[torch.device], torch.Tensor]) -> None:
+        """The step's last unit, its ``n``-th, starts and its decode may decide the step
+        (module notes): its slot is armed with the decision's arguments (the earlier flags,
+        a new verdict, ``skipped(device)``'s counter; :func:`decode_into`), when the slots
+        hold ``n`` flags and the kernels run on them."""
+        if n <= self._armable:
+            self.args = {"flags_ptr": self._slots, "n": n - 1, "skipped_ptr": skipped(
+                self._slots.device), "verdict_ptr": torch.empty((), dtype=torch.uint8,
+                                                                device=self._slots.device)}
+            _ARMED[self._addresses[n - 1]] = self
 
     def slot(self, device: torch.device) -> torch.Tensor | None:
         """The next slot, a 0-dim uint8 on ``device`` for a unit's flag; ``None`` before the
@@ -91,7 +90,7 @@ class StepVerdict:
 
     def reset(self) -> None:
         """Forget the step in flight (settled or rolled back)."""
-        self.flags, self._free, self._units, self._made = [], self._views[::-1], 0, None
+        self.flags, self._free, self._made = [], self._views[::-1], None
         if self.args is not None:  # (armed: disarmed unless its decode took it)
             _ARMED.pop(self._addresses[self.args["n"]], None)
             self.args = None
@@ -113,10 +112,10 @@ class StepVerdict:
         decides."""
         flags, slots, made, args = self.flags, self._slots, self._made, self.args
         self.reset()
-        fused = agree is None and not per_unit and self._are_slots(flags)
-        if made is not None and fused and len(flags) == args["n"] + 1:
-            return made.view(torch.bool), None, args["skipped_ptr"]
-        if made is None and fused and triton_fp8.available(slots):
+        if made is not None:  # the last unit's decode made it
+            return self._made_by_decode(flags, made, args, agree, per_unit)
+        if agree is None and not per_unit and self._are_slots(flags) and \
+                triton_fp8.available(slots):
             counter = skipped(slots.device)
             return triton_fp8.verdict(slots, len(flags), counter), None, counter
         device = flags[0].device if flags else torch.device(device)
@@ -129,11 +128,25 @@ class StepVerdict:
             self._views = list(self._slots.unbind())
             self._addresses = list(map(_ADDRESS, self._views))
             self._free = self._views[::-1]
-        if made is None:
-            return ok.all(), ok, None
-        finite = ok.all()  # the decode counted ¬made: count ¬finite instead
-        args["skipped_ptr"].add_(made.to(torch.int64) - finite.to(torch.int64))
-        return finite, ok, args["skipped_ptr"]
+            self._armable = len(self._views) if triton_fp8.available(self._slots) else 0
+        return ok.all(), ok, None
+
+    def _made_by_decode(self, flags: list[torch.Tensor], made: torch.Tensor, args: dict,
+                        agree, per_unit: bool) -> tuple:
+        """:meth:`settle` of a step the last unit's decode decided and counted: that verdict
+        when the step's flags were its slots in order, the armed one last; else (a unit's
+        flag not its slot, e.g. from the torch path) the torch verdict, the counter
+        corrected by ``made − finite``."""
+        counter = args["skipped_ptr"]
+        if agree is None and not per_unit and len(flags) == args["n"] + 1 and \
+                self._are_slots(flags):
+            return made.view(torch.bool), None, counter
+        ok = torch.stack(flags)  # (not empty: the armed unit was observed or not, others)
+        if agree is not None:
+            ok = agree((~ok).to(torch.float32)) == 0
+        finite = ok.all()
+        counter.add_(made.to(torch.int64) - finite.to(torch.int64))
+        return finite, ok, counter
 
     def _are_slots(self, flags: list[torch.Tensor]) -> bool:
         """Whether ``flags`` are the first ``len(flags)`` slots, in order (addresses and
