@@ -216,8 +216,8 @@ def check_verdict() -> list[str]:
     from geofp8.verdict import StepVerdict
 
     failures = []
-    verdict, counter = StepVerdict(), torch.zeros((), dtype=torch.int64)
-    skipped = lambda device: counter  # noqa: E731
+    counter = torch.zeros((), dtype=torch.int64)
+    verdict = StepVerdict(lambda device: counter)
     if verdict.slot("cpu") is not None:
         failures.append("verdict: a slot before the first settling (which sizes them)")
     for units, how in (([1, 1, 1], "plain"), ([1], "slots"), ([1, 0, 1], "slots"),
@@ -231,7 +231,7 @@ def check_verdict() -> list[str]:
         for flag in reversed(flags) if how == "reversed" else flags:
             verdict.observe(flag)
         before = int(counter)
-        finite, ok, counted = verdict.settle("cpu", skipped)
+        finite, ok, counted = verdict.settle("cpu")
         kernel = how == "slots"
         if (counted is counter) != kernel or bool(finite) != all(units):
             failures.append(f"verdict {units} {how}: {bool(finite)}, {counted}")
@@ -261,7 +261,6 @@ def check_decision() -> list[str]:
     verdict_kernel = triton_fp8.verdict
     triton_fp8.verdict = lambda *a: kernels.append(1) or verdict_kernel(*a)
     counter = torch.zeros((), dtype=torch.int64)
-    skipped = lambda device: counter  # noqa: E731
     for codec in (make_codec("e4m3", "row"), make_codec("nvfp4"), make_codec("mxfp8")):
         layout = ShardLayout.build([(3, 300), (64, 40)], codec, n, kernels="batched")
         gathered = {}
@@ -272,15 +271,15 @@ def check_decision() -> list[str]:
             received = [torch.cat([x.split(cuts)[j] for x in sent]) for j in range(n)]
             gathered[bad] = torch.stack([st.reduce_encode(received[j], layout, j)[0]
                                          for j in range(n)])
-        verdict = StepVerdict()
-        verdict.settle("cpu", skipped)  # sizes the slots
+        verdict = StepVerdict(lambda device: counter)
+        verdict.settle("cpu")  # sizes the slots
         for units, how in (([1], "settle"), ([0], "settle"), ([1, 1, 1], "settle"),
                            ([1, 0, 1], "settle"), ([0, 1, 0], "settle"), ([1, 0], "rollback"),
                            ([1, 1], "not slots")):
             name, before, kernels[:] = f"decision {codec!r} {units} {how}", int(counter), []
             for i, unit in enumerate(units):
                 if i == len(units) - 1:  # the engine's count: units observed + outstanding
-                    verdict.arm(len(verdict.flags) + 1, skipped)
+                    verdict.arm(len(verdict.flags) + 1)
                 slot = verdict.slot("cpu")
                 if i < len(units) - 1:
                     slot.fill_(unit)  # an earlier unit's decode
@@ -297,7 +296,7 @@ def check_decision() -> list[str]:
                 if int(counter) != before:
                     failures.append(f"{name}: counter {int(counter)} after {before}")
                 continue
-            finite, ok, counted = verdict.settle("cpu", skipped)
+            finite, ok, counted = verdict.settle("cpu")
             want = all(units) and how != "not slots"
             if counted is not counter or bool(finite) != want or \
                     int(counter) != before + (not want):

@@ -87,7 +87,7 @@ class SyncEngine:
         self._checked = False
         self._lock = threading.RLock()
         self._outstanding = 0
-        self.verdict = StepVerdict()  # the observed units' flags
+        self.verdict = StepVerdict(self.ledger.skipped_counter)  # the observed units' flags
         self._hooks = [model.register_forward_pre_hook(self._on_forward),
                        model.register_forward_hook(self._on_forward_end), *self.pipeline.hooks]
 
@@ -147,8 +147,7 @@ class SyncEngine:
         with self._lock:
             self._outstanding += 1  # the last unit's decode may decide (no map back: verdict)
             if last and self._agree is None and not self.on_skip and self.pipeline.source is None:
-                self.verdict.arm(len(self.verdict.flags) + self._outstanding,
-                                 self.ledger.skipped_counter)
+                self.verdict.arm(len(self.verdict.flags) + self._outstanding)
             if not self.ledger.begin_unit(last):
                 return
         if not self._checked:
@@ -189,8 +188,8 @@ class SyncEngine:
                 self._settle()
 
     def _settle(self) -> None:
-        finite, ok, counted = self.verdict.settle(self.group.device, self.ledger.skipped_counter,
-                                                  self._agree, per_unit=bool(self.on_skip))
+        finite, ok, counted = self.verdict.settle(self.group.device, self._agree,
+                                                  per_unit=bool(self.on_skip))
         self.pipeline.settle(finite)  # the sender's residuals too
         for feedback in self._more_feedbacks:
             feedback.commit(finite)

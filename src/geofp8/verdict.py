@@ -49,14 +49,15 @@ def decode_into(launches: tuple, flag: torch.Tensor, *args, **kwargs) -> None:
     if step is None:
         return launches[0](*args, flag_ptr=flag, **kwargs)
     launches[1](*args, flag_ptr=flag, **kwargs, **step.args)
-    step._made = step.args["verdict_ptr"]
-    return None
+    step.made = step.args  # (taken: nothing left to disarm)
+    step.args = None
 
 
 class StepVerdict:
     """The flags of the step in flight and the slots they may be written into."""
 
-    def __init__(self) -> None:
+    def __init__(self, skipped: Callable[[torch.device], torch.Tensor]) -> None:
+        self._skipped = skipped  # the skipped steps' int64 counter on a device
         self.flags: list[torch.Tensor] = []  # per observed unit, in order
         self._slots: torch.Tensor | None = None  # uint8 [capacity]
         self._views: list[torch.Tensor] = []  # each slot's 0-dim view, made with the vector
@@ -64,17 +65,17 @@ class StepVerdict:
         self._addresses: list[int] = []  # the views' data_ptr, in order
         self._armable = 0  # a step of up to this many units may be decided by its decode
         self.args: dict | None = None  # the armed decision's kernel arguments (arm)
-        self._made: torch.Tensor | None = None  # uint8 0-dim: the verdict its decode made
+        self.made: dict | None = None  # those of the decision the last unit's decode made
 
-    def arm(self, n: int, skipped: Callable[[torch.device], torch.Tensor]) -> None:
+    def arm(self, n: int) -> None:
         """The step's last unit, its ``n``-th, starts and its decode may decide the step
         (module notes): its slot is armed with the decision's arguments (the earlier flags,
-        a new verdict, ``skipped(device)``'s counter; :func:`decode_into`), when the slots
-        hold ``n`` flags and the kernels run on them."""
+        a new uint8 verdict, the skipped counter; :func:`decode_into`), when the slots hold
+        ``n`` flags and the kernels run on them."""
         if n <= self._armable:
-            self.args = {"flags_ptr": self._slots, "n": n - 1, "skipped_ptr": skipped(
-                self._slots.device), "verdict_ptr": torch.empty((), dtype=torch.uint8,
-                                                                device=self._slots.device)}
+            device = self._slots.device
+            self.args = {"flags_ptr": self._slots, "n": n - 1, "skipped_ptr": self._skipped(
+                device), "verdict_ptr": torch.empty((), dtype=torch.uint8, device=device)}
             _ARMED[self._addresses[n - 1]] = self
 
     def slot(self, device: torch.device) -> torch.Tensor | None:
@@ -90,33 +91,33 @@ class StepVerdict:
 
     def reset(self) -> None:
         """Forget the step in flight (settled or rolled back)."""
-        self.flags, self._free, self._made = [], self._views[::-1], None
-        if self.args is not None:  # (armed: disarmed unless its decode took it)
+        self.flags, self._free, self.made = [], self._views[::-1], None
+        if self.args is not None:  # armed, not taken: disarmed
             _ARMED.pop(self._addresses[self.args["n"]], None)
             self.args = None
 
     def rollback(self) -> None:
         """Forget the step in flight, and the skipped step its decode counted."""
-        if self._made is not None:
-            self.args["skipped_ptr"].sub_((1 - self._made).to(torch.int64))
+        if self.made is not None:
+            self.made["skipped_ptr"].sub_((1 - self.made["verdict_ptr"]).to(torch.int64))
         self.reset()
 
-    def settle(self, device: torch.device, skipped: Callable[[torch.device], torch.Tensor],
+    def settle(self, device: torch.device,
                agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
                per_unit: bool = False) -> tuple:
         """``(finite, ok, counted)``: the step's 0-dim bool verdict; its units' flags (bool
         ``[U]``, after the agreement) unless they are not needed (``per_unit`` false and no
-        ``agree``: ``None`` from the one-kernel path); ``skipped(device)``'s int64 counter
+        ``agree``: ``None`` from the one-kernel path); the skipped steps' int64 counter
         when advanced here, else ``None`` (the caller counts). ``agree(bad)``: the sum over
         ranks of the FP32 ``[U]`` "my flag is down". ``device``: where a step without units
         decides."""
-        flags, slots, made, args = self.flags, self._slots, self._made, self.args
+        flags, slots, made = self.flags, self._slots, self.made
         self.reset()
         if made is not None:  # the last unit's decode made it
-            return self._made_by_decode(flags, made, args, agree, per_unit)
-        if agree is None and not per_unit and self._are_slots(flags) and \
+            return self._made_by_decode(flags, made, agree, per_unit)
+        if agree is None and not per_unit and self._are_slots(flags, len(flags)) and \
                 triton_fp8.available(slots):
-            counter = skipped(slots.device)
+            counter = self._skipped(slots.device)
             return triton_fp8.verdict(slots, len(flags), counter), None, counter
         device = flags[0].device if flags else torch.device(device)
         ok = torch.stack(flags) if flags else torch.ones(1, dtype=torch.bool, device=device)
@@ -131,26 +132,24 @@ class StepVerdict:
             self._armable = len(self._views) if triton_fp8.available(self._slots) else 0
         return ok.all(), ok, None
 
-    def _made_by_decode(self, flags: list[torch.Tensor], made: torch.Tensor, args: dict,
-                        agree, per_unit: bool) -> tuple:
-        """:meth:`settle` of a step the last unit's decode decided and counted: that verdict
-        when the step's flags were its slots in order, the armed one last; else (a unit's
-        flag not its slot, e.g. from the torch path) the torch verdict, the counter
-        corrected by ``made − finite``."""
-        counter = args["skipped_ptr"]
-        if agree is None and not per_unit and len(flags) == args["n"] + 1 and \
-                self._are_slots(flags):
-            return made.view(torch.bool), None, counter
+    def _made_by_decode(self, flags: list[torch.Tensor], made: dict, agree,
+                        per_unit: bool) -> tuple:
+        """:meth:`settle` of a step the last unit's decode decided and counted (``made``:
+        its arguments): that verdict when the step's flags were its slots in order, the
+        armed one last; else (a unit's flag not its slot, e.g. from the torch path) the
+        torch verdict, the counter corrected by ``made − finite``."""
+        if agree is None and not per_unit and self._are_slots(flags, made["n"] + 1):
+            return made["verdict_ptr"].view(torch.bool), None, made["skipped_ptr"]
         ok = torch.stack(flags)  # (not empty: the armed unit was observed or not, others)
         if agree is not None:
             ok = agree((~ok).to(torch.float32)) == 0
         finite = ok.all()
-        counter.add_(made.to(torch.int64) - finite.to(torch.int64))
-        return finite, ok, counter
+        made["skipped_ptr"].add_(made["verdict_ptr"].to(torch.int64) - finite.to(torch.int64))
+        return finite, ok, made["skipped_ptr"]
 
-    def _are_slots(self, flags: list[torch.Tensor]) -> bool:
-        """Whether ``flags`` are the first ``len(flags)`` slots, in order (addresses and
-        devices compared without Python per flag)."""
-        return 0 < len(flags) <= len(self._addresses) and \
-            list(map(_ADDRESS, flags)) == self._addresses[:len(flags)] and \
+    def _are_slots(self, flags: list[torch.Tensor], n: int) -> bool:
+        """Whether ``flags`` are the first ``n`` slots, in order (addresses and devices
+        compared without Python per flag)."""
+        return 0 < n == len(flags) <= len(self._addresses) and \
+            list(map(_ADDRESS, flags)) == self._addresses[:n] and \
             set(map(_DEVICE, flags)) == {self._slots.device}
