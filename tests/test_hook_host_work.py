@@ -33,7 +33,9 @@ METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_laun
 # 191, 202 and 235 (geofp8-auto, which decides every step, gains less); s40a (the fused
 # stages' own work, not counted here: fp8-ef's 121 -> 87 lines, nvfp4-ef's 151 -> 103);
 # with the bucket's residual restaged in place, no decode call nor future callback per
-# bucket and a launch run as a generator (s40b alone: 212, 220 and 242)
+# bucket and a launch run as a generator (s40b alone: 212, 220 and 242); a376144 184, 192
+# and 225; with the last unit's decode deciding the step (t40a: its arming checks, the
+# settling of a decided step; nothing armed on this path) 189, 197 and 228
 MOST = 202
 AUTO = 33  # geofp8-auto's decisions at the step's start and its factors' settling, more
 

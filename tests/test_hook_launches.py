@@ -1,5 +1,5 @@
-"""The real DDP hook's kernel launches: six per bucket and one per step, whatever the
-tensors in a bucket.
+"""The real DDP hook's kernel launches: six per bucket and, where a map back may rewrite a
+flag, one per step, whatever the tensors in a bucket.
 
 ``benchmarks/hook_launches.py`` counts them on gloo ranks under Triton's interpreter (the
 fused FP8 stages taken as on CUDA); the interpreter must be on before the kernels are
@@ -20,6 +20,8 @@ SETTLE = 1  # the step's verdict from its buckets' flags (geofp8.verdict.StepVer
 # the step's K-FAC statistics committed where finite: a finite check and a commit kernel
 # (codecs.triton_stats), every moment at once; 18 torch ops before them
 STATISTICS = 2
+# without maps the last bucket's decode makes that verdict (geofp8.verdict.decode_into)
+DECIDED = 0
 
 
 def _measure_child(method, cases, fields=slice(0, 4)) -> Child:
@@ -55,15 +57,16 @@ SKIP = {w: (_skip_child(True, w), _skip_child(False, w))
 
 @pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.child(MEASURE[m]))
                                     for m in ("fp8-ef", "nvfp4-ef")])
-def test_the_hook_launches_six_kernels_per_bucket_and_one_per_step(method):
+def test_the_hook_launches_six_kernels_per_bucket_and_none_per_step(method):
     """E4M3 (comm.plan.FusedPlan) and NVFP4 (comm.block_plan) with error feedback."""
     (b8, tri8, ops8, _), (b4, tri4, ops4, _) = _result(MEASURE[method])
     assert (b8, b4) == (1, 4)
     # the fused stages, the error feedback folded into them (no where, add_ nor copy_), and
-    # the step's verdict and skipped-step counter in one kernel: nothing per tensor, no
-    # torch op at all (exact counts: an op per tensor would add 8, one per bucket 1 or 4)
-    assert (tri8, ops8) == (FUSED_STAGES + SETTLE, 0), (tri8, ops8)
-    assert (tri4, ops4) == (4 * FUSED_STAGES + SETTLE, 0), (tri4, ops4)
+    # the step's verdict and skipped-step counter in the last bucket's decode: nothing per
+    # tensor, no torch op at all (exact counts: an op per tensor would add 8, one per
+    # bucket 1 or 4, the verdict kernel 1)
+    assert (tri8, ops8) == (FUSED_STAGES + DECIDED, 0), (tri8, ops8)
+    assert (tri4, ops4) == (4 * FUSED_STAGES + DECIDED, 0), (tri4, ops4)
 
 
 def _skip_worker(rank, world_size, steps=5, bad=2):
@@ -95,11 +98,20 @@ def _skip_worker(rank, world_size, steps=5, bad=2):
             "params": params.view(torch.int32).tolist(), "kept": kept}
 
 
-def _kernel_verdicts(state) -> list[bool]:
-    """Per settled step of ``state``, whether the one verdict kernel settled it."""
-    kernel, settle = [], state.engine.verdict.settle
-    state.engine.verdict.settle = lambda *a, **k: kernel.append(
-        (out := settle(*a, **k))[2] is not None) or out
+def _kernel_verdicts(state) -> list[str]:
+    """Per settled step of ``state``, what settled it: ``"decode"`` (the last bucket's fused
+    decode made the verdict), ``"kernel"`` (the one verdict kernel) or ``"torch"`` ops."""
+    from geofp8.codecs import triton_fp8
+
+    kernel, settle, verdict, launched = [], state.engine.verdict.settle, triton_fp8.verdict, []
+    triton_fp8.verdict = lambda *a: launched.append(1) or verdict(*a)
+
+    def settling(*args, **kwargs):
+        launched.clear()
+        out = settle(*args, **kwargs)
+        kernel.append("torch" if out[2] is None else "kernel" if launched else "decode")
+        return out
+    state.engine.verdict.settle = settling
     return kernel
 
 
@@ -119,17 +131,18 @@ def _sgd_step(ddp, model, opt, step, rank) -> bool:
 
 @pytest.mark.child(SKIP["_skip_worker"][0])
 @pytest.mark.child(SKIP["_skip_worker"][1])
-def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_one_kernel_verdict():
-    """The fused path (interpreted: EF in the kernels, the one-kernel verdict) against the
+def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_decodes_verdict():
+    """The fused path (interpreted: EF in the kernels, the verdict in the last decode) against the
     torch batched path of the same run, bit for bit, a NaN step included."""
     fused, torch_path = map(_result, SKIP["_skip_worker"])
     for out, ref in zip(fused, torch_path):
         assert out["buckets"] == 2
         assert out["saw_bad"] == [False, False, True, False, False]  # every rank, that step
         assert (out["step"], out["skipped"]) == (4, 1)
-        # step 0 sizes the slots; from then on the verdict is the one kernel, the NaN step too
-        assert out["kernel"] == [False, True, True, True, True]
-        assert ref["kernel"] == [False] * 5  # no Triton here: torch ops settle
+        # step 0 sizes the slots; from then on the last bucket's decode makes the verdict
+        # and counts the skipped step, the NaN step too (no verdict kernel)
+        assert out["kernel"] == ["torch"] + ["decode"] * 4
+        assert ref["kernel"] == ["torch"] * 5  # no Triton here: torch ops settle
         # the skipped step's residuals read as zero, the others' are kept
         assert out["kept"] == [[True], [True], [False], [True], [True]]
         for key in ("saw_bad", "step", "skipped", "kept", "params"):
@@ -196,7 +209,9 @@ def test_a_map_that_overflows_skips_the_step_through_the_one_kernel_verdict():
         assert out["mapped"][3:] == [4, 4]  # every layer on its map by the bad step
         assert out["saw_bad"] == [False, False, False, True, False]
         assert out["skipped"] == 1
-        assert out["kernel"] == [False, True, True, True, True]  # step 0 sizes the slots
+        # step 0 sizes the slots; a map back may rewrite a flag after the decode: the
+        # verdict kernel settles
+        assert out["kernel"] == ["torch"] + ["kernel"] * 4
         for key in ("saw_bad", "skipped", "mapped", "params"):
             assert out[key] == ref[key], key  # the torch path's, bit for bit
     assert fused[0]["params"] == fused[1]["params"]

@@ -216,8 +216,8 @@ def check_verdict() -> list[str]:
     from geofp8.verdict import StepVerdict
 
     failures = []
-    verdict, counter = StepVerdict(), torch.zeros((), dtype=torch.int64)
-    skipped = lambda device: counter  # noqa: E731
+    counter = torch.zeros((), dtype=torch.int64)
+    verdict = StepVerdict(lambda device: counter)
     if verdict.slot("cpu") is not None:
         failures.append("verdict: a slot before the first settling (which sizes them)")
     for units, how in (([1, 1, 1], "plain"), ([1], "slots"), ([1, 0, 1], "slots"),
@@ -231,7 +231,7 @@ def check_verdict() -> list[str]:
         for flag in reversed(flags) if how == "reversed" else flags:
             verdict.observe(flag)
         before = int(counter)
-        finite, ok, counted = verdict.settle("cpu", skipped)
+        finite, ok, counted = verdict.settle("cpu")
         kernel = how == "slots"
         if (counted is counter) != kernel or bool(finite) != all(units):
             failures.append(f"verdict {units} {how}: {bool(finite)}, {counted}")
@@ -241,6 +241,71 @@ def check_verdict() -> list[str]:
             failures.append(f"verdict {units} {how}: per unit {ok.tolist()}")
     if [verdict.slot("cpu") is None for _ in range(65)] != [False] * 64 + [True]:
         failures.append("verdict: slots past twice the last step's units, at least 64")
+    return failures
+
+
+def check_decision() -> list[str]:
+    """The step's last unit's fused decode deciding it (geofp8.verdict.decode_into): for
+    E4M3 and NVFP4 / MXFP8 records, a finite or poisoned last unit after finite or not
+    earlier ones, the verdict and the skipped counter as the torch path has them, and no
+    verdict kernel at settling; a rollback takes the count back; flags that turn out not
+    to be the slots settle the torch way, the counter corrected."""
+    import torch
+
+    from geofp8.codecs import make_codec, triton_fp8
+    from geofp8.comm import ShardLayout
+    from geofp8.comm import stages as st
+    from geofp8.verdict import StepVerdict
+
+    failures, kernels, n = [], [], 2
+    verdict_kernel = triton_fp8.verdict
+    triton_fp8.verdict = lambda *a: kernels.append(1) or verdict_kernel(*a)
+    counter = torch.zeros((), dtype=torch.int64)
+    for codec in (make_codec("e4m3", "row"), make_codec("nvfp4"), make_codec("mxfp8")):
+        layout = ShardLayout.build([(3, 300), (64, 40)], codec, n, kernels="batched")
+        gathered = {}
+        for bad in (False, True):
+            sent = [st.encode(_bucket([(3, 300), (64, 40)], r, special=bad and r == 1), layout,
+                              sender=r) for r in range(n)]
+            cuts = [layout.send_bytes(j) for j in range(n)]
+            received = [torch.cat([x.split(cuts)[j] for x in sent]) for j in range(n)]
+            gathered[bad] = torch.stack([st.reduce_encode(received[j], layout, j)[0]
+                                         for j in range(n)])
+        verdict = StepVerdict(lambda device: counter)
+        verdict.settle("cpu")  # sizes the slots
+        for units, how in (([1], "settle"), ([0], "settle"), ([1, 1, 1], "settle"),
+                           ([1, 0, 1], "settle"), ([0, 1, 0], "settle"), ([1, 0], "rollback"),
+                           ([1, 1], "not slots")):
+            name, before, kernels[:] = f"decision {codec!r} {units} {how}", int(counter), []
+            for i, unit in enumerate(units):
+                if i == len(units) - 1:  # the engine's count: units observed + outstanding
+                    verdict.arm(len(verdict.flags) + 1)
+                slot = verdict.slot("cpu")
+                if i < len(units) - 1:
+                    slot.fill_(unit)  # an earlier unit's decode
+                else:
+                    values, finite = st.decode_gathered_flagged(gathered[not unit], layout,
+                                                                divide=n, flag=slot)
+                    if finite is None or bool(finite) != bool(unit):
+                        failures.append(f"{name}: the unit's flag {finite}")
+                if how == "not slots" and i == len(units) - 1:
+                    slot = torch.tensor(False)  # e.g. a check written elsewhere
+                verdict.observe(slot.view(torch.bool) if slot.dtype == torch.uint8 else slot)
+            if how == "rollback":
+                verdict.rollback()
+                if int(counter) != before:
+                    failures.append(f"{name}: counter {int(counter)} after {before}")
+                continue
+            finite, ok, counted = verdict.settle("cpu")
+            want = all(units) and how != "not slots"
+            if counted is not counter or bool(finite) != want or \
+                    int(counter) != before + (not want):
+                failures.append(f"{name}: {bool(finite)}, counter {int(counter)} after {before}")
+            if kernels:
+                failures.append(f"{name}: the verdict kernel ran at settling")
+            if (ok is None) != (how != "not slots"):
+                failures.append(f"{name}: per unit {ok}")
+    triton_fp8.verdict = verdict_kernel
     return failures
 
 
@@ -343,6 +408,7 @@ def test_a_kernel_that_fails_on_the_device_falls_back_to_torch_once_and_for_all(
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    for failure in check() + check_stages() + check_feedback() + check_verdict():
+    for failure in check() + check_stages() + check_feedback() + check_verdict() + \
+            check_decision():
         print(failure)
     print(f"launches {launches()}")

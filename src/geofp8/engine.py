@@ -87,7 +87,7 @@ class SyncEngine:
         self._checked = False
         self._lock = threading.RLock()
         self._outstanding = 0
-        self.verdict = StepVerdict()  # the observed units' flags
+        self.verdict = StepVerdict(self.ledger.skipped_counter)  # the observed units' flags
         self._hooks = [model.register_forward_pre_hook(self._on_forward),
                        model.register_forward_hook(self._on_forward_end), *self.pipeline.hooks]
 
@@ -145,7 +145,9 @@ class SyncEngine:
     def start_unit(self, last: bool = False) -> None:
         """A unit of the step starts; the first one begins the step (collectives)."""
         with self._lock:
-            self._outstanding += 1
+            self._outstanding += 1  # the last unit's decode may decide (no map back: verdict)
+            if last and self._agree is None and not self.on_skip and self.pipeline.source is None:
+                self.verdict.arm(len(self.verdict.flags) + self._outstanding)
             if not self.ledger.begin_unit(last):
                 return
         if not self._checked:
@@ -186,8 +188,8 @@ class SyncEngine:
                 self._settle()
 
     def _settle(self) -> None:
-        finite, ok, counted = self.verdict.settle(self.group.device, self.ledger.skipped_counter,
-                                                  self._agree, per_unit=bool(self.on_skip))
+        finite, ok, counted = self.verdict.settle(self.group.device, self._agree,
+                                                  per_unit=bool(self.on_skip))
         self.pipeline.settle(finite)  # the sender's residuals too
         for feedback in self._more_feedbacks:
             feedback.commit(finite)
@@ -210,7 +212,7 @@ class SyncEngine:
                 group.take_bytes()
             self.ledger.reset_phase()
             self._outstanding = 0
-            self.verdict.reset()
+            self.verdict.rollback()
 
     def set_grad_scale(self, scale: float) -> None:
         """The loss scale of the coming backward: rescale the residuals if it changed."""
@@ -223,7 +225,7 @@ class SyncEngine:
 
     def fingerprint(self) -> dict:
         """What every rank must agree on (JSON-serialisable): what it has, not what it ran."""
-        mine = {k: v for k, v in self._identity().items() if k not in ("version", "rank")}
+        mine = {k: v for k, v in _identity(self).items() if k not in ("version", "rank")}
         return {**mine, **self.pipeline.fingerprint(), **self.fingerprint_extra}
 
     def check_consistency(self) -> None:
@@ -266,22 +268,16 @@ class SyncEngine:
         return {**(state := self._state()), "checksum": checksum(state)}
 
     def _state(self) -> dict:
-        return {**self._identity(), "step": self.ledger.step,
+        return {**_identity(self), "step": self.ledger.step,
                 "skipped_steps": self.ledger.skipped_steps, "grad_scale": self.grad_scale,
                 **self.pipeline.state_dict(),
                 "feedback": {n: f.state_dict() for n, f in self.feedbacks.items()}}
-
-    def _identity(self) -> dict:
-        """What a state must match to be loaded here (see :func:`refusal`)."""
-        return {"version": STATE_VERSION, "kind": self.kind, "config": self.config.to_dict(),
-                "world_size": self.group.size, "rank": self.group.rank,
-                "parameters": self._parameters}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` whole or not at all: a state that
         :func:`~geofp8.verification.refusal` refuses is a ``ValueError`` naming the field,
         before anything changes; one that still does not fit is undone."""
-        problem = refusal(state, self._identity())
+        problem = refusal(state, _identity(self))
         if problem is not None:
             raise ValueError(f"GeoFP8 checkpoint refused, {problem}. Nothing was loaded.")
         before = self._state()
@@ -302,6 +298,13 @@ class SyncEngine:
         for name, feedback in self.feedbacks.items():
             feedback.load_state_dict(state["feedback"][name],
                                      transforms if name == "sender" else {})
+
+
+def _identity(engine: SyncEngine) -> dict:
+    """What a state must match to be loaded into ``engine`` (see :func:`refusal`)."""
+    return {"version": STATE_VERSION, "kind": engine.kind, "config": engine.config.to_dict(),
+            "world_size": engine.group.size, "rank": engine.group.rank,
+            "parameters": engine._parameters}
 
 
 def _byte_figures(last: dict) -> dict:

@@ -14,6 +14,16 @@ every slot handed out is written in its step, so nothing zero-fills it). When th
 flags are its slots in order, one kernel makes the verdict and advances the skipped-step
 counter (:func:`~geofp8.codecs.triton_fp8.verdict`); else (the torch path, an agreement,
 per-unit flags wanted) torch ops stack and reduce the flags.
+
+The last unit's decode decides: when the engine starts a step's last unit and may let it
+decide (:meth:`StepVerdict.arm`: no agreement, no per-unit callbacks, no map back
+that rewrites a flag after its decode), the slot that unit will be handed (the ``n``-th of
+``n`` units) is *armed*; the fused decode that writes it finds the step by that slot
+(:func:`decode_into`) and, in its program 0, reads the ``n - 1`` earlier slots (written by
+earlier kernels on the same stream), writes the verdict and advances the counter. Settling
+then launches nothing. It checks that the step's flags were its slots in order (else the
+torch verdict, the counter corrected by ``made − finite``); a rollback takes the advance
+back (``skipped −= ¬made``): the counter moves once per skipped step, on the device.
 """
 
 from __future__ import annotations
@@ -28,17 +38,45 @@ from .codecs import triton_fp8
 __all__ = ["StepVerdict"]
 
 _ADDRESS, _DEVICE = torch.Tensor.data_ptr, operator.attrgetter("device")
+_ARMED: dict[int, StepVerdict] = {}  # the address of a step's last slot -> that step
+
+
+def decode_into(launches: tuple, flag: torch.Tensor, *args, **kwargs) -> None:
+    """Launch a fused decode writing its unit's flag into ``flag``: ``launches``' deciding
+    one (:func:`~geofp8.codecs.triton_fp8.decode_launches`) when ``flag`` is a step's armed
+    last slot (taken: once), then the step is decided; else the plain one."""
+    step = _ARMED.pop(flag.data_ptr(), None) if _ARMED else None
+    if step is None:
+        return launches[0](*args, flag_ptr=flag, **kwargs)
+    launches[1](*args, flag_ptr=flag, **kwargs, **step.args)
+    step.made = step.args  # (taken: nothing left to disarm)
+    step.args = None
 
 
 class StepVerdict:
     """The flags of the step in flight and the slots they may be written into."""
 
-    def __init__(self) -> None:
+    def __init__(self, skipped: Callable[[torch.device], torch.Tensor]) -> None:
+        self._skipped = skipped  # the skipped steps' int64 counter on a device
         self.flags: list[torch.Tensor] = []  # per observed unit, in order
         self._slots: torch.Tensor | None = None  # uint8 [capacity]
         self._views: list[torch.Tensor] = []  # each slot's 0-dim view, made with the vector
         self._free: list[torch.Tensor] = []  # the views not handed out this step, last first
         self._addresses: list[int] = []  # the views' data_ptr, in order
+        self._armable = 0  # a step of up to this many units may be decided by its decode
+        self.args: dict | None = None  # the armed decision's kernel arguments (arm)
+        self.made: dict | None = None  # those of the decision the last unit's decode made
+
+    def arm(self, n: int) -> None:
+        """The step's last unit, its ``n``-th, starts and its decode may decide the step
+        (module notes): its slot is armed with the decision's arguments (the earlier flags,
+        a new uint8 verdict, the skipped counter; :func:`decode_into`), when the slots hold
+        ``n`` flags and the kernels run on them."""
+        if n <= self._armable:
+            device = self._slots.device
+            self.args = {"flags_ptr": self._slots, "n": n - 1, "skipped_ptr": self._skipped(
+                device), "verdict_ptr": torch.empty((), dtype=torch.uint8, device=device)}
+            _ARMED[self._addresses[n - 1]] = self
 
     def slot(self, device: torch.device) -> torch.Tensor | None:
         """The next slot, a 0-dim uint8 on ``device`` for a unit's flag; ``None`` before the
@@ -53,22 +91,33 @@ class StepVerdict:
 
     def reset(self) -> None:
         """Forget the step in flight (settled or rolled back)."""
-        self.flags, self._free = [], self._views[::-1]
+        self.flags, self._free, self.made = [], self._views[::-1], None
+        if self.args is not None:  # armed, not taken: disarmed
+            _ARMED.pop(self._addresses[self.args["n"]], None)
+            self.args = None
 
-    def settle(self, device: torch.device, skipped: Callable[[torch.device], torch.Tensor],
+    def rollback(self) -> None:
+        """Forget the step in flight, and the skipped step its decode counted."""
+        if self.made is not None:
+            self.made["skipped_ptr"].sub_((1 - self.made["verdict_ptr"]).to(torch.int64))
+        self.reset()
+
+    def settle(self, device: torch.device,
                agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
                per_unit: bool = False) -> tuple:
         """``(finite, ok, counted)``: the step's 0-dim bool verdict; its units' flags (bool
         ``[U]``, after the agreement) unless they are not needed (``per_unit`` false and no
-        ``agree``: ``None`` from the one-kernel path); ``skipped(device)``'s int64 counter
+        ``agree``: ``None`` from the one-kernel path); the skipped steps' int64 counter
         when advanced here, else ``None`` (the caller counts). ``agree(bad)``: the sum over
         ranks of the FP32 ``[U]`` "my flag is down". ``device``: where a step without units
         decides."""
-        flags, slots = self.flags, self._slots
+        flags, slots, made = self.flags, self._slots, self.made
         self.reset()
-        if agree is None and not per_unit and self._are_slots(flags) and \
+        if made is not None:  # the last unit's decode made it
+            return self._made_by_decode(flags, made, agree, per_unit)
+        if agree is None and not per_unit and self._are_slots(flags, len(flags)) and \
                 triton_fp8.available(slots):
-            counter = skipped(slots.device)
+            counter = self._skipped(slots.device)
             return triton_fp8.verdict(slots, len(flags), counter), None, counter
         device = flags[0].device if flags else torch.device(device)
         ok = torch.stack(flags) if flags else torch.ones(1, dtype=torch.bool, device=device)
@@ -80,11 +129,27 @@ class StepVerdict:
             self._views = list(self._slots.unbind())
             self._addresses = list(map(_ADDRESS, self._views))
             self._free = self._views[::-1]
+            self._armable = len(self._views) if triton_fp8.available(self._slots) else 0
         return ok.all(), ok, None
 
-    def _are_slots(self, flags: list[torch.Tensor]) -> bool:
-        """Whether ``flags`` are the first ``len(flags)`` slots, in order (addresses and
-        devices compared without Python per flag)."""
-        return 0 < len(flags) <= len(self._addresses) and \
-            list(map(_ADDRESS, flags)) == self._addresses[:len(flags)] and \
+    def _made_by_decode(self, flags: list[torch.Tensor], made: dict, agree,
+                        per_unit: bool) -> tuple:
+        """:meth:`settle` of a step the last unit's decode decided and counted (``made``:
+        its arguments): that verdict when the step's flags were its slots in order, the
+        armed one last; else (a unit's flag not its slot, e.g. from the torch path) the
+        torch verdict, the counter corrected by ``made − finite``."""
+        if agree is None and not per_unit and self._are_slots(flags, made["n"] + 1):
+            return made["verdict_ptr"].view(torch.bool), None, made["skipped_ptr"]
+        ok = torch.stack(flags)  # (not empty: the armed unit was observed or not, others)
+        if agree is not None:
+            ok = agree((~ok).to(torch.float32)) == 0
+        finite = ok.all()
+        made["skipped_ptr"].add_(made["verdict_ptr"].to(torch.int64) - finite.to(torch.int64))
+        return finite, ok, made["skipped_ptr"]
+
+    def _are_slots(self, flags: list[torch.Tensor], n: int) -> bool:
+        """Whether ``flags`` are the first ``n`` slots, in order (addresses and devices
+        compared without Python per flag)."""
+        return 0 < n == len(flags) <= len(self._addresses) and \
+            list(map(_ADDRESS, flags)) == self._addresses[:n] and \
             set(map(_DEVICE, flags)) == {self._slots.device}

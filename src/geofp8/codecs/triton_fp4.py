@@ -62,7 +62,7 @@ from .uniforms import StepSeed
 if triton is not None:
     import triton.language as tl
 
-    from .triton_fp8 import _e4m3_round, _e4m3_value, _load_f32, _places, _store_f32, _tile
+    from .triton_fp8 import _decide, _e4m3_round, _e4m3_value, _load_f32, _places, _store_f32, _tile
 
 __all__ = ["FORMATS", "Bound", "Encoded", "amax", "available", "block_length", "decode",
            "decode_placed", "decode_shards", "decode_sum", "decode_whole", "encode",
@@ -459,11 +459,13 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(s_in, blk_in, code_in, out_ptr, tiles_ptr, block_at_ptr, seg_at_ptr,
-                       seg_of_ptr, slot_ptr, epoch, flag_ptr, divisor, DIVIDE: tl.constexpr,
-                       POISON: tl.constexpr, FMT: tl.constexpr, NVFP4: tl.constexpr,
+                       seg_of_ptr, slot_ptr, epoch, flag_ptr, divisor, flags_ptr, n,
+                       verdict_ptr, skipped_ptr, DIVIDE: tl.constexpr, POISON: tl.constexpr,
+                       VERDICT: tl.constexpr, FMT: tl.constexpr, NVFP4: tl.constexpr,
                        TILE: tl.constexpr):
         """``value(code)·scale`` (``/ divisor``) of every element, all NaN unless the finite
-        check's slot says ``epoch`` (``POISON``); that flag stored."""
+        check's slot says ``epoch`` (``POISON``); that flag stored (``VERDICT``: and the
+        step's verdict from it and ``flags[:n]``, ``triton_fp8._decide``)."""
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         slot = _places(tiles_ptr, offs, g)[0]
         scale = _stored_scale(s_in, blk_in, g, mask, block_at_ptr, seg_at_ptr, seg_of_ptr, NVFP4)
@@ -476,6 +478,8 @@ if triton is not None:
         tl.store(out_ptr + offs, v, mask=mask)
         if tl.program_id(0) == 0:
             tl.store(flag_ptr, finite.to(tl.uint8))
+            if VERDICT:
+                _decide(flags_ptr, n, 1 - finite.to(tl.int32), verdict_ptr, skipped_ptr, TILE)
 
 
 class Encoded(NamedTuple):
@@ -616,8 +620,9 @@ def decode_placed(out: torch.Tensor, ins: tuple[torch.Tensor | None, torch.Tenso
         flag = torch.empty((), dtype=torch.uint8, device=out.device)
     slot, epoch = finite_slot.buffer, next(finite_slot.epochs)
     b.finite(s, blk, slot_ptr=slot, epoch=epoch)
-    b.decode(s, blk, codes, out, slot_ptr=slot, epoch=epoch, flag_ptr=flag,
-             divisor=float(divisor or 1), DIVIDE=divisor is not None, POISON=poison)
+    plain = triton_fp8.decode_launches(b.decode, slot)[0]  # (no step's decision here)
+    plain(s, blk, codes, out, slot_ptr=slot, epoch=epoch, flag_ptr=flag,
+          divisor=float(divisor or 1), DIVIDE=divisor is not None, POISON=poison)
     return flag.view(torch.bool)
 
 

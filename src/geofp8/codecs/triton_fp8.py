@@ -403,8 +403,22 @@ if triton is not None:
         tl.atomic_max(slot_ptr, epoch + tl.max(bad, 0))
 
     @triton.jit
+    def _decide(flags_ptr, n, bad0, verdict_ptr, skipped_ptr, BLOCK: tl.constexpr):
+        """``verdict = all(flags[:n]) and not bad0`` (uint8 flags; ``bad0``: 0 or 1, the
+        caller's own flag down), ``skipped += !verdict``; in the calling program."""
+        bad = tl.zeros((BLOCK,), tl.int32) + bad0
+        for lo in range(0, n, BLOCK):
+            at = lo + tl.arange(0, BLOCK)
+            flag = tl.load(flags_ptr + at, mask=at < n, other=1)
+            bad = tl.maximum(bad, (flag == 0).to(tl.int32))
+        worse = tl.max(bad, 0)
+        tl.store(verdict_ptr, (1 - worse).to(tl.uint8))
+        tl.store(skipped_ptr, tl.load(skipped_ptr) + worse.to(tl.int64))
+
+    @triton.jit
     def _decode_placed_kernel(buf_ptr, out_ptr, slot_ptr, epoch, flag_ptr, tiles_ptr, divisor,
-                              DIVIDE: tl.constexpr, E5M2: tl.constexpr, TILE: tl.constexpr):
+                              flags_ptr, n, verdict_ptr, skipped_ptr, DIVIDE: tl.constexpr,
+                              VERDICT: tl.constexpr, E5M2: tl.constexpr, TILE: tl.constexpr):
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         code_at, scale_at = _places(tiles_ptr, offs, g)
         c = tl.load(buf_ptr + code_at, mask=mask, other=0).to(tl.uint32)
@@ -416,18 +430,13 @@ if triton is not None:
         tl.store(out_ptr + offs, v, mask=mask)
         if tl.program_id(0) == 0:
             tl.store(flag_ptr, finite.to(tl.uint8))
+            if VERDICT:  # the step's last unit: its verdict, from the earlier units' flags
+                _decide(flags_ptr, n, 1 - finite.to(tl.int32), verdict_ptr, skipped_ptr, TILE)
 
     @triton.jit
     def _verdict_kernel(flags_ptr, n, verdict_ptr, skipped_ptr, BLOCK: tl.constexpr):
         """One program: ``verdict = all(flags[:n])`` (uint8 flags), ``skipped += !verdict``."""
-        bad = tl.zeros((BLOCK,), tl.int32)
-        for lo in range(0, n, BLOCK):
-            at = lo + tl.arange(0, BLOCK)
-            flag = tl.load(flags_ptr + at, mask=at < n, other=1)
-            bad = tl.maximum(bad, (flag == 0).to(tl.int32))
-        worse = tl.max(bad, 0)
-        tl.store(verdict_ptr, (1 - worse).to(tl.uint8))
-        tl.store(skipped_ptr, tl.load(skipped_ptr) + worse.to(tl.int64))
+        _decide(flags_ptr, n, 0, verdict_ptr, skipped_ptr, BLOCK)
 
 
 def _grid(map_: torch.Tensor) -> tuple[int]:
@@ -524,6 +533,15 @@ def scale_rows(records) -> list[tuple[int, int]]:
     rows = [(at + 4 * k, min(1024, count - k)) for at, count in records
             for k in range(0, count, 1024)]
     return rows or [(0, 0)]
+
+
+def decode_launches(decode: Launch, anywhere: torch.Tensor) -> tuple[Launch, Launch]:
+    """``(plain, deciding)``: a fused decode's launch (its kernel has a ``VERDICT``
+    constexpr and the step's decision's ``flags_ptr, n, verdict_ptr, skipped_ptr``:
+    :func:`geofp8.verdict.decode_into`) without the decision (those pointers ``anywhere``,
+    not read) and with it (its arguments given per call)."""
+    return (decode.bind(flags_ptr=anywhere, n=0, verdict_ptr=anywhere, skipped_ptr=anywhere,
+                        VERDICT=False), decode.bind(VERDICT=True))
 
 
 def verdict(flags: torch.Tensor, n: int, skipped: torch.Tensor) -> torch.Tensor:

@@ -33,8 +33,9 @@ import torch
 
 from ..codecs import triton_fp4
 from ..codecs.block_records import ShardPlace, place
-from ..codecs.triton_fp8 import AmaxSlots, Launch
+from ..codecs.triton_fp8 import AmaxSlots, Launch, decode_launches
 from ..codecs.uniforms import StepSeed
+from ..verdict import decode_into
 from .bound import RESIDUALS, BoundStages, guarded
 
 __all__ = ["BlockPlan", "BlockStages"]
@@ -125,7 +126,8 @@ class BlockStages(BoundStages):
         self._send = self._encoder("send", (0, 0))
         gather, self.finite_slot = plan.place("gather", device), plan.slots("finite", device)
         self.finite = gather.finite.bind(slot_ptr=self.finite_slot.buffer)
-        self.decode = gather.decode.bind(slot_ptr=self.finite_slot.buffer, POISON=True)
+        self.decode = decode_launches(gather.decode.bind(slot_ptr=self.finite_slot.buffer,
+                                                         POISON=True), self.finite_slot.buffer)
         self._owners: dict[int, tuple | None] = {}  # None: an empty shard
         self._feedback = {dtype: self._with_residual(dtype) for dtype in RESIDUALS}
 
@@ -260,7 +262,7 @@ class BlockStages(BoundStages):
             flag = torch.empty((), dtype=torch.uint8, device=gathered.device)
         epoch = next(self.finite_slot.epochs)
         self.finite(gathered, gathered, epoch=epoch)
-        self.decode(gathered, gathered, gathered, values, epoch=epoch, flag_ptr=flag,
+        decode_into(self.decode, flag, gathered, gathered, gathered, values, epoch=epoch,
                     divisor=float(divide or 1), DIVIDE=divide is not None)
         return values, flag.view(torch.bool)
 

@@ -29,6 +29,7 @@ import torch
 
 from ..codecs import triton_fp4, triton_fp8
 from ..codecs.triton_fp8 import TILE, Launch
+from ..verdict import decode_into
 from .block_plan import BlockPlan, BlockStages
 from .bound import RESIDUALS, BoundStages, guarded
 
@@ -162,9 +163,10 @@ class FP8Stages(BoundStages):
         self.finite_slot = plan.slots("finite", device)
         self.finite = Launch(triton_fp8._finite_kernel, (rows.shape[0],), rows_ptr=rows,
                              slot_ptr=self.finite_slot.buffer, BLOCK=1024)
-        self.decode = Launch(triton_fp8._decode_placed_kernel, (gather.shape[0],),
-                             slot_ptr=self.finite_slot.buffer, tiles_ptr=gather, **self.fmt,
-                             **triton_fp8._NO_FUSION)
+        decode = Launch(triton_fp8._decode_placed_kernel, (gather.shape[0],),
+                        slot_ptr=self.finite_slot.buffer, tiles_ptr=gather, **self.fmt,
+                        **triton_fp8._NO_FUSION)
+        self.decode = triton_fp8.decode_launches(decode, self.finite_slot.buffer)
         self._owners: dict[int, tuple] = {}
         self._feedback = {dtype: self._with_residual(dtype) for dtype in RESIDUALS}
 
@@ -271,6 +273,6 @@ class FP8Stages(BoundStages):
             flag = torch.empty((), dtype=torch.uint8, device=gathered.device)
         epoch = next(self.finite_slot.epochs)
         self.finite(gathered, epoch=epoch)
-        self.decode(gathered, values, epoch=epoch, flag_ptr=flag, divisor=float(divide or 1),
-                    DIVIDE=divide is not None)
+        decode_into(self.decode, flag, gathered, values, epoch=epoch,
+                    divisor=float(divide or 1), DIVIDE=divide is not None)
         return values, flag.view(torch.bool)
