@@ -193,7 +193,8 @@ def _pipeline_steps(method: str, device, steps: int = 3, strict_from: int = 1):
                     received = torch.cat([e.sent[ends[j] : ends[j + 1]] for e in encs])
                     total = decode_sum(received, layout, j, pipes[j].unmap(encs[j]))
                     gathered.append(encode_reduced(total, layout, j, seed))
-                mean = pipes[0].decode(encs[0], decode_gathered(gathered, layout))
+                mean = decode_gathered(gathered, layout)
+                pipes[0].decode(encs[0], mean)  # the mean, written over the sum
                 out = [y.view(s) for y, s in zip(mean.split([q.numel() for q in grads[0]]),
                                                  shapes)]
                 finite = torch.ones((), dtype=torch.bool, device=device)
