@@ -189,7 +189,7 @@ def check_feedback() -> list[str]:
     on a batched layout: the placed kernels) against the torch path: the send buffer, the
     new residual in R's dtype (BF16 to nearest even or FP32), the bucket not written, for
     keep true, false and ``None``, with NaN and ±Inf in the bucket; and the gathered
-    decode with ``/ N``, its flag and the poison."""
+    decode with ``/ N`` and without, its flag and the poison."""
     import torch
 
     from geofp8.codecs import make_codec
@@ -215,14 +215,16 @@ def check_feedback() -> list[str]:
             if not (same(sent, want_sent) and error is got_r and same(got_x, x)
                     and same(got_r.float(), want_error.to(dtype).float())):
                 failures.append(f"feedback {fmt} R={dtype} keep={keep} special={special}")
-        for sent in sents[1:3]:  # N padded records (a send buffer's bytes: any will do)
+        for sent in sents:  # N padded records (a send buffer's bytes: any will do), clean or not
             gathered = torch.zeros(n, fused.max_shard_bytes, dtype=torch.uint8)
             for j in range(n):
                 gathered[j, : fused.shard_bytes(j)] = sent[: fused.shard_bytes(j)]
-            (got, finite), (want, _) = (decode_gathered_flagged(gathered, lay, divide=n)
-                                        for lay in (fused, chunked))
-            if not (same(got, want) and bool(finite) == bool(torch.isfinite(want).all())):
-                failures.append(f"gathered decode {fmt} N={n}")
+            for divide in (n, None, n):  # the same bound stages, each divisor bound once
+                (got, finite), (want, _) = (decode_gathered_flagged(gathered, lay,
+                                                                    divide=divide)
+                                            for lay in (fused, chunked))
+                if not (same(got, want) and bool(finite) == bool(torch.isfinite(want).all())):
+                    failures.append(f"gathered decode {fmt} N={n} divide={divide}")
     return failures
 
 

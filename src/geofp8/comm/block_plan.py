@@ -33,7 +33,7 @@ import torch
 
 from ..codecs import triton_fp4
 from ..codecs.block_records import ShardPlace, place
-from ..codecs.triton_fp8 import AmaxSlots, Launch, decode_launches
+from ..codecs.triton_fp8 import AmaxSlots, Launch
 from ..codecs.uniforms import StepSeed
 from ..verdict import decode_into
 from .bound import RESIDUALS, BoundStages, guarded
@@ -126,8 +126,8 @@ class BlockStages(BoundStages):
         self._send = self._encoder("send", (0, 0))
         gather, self.finite_slot = plan.place("gather", device), plan.slots("finite", device)
         self.finite = gather.finite.bind(slot_ptr=self.finite_slot.buffer)
-        self.decode = decode_launches(gather.decode.bind(slot_ptr=self.finite_slot.buffer,
-                                                         POISON=True), self.finite_slot.buffer)
+        self._decode = gather.decode.bind(slot_ptr=self.finite_slot.buffer, POISON=True)
+        self._decodes: dict[int | None, tuple] = {}
         self._owners: dict[int, tuple | None] = {}  # None: an empty shard
         self._feedback = {dtype: self._with_residual(dtype) for dtype in RESIDUALS}
 
@@ -184,22 +184,26 @@ class BlockStages(BoundStages):
         """The send buffer of ``flat``: the amax pass of ``Ũ = flat + where(keep, R, 0)``
         (``feedback = (R, keep)``; ``flat`` without), then the encoding pass (``Ũ`` made
         again), the rounding error into ``R`` or ``error``; shard ``j`` rounded with
-        ``mix_seed(seed, sender, j)`` when stochastic."""
+        ``mix_seed(seed, sender, j)`` when stochastic (to nearest: the seed arguments fixed
+        at binding, none per call)."""
         b, slots, amax, encode = self._send
-        seeds = self._seeds(b, seed, sender, 0, flat.device) if self.stochastic else {}
         sent = torch.empty(self.send_bytes, dtype=torch.uint8, device=flat.device)
         if feedback is None:
+            if self.stochastic:
+                encode = encode.bind(**self._seeds(b, seed, sender, 0, flat.device))
             amax(flat, flat, flat, flat, epoch=next(slots.epochs), HAS_R=False, KEEP=False,
                  STORE_U=False)
             encode(flat, flat, flat, s_out=sent, blk_out=sent, code_out=sent, HAS_R=False,
-                   KEEP=False, **_error_args(error, flat), **seeds)
+                   KEEP=False, **_error_args(error, flat))
             return sent
         r, keep = feedback
         amax, encode, bf16 = self._feedback[r.dtype]
+        if self.stochastic:
+            encode = encode.bind(**self._seeds(b, seed, sender, 0, flat.device))
         keep_ptr = flat if keep is None else keep.view(torch.uint8)  # any pointer without
         amax(flat, r, keep_ptr, flat, epoch=next(slots.epochs), KEEP=keep is not None)
         encode(flat, r, keep_ptr, r.view(torch.int16) if bf16 else r, sent, sent, sent,
-               KEEP=keep is not None, **seeds)
+               KEEP=keep is not None)
         return sent
 
     @guarded
@@ -207,7 +211,12 @@ class BlockStages(BoundStages):
         """``(the FP32 sum of the N senders' copies, in sender order from +0, read from their
         records back to back in received; its amax slots)``, one kernel."""
         owner = self._owners.get(shard) or self._owner(shard)
-        return None if owner is None else (self._sum(owner, received), owner.slots.buffer)
+        if owner is None:
+            return None
+        total = torch.empty(owner.numel, dtype=torch.float32, device=received.device)
+        owner.reduce(received, blk_in=received, code_in=received, out_ptr=total,
+                     epoch=next(owner.slots.epochs))
+        return total, owner.slots.buffer
 
     @guarded
     def reduce_encode(self, received, shard, seed):
@@ -217,21 +226,16 @@ class BlockStages(BoundStages):
         owner = self._owners.get(shard) or self._owner(shard)
         if owner is None:
             return None
-        total = self._sum(owner, received)
-        seeds = self._seeds(owner.place, seed, None, self.layout.world_size + shard,
-                            received.device) if self.stochastic else {}
-        record = torch.empty(self.record_bytes, dtype=torch.uint8, device=received.device)
-        owner.encode_sum(total, total, total, total, record, record, record, **seeds)
-        return record, total
-
-    @staticmethod
-    def _sum(owner: _Owner, received: torch.Tensor) -> torch.Tensor:
-        """The owner's reduction of the ``N`` records in ``received`` into a new FP32 vector
-        (and its amax into the next epoch of its slots)."""
-        out = torch.empty(owner.numel, dtype=torch.float32, device=received.device)
-        owner.reduce(received, blk_in=received, code_in=received, out_ptr=out,
+        total = torch.empty(owner.numel, dtype=torch.float32, device=received.device)
+        owner.reduce(received, blk_in=received, code_in=received, out_ptr=total,
                      epoch=next(owner.slots.epochs))
-        return out
+        encode = owner.encode_sum
+        if self.stochastic:
+            encode = encode.bind(**self._seeds(owner.place, seed, None,
+                                               self.layout.world_size + shard, received.device))
+        record = torch.empty(self.record_bytes, dtype=torch.uint8, device=received.device)
+        encode(total, total, total, total, record, record, record)
+        return record, total
 
     @guarded
     def encode_reduced(self, values, shard, seed, error, bits):
@@ -244,11 +248,13 @@ class BlockStages(BoundStages):
             return None
         if bits is None:
             owner.amax(values, values, values, values, epoch=next(owner.slots.epochs))
-        seeds = self._seeds(owner.place, seed, None, self.layout.world_size + shard,
-                            values.device) if self.stochastic else {}
+        encode = owner.encode
+        if self.stochastic:
+            encode = encode.bind(**self._seeds(owner.place, seed, None,
+                                               self.layout.world_size + shard, values.device))
         record = torch.empty(self.record_bytes, dtype=torch.uint8, device=values.device)
-        owner.encode(values, values, values, s_out=record, blk_out=record, code_out=record,
-                     **_error_args(error, values), **seeds)
+        encode(values, values, values, s_out=record, blk_out=record, code_out=record,
+               **_error_args(error, values))
         return record
 
     @guarded
@@ -260,10 +266,10 @@ class BlockStages(BoundStages):
                                                          device=gathered.device)
         if flag is None:
             flag = torch.empty((), dtype=torch.uint8, device=gathered.device)
+        launches = self._decodes.get(divide) or self.decodes(divide)
         epoch = next(self.finite_slot.epochs)
         self.finite(gathered, gathered, epoch=epoch)
-        decode_into(self.decode, flag, gathered, gathered, gathered, values, epoch=epoch,
-                    divisor=float(divide or 1), DIVIDE=divide is not None)
+        decode_into(launches, flag, gathered, gathered, gathered, values, epoch=epoch)
         return values, flag.view(torch.bool)
 
 

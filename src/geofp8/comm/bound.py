@@ -35,6 +35,8 @@ from types import ModuleType
 
 import torch
 
+from ..codecs.triton_fp8 import decode_launches
+
 __all__ = ["BoundStages", "guarded"]
 
 _CONTIGUOUS, _DTYPE = torch.Tensor.is_contiguous, operator.attrgetter("dtype")
@@ -60,6 +62,16 @@ class BoundStages:
 
     kernels: ModuleType
     dtypes: tuple[torch.dtype, ...] = ()
+    _decode: object  # the gathered decode's launch, its divisor not bound (its class's)
+    _decodes: dict  # divide -> that launch's (plain, deciding) pair with it bound
+
+    def decodes(self, divide: int | None) -> tuple:
+        """The gathered decode's ``(plain, deciding)`` launches
+        (:func:`~geofp8.codecs.triton_fp8.decode_launches`) dividing by ``divide`` (``None``:
+        not), its divisor and constexpr bound on first use: a call passes neither."""
+        found = self._decodes[divide] = decode_launches(self._decode.bind(
+            divisor=float(divide or 1), DIVIDE=divide is not None), self.finite_slot.buffer)
+        return found
 
     @classmethod
     def takes(cls, first: torch.Tensor, other: torch.Tensor | None = None) -> bool:

@@ -163,10 +163,10 @@ class FP8Stages(BoundStages):
         self.finite_slot = plan.slots("finite", device)
         self.finite = Launch(triton_fp8._finite_kernel, (rows.shape[0],), rows_ptr=rows,
                              slot_ptr=self.finite_slot.buffer, BLOCK=1024)
-        decode = Launch(triton_fp8._decode_placed_kernel, (gather.shape[0],),
-                        slot_ptr=self.finite_slot.buffer, tiles_ptr=gather, **self.fmt,
-                        **triton_fp8._NO_FUSION)
-        self.decode = triton_fp8.decode_launches(decode, self.finite_slot.buffer)
+        self._decode = Launch(triton_fp8._decode_placed_kernel, (gather.shape[0],),
+                              slot_ptr=self.finite_slot.buffer, tiles_ptr=gather, **self.fmt,
+                              **triton_fp8._NO_FUSION)
+        self._decodes: dict[int | None, tuple] = {}
         self._owners: dict[int, tuple] = {}
         self._feedback = {dtype: self._with_residual(dtype) for dtype in RESIDUALS}
 
@@ -271,8 +271,8 @@ class FP8Stages(BoundStages):
                                                          device=gathered.device)
         if flag is None:
             flag = torch.empty((), dtype=torch.uint8, device=gathered.device)
+        launches = self._decodes.get(divide) or self.decodes(divide)
         epoch = next(self.finite_slot.epochs)
         self.finite(gathered, epoch=epoch)
-        decode_into(self.decode, flag, gathered, values, epoch=epoch,
-                    divisor=float(divide or 1), DIVIDE=divide is not None)
+        decode_into(launches, flag, gathered, values, epoch=epoch)
         return values, flag.view(torch.bool)
