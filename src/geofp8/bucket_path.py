@@ -55,8 +55,10 @@ class BucketPath:
         written, FP32, one tensor after the other (the buffer that ``grads`` tile in order,
         as a DDP bucket's do: each is read before its place is written); else a new one.
         ``record``: the :attr:`Encoded.record` of this bucket's last call, followed while
-        it holds (:meth:`~geofp8.bucket_record.RecordedDecisions.holds`)."""
-        if record is not None and flat is not None and self.holds(record):
+        its generation is the current one and its residuals (if any) live
+        (:mod:`geofp8.bucket_record`)."""
+        if record is not None and flat is not None and record.generation == self.generation() \
+                and (record.residuals is None or record.residuals.live):
             return self._encode_recorded(record, flat, seed)
         shapes = [tuple(g.shape) for g in grads]
         in_place = flat is not None

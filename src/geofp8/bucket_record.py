@@ -63,12 +63,6 @@ class RecordedDecisions:
         """The generation a bucket's record is valid in (module notes)."""
         return self._decisions, self.feedback.version
 
-    def holds(self, record: BucketRecord) -> bool:
-        """Whether ``record`` is followed: its generation the current one, its bucket's
-        residuals (if any) live (module notes)."""
-        return record.generation == self.generation() and (
-            record.residuals is None or record.residuals.live)
-
     def forget_records(self) -> None:
         """Every bucket resolves its decisions again at its next call (other decisions, a
         loaded checkpoint, a rolled-back step)."""
