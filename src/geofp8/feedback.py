@@ -143,8 +143,9 @@ class ErrorFeedback:
                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(R, flag)`` of a bucket's tensors ``names`` (of ``shapes``) read as one: their
         residuals as one flat vector in that order, each a view of it (made once, by one copy;
-        held as a live :class:`FlatResiduals`, :meth:`held`), and the finite flag of the step that wrote them all (``None``: kept; a residual is read
-        as ``torch.where(flag, R, 0)``, as by :meth:`residual_in`). ``None`` unless every
+        held as a live :class:`FlatResiduals`, :meth:`held`), and the finite flag of the step
+        that wrote them all (``None``: kept; a residual is read as ``torch.where(flag, R, 0)``,
+        as by :meth:`residual_in`). ``None`` unless every
         one is stored plain (FP32 or BF16) in its route's coordinates (``routes``; default
         identity: none to re-base), by the same step."""
         stored = [self.residuals.get(n) for n in names]
