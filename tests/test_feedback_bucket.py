@@ -117,20 +117,90 @@ def test_a_bucket_reads_residuals_in_their_routes_coordinates_only():
 def test_a_recorded_bucket_written_in_place_is_restaged_as_stage_bucket_stages_it():
     """``restage`` (a recorded bucket: the encode wrote its vector in place) leaves what
     ``stage_bucket`` of that vector leaves: its tensors written this step (flag unset until
-    committed, then the step's), the same bases and version; a skipped step zeroes them."""
+    committed, then the step's), the same bases, version and live vector; a skipped step
+    zeroes them."""
     staged, restaged = _staged("fp32"), _staged("fp32")
     for fb in (staged, restaged):
         fb.bucket_in(NAMES, SHAPES)[0].copy_(torch.arange(17.0 + 8))  # the new residual
-    version = restaged.version
+    version, held = restaged.version, restaged.held(NAMES)
     staged.stage_bucket(NAMES, staged.bucket_in(NAMES, SHAPES)[0])
     restaged.restage(tuple(NAMES))
-    assert restaged.version == version
+    assert restaged.version == version and restaged.held(NAMES) is held and held.live
     for fb in (staged, restaged):
         assert all(fb.finite[n] is None for n in NAMES) and fb._written == NAMES
         assert all(fb.basis[n] is IDENTITY for n in NAMES)
     assert restaged.version == staged.version
     for fb in (staged, restaged):
         fb.commit(torch.tensor(False))
-        block, flag = fb.recorded(tuple(NAMES))
+        block, flag = fb.recorded(fb.held(NAMES))
         assert not bool(flag) and torch.equal(block, torch.arange(17.0 + 8))
         assert not fb.residual_in("b.bias", IDENTITY).any()
+
+
+OTHER, OTHER_SHAPES = ["d.weight", "e.weight"], [(4, 2), (6,)]
+
+
+def _two_buckets():
+    """Residuals of two buckets (NAMES, OTHER), each read as its flat vector: the first's
+    held vector."""
+    fb = _staged("fp32")
+    for name, shape in zip(OTHER, OTHER_SHAPES):
+        fb.stage(name, torch.ones(shape), IDENTITY)
+    fb.commit(torch.tensor(True))
+    fb.bucket_in(NAMES, SHAPES)
+    return fb, fb.held(NAMES)
+
+
+def test_a_buckets_vector_stays_live_while_another_bucket_is_resolved_again():
+    """Another bucket's vector made, its residuals re-based and written, a whole step
+    committed: the first bucket's vector is still live (its record followed), the version
+    unmoved, and what it holds is what bucket_in reads again."""
+    from geofp8.geometry.transforms import DiagonalInput
+
+    fb, held = _two_buckets()
+    version = fb.version
+    other, _ = fb.bucket_in(OTHER, OTHER_SHAPES)  # the other bucket's vector made
+    moved = DiagonalInput(torch.eye(2), 0.1)
+    fb.stage(OTHER[0], torch.zeros(OTHER_SHAPES[0]), moved)  # one of its residuals re-based
+    fb.stage(OTHER[1], torch.zeros(OTHER_SHAPES[1]), IDENTITY)
+    fb.restage(tuple(NAMES))
+    fb.commit(torch.tensor(True))
+    assert held.live and fb.version == version and not fb.held(OTHER).live
+    block, flag = fb.recorded(held)
+    assert block is fb.bucket_in(NAMES, SHAPES)[0] and bool(flag)
+    assert fb.held(NAMES) is held  # checked again: still the same live vector
+
+
+def test_a_buckets_vector_is_not_live_once_one_of_its_residuals_changes():
+    """Each change to a residual the first bucket reads (re-based, made anew in another
+    shape, dropped, re-bucketed with another vector) or to the whole state (rescaled,
+    loaded) ends its record: its vector no longer live, or the version moved; bucket_in
+    then checks it again (a re-based one is not read flat in its old coordinates)."""
+    from geofp8.geometry.transforms import DiagonalInput
+
+    moved = DiagonalInput(torch.eye(4), 0.1)
+    changes = [
+        lambda fb: fb.stage("a.weight", torch.zeros(3, 4), moved),
+        lambda fb: fb.stage("b.bias", torch.zeros(6), IDENTITY),
+        lambda fb: fb.drop("c.weight"),
+        lambda fb: fb.bucket_in(["a.weight", "b.bias"], SHAPES[:2]),
+    ]
+    for change in changes:
+        fb, held = _two_buckets()
+        version = fb.version
+        change(fb)
+        assert not held.live and fb.version == version
+    assert _two_buckets()[0].bucket_in(NAMES, SHAPES) is not None
+    fb, held = _two_buckets()
+    for name, shape, route in zip(NAMES, SHAPES, [moved, IDENTITY, IDENTITY]):
+        fb.stage(name, torch.zeros(shape), route)  # the step re-based a.weight: tensor by tensor
+    fb.commit(torch.tensor(True))
+    assert fb.bucket_in(NAMES, SHAPES) is None  # a.weight is in the map's coordinates now
+    block, _ = fb.bucket_in(NAMES, SHAPES, [moved, IDENTITY, IDENTITY])
+    assert block is held.vector and not held.live and fb.held(NAMES).live  # held anew
+    for whole in (lambda fb: fb.rescale(0.5),
+                  lambda fb: fb.load_state_dict(fb.state_dict(), {})):
+        fb, held = _two_buckets()
+        version = fb.version
+        whole(fb)
+        assert fb.version != version

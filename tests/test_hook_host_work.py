@@ -89,8 +89,8 @@ STEPS, BAD, RESUME = 9, 7, 5  # rank 1's NaN at step 7; a checkpoint round trip 
 # per hook call (DDP's bucket of layers 3, 2 first, then of 1, 0, both kept by the profile):
 # (step, whether it followed the bucket's record); step 0 has one bucket (DDP's first)
 CALLS = [(0, False), (1, False), (1, False), (2, True), (2, False), (3, False), (3, False),
-         (4, False), (4, False), (5, False), (5, True), (6, False), (6, False), (7, False),
-         (7, False), (8, False), (8, True)]
+         (4, True), (4, False), (5, True), (5, True), (6, False), (6, False), (7, True),
+         (7, False), (8, True), (8, True)]
 
 
 def _train(rank: int, keep: bool):
@@ -143,10 +143,12 @@ def test_a_bucket_record_is_resolved_again_after_each_change_with_the_same_bits(
     step 0 makes the residuals; 1: the selection decided, DDP rebuilt its buckets; layers
     1 and 0 are selected but without a map until the refresh at 3, so their bucket goes
     tensor by tensor at 1 and 2; 3: a refresh (maps moved: layers 1, 0 re-based tensor by
-    tensor); 4: both resolved again (the re-based residuals moved the version), the second
-    joining its residuals into one vector, which moves the version once more, so the first
-    resolves at 5 and the second follows; 6: a checkpoint loaded after 5 and a refresh,
-    as at 3; 7 as 4 (rank 1's NaN: the step is skipped); 8 as 5."""
+    tensor: their flat residuals no longer live; the first, on no map, resolved with the
+    new decisions); 4: the first follows (the second's re-based residuals are not its own),
+    the second resolved again, joining its residuals into one vector, which leaves the
+    first's record valid, so both follow at 5; 6: a checkpoint loaded after 5 and a
+    refresh, as at 3; 7 as 4 (rank 1's NaN: the step is skipped, the first's record read
+    with the step's flag); 8 as 5."""
     ranks = run_ranks(_records_worker, 2, timeout=240)
     for kept, fresh in ranks:
         assert kept["mapped"] == fresh["mapped"] == 2

@@ -55,8 +55,10 @@ class BucketPath:
         written, FP32, one tensor after the other (the buffer that ``grads`` tile in order,
         as a DDP bucket's do: each is read before its place is written); else a new one.
         ``record``: the :attr:`Encoded.record` of this bucket's last call, followed while
-        its generation is the current one (:mod:`geofp8.bucket_record`)."""
-        if record is not None and flat is not None and record.generation == self.generation():
+        its generation is the current one and its residuals (if any) live
+        (:mod:`geofp8.bucket_record`)."""
+        if record is not None and flat is not None and record.generation == self.generation() \
+                and (record.residuals is None or record.residuals.live):
             return self._encode_recorded(record, flat, seed)
         shapes = [tuple(g.shape) for g in grads]
         in_place = flat is not None
@@ -97,7 +99,9 @@ class BucketPath:
         # plain (Ũ = G, in place already)
         flat_path = bucket is not None or (in_place and not self.config.error_feedback
                                            and all(self.plain(n) for n in names))
-        record = BucketRecord(self.generation(), tuple(names), tuple(shapes), tuple(routes),
+        record = BucketRecord(self.generation(),
+                              None if bucket is None else self.feedback.held(names),
+                              tuple(names), tuple(shapes), tuple(routes),
                               per_sender, slots, layout, side_bytes,
                               layout.plan.bound(flat, flat) if feedback_fits(flat, bucket)
                               else None) \
@@ -120,7 +124,7 @@ class BucketPath:
             # the residual written in place: the bucket's vector (encode_with_error's R)
             sent, _ = encode_with_error(flat, record.layout, None, seed, self.group.rank,
                                         error_out=flat,
-                                        feedback=self.feedback.recorded(record.names),
+                                        feedback=self.feedback.recorded(record.residuals),
                                         bound=bound)
             self.feedback.restage(record.names)
         else:

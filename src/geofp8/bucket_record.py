@@ -8,11 +8,15 @@ first after anything those decisions read has changed) resolves them tensor by t
 always, into a :class:`BucketRecord`; later calls read it and run no Python per tensor.
 
 Validity is by construction, not by a check of each tensor: the record carries the
-*generation* it was resolved in, ``(decisions, residuals)``. The pipeline moves its first
-part whenever a step begins with other decisions than the last (selection, maps, a
-measuring step), a checkpoint is loaded or a step is rolled back; the error feedback moves
-the second whenever a residual is made, replaced, re-based or dropped. A record whose
-generation is not the current one is resolved again.
+*generation* it was resolved in, ``(decisions, residuals)``, and its bucket's own flat
+residuals (:class:`~geofp8.feedback.FlatResiduals`). The pipeline moves the first part
+whenever a step begins with other decisions than the last (selection, maps, a measuring
+step), a checkpoint is loaded or a step is rolled back; the error feedback moves the second
+for whole-state events (a loaded state, a rescale), and its bucket's flat residuals stop
+being live when one of *its* residuals is made anew, re-based or dropped, or the vector is
+let go: another bucket resolved again (its vector made, its residuals re-based) leaves this
+record valid. A record whose generation is not the current one, or whose residuals are not
+live, is resolved again: three O(1) checks a call.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 from .comm.bound import BoundStages
 from .comm.layout import ShardLayout
+from .feedback import FlatResiduals
 from .geometry.transforms import Transform
 from .selection import BudgetSelection
 
@@ -33,6 +38,7 @@ class BucketRecord:
     flat path (``Ũ = G T + R`` over the bucket at once)."""
 
     generation: tuple[int, int]  # (the pipeline's decisions, the residuals' version)
+    residuals: FlatResiduals | None  # the bucket's flat residuals (None: no error feedback)
     names: tuple[str, ...]  # the tensors, in the bucket's order (the residuals' key)
     shapes: tuple[tuple[int, ...], ...]
     routes: tuple[Transform, ...]

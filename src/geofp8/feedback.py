@@ -15,6 +15,13 @@ zero, on the device, without reading the flag back (nothing else of them is kept
 removal of a residual (:meth:`ErrorFeedback.drop`: an owner's residual handed over to the
 sender's, see :meth:`geofp8.pipeline.GradientPipeline.prepare_into`) happens at once.
 
+A bucket's residuals read as one flat vector (:meth:`ErrorFeedback.bucket_in`) are held as a
+:class:`FlatResiduals`, which stays ``live`` while the residuals it holds are as they were when
+it was made (none made anew, re-based or dropped, the vector not let go): a bucket's record
+of its decisions (:mod:`geofp8.bucket_record`) is followed while its own vector is, whatever
+the other buckets' vectors do; :attr:`ErrorFeedback.version` moves for whole-state events
+alone (a loaded state, a rescale).
+
 Storage (``storage``): ``"fp32"`` keeps ``R`` exactly (4 bytes per element); ``"bf16"``
 rounds it to BF16 (2 bytes; relative error ``2⁻⁹``); ``"fp8"`` to E4M3 with one FP32 scale
 per row (``amax/448``; 1 byte per element plus 4 per row; relative error ``2⁻⁴``);
@@ -32,7 +39,7 @@ from .codecs.fp4 import NVFP4Codec
 from .codecs.fp8 import FP8Codec, Packed
 from .geometry.transforms import IDENTITY, Transform, rebase, transform_from_state
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "FlatResiduals"]
 
 STORAGES = ("fp32", "bf16", "fp8", "nvfp4")
 ROW_FP8 = FP8Codec("e4m3", "row")  # the compact residual: the wire codec, one scale per row
@@ -85,6 +92,17 @@ def _nbytes(stored) -> int:
     return sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
 
 
+class FlatResiduals:
+    """A bucket's residuals ``names`` as one flat ``vector`` (each a view of it, in that
+    order), ``live`` until one of them is made anew, re-based or dropped, or the vector is let
+    go (then ``vector`` is ``None``); never live again (a vector checked again is held anew)."""
+
+    __slots__ = ("live", "names", "vector")
+
+    def __init__(self, names: tuple[str, ...], vector: torch.Tensor) -> None:
+        self.names, self.vector, self.live = names, vector, True
+
+
 class ErrorFeedback:
     """Per-parameter residuals ``R`` (the gradient's shape, stored as ``storage``), their
     coordinates and the finite flags of the steps that wrote them (module notes)."""
@@ -97,10 +115,10 @@ class ErrorFeedback:
         self.basis: dict[str, Transform] = {}
         self.finite: dict[str, torch.Tensor] = {}  # 0-dim bool: the writing step's verdict
         self._written: list[str] = []  # this step's, until it settles
-        self._blocks: dict[tuple[str, ...], torch.Tensor] = {}  # a bucket's residuals, flat
-        # moves whenever what bucket_in checks may change (a residual made, replaced, re-based
-        # or dropped, a flat vector made or let go): a bucket's record of it is valid while
-        # this stays (see recorded)
+        self._blocks: dict[tuple[str, ...], FlatResiduals] = {}  # a bucket's residuals, flat
+        self._block_of: dict[str, FlatResiduals] = {}  # the flat vector holding a residual
+        # moves when the whole state may change (loaded, rescaled): a bucket's record is valid
+        # while this stays and its own FlatResiduals is live (see recorded)
         self.version = 0
 
     def residual_in(self, name: str, route: Transform) -> torch.Tensor | None:
@@ -124,9 +142,10 @@ class ErrorFeedback:
                   routes: list[Transform] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(R, flag)`` of a bucket's tensors ``names`` (of ``shapes``) read as one: their
-        residuals as one flat vector in that order, each a view of it (made once, by one copy), and
-        the finite flag of the step that wrote them all (``None``: kept; a residual is read
-        as ``torch.where(flag, R, 0)``, as by :meth:`residual_in`). ``None`` unless every
+        residuals as one flat vector in that order, each a view of it (made once, by one copy;
+        held as a live :class:`FlatResiduals`, :meth:`held`), and the finite flag of the step
+        that wrote them all (``None``: kept; a residual is read as ``torch.where(flag, R, 0)``,
+        as by :meth:`residual_in`). ``None`` unless every
         one is stored plain (FP32 or BF16) in its route's coordinates (``routes``; default
         identity: none to re-base), by the same step."""
         stored = [self.residuals.get(n) for n in names]
@@ -139,23 +158,36 @@ class ErrorFeedback:
         if any(self.finite.get(n) is not flag for n in names):
             return None
         key = tuple(names)
-        block = self._blocks.get(key)
-        if block is None or not _tiles(block, stored):
+        held = self._blocks.get(key)
+        if held is None or not _tiles(held.vector, stored):
             self._forget(names)
             block = torch.cat([s.reshape(-1) for s in stored])
             pos = 0
             for name, s in zip(names, stored):
                 self.residuals[name] = block[pos : pos + s.numel()].view(s.shape)
                 pos += s.numel()
-            self._blocks[key] = block
-        return block, flag
+            held = self._hold(key, block)
+        elif not held.live:  # the same vector, its residuals checked again just now
+            held = self._hold(key, held.vector)
+        return held.vector, flag
 
-    def recorded(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`bucket_in` of a bucket it accepted, while :attr:`version` has not moved
-        since: its flat vector and the flag of the step that wrote it (every tensor of a
-        bucket is written, and its flag set, with the others: the first one's stands for
-        all), without looking at each tensor again."""
-        return self._blocks[names], self.finite.get(names[0])
+    def held(self, names: list[str]) -> FlatResiduals:
+        """The :class:`FlatResiduals` of a bucket :meth:`bucket_in` or :meth:`stage_bucket`
+        has just read or written (live)."""
+        return self._blocks[tuple(names)]
+
+    def recorded(self, held: FlatResiduals) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`bucket_in` of a bucket it accepted, while its ``held`` vector is live and
+        :attr:`version` has not moved since: the vector and the flag of the step that wrote it
+        (every tensor of a bucket is written, and its flag set, with the others: the first
+        one's stands for all), without looking at each tensor again."""
+        return held.vector, self.finite.get(held.names[0])
+
+    def _hold(self, key: tuple[str, ...], block: torch.Tensor) -> FlatResiduals:
+        """``block`` held as the live flat vector of the residuals ``key``."""
+        held = self._blocks[key] = FlatResiduals(key, block)
+        self._block_of.update(dict.fromkeys(key, held))
+        return held
 
     def first_bucket(self, names: list[str]) -> bool:
         """Whether a bucket's tensors ``names`` have no residual yet and are stored plain:
@@ -174,9 +206,10 @@ class ErrorFeedback:
         residual a view of it (no second set is ever held to join them later)."""
         key = tuple(names)
         if key in self._blocks:
-            if residual is not self._blocks[key]:
-                self._blocks[key].copy_(residual)
-        else:
+            if residual is not self._blocks[key].vector:
+                self._blocks[key].vector.copy_(residual)
+        else:  # a first bucket (a vector that held one of these is let go: none should)
+            self._forget(names)
             block = residual.to(torch.float32 if self.storage == "fp32" else torch.bfloat16,
                                 copy=True)
             pos = 0
@@ -184,27 +217,38 @@ class ErrorFeedback:
                 n = torch.Size(shape).numel()
                 self.residuals[name] = block[pos : pos + n].view(shape)
                 pos += n
-            self._blocks[key] = block
-            self.version += 1
+            self._hold(key, block)
         # _wrote of every tensor, by whole-dict operations (no Python per tensor); the routes
         # of a kept vector are its residuals' bases already (bucket_in checked them), a new
-        # one moved the version
+        # one has no record yet
         self.basis.update(zip(names, routes or [IDENTITY] * len(names)))
         self.finite.update(dict.fromkeys(names))  # None: kept as written, until committed
         self._written.extend(names)
 
     def restage(self, names: tuple[str, ...]) -> None:
         """:meth:`stage_bucket` of a :meth:`recorded` bucket whose vector the encode wrote in
-        place (the same ``version`` since: no copy, and the residuals' bases are its routes
+        place (its vector live since: no copy, and the residuals' bases are its routes
         already): its tensors marked written this step."""
         self.finite.update(dict.fromkeys(names))  # None: kept as written, until committed
         self._written.extend(names)
 
     def _forget(self, names) -> None:
-        """Let go of the flat vectors that hold any of ``names`` (re-bucketed or dropped)."""
-        names = set(names)
-        self._blocks = {k: b for k, b in self._blocks.items() if names.isdisjoint(k)}
-        self.version += 1
+        """Let go of the flat vectors that hold any of ``names`` (re-bucketed or dropped): no
+        longer live, nor held (the others stay as they are)."""
+        gone = {self._block_of.pop(n) for n in names if n in self._block_of}
+        for held in gone:
+            held.live, held.vector = False, None
+            del self._blocks[held.names]
+            for n in held.names:
+                if self._block_of.get(n) is held:
+                    del self._block_of[n]
+
+    def _stale(self, name: str) -> None:
+        """The residual of ``name`` is made anew or re-based: the flat vector holding it (if
+        any) no longer live (kept: :meth:`bucket_in` checks it again)."""
+        held = self._block_of.get(name)
+        if held is not None:
+            held.live = False
 
     def stage(self, name: str, residual: torch.Tensor, route: Transform) -> None:
         """Write this step's new residual of ``name`` (in ``route``'s coordinates) over the
@@ -217,7 +261,7 @@ class ErrorFeedback:
         if stored is None or _shape(stored) != tuple(residual.shape):
             self.residuals[name] = packed if packed is not None else residual.to(
                 torch.float32 if self.storage == "fp32" else torch.bfloat16, copy=True)
-            self.version += 1
+            self._stale(name)
         elif packed is None:
             stored.copy_(residual)  # rounds to BF16 on the way
         else:
@@ -243,7 +287,7 @@ class ErrorFeedback:
 
     def _wrote(self, name: str, route: Transform) -> None:
         if _moved(self.basis.get(name), route):
-            self.version += 1
+            self._stale(name)
         self.basis[name] = route
         self.finite.pop(name, None)
         self._written.append(name)
@@ -252,7 +296,7 @@ class ErrorFeedback:
         """Remove the residual of ``name`` (at once)."""
         for held in (self.residuals, self.basis, self.finite):
             held.pop(name, None)
-        self._forget([name])  # moves the version
+        self._forget([name])
 
     def commit(self, finite: torch.Tensor) -> None:
         """The step settled: ``finite`` (0-dim bool, on the device) holds the residuals it
@@ -287,6 +331,7 @@ class ErrorFeedback:
         again, so the residual is not re-based needlessly."""
         self.residuals = {n: _zeroed(r, None) for n, r in state["residuals"].items()}
         self.basis, self.finite, self._written, self._blocks = {}, {}, [], {}
+        self._block_of = {}
         self.version += 1
         for name, saved in state["basis"].items():
             live = transforms.get(name)
