@@ -210,25 +210,18 @@ class BlockStages(BoundStages):
     def reduce_sum(self, received, shard):
         """``(the FP32 sum of the N senders' copies, in sender order from +0, read from their
         records back to back in received; its amax slots)``, one kernel."""
-        owner = self._owners.get(shard) or self._owner(shard)
-        if owner is None:
-            return None
-        total = torch.empty(owner.numel, dtype=torch.float32, device=received.device)
-        owner.reduce(received, blk_in=received, code_in=received, out_ptr=total,
-                     epoch=next(owner.slots.epochs))
-        return total, owner.slots.buffer
+        done = self._reduced(received, shard)
+        return None if done is None else (done[1], done[0].slots.buffer)
 
     @guarded
     def reduce_encode(self, received, shard, seed):
         """``(record, sum)``: the reduction of :meth:`reduce_sum` (its amax taken with it),
         then the sum's encoding pass (:meth:`encode_reduced`'s, no error written); two
         kernels."""
-        owner = self._owners.get(shard) or self._owner(shard)
-        if owner is None:
+        done = self._reduced(received, shard)
+        if done is None:
             return None
-        total = torch.empty(owner.numel, dtype=torch.float32, device=received.device)
-        owner.reduce(received, blk_in=received, code_in=received, out_ptr=total,
-                     epoch=next(owner.slots.epochs))
+        owner, total = done
         encode = owner.encode_sum
         if self.stochastic:
             encode = encode.bind(**self._seeds(owner.place, seed, None,
@@ -236,6 +229,17 @@ class BlockStages(BoundStages):
         record = torch.empty(self.record_bytes, dtype=torch.uint8, device=received.device)
         encode(total, total, total, total, record, record, record)
         return record, total
+
+    def _reduced(self, received, shard) -> tuple[_Owner, torch.Tensor] | None:
+        """``(shard's owner, the FP32 sum of the N records)``: the reduction kernel, which
+        takes the sum's amax with it (both stages' first); ``None`` for an empty shard."""
+        owner = self._owners.get(shard) or self._owner(shard)
+        if owner is None:
+            return None
+        total = torch.empty(owner.numel, dtype=torch.float32, device=received.device)
+        owner.reduce(received, blk_in=received, code_in=received, out_ptr=total,
+                     epoch=next(owner.slots.epochs))
+        return owner, total
 
     @guarded
     def encode_reduced(self, values, shard, seed, error, bits):
