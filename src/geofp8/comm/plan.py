@@ -235,25 +235,21 @@ class FP8Stages(BoundStages):
     def reduce_sum(self, received, shard):
         """``(sum, its amax slots)``: the ``N`` received records decoded and summed in FP32
         sender after sender from +0, and the sum's groups' amax; one kernel."""
-        owner, total = self._reduced(received, shard)
-        return total, owner[0].buffer
+        slots, _, _, _, reduce, numel = self._owners.get(shard) or self._owner(shard)
+        out = torch.empty(numel, dtype=torch.float32, device=received.device)
+        reduce(received, out, epoch=next(slots.epochs))
+        return out, slots.buffer
 
     @guarded
     def reduce_encode(self, received, shard, seed):
         """``(record, sum)``: the reduction of :meth:`reduce_sum` (its amax taken with it),
         then the sum's encode (:meth:`encode_reduced`'s, no error written); two kernels."""
-        owner, total = self._reduced(received, shard)
+        slots, _, _, encode, reduce, numel = self._owners.get(shard) or self._owner(shard)
+        total = torch.empty(numel, dtype=torch.float32, device=received.device)
+        reduce(received, total, epoch=next(slots.epochs))
         record = torch.empty(self.record_bytes, dtype=torch.uint8, device=received.device)
-        owner[3](total, total, total, out_ptr=record, err_ptr=total)
+        encode(total, total, total, out_ptr=record, err_ptr=total)
         return record, total
-
-    def _reduced(self, received, shard) -> tuple:
-        """``(shard's owner launches, the FP32 sum of the N received records)``: the
-        reduction kernel, which takes the sum's amax with it (both stages' first)."""
-        owner = self._owners.get(shard) or self._owner(shard)
-        total = torch.empty(owner[5], dtype=torch.float32, device=received.device)
-        owner[4](received, total, epoch=next(owner[0].epochs))
-        return owner, total
 
     @guarded
     def encode_reduced(self, values, shard, seed, error, bits):
