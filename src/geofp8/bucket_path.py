@@ -115,17 +115,15 @@ class BucketPath:
         over each mapped tensor's slot, then the encode, with error feedback the bucket's
         residual added and the new one written back into it (no Python per tensor but a
         map's)."""
-        bound = record.bound  # its check but the kernels' availability (a kernel may fail)
-        if bound is not None and not bound.kernels.available(flat):
-            bound = None
+        # its check but the kernels' availability (a kernel may fail since)
+        bound = record.bound if record.bound and record.bound.kernels.available(flat) else None
         if record.slots:  # (no call for a bucket without a map)
             _map_over(record.slots, flat, inverse=False)
         if self.config.error_feedback:
-            # the residual written in place: the bucket's vector (encode_with_error's R)
-            sent, _ = encode_with_error(flat, record.layout, None, seed, self.group.rank,
-                                        error_out=flat,
-                                        feedback=self.feedback.recorded(record.residuals),
-                                        bound=bound)
+            # the bucket's residual R (its recorded vector) added and the new one written
+            # in place, into R (the error's own vector, error_out, is the bucket's: flat)
+            sent, _ = encode_with_error(flat, record.layout, None, seed, self.group.rank, flat,
+                                        self.feedback.recorded(record.residuals), bound)
             self.feedback.restage(record.names)
         else:
             sent = encode(flat, record.layout, None, seed, self.group.rank, bound)

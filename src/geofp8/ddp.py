@@ -119,8 +119,10 @@ class GeoFP8State:
                           if size else None)
         if self.hierarchy is not None:
             self.hierarchy.runs.on_failure = self._rollback
+        # a bucket's low-precision all-reduce, chosen once
+        self._fp8_allreduce = self._flat if self.hierarchy is None else self._hierarchical
         self.engine.fingerprint_extra = {"node_size": size}
-        self._buckets: dict[int, _Bucket] = {}  # by DDP's bucket index
+        self._buckets: dict[int, _Bucket] = {}  # by the address of DDP's bucket buffer
 
     # -- what the engine holds, by its usual names ------------------------------------------
 
@@ -146,24 +148,23 @@ class GeoFP8State:
     # -- the hook ----------------------------------------------------------------------------
 
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        """Launch this bucket's all-reduce; the future's value is the averaged gradient."""
+        """Launch this bucket's all-reduce; the future's value is the averaged gradient (a
+        failure in its collective rolls the step back: the communicator's ``on_failure``).
+        The engine's parts are named as the engine's here, not by the properties (the
+        hook's Python per bucket)."""
         buffer, last = bucket.buffer(), bucket.is_last()
-        engine = self.engine  # (the engine's parts by their own names here, not the
-        try:  # properties: the hook's Python per bucket)
-            # the gradients are written: read them on the side stream, which the buffer is
+        try:  # the gradients are written: read them on the side stream, which the buffer is
             # handed over to
             with self.stream.after_current(buffer):
-                kept = self._bucket_of(bucket, buffer, last)
-                engine.start_unit(last)
-                engine.ledger.add_each(_SIZE, kept.size)
-                if engine.fp8:
-                    future = self._fp8_allreduce(bucket, kept, last)
-                else:
-                    future = self._fp32_allreduce(buffer, last)
+                kept = self._buckets.get(buffer.data_ptr()) or self._bucket_of(bucket, buffer)
+                self.engine.start_unit(last)
+                self.engine.ledger.add_each(_SIZE, kept.size)
+                if self.engine.fp8:
+                    return self._fp8_allreduce(kept, last)
+                return self._fp32_allreduce(buffer, last)
         except BaseException:
             self._rollback()
             raise
-        return future  # (a failure in its collective rolls the step back: on_failure)
 
     def _bucket_done(self, value: torch.Tensor, finite: torch.Tensor | None = None
                      ) -> torch.Tensor:
@@ -189,20 +190,15 @@ class GeoFP8State:
         communicator.complete(block=last)
         return future
 
-    def _bucket_of(self, bucket: dist.GradBucket, buffer: torch.Tensor, last: bool
-                   ) -> "_Bucket":
-        """What this call of DDP's bucket needs that does not change while it holds the same
-        parameters in the same buffer (DDP builds its buckets once, again after the first
-        step): made at its first call, then found by its index and the buffer's address
-        alone. The record holds that buffer, so no other bucket's can be allocated at
-        the same address while it is kept: a rebuilt bucket is a new buffer, a new record
-        (the records past the last index of a smaller rebuild are let go at the first call
-        of its last bucket)."""
-        kept = self._buckets.get(bucket.index())
-        if kept is not None and kept.buffer.data_ptr() == buffer.data_ptr() and \
-                kept.buffer.numel() == buffer.numel():
-            return kept
-        names = self.pipeline.names
+    def _bucket_of(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> "_Bucket":
+        """What DDP's bucket needs that does not change while it holds the same parameters
+        in the same buffer (DDP builds its buckets once, again after the first step): made
+        at its first call, then found by the buffer's address alone (:meth:`communicate`).
+        The record holds that buffer, so no other bucket's can be allocated at the same
+        address while it is kept: a rebuilt bucket is a new buffer, a new record, and the
+        records it replaces are let go here (its index's, and at the last bucket those past
+        its index: DDP may have rebuilt fewer buckets)."""
+        names, index = self.pipeline.names, bucket.index()
         params, grads = bucket.parameters(), bucket.gradients()
         if any(id(p) not in names for p in params):
             raise RuntimeError("a bucket holds a parameter that is not in the model given to "
@@ -214,32 +210,33 @@ class GeoFP8State:
         ends = [off + g.numel() for off, g in zip(offsets, grads)]
         in_place = bool(buffer.dtype == torch.float32 and ends and ends[-1] == buffer.numel()
                         and offsets == [0, *ends[:-1]])
-        kept = _Bucket(buffer, [names[id(p)] for p in params], grads, offsets, in_place,
+        kept = _Bucket(index, buffer, [names[id(p)] for p in params], grads, offsets, in_place,
                        fp32_allreduce_wire_bytes(buffer.numel(), self.engine.group.size))
-        self._buckets[bucket.index()] = kept
-        if last:  # DDP may have rebuilt fewer buckets
-            self._buckets = {i: b for i, b in self._buckets.items() if i <= bucket.index()}
+        self._buckets = {address: b for address, b in self._buckets.items()
+                         if b.index < index or (b.index > index and not bucket.is_last())}
+        self._buckets[buffer.data_ptr()] = kept
         return kept
 
-    def _fp8_allreduce(self, bucket: dist.GradBucket, kept: "_Bucket", last: bool):
-        engine, pipeline = self.engine, self.engine.pipeline
-        seed = engine.seed(bucket.index())
-        if self.hierarchy is not None:  # several buckets in flight (see geofp8.hierarchy)
-            return self.hierarchy.launch(kept.names, kept.grads, kept.buffer, kept.offsets,
-                                         seed, last, then=self._bucket_done)
+    def _hierarchical(self, kept: "_Bucket", last: bool) -> torch.futures.Future:
+        """The bucket's all-reduce over nodes, several buckets in flight (see
+        :mod:`geofp8.hierarchy`)."""
+        return self.hierarchy.launch(kept.names, kept.grads, kept.buffer, kept.offsets,
+                                     self.engine.seed(kept.index), last, then=self._bucket_done)
+
+    def _flat(self, kept: "_Bucket", last: bool) -> torch.futures.Future:
+        """The bucket's exact all-reduce over the group (:class:`Communicator`), its map back
+        (:meth:`_map_back`) once the sum is there."""
+        seed = self.engine.seed(kept.index)
         t0 = time.perf_counter()
-        encoded = pipeline.encode(kept.names, kept.grads, seed, flat=kept.flat,
-                                  record=kept.record)
+        encoded = self.engine.pipeline.encode(kept.names, kept.grads, seed, kept.flat, kept.record)
         kept.record = encoded.record  # the bucket's decisions for its next call
         codec_s = time.perf_counter() - t0  # (added with the map back's)
-        unmap = owner_keys = None
-        if encoded.record is None:  # (a record has none of these: BucketRecord)
-            unmap, owner_keys = self._resolved(encoded)
-        return self.communicator.launch(
-            encoded.sent, encoded.layout, last, unmap, seed=seed, owner_keys=owner_keys,
-            out=kept.flat, divide=engine.group.size, bound=encoded.bound,
-            then=functools.partial(self._map_back, kept, encoded,
-                                   unmap is not None, codec_s))
+        # (a record has none of these: BucketRecord)
+        unmap, owner_keys = (None, None) if encoded.record else self._resolved(encoded)
+        then = functools.partial(self._map_back, kept, encoded, unmap is not None, codec_s)
+        return self.communicator.launch(encoded.sent, encoded.layout, last, unmap, seed=seed,
+                                        owner_keys=owner_keys, out=kept.flat, bound=encoded.bound,
+                                        divide=self.engine.group.size, then=then)
 
     def _resolved(self, encoded) -> tuple:
         """``(unmap, owner keys)`` of a launch whose bucket was resolved this call, its
@@ -341,17 +338,18 @@ def hadamard_fp8_hook(state: HadamardFP8State,
 
 
 class _Bucket:
-    """A DDP bucket's parameters' names, gradients (views of ``buffer``) and their offsets
-    in it (elements); ``flat``: the buffer where the gradients tile it in order (FP32: the
-    hook's working memory), else ``None``; ``size``: its figures per step (elements, the FP32
-    ring all-reduce's bytes) and the pipeline's record of its decisions
+    """A DDP bucket's index, parameters' names, gradients (views of ``buffer``) and their
+    offsets in it (elements); ``flat``: the buffer where the gradients tile it in order
+    (FP32: the hook's working memory), else ``None``; ``size``: its figures per step
+    (elements, the FP32 ring all-reduce's bytes) and the pipeline's record of its decisions
     (:mod:`geofp8.bucket_record`) once made."""
 
-    __slots__ = ("buffer", "flat", "grads", "names", "offsets", "record", "size")
+    __slots__ = ("buffer", "flat", "grads", "index", "names", "offsets", "record", "size")
 
-    def __init__(self, buffer: torch.Tensor, names: list[str], grads: list[torch.Tensor],
-                 offsets: list[int], in_place: bool, fp32_bytes: int) -> None:
-        self.buffer, self.names, self.grads = buffer, names, grads
+    def __init__(self, index: int, buffer: torch.Tensor, names: list[str],
+                 grads: list[torch.Tensor], offsets: list[int], in_place: bool,
+                 fp32_bytes: int) -> None:
+        self.index, self.buffer, self.names, self.grads = index, buffer, names, grads
         self.offsets, self.flat, self.record = offsets, buffer if in_place else None, None
         self.size = (buffer.numel(), fp32_bytes)  # its figures _SIZE
 

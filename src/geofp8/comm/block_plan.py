@@ -170,13 +170,13 @@ class BlockStages(BoundStages):
                 "prefix": prefix, "offset": offset, "SEEDS": mode}
 
     def _with_residual(self, dtype: torch.dtype) -> tuple:
-        """``(amax launch, encode launch, whether the error is written as int16)``: the
-        send's two with the constexprs of a residual ``R`` of ``dtype`` fixed (read in its
-        dtype, the error written in it: BF16's bits as int16); ``R``'s pointers and the
-        keep flag per call."""
-        _, _, amax, encode = self._send
+        """``(b, slots, amax launch, encode launch, whether the error is written as int16)``:
+        the send's (:attr:`_send`) with the constexprs of a residual ``R`` of ``dtype`` fixed
+        (read in its dtype, the error written in it: BF16's bits as int16); ``R``'s pointers
+        and the keep flag per call."""
+        b, slots, amax, encode = self._send
         bf16 = dtype == torch.bfloat16
-        return (amax.bind(HAS_R=True, STORE_U=False),
+        return (b, slots, amax.bind(HAS_R=True, STORE_U=False),
                 encode.bind(HAS_R=True, HAS_ERR=True, ERR_BF16=bf16), bf16)
 
     @guarded
@@ -186,24 +186,24 @@ class BlockStages(BoundStages):
         again), the rounding error into ``R`` or ``error``; shard ``j`` rounded with
         ``mix_seed(seed, sender, j)`` when stochastic (to nearest: the seed arguments fixed
         at binding, none per call)."""
-        b, slots, amax, encode = self._send
         sent = torch.empty(self.send_bytes, dtype=torch.uint8, device=flat.device)
-        if feedback is None:
+        if feedback is not None:
+            r, keep = feedback
+            b, slots, amax, encode, bf16 = self._feedback[r.dtype]
             if self.stochastic:
                 encode = encode.bind(**self._seeds(b, seed, sender, 0, flat.device))
-            amax(flat, flat, flat, flat, epoch=next(slots.epochs), HAS_R=False, KEEP=False,
-                 STORE_U=False)
-            encode(flat, flat, flat, s_out=sent, blk_out=sent, code_out=sent, HAS_R=False,
-                   KEEP=False, **_error_args(error, flat))
+            keep_ptr = flat if keep is None else keep.view(torch.uint8)  # any pointer without
+            err = r.view(torch.int16) if bf16 else r
+            amax(flat, r, keep_ptr, flat, epoch=next(slots.epochs), KEEP=keep is not None)
+            encode(flat, r, keep_ptr, err, sent, sent, sent, KEEP=keep is not None)
             return sent
-        r, keep = feedback
-        amax, encode, bf16 = self._feedback[r.dtype]
+        b, slots, amax, encode = self._send
         if self.stochastic:
             encode = encode.bind(**self._seeds(b, seed, sender, 0, flat.device))
-        keep_ptr = flat if keep is None else keep.view(torch.uint8)  # any pointer without
-        amax(flat, r, keep_ptr, flat, epoch=next(slots.epochs), KEEP=keep is not None)
-        encode(flat, r, keep_ptr, r.view(torch.int16) if bf16 else r, sent, sent, sent,
-               KEEP=keep is not None)
+        amax(flat, flat, flat, flat, epoch=next(slots.epochs), HAS_R=False, KEEP=False,
+             STORE_U=False)
+        encode(flat, flat, flat, s_out=sent, blk_out=sent, code_out=sent, HAS_R=False,
+               KEEP=False, **_error_args(error, flat))
         return sent
 
     @guarded

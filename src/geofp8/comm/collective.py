@@ -161,35 +161,31 @@ class Communicator:
         the later stages, whose other inputs this communicator allocates (contiguous uint8
         on ``sent``'s device), with no check of their own; ``None``: each stage checks."""
         with self._side():
-            self._flush(keep=self.lag - 1)  # (already under the stream: no nested entries)
-            self._complete(block=False)
+            self._advance(self.lag - 1, block=False)  # (under the stream: no nested entries)
             if self.collective == "allgather":
                 if unmap is not None or not gather:
                     raise ValueError("per-sender decoding and reduce-scatter need "
                                      "collective='exact'")
                 result = self._allgather(sent, layout, out, then or _same, divide)
                 if last:
-                    self._complete(block=True)
+                    self._advance(0, block=True)
                 return result
             # the exact collective's first hop; its all-gather is issued `lag` launches later
             result = device_future(sent.device)
-            run = self._exact(sent, layout, unmap, gather, seed,
-                              owner_keys if self.owner is not None else None, out,
+            run = self._exact(sent, layout, unmap, gather, seed, owner_keys, out,
                               then or _same, divide, bound, result)
             self._in_flight.append((next(run), run, result))  # its all-to-all issued
-            if last:
-                self._flush()  # issue the all-gather now, from this thread (class notes)
-                self._complete(block=True)
+            if last:  # issue the all-gather now, from this thread (class notes), and wait
+                self._advance(0, block=True)
         return result
 
     def _route(self, layout: ShardLayout) -> _Route:
-        """The all-to-all's arguments for ``layout``, made once per layout (kept with it: no
-        Python per rank at each launch)."""
-        route = self._routes.get(id(layout))
-        if route is None or route.layout is not layout:
-            sends = [layout.send_bytes(j) for j in range(layout.world_size)]
-            received = [sends[self.rank]] * len(sends)
-            route = self._routes[id(layout)] = _Route(layout, received, sends, sum(received))
+        """The all-to-all's arguments for ``layout``, made at its first launch (then found in
+        ``_routes`` by its id, which the route's reference to the layout keeps from being
+        reused: no Python per rank at each launch)."""
+        sends = [layout.send_bytes(j) for j in range(layout.world_size)]
+        received = [sends[self.rank]] * len(sends)
+        route = self._routes[id(layout)] = _Route(layout, received, sends, sum(received))
         return route
 
     def track(self, work, finish, device: torch.device) -> torch.futures.Future:
@@ -203,16 +199,7 @@ class Communicator:
         """Complete the tracked results whose collectives are done, in launch order (all of
         them, waiting, when ``block``), under :attr:`stream`."""
         with self._side():
-            self._complete(block)
-
-    def _complete(self, block: bool) -> None:
-        while self._pending and (block or self._pending[0][0].is_completed()):
-            work, finish, result = self._pending.pop(0)
-            try:
-                work.wait()
-                result.set_result(finish())
-            except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-                fail(result, exc, self.on_failure)
+            self._advance(len(self._in_flight), block)
 
     def reset(self) -> None:
         """Drop unfinished launches (after a failed step): their collectives' results are
@@ -221,27 +208,31 @@ class Communicator:
 
     def flush(self, keep: int = 0) -> None:
         """Finish the oldest all-to-alls in flight and issue their all-gathers, in launch
-        order, until ``keep`` are left."""
+        order, until ``keep`` are left (and complete the results done already)."""
         with self._side():
-            self._flush(keep)
+            self._advance(keep, block=False)
 
-    def _flush(self, keep: int = 0) -> None:
+    def _advance(self, keep: int, block: bool) -> None:
+        """Finish the oldest all-to-alls in flight, in launch order, until ``keep`` are left:
+        each one's second hop (its all-gather pending, or for a reduce-scatter its result
+        set); then complete the tracked results whose collectives are done, in launch order
+        (all of them, waiting, when ``block``)."""
         while len(self._in_flight) > keep:
             work, run, result = self._in_flight.pop(0)
             work.wait()  # (raises if the all-to-all failed)
-            self._gather(run, result)
-
-    def _gather(self, run, result: torch.futures.Future) -> None:
-        """Run a launch's second hop (its all-to-all done): its all-gather pending, or for a
-        reduce-scatter its result set."""
-        try:
-            work = next(run)
-        except StopIteration:  # a reduce-scatter: done
-            return
-        except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
-            fail(result, exc, self.on_failure)
-            return
-        self._pending.append((work, run.__next__, result))
+            try:
+                self._pending.append((next(run), run.__next__, result))
+            except StopIteration:  # a reduce-scatter: done
+                pass
+            except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
+                fail(result, exc, self.on_failure)
+        while self._pending and (block or self._pending[0][0].is_completed()):
+            work, finish, result = self._pending.pop(0)
+            try:
+                work.wait()
+                result.set_result(finish())
+            except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
+                fail(result, exc, self.on_failure)
 
     def _exact(self, sent: torch.Tensor, layout: ShardLayout, unmap, gather: bool,
                seed: int | None, keys: list[str | None] | None, out: torch.Tensor | None,
@@ -249,14 +240,14 @@ class Communicator:
                result: torch.futures.Future) -> Generator:
         """One launch of the exact collective, run by this thread hop by hop (a generator,
         its locals the launch's state): it issues the all-to-all and yields its work; once
-        that is done (:meth:`_flush`), it sums and re-encodes this rank's shard, issues the
+        that is done (:meth:`_advance`), it sums and re-encodes this rank's shard, issues the
         all-gather and yields its work (a reduce-scatter sets ``result`` instead); once that
-        is done (:meth:`_complete`), it decodes the gathered shards and yields the value."""
-        route = self._route(layout)
+        is done (:meth:`_advance`), it decodes the gathered shards and yields the value."""
+        route = self._routes.get(id(layout)) or self._route(layout)
         recv = sent.new_empty(route.received_total, dtype=torch.uint8)
         yield self.group.all_to_all(recv, sent, route.received, route.sends, self.kind)
         release(sent)
-        pieces = _pieces(layout, self.rank, keys) if keys is not None else ()
+        pieces = _pieces(layout, self.rank, keys) if keys and self.owner is not None else ()
         if gather and unmap is None and not pieces:  # the fused kernels' case
             shard = reduce_encode(recv, layout, self.rank, seed, scratch=out, bound=bound)[0]
             release(recv)
@@ -281,8 +272,7 @@ class Communicator:
         yield work
         # its finite flag in flag_slot's slot
         flag = self.flag_slot(shard.device) if self.flag_slot is not None else None
-        total, finite = decode_gathered_flagged(gathered, layout, out, divide, flag,
-                                                bound=bound)
+        total, finite = decode_gathered_flagged(gathered, layout, out, divide, flag, bound)
         release(shard, gathered)
         yield then(total, finite)
 

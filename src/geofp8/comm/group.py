@@ -44,6 +44,11 @@ def collective(name: str):
     return getattr(dist, name, None) or getattr(dist, _BEFORE_2_12[name])
 
 
+# torch's all-gather into one tensor, by its name here (looked up at each call: collective)
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else \
+    _BEFORE_2_12["all_gather_single"]
+
+
 def release(*buffers: torch.Tensor) -> None:
     """Free the memory of collective buffers that are done with: each one's whole storage
     is resized to zero bytes (every view of it included). Call it only after the collective
@@ -119,7 +124,7 @@ class DeviceGroup:
         t = self.on_device(t)
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # gloo: concatenated form
         self.bytes[kind] += (self.size - 1) * t.numel() * t.element_size()
-        work = collective("all_gather_single")(out, t, group=self.group, async_op=True)
+        work = getattr(dist, _ALL_GATHER)(out, t, group=self.group, async_op=True)
         return out if flat else out.view(self.size, *t.shape), self._keep(work, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, kind: str,
@@ -131,15 +136,14 @@ class DeviceGroup:
             self.on_device(out), self.on_device(inp), op=op, group=self.group, async_op=True),
             async_op)
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
-                   in_splits: list[int], kind: str):
-        """Asynchronous ``all_to_all_single`` of uint8 buffers already on the device."""
-        if out.device != self.device or inp.device != self.device:
-            raise ValueError(f"all_to_all buffers must live on {self.device}")
-        self.bytes[kind] += sum(in_splits) - in_splits[self.rank]  # to the others
-        return self._keep(dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
-                                                 input_split_sizes=in_splits, group=self.group,
-                                                 async_op=True))
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, received: list[int],
+                   sends: list[int], kind: str):
+        """Asynchronous ``all_to_all_single`` of uint8 buffers on the device (the
+        communicator's, allocated there: not checked), ``received[j]`` / ``sends[j]`` bytes
+        from / to rank ``j``."""
+        self.bytes[kind] += sum(sends) - sends[self.rank]  # to the others
+        work = dist.all_to_all_single(out, inp, received, sends, group=self.group, async_op=True)
+        return self._keep(work)
 
     # -- plain data: JSON text and named tensors as bytes (no Python objects) -----------------
 

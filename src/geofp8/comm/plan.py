@@ -200,13 +200,13 @@ class FP8Stages(BoundStages):
         return found
 
     def _with_residual(self, dtype: torch.dtype) -> tuple:
-        """``(amax launch, encode launch, whether R is read as int16)``: the send's two with
-        the constexprs of a residual ``R`` of ``dtype`` fixed (BF16: its bits, read as int16,
-        are the FP32's high half); ``R``'s pointer and the keep flag per call."""
-        _, amax, encode = self._send
+        """``(slots, amax launch, encode launch, whether R is read as int16)``: the send's
+        two with the constexprs of a residual ``R`` of ``dtype`` fixed (BF16: its bits, read
+        as int16, are the FP32's high half); ``R``'s pointer and the keep flag per call."""
+        slots, amax, encode = self._send
         bf16 = dtype == torch.bfloat16
         flags = {"HAS_R": True, "BF16": bf16}
-        return amax.bind(**flags), encode.bind(HAS_ERR=True, **flags), bf16
+        return slots, amax.bind(**flags), encode.bind(HAS_ERR=True, **flags), bf16
 
     @guarded
     def send(self, flat, error, feedback, seed, sender):
@@ -216,19 +216,19 @@ class FP8Stages(BoundStages):
         read ``Ũ = flat + where(keep, R, 0)`` (``keep`` read in the kernel: no host read)
         and the encode writes its error into ``R`` in ``R``'s dtype (BF16: rounded to
         nearest even, the bits of torch's ``.to(torch.bfloat16)``)."""
-        slots, amax, encode = self._send
         sent = torch.empty(self.send_bytes, dtype=torch.uint8, device=flat.device)
-        if feedback is None:
-            amax(flat, flat, flat, flat, epoch=next(slots.epochs), **triton_fp8.NO_FEEDBACK)
-            encode(flat, flat, flat, out_ptr=sent, err_ptr=flat if error is None else error,
-                   HAS_ERR=error is not None, **triton_fp8.NO_FEEDBACK)
+        if feedback is not None:
+            r, keep = feedback
+            slots, amax, encode, bf16 = self._feedback[r.dtype]
+            ptr = r.view(torch.int16) if bf16 else r
+            keep_ptr = flat if keep is None else keep.view(torch.uint8)  # any pointer without
+            amax(flat, ptr, keep_ptr, flat, epoch=next(slots.epochs), HAS_KEEP=keep is not None)
+            encode(flat, ptr, keep_ptr, out_ptr=sent, err_ptr=ptr, HAS_KEEP=keep is not None)
             return sent
-        r, keep = feedback
-        amax, encode, bf16 = self._feedback[r.dtype]
-        ptr = r.view(torch.int16) if bf16 else r
-        keep_ptr = flat if keep is None else keep.view(torch.uint8)  # any pointer without
-        amax(flat, ptr, keep_ptr, flat, epoch=next(slots.epochs), HAS_KEEP=keep is not None)
-        encode(flat, ptr, keep_ptr, out_ptr=sent, err_ptr=ptr, HAS_KEEP=keep is not None)
+        slots, amax, encode = self._send
+        amax(flat, flat, flat, flat, epoch=next(slots.epochs), **triton_fp8.NO_FEEDBACK)
+        encode(flat, flat, flat, out_ptr=sent, err_ptr=flat if error is None else error,
+               HAS_ERR=error is not None, **triton_fp8.NO_FEEDBACK)
         return sent
 
     @guarded

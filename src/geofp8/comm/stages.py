@@ -78,14 +78,12 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
     ``bound``: the layout's fused stages bound already for ``flat``, ``error_out`` and
     ``feedback``'s ``R`` (a bucket record's, checked once when it was made: not again);
     ``None``: checked here."""
-    fused = bound
-    if fused is None and not side and triton_fp8.feedback_fits(flat, feedback):
-        fused = layout.plan.bound(flat, error_out)
-    if fused is not None:
+    if bound is None and not side and triton_fp8.feedback_fits(flat, feedback):
+        bound = layout.plan.bound(flat, error_out)
+    if bound is not None:
         error = feedback[0] if feedback is not None else (
             error_out if error_out is not None else torch.empty_like(flat))
-        sent = fused.send(flat, error, feedback, seed, sender)
-        if sent is not None:
+        if (sent := bound.send(flat, error, feedback, seed, sender)) is not None:
             return sent, error
     if feedback is not None:
         residual, keep = feedback
@@ -315,10 +313,9 @@ def decode_gathered_flagged(gathered: torch.Tensor | list[torch.Tensor], layout:
     :class:`geofp8.verdict.StepVerdict`); ``None`` from the torch path (check the values,
     :func:`all_finite`). ``bound``: as :func:`reduce_encode`'s, for ``gathered`` (then the
     records back to back, 1-D) and ``out``."""
-    if bound is not None:  # a launch's: its all-gather's buffer as gathered
-        done = bound.decode_gathered(gathered, out, divide, flag)
-        if done is not None:
-            return done
+    # a launch's bound stages: its all-gather's buffer as gathered
+    if bound is not None and (done := bound.decode_gathered(gathered, out, divide, flag)):
+        return done
     if isinstance(gathered, torch.Tensor) and gathered.dim() != 1:
         gathered = gathered.view(-1)
     fused = layout.plan.bound(_first(gathered), out)
