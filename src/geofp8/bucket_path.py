@@ -21,6 +21,7 @@ from .codecs.triton_fp8 import feedback_fits
 from .comm.bound import BoundStages
 from .comm.layout import ShardLayout
 from .comm.stages import encode, encode_with_error
+from .feedback import NO_RESIDUALS
 from .geometry.transforms import IDENTITY, LowRankInput, Transform
 
 __all__ = ["BucketPath", "Encoded"]
@@ -54,11 +55,10 @@ class BucketPath:
         rank for this step and bucket); write the new residuals. ``flat``: where ``Ũ`` is
         written, FP32, one tensor after the other (the buffer that ``grads`` tile in order,
         as a DDP bucket's do: each is read before its place is written); else a new one.
-        ``record``: the :attr:`Encoded.record` of this bucket's last call, followed while
-        its generation is the current one and its residuals (if any) live
-        (:mod:`geofp8.bucket_record`)."""
-        if record is not None and flat is not None and record.generation == self.generation() \
-                and (record.residuals is None or record.residuals.live):
+        ``record``: the :attr:`Encoded.record` of this bucket's last call (with the same
+        ``flat``: a record is made on the flat path only), followed while its generation is
+        the current one and its residuals live (:mod:`geofp8.bucket_record`)."""
+        if record is not None and record.generation == self.generation() and record.residuals.live:
             return self._encode_recorded(record, flat, seed)
         shapes = [tuple(g.shape) for g in grads]
         in_place = flat is not None
@@ -100,7 +100,7 @@ class BucketPath:
         flat_path = bucket is not None or (in_place and not self.config.error_feedback
                                            and all(self.plain(n) for n in names))
         record = BucketRecord(self.generation(),
-                              None if bucket is None else self.feedback.held(names),
+                              NO_RESIDUALS if bucket is None else self.feedback.held(names),
                               tuple(names), tuple(shapes), tuple(routes),
                               per_sender, slots, layout, side_bytes,
                               layout.plan.bound(flat, flat) if feedback_fits(flat, bucket)

@@ -38,7 +38,8 @@ class BucketRecord:
     flat path (``Ũ = G T + R`` over the bucket at once)."""
 
     generation: tuple[int, int]  # (the pipeline's decisions, the residuals' version)
-    residuals: FlatResiduals | None  # the bucket's flat residuals (None: no error feedback)
+    residuals: FlatResiduals  # the bucket's flat residuals (without error feedback: none,
+    # feedback.NO_RESIDUALS, live for good)
     names: tuple[str, ...]  # the tensors, in the bucket's order (the residuals' key)
     shapes: tuple[tuple[int, ...], ...]
     routes: tuple[Transform, ...]

@@ -226,7 +226,8 @@ class GeoFP8State:
     def _flat(self, kept: "_Bucket", last: bool) -> torch.futures.Future:
         """The bucket's exact all-reduce over the group (:class:`Communicator`), its map back
         (:meth:`_map_back`) once the sum is there."""
-        seed = self.engine.seed(kept.index)
+        # (no seed to mix when rounding to nearest: Config.rounding_seed's None)
+        seed = self.engine.seed(kept.index) if self.engine.config.rounding == "stochastic" else None
         t0 = time.perf_counter()
         encoded = self.engine.pipeline.encode(kept.names, kept.grads, seed, kept.flat, kept.record)
         kept.record = encoded.record  # the bucket's decisions for its next call

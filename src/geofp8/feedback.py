@@ -103,6 +103,10 @@ class FlatResiduals:
         self.names, self.vector, self.live = names, vector, True
 
 
+# the flat residuals of a bucket sent without error feedback: none, and live for good
+NO_RESIDUALS = FlatResiduals((), None)
+
+
 class ErrorFeedback:
     """Per-parameter residuals ``R`` (the gradient's shape, stored as ``storage``), their
     coordinates and the finite flags of the steps that wrote them (module notes)."""

@@ -210,18 +210,17 @@ class BlockStages(BoundStages):
     def reduce_sum(self, received, shard):
         """``(the FP32 sum of the N senders' copies, in sender order from +0, read from their
         records back to back in received; its amax slots)``, one kernel."""
-        done = self._reduced(received, shard)
-        return None if done is None else (done[1], done[0].slots.buffer)
+        owner, total = self._reduced(received, shard)
+        return None if owner is None else (total, owner.slots.buffer)
 
     @guarded
     def reduce_encode(self, received, shard, seed):
         """``(record, sum)``: the reduction of :meth:`reduce_sum` (its amax taken with it),
         then the sum's encoding pass (:meth:`encode_reduced`'s, no error written); two
         kernels."""
-        done = self._reduced(received, shard)
-        if done is None:
+        owner, total = self._reduced(received, shard)
+        if owner is None:
             return None
-        owner, total = done
         encode = owner.encode_sum
         if self.stochastic:
             encode = encode.bind(**self._seeds(owner.place, seed, None,
@@ -230,15 +229,16 @@ class BlockStages(BoundStages):
         encode(total, total, total, total, record, record, record)
         return record, total
 
-    def _reduced(self, received, shard) -> tuple[_Owner, torch.Tensor] | None:
+    def _reduced(self, received, shard) -> tuple[_Owner | None, torch.Tensor | None]:
         """``(shard's owner, the FP32 sum of the N records)``: the reduction kernel, which
-        takes the sum's amax with it (both stages' first); ``None`` for an empty shard."""
+        takes the sum's amax with it (both stages' first); ``(None, None)`` for an empty
+        shard."""
         owner = self._owners.get(shard) or self._owner(shard)
         if owner is None:
-            return None
+            return None, None
         total = torch.empty(owner.numel, dtype=torch.float32, device=received.device)
-        owner.reduce(received, blk_in=received, code_in=received, out_ptr=total,
-                     epoch=next(owner.slots.epochs))
+        epoch = next(owner.slots.epochs)
+        owner.reduce(received, blk_in=received, code_in=received, out_ptr=total, epoch=epoch)
         return owner, total
 
     @guarded
