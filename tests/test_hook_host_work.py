@@ -129,7 +129,10 @@ def _train(rank: int, keep: bool):
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"params": params.view(torch.int32).tolist(), "calls": calls,
             "mapped": len(pipeline.geometry_layers()),
-            "skipped": state.stats()["skipped_steps"]}
+            "skipped": state.stats()["skipped_steps"],
+            # the hook's buckets kept, by buffer address: (index, whether it is their buffer's)
+            "buckets": sorted((b.index, address == b.buffer.data_ptr())
+                              for address, b in state._buckets.items())}
 
 
 def _records_worker(rank, world):
@@ -156,6 +159,9 @@ def test_a_bucket_record_is_resolved_again_after_each_change_with_the_same_bits(
         assert kept["params"] == fresh["params"]
         assert fresh["calls"] == [(step, False) for step, _ in CALLS]
         assert kept["calls"] == CALLS
+        # DDP's two rebuilt buckets, found by their buffers' addresses: the record of step
+        # 0's one bucket (index 0, another buffer) let go when the rebuilt index 0 came
+        assert kept["buckets"] == fresh["buckets"] == [(0, True), (1, True)]
     assert ranks[0][0]["params"] == ranks[1][0]["params"]  # every rank ends the same
 
 

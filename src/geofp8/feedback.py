@@ -305,9 +305,9 @@ class ErrorFeedback:
     def commit(self, finite: torch.Tensor) -> None:
         """The step settled: ``finite`` (0-dim bool, on the device) holds the residuals it
         wrote, or resets them to zero (read as zero until written again)."""
-        self.finite.update(dict.fromkeys(filter(self.residuals.__contains__, self._written),
-                                         finite))  # whole-dict: no Python per tensor
-        self._written = []
+        written, self._written = self._written, []
+        # whole-dict: no Python per tensor
+        self.finite.update(dict.fromkeys(filter(self.residuals.__contains__, written), finite))
 
     def rescale(self, factor: float) -> None:
         """Multiply every residual by ``factor`` (a loss scale changed by that ratio)."""
