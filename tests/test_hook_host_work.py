@@ -35,8 +35,11 @@ METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_laun
 # with the bucket's residual restaged in place, no decode call nor future callback per
 # bucket and a launch run as a generator (s40b alone: 212, 220 and 242); a376144 184, 192
 # and 225; with the last unit's decode deciding the step (t40a: its arming checks, the
-# settling of a decided step; nothing armed on this path) 189, 197 and 228
-MOST = 202
+# settling of a decided step; nothing armed on this path) 189, 197 and 228; with buckets
+# found by their buffer's address, the collective's hops advanced by one loop, the seed
+# mixed only for stochastic rounding and leaner group and stage entries (v40a) 157, 163
+# and 196
+MOST = 163
 AUTO = 33  # geofp8-auto's decisions at the step's start and its factors' settling, more
 
 
