@@ -187,9 +187,9 @@ def _record_sends(pipeline, record):
     encodes (what this rank's send delivers, in Euclidean coordinates)."""
     encode = pipeline.encode
 
-    def recording_encode(names, grads, seed=None, flat=None, **kwargs):
+    def recording_encode(names, grads, seed=None, flat=None, record=None):
         local = [g.detach().clone() for g in grads]  # before Ũ is written over them (DDP)
-        enc = encode(names, grads, seed, flat, **kwargs)
+        enc = encode(names, grads, seed, flat, record)
         flat, pos = decode(enc.sent, enc.layout), 0
         for name, g, route in zip(names, local, enc.routes):
             record(name, g, route.inverse(flat[pos : pos + g.numel()].view(g.shape)))
