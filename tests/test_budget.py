@@ -187,9 +187,9 @@ def _record_sends(pipeline, record):
     encodes (what this rank's send delivers, in Euclidean coordinates)."""
     encode = pipeline.encode
 
-    def recording_encode(names, grads, seed=None, flat=None, record=None):
+    def recording_encode(names, grads, seed=None, flat=None, kept=None):
         local = [g.detach().clone() for g in grads]  # before Ũ is written over them (DDP)
-        enc = encode(names, grads, seed, flat, record)
+        enc = encode(names, grads, seed, flat, kept)  # (kept: the bucket's record)
         flat, pos = decode(enc.sent, enc.layout), 0
         for name, g, route in zip(names, local, enc.routes):
             record(name, g, route.inverse(flat[pos : pos + g.numel()].view(g.shape)))
