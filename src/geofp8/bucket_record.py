@@ -80,18 +80,17 @@ class RecordedDecisions:
             self._decided = decided
             self.forget_records()
 
-    _mapped_in = None  # (generation of the decisions, selected): _on_a_map's last answer
+    _mapped_in = None  # (generation of the decisions, answer): _on_a_map's last answer
 
     def _on_a_map(self) -> bool:
         """Whether a selected layer has a map this step (the pipeline's ``geometry_layers``
-        not empty): looked up layer by layer once per generation of the decisions and the
-        selection (the first moves whenever the maps or the observing do,
-        :meth:`note_decisions`), every step for a source that makes its maps every step."""
+        not empty): looked up layer by layer once per generation of the decisions (which
+        moves whenever the selection, the maps or the observing do, :meth:`note_decisions`),
+        every step for a source that makes its maps every step."""
         if self.source is None or self.source.per_step:
             return bool(self.geometry_layers())
-        key = (self._decisions, frozenset(self.selection.selected))
-        if self._mapped_in is None or self._mapped_in[0] != key:
-            self._mapped_in = (key, bool(self.geometry_layers()))
+        if self._mapped_in is None or self._mapped_in[0] != self._decisions:
+            self._mapped_in = (self._decisions, bool(self.geometry_layers()))
         return self._mapped_in[1]
 
     def recordable(self) -> bool:

@@ -40,7 +40,7 @@ from torch import nn
 from .comm.group import DeviceGroup
 from .comm.stages import all_finite
 from .feedback import ErrorFeedback
-from .ledger import StepLedger
+from .ledger import Phase, StepLedger
 from .pipeline import GradientPipeline
 from .verdict import StepVerdict
 from .verification import checksum, differences, refusal
@@ -143,13 +143,19 @@ class SyncEngine:
         return self.config.rounding_seed(self.ledger.step, *index)
 
     def start_unit(self, last: bool = False) -> None:
-        """A unit of the step starts; the first one begins the step (collectives)."""
+        """A unit of the step starts; the first one begins the step (collectives). The last
+        one's decode may decide the step (:meth:`StepVerdict.arm`): armed once the step has
+        begun (its maps known), unless the flags are agreed, wanted per unit, or rewritten
+        after the decode (:attr:`GradientPipeline.decode_decides`)."""
         with self._lock:
-            self._outstanding += 1  # the last unit's decode may decide (no map back: verdict)
-            if last and self._agree is None and not self.on_skip and self.pipeline.source is None:
-                self.verdict.arm(len(self.verdict.flags) + self._outstanding)
-            if not self.ledger.begin_unit(last):
-                return
+            self._outstanding += 1
+            n = self.ledger.begin_unit(last)  # the unit's number in the step
+        if n == 1:
+            self._begin_step()
+        if last and self._agree is None and not self.on_skip and self.pipeline.decode_decides:
+            self.verdict.arm(n)
+
+    def _begin_step(self) -> None:
         if not self._checked:
             self.check_consistency()
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
@@ -175,13 +181,13 @@ class SyncEngine:
             if values is not None:  # (the verdict's list, appended to under the lock)
                 self.verdict.flags.append(all_finite(values) if finite is None else finite)
             self._outstanding -= 1
-            if self._outstanding == 0 and self.ledger.unsettled:
+            if self._outstanding == 0 and self.ledger.phase is Phase.LAUNCHED:
                 self._settle()
 
     def end_step(self) -> None:
         """No more units this step (FSDP: the end of backward); settle once all are done."""
         with self._lock:
-            if self.ledger.begin_unit(last=True):  # nothing started: nothing to settle
+            if self.ledger.begin_unit(last=True) == 1:  # nothing started: nothing to settle
                 self.ledger.reset_phase()
                 return
             if self._outstanding == 0:
@@ -191,9 +197,15 @@ class SyncEngine:
         finite, ok, counted = self.verdict.settle(self.group.device, self._agree,
                                                   per_unit=bool(self.on_skip))
         self.pipeline.settle(finite)  # the sender's residuals too
+        self.ledger.settle(finite, counted, self._links, list(map(_TAKE_BYTES, self.groups)))
+        if self._more_feedbacks or self.on_skip or self.pipeline.selection.charges:
+            self._settle_more(finite, ok)
+
+    def _settle_more(self, finite: torch.Tensor, ok: torch.Tensor | None) -> None:
+        """What only some engines have settled: further residuals, a selection charged the
+        step's factor bytes, the ``on_skip`` callbacks."""
         for feedback in self._more_feedbacks:
             feedback.commit(finite)
-        self.ledger.settle(finite, counted, self._links, list(map(_TAKE_BYTES, self.groups)))
         if self.pipeline.selection.charges:
             self.pipeline.selection.charged(self.ledger.last["factor_bytes_sent"])
         for callback in self.on_skip:

@@ -45,6 +45,7 @@ class StepLedger:
         self.step = 0
         self._skipped: torch.Tensor | int = 0  # a device counter once a step settled
         self.phase = Phase.IDLE
+        self.units = 0  # the units started in the step in flight
         self._added: list[tuple[str, float]] = []  # (figure, value) added this step, in order
         # the last settled step's adds, and its groups' links and bytes by kind
         self._settled: tuple[list, list, list] = ([], [], [])
@@ -63,15 +64,11 @@ class StepLedger:
         """The last settled step's figures (summed here, not in the step)."""
         return _summed(*self._settled)
 
-    def begin_unit(self, last: bool) -> bool:
-        """Record a unit's start; ``True`` if it is the first unit of a step."""
-        first = self.phase is Phase.IDLE
+    def begin_unit(self, last: bool) -> int:
+        """Record a unit's start; its number in the step (1: the first)."""
+        self.units = 1 if self.phase is Phase.IDLE else self.units + 1
         self.phase = Phase.LAUNCHED if last else Phase.LAUNCHING
-        return first
-
-    @property
-    def unsettled(self) -> bool:
-        return self.phase is Phase.LAUNCHED
+        return self.units
 
     @property
     def skipped_steps(self) -> int:

@@ -54,6 +54,11 @@ class GradientPipeline(BucketPath, RecordedDecisions):
             residuals (see :mod:`geofp8.feedback`).
     """
 
+    # Whether the step's last unit's fused decode may decide its verdict: no layer of this
+    # step is on a map, whose inverse map rewrites its bucket's flag after the decode (set
+    # at each step's start; maps made per step are made later, at the bucket).
+    decode_decides = True
+
     def __init__(self, model: nn.Module, config, group: DeviceGroup, ledger: StepLedger,
                  candidates="blocks", residual_storage: str = "fp32") -> None:
         self.config, self.group, self.ledger = config, group, ledger
@@ -112,6 +117,8 @@ class GradientPipeline(BucketPath, RecordedDecisions):
             self.source.start_step(step)  # forward was never called (its parts were)
         self._observing = self.source is not None and self.selection.wants(step)
         self.note_decisions()
+        self.decode_decides = self.source is None or not self.selection.selected or not (
+            self.source.per_step or self._on_a_map())
 
     def report(self) -> None:
         """Give the warnings that wait on device flags (a host read; see

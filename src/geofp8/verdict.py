@@ -49,8 +49,7 @@ def decode_into(launches: tuple, flag: torch.Tensor, *args, **kwargs) -> None:
     if step is None:
         return launches[0](*args, flag_ptr=flag, **kwargs)
     launches[1](*args, flag_ptr=flag, **kwargs, **step.args)
-    step.made = step.args  # (taken: nothing left to disarm)
-    step.args = None
+    step.made, step.args = step.args, None  # (taken: nothing left to disarm)
 
 
 class StepVerdict:
@@ -74,8 +73,8 @@ class StepVerdict:
         ``n`` flags and the kernels run on them."""
         if n <= self._armable:
             device = self._slots.device
-            self.args = {"flags_ptr": self._slots, "n": n - 1, "skipped_ptr": self._skipped(
-                device), "verdict_ptr": torch.empty((), dtype=torch.uint8, device=device)}
+            self.args = dict(flags_ptr=self._slots, n=n - 1, skipped_ptr=self._skipped(device),
+                             verdict_ptr=torch.empty((), dtype=torch.uint8, device=device))
             _ARMED[self._addresses[n - 1]] = self
 
     def slot(self, device: torch.device) -> torch.Tensor | None:
@@ -114,7 +113,9 @@ class StepVerdict:
         flags, slots, made = self.flags, self._slots, self.made
         self.reset()
         if made is not None:  # the last unit's decode made it
-            return self._made_by_decode(flags, made, agree, per_unit)
+            if agree is None and not per_unit and self._are_slots(flags, made["n"] + 1):
+                return made["verdict_ptr"].view(torch.bool), None, made["skipped_ptr"]
+            return self._remade(flags, made, agree)
         if agree is None and not per_unit and self._are_slots(flags, len(flags)) and \
                 triton_fp8.available(slots):
             counter = self._skipped(slots.device)
@@ -132,14 +133,11 @@ class StepVerdict:
             self._armable = len(self._views) if triton_fp8.available(self._slots) else 0
         return ok.all(), ok, None
 
-    def _made_by_decode(self, flags: list[torch.Tensor], made: dict, agree,
-                        per_unit: bool) -> tuple:
+    def _remade(self, flags: list[torch.Tensor], made: dict, agree) -> tuple:
         """:meth:`settle` of a step the last unit's decode decided and counted (``made``:
-        its arguments): that verdict when the step's flags were its slots in order, the
-        armed one last; else (a unit's flag not its slot, e.g. from the torch path) the
-        torch verdict, the counter corrected by ``made − finite``."""
-        if agree is None and not per_unit and self._are_slots(flags, made["n"] + 1):
-            return made["verdict_ptr"].view(torch.bool), None, made["skipped_ptr"]
+        its arguments) whose flags were not its slots in order, the armed one last (e.g. a
+        unit's from the torch path), or are wanted per unit: the torch verdict, the counter
+        corrected by ``made − finite``."""
         ok = torch.stack(flags)  # (not empty: the armed unit was observed or not, others)
         if agree is not None:
             ok = agree((~ok).to(torch.float32)) == 0
@@ -150,6 +148,5 @@ class StepVerdict:
     def _are_slots(self, flags: list[torch.Tensor], n: int) -> bool:
         """Whether ``flags`` are the first ``n`` slots, in order (addresses and devices
         compared without Python per flag)."""
-        return 0 < n == len(flags) <= len(self._addresses) and \
-            list(map(_ADDRESS, flags)) == self._addresses[:n] and \
+        return list(map(_ADDRESS, flags)) == self._addresses[:n] and 0 < n == len(flags) and \
             set(map(_DEVICE, flags)) == {self._slots.device}

@@ -284,9 +284,8 @@ class RefreshFactors(FactorSource):
         finite (decided on the device, every moment at once: a non-finite moment of a
         finite step is dropped, counted at the refresh; a skipped step's are dropped
         uncounted)."""
-        for _, pending, window, dropped in self._joined:
+        for _, pending, window, dropped in self._joined:  # (no map of its own per step)
             pending.commit_into(window, finite.to(dropped.device), dropped)
-        super().settle(finite)
 
     def start_step(self, step: int) -> None:
         if step > 0 and step % self.config.refresh_every == 0:
