@@ -65,8 +65,10 @@ class RecordedDecisions:
 
     def forget_records(self) -> None:
         """Every bucket resolves its decisions again at its next call (other decisions, a
-        loaded checkpoint, a rolled-back step)."""
+        loaded checkpoint, a rolled-back step), and the next step's start is made in full
+        (:meth:`~geofp8.pipeline.GradientPipeline.start_step`)."""
         self._decisions += 1
+        self._next_start = 0
 
     def note_decisions(self) -> None:
         """A step begins (after its selection and refreshes): what the per-tensor decisions

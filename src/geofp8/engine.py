@@ -85,6 +85,7 @@ class SyncEngine:
         self._parameters = [[n, list(p.shape), str(p.dtype), p.requires_grad]
                             for n, p in model.named_parameters()]
         self._checked = False
+        self._begin = self._first_begin  # a step's begin (collectives), given its number
         self._lock = threading.RLock()
         self._outstanding = 0
         self.verdict = StepVerdict(self.ledger.skipped_counter)  # the observed units' flags
@@ -151,16 +152,23 @@ class SyncEngine:
             self._outstanding += 1
             n = self.ledger.begin_unit(last)  # the unit's number in the step
         if n == 1:
-            self._begin_step()
+            self._begin(self.ledger.step)
         if last and self._agree is None and not self.on_skip and self.pipeline.decode_decides:
             self.verdict.arm(n)
 
-    def _begin_step(self) -> None:
+    def _first_begin(self, step: int) -> None:
+        """The first step's begin: the consistency check, then what begins every step, bound
+        once as :attr:`_begin` (the loss scale read first when there is a scaler)."""
         if not self._checked:
             self.check_consistency()
-        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+        self._begin = self.pipeline.start_step if self.grad_scaler is None else \
+            self._begin_scaled
+        self._begin(step)
+
+    def _begin_scaled(self, step: int) -> None:
+        if self.grad_scaler.is_enabled():
             self.set_grad_scale(float(self.grad_scaler.get_scale()))
-        self.pipeline.start_step(self.ledger.step)
+        self.pipeline.start_step(step)
 
     def observe(self, values: torch.Tensor, also: torch.Tensor | None = None,
                 finite: torch.Tensor | None = None) -> None:
@@ -194,10 +202,9 @@ class SyncEngine:
                 self._settle()
 
     def _settle(self) -> None:
-        finite, ok, counted = self.verdict.settle(self.group.device, self._agree,
-                                                  per_unit=bool(self.on_skip))
+        finite, ok, count = self.verdict.settle(self.group.device, self._agree, bool(self.on_skip))
         self.pipeline.settle(finite)  # the sender's residuals too
-        self.ledger.settle(finite, counted, self._links, list(map(_TAKE_BYTES, self.groups)))
+        self.ledger.settle(finite, count, self._links, list(map(_TAKE_BYTES, self.groups)))
         if self._more_feedbacks or self.on_skip or self.pipeline.selection.charges:
             self._settle_more(finite, ok)
 

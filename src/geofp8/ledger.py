@@ -77,11 +77,15 @@ class StepLedger:
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self._skipped = int(value)
+        if isinstance(self._skipped, torch.Tensor):  # (in place: a decision holds it)
+            self._skipped.fill_(int(value))
+        else:
+            self._skipped = int(value)
 
     def skipped_counter(self, device: torch.device) -> torch.Tensor:
         """The skipped steps' int64 0-dim counter on ``device``, for a caller that advances it
-        in place when it decides a verdict (then :meth:`settle` with ``counted``)."""
+        in place when it decides a verdict (then :meth:`settle` with ``counted``); the same
+        tensor until it is asked for on another device (advanced and set in place)."""
         if not isinstance(self._skipped, torch.Tensor) or self._skipped.device != device:
             self._skipped = torch.tensor(int(self._skipped), dtype=torch.int64, device=device)
         return self._skipped
@@ -94,7 +98,7 @@ class StepLedger:
         ``links`` their links). Its figures become :attr:`last`."""
         self.step += 1
         if counted is None:
-            self._skipped = (~finite).to(torch.int64) + self._skipped
+            self.skipped_counter(finite.device).add_((~finite).to(torch.int64))
         self._settled, self._added = (self._added, links, taken), []
         self.phase = Phase.IDLE
 

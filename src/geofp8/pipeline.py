@@ -18,6 +18,7 @@ bracket a step; per tensor, :meth:`~GradientPipeline.prepare_into` and
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -85,6 +86,7 @@ class GradientPipeline(BucketPath, RecordedDecisions):
         self.hooks = self.source.attach(modules) if self.source is not None else []
         self._layouts: dict[tuple, ShardLayout] = {}
         self._observing = False
+        self._next_start: float = 0  # the first step whose start may decide anything
         # the residuals of the exact collective's second rounding (owner_feedback), set by
         # the DDP adapter: see owner_keys and prepare_into
         self.owner: ErrorFeedback | None = None
@@ -107,10 +109,15 @@ class GradientPipeline(BucketPath, RecordedDecisions):
             self.shared.agree(list(self.layers), self.group)
 
     def start_step(self, step: int) -> None:
-        """Decisions and refreshes due at the start of ``step`` (collective), if any may be."""
+        """Decisions and refreshes due at the start of ``step`` (collective), if any may be:
+        none before the first step at which the selection or the source may act (their
+        ``next_start``), nor what they change (the observing, the decisions); any step
+        after a rolled-back one or a loaded state (:meth:`forget_records`)."""
         self.step = step
-        if not self._decides:
-            return
+        if step >= self._next_start:
+            self._start(step)
+
+    def _start(self, step: int) -> None:
         self.selection.start_step(step, self.group)
         if self.source is not None:
             self._agree()  # already done at the forward's end, unless the model's own
@@ -119,6 +126,8 @@ class GradientPipeline(BucketPath, RecordedDecisions):
         self.note_decisions()
         self.decode_decides = self.source is None or not self.selection.selected or not (
             self.source.per_step or self._on_a_map())
+        self._next_start = min(self.selection.next_start(step),
+                               math.inf if self.source is None else self.source.next_start(step))
 
     def report(self) -> None:
         """Give the warnings that wait on device flags (a host read; see
@@ -144,7 +153,8 @@ class GradientPipeline(BucketPath, RecordedDecisions):
             return
         if self.source is not None:
             self.source.settle(finite)
-        self.selection.settle(finite)
+        if self._observing:  # (a selection that observed nothing has nothing to settle)
+            self.selection.settle(finite)
         if self.geometry_since is None and self.selection.selected and self._on_a_map():
             self._geometry_steps.append((self.step, finite))
             if len(self._geometry_steps) >= 64:  # bounded: one host read per 64 such steps

@@ -22,6 +22,7 @@ start of the next step (:meth:`Selection.start_step`), identically on every rank
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 
@@ -67,6 +68,12 @@ class Selection:
 
     def start_step(self, step: int, group: DeviceGroup) -> None:
         """Decide, from what earlier settled steps observed (collective on ``group``)."""
+
+    def next_start(self, step: int) -> float:
+        """The first step after ``step`` whose :meth:`start_step` or :meth:`wants` may act
+        (the ones before it neither decide nor observe; default: the next one, never for a
+        static selection)."""
+        return math.inf if self.static else step + 1
 
     def settle(self, finite: torch.Tensor) -> None:
         """Keep what this step observed if the 0-dim ``finite`` (on the device) holds, else
@@ -154,6 +161,13 @@ class AutoSelection(Selection):
 
     def wants(self, step: int) -> bool:
         return step % self.every == 0 and step >= self.first_step
+
+    def next_start(self, step: int) -> float:
+        """The step after a measuring one (it decides), else the next measuring step."""
+        if self.wants(step):
+            return step + 1
+        first = max(self.first_step, step + 1)
+        return first + -first % self.every
 
     def observe(self, name, G, geo, residual_in) -> None:
         if self._pending is None:  # on every rank that observes, with a map or not (local

@@ -28,8 +28,8 @@ back (``skipped −= ¬made``): the counter moves once per skipped step, on the 
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -37,7 +37,7 @@ from .codecs import triton_fp8
 
 __all__ = ["StepVerdict"]
 
-_ADDRESS, _DEVICE = torch.Tensor.data_ptr, operator.attrgetter("device")
+_ADDRESS = torch.Tensor.data_ptr
 _ARMED: dict[int, StepVerdict] = {}  # the address of a step's last slot -> that step
 
 
@@ -52,6 +52,15 @@ def decode_into(launches: tuple, flag: torch.Tensor, *args, **kwargs) -> None:
     step.made, step.args = step.args, None  # (taken: nothing left to disarm)
 
 
+def _new_bytes(device: torch.device) -> Iterator[torch.Tensor]:
+    """0-dim uint8 tensors on ``device``, each a byte no other one was given (a verdict may
+    be held past its step: the residuals' keep flag), made 256 at a time as they are taken
+    (one allocation each; no Python per tensor taken)."""
+    blocks = map(lambda _: torch.empty(256, dtype=torch.uint8, device=device).unbind(),
+                 itertools.count())
+    return itertools.chain.from_iterable(blocks)
+
+
 class StepVerdict:
     """The flags of the step in flight and the slots they may be written into."""
 
@@ -63,6 +72,9 @@ class StepVerdict:
         self._free: list[torch.Tensor] = []  # the views not handed out this step, last first
         self._addresses: list[int] = []  # the views' data_ptr, in order
         self._armable = 0  # a step of up to this many units may be decided by its decode
+        # the slots and the skipped counter, and new uint8 verdicts, for the armed decisions
+        self._decision: dict[str, torch.Tensor] = {}
+        self._verdicts: Iterator[torch.Tensor] = iter(())
         self.args: dict | None = None  # the armed decision's kernel arguments (arm)
         self.made: dict | None = None  # those of the decision the last unit's decode made
 
@@ -72,9 +84,7 @@ class StepVerdict:
         a new uint8 verdict, the skipped counter; :func:`decode_into`), when the slots hold
         ``n`` flags and the kernels run on them."""
         if n <= self._armable:
-            device = self._slots.device
-            self.args = dict(flags_ptr=self._slots, n=n - 1, skipped_ptr=self._skipped(device),
-                             verdict_ptr=torch.empty((), dtype=torch.uint8, device=device))
+            self.args = {**self._decision, "n": n - 1, "verdict_ptr": next(self._verdicts)}
             _ARMED[self._addresses[n - 1]] = self
 
     def slot(self, device: torch.device) -> torch.Tensor | None:
@@ -131,6 +141,8 @@ class StepVerdict:
             self._addresses = list(map(_ADDRESS, self._views))
             self._free = self._views[::-1]
             self._armable = len(self._views) if triton_fp8.available(self._slots) else 0
+            self._decision = {"flags_ptr": self._slots, "skipped_ptr": self._skipped(device)}
+            self._verdicts = _new_bytes(device)
         return ok.all(), ok, None
 
     def _remade(self, flags: list[torch.Tensor], made: dict, agree) -> tuple:
@@ -146,7 +158,7 @@ class StepVerdict:
         return finite, ok, made["skipped_ptr"]
 
     def _are_slots(self, flags: list[torch.Tensor], n: int) -> bool:
-        """Whether ``flags`` are the first ``n`` slots, in order (addresses and devices
-        compared without Python per flag)."""
-        return list(map(_ADDRESS, flags)) == self._addresses[:n] and 0 < n == len(flags) and \
-            set(map(_DEVICE, flags)) == {self._slots.device}
+        """Whether ``flags`` are the first ``n`` slots, in order (addresses compared without
+        Python per flag: CUDA's unified addressing gives every device's and the host's
+        memory addresses of their own)."""
+        return 0 < n == len(flags) and list(map(_ADDRESS, flags)) == self._addresses[:n]
