@@ -211,8 +211,7 @@ def test_a_factor_source_without_maps_settles_through_the_decodes_verdict(worker
         assert out["windows"][1] != out["windows"][0] and out["windows"][2] == out["windows"][1]
         for key in ("saw_bad", "step", "skipped", "windows", "dropped", "params"):
             assert out[key] == ref[key], key  # the torch path's, bit for bit
-    assert fused[0]["params"] == fused[1]["params"]
-    assert fused[0]["windows"] == fused[1]["windows"]
+    assert fused[0]["params"] == fused[1]["params"]  # (the windows are each rank's own)
 
 
 def _map_overflow_worker(rank, world_size, steps=5, bad=3):

@@ -70,6 +70,7 @@ class SyncEngine:
                  residual_storage: str = "fp32", agree: bool = False,
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
         self.config, self.group, self.kind, self.agree = config, group, kind, agree
+        self._stochastic = config.rounding_seed(0) is not None  # (else every seed is None)
         self.ledger = StepLedger()
         self.pipeline = GradientPipeline(model, config, group, self.ledger, config.candidates,
                                          residual_storage=residual_storage)
@@ -140,8 +141,9 @@ class SyncEngine:
         return self.ledger.step >= self.config.warmup_steps
 
     def seed(self, *index: int) -> int | None:
-        """Stochastic rounding's seed for this step and ``index`` (bucket, unit, hop)."""
-        return self.config.rounding_seed(self.ledger.step, *index)
+        """Stochastic rounding's seed for this step and ``index`` (bucket, unit, hop);
+        ``None`` when rounding to nearest."""
+        return self.config.rounding_seed(self.ledger.step, *index) if self._stochastic else None
 
     def start_unit(self, last: bool = False) -> None:
         """A unit of the step starts; the first one begins the step (collectives). The last

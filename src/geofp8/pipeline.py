@@ -80,8 +80,6 @@ class GradientPipeline(BucketPath, RecordedDecisions):
                                         config.factor_source, shapes, self.world_size)
         self.feedback = ErrorFeedback(storage=residual_storage)
         self.shared = self.source.shared if self.source is not None else SharedInputs()
-        # whether a step may refresh, decide or observe (a loaded state forgets the records)
-        self._decides = self.source is not None or not self.selection.static
         modules = dict(model.named_modules())
         self.hooks = self.source.attach(modules) if self.source is not None else []
         self._layouts: dict[tuple, ShardLayout] = {}
@@ -149,16 +147,14 @@ class GradientPipeline(BucketPath, RecordedDecisions):
         """Hand the step's 0-dim verdict (on the device) to what it produced: kept where
         true, chosen away (residuals: reset to zero) where false."""
         self.feedback.commit(finite)
-        if not self._decides:
-            return
-        if self.source is not None:
+        if self.source is not None:  # (no map without one)
             self.source.settle(finite)
+            if self.geometry_since is None and self.selection.selected and self._on_a_map():
+                self._geometry_steps.append((self.step, finite))
+                if len(self._geometry_steps) >= 64:  # bounded: a host read per 64 such steps
+                    self._resolve_geometry_since()
         if self._observing:  # (a selection that observed nothing has nothing to settle)
             self.selection.settle(finite)
-        if self.geometry_since is None and self.selection.selected and self._on_a_map():
-            self._geometry_steps.append((self.step, finite))
-            if len(self._geometry_steps) >= 64:  # bounded: one host read per 64 such steps
-                self._resolve_geometry_since()
 
     # -- per tensor --------------------------------------------------------------------------
 

@@ -115,6 +115,10 @@ class ProfileSelection(Selection):
     def wants(self, step: int) -> bool:
         return self.start <= step < self.start + self.steps
 
+    def next_start(self, step: int) -> float:
+        """Each step up to the one after the profile (it decides); none later."""
+        return step + 1 if step < self.start + self.steps else math.inf
+
     def observe(self, name, G, geo, residual_in) -> None:
         score = self.codec.clipped_fraction(G)  # on G's device: no host read per layer
         if self.totals.device != score.device:  # the first score: the sums follow it there
