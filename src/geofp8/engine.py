@@ -264,24 +264,7 @@ class SyncEngine:
         a refreshed factor exists only from the first refresh on). ``step`` counts the steps
         settled as finite, ``skipped_steps`` the others (read from the device here: the one
         host read they cost); a layer's warning waiting on a device flag is given here too."""
-        skipped = self.ledger.skipped_steps
-        self.pipeline.report()
-        last = self.ledger.last
-        return {
-            "step": self.ledger.step - skipped,
-            "skipped_steps": skipped,
-            **_byte_figures(last),
-            "geometry_layers": self.pipeline.geometry_layers(),
-            "geometry_since_step": self.pipeline.geometry_since,
-            **self.pipeline.budget_stats(),
-            "codec_s": last["codec_s"],
-            "transform_s": last["transform_s"],
-            "statistics_s": last["statistics_s"],
-            "ef_bytes": sum(f.nbytes for f in self.feedbacks.values()),
-            "factor_bytes": self.pipeline.factor_nbytes,
-            "nonfinite_factors": self.pipeline.nonfinite_factors,
-            **{f"bytes_{g.link}": int(last[f"bytes_{g.link}"]) for g in self.groups if g.link},
-        }
+        return _figures(self)
 
     def state_dict(self) -> dict:
         """Everything needed to continue bit-identically, tensors and plain containers only
@@ -326,6 +309,26 @@ def _identity(engine: SyncEngine) -> dict:
     return {"version": STATE_VERSION, "kind": engine.kind, "config": engine.config.to_dict(),
             "world_size": engine.group.size, "rank": engine.group.rank,
             "parameters": engine._parameters}
+
+
+def _figures(engine: SyncEngine) -> dict:
+    """:meth:`SyncEngine.stats` of ``engine``."""
+    skipped = engine.ledger.skipped_steps
+    engine.pipeline.report()
+    last = engine.ledger.last
+    return {
+        "step": engine.ledger.step - skipped,
+        "skipped_steps": skipped,
+        **_byte_figures(last),
+        "geometry_layers": engine.pipeline.geometry_layers(),
+        "geometry_since_step": engine.pipeline.geometry_since,
+        **engine.pipeline.budget_stats(),
+        **{key: last[key] for key in ("codec_s", "transform_s", "statistics_s")},
+        "ef_bytes": sum(f.nbytes for f in engine.feedbacks.values()),
+        "factor_bytes": engine.pipeline.factor_nbytes,
+        "nonfinite_factors": engine.pipeline.nonfinite_factors,
+        **{f"bytes_{g.link}": int(last[f"bytes_{g.link}"]) for g in engine.groups if g.link},
+    }
 
 
 def _byte_figures(last: dict) -> dict:

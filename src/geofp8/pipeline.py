@@ -35,7 +35,7 @@ from .geometry.sources import LocalFactors, SharedInputs, make_source
 from .geometry.transforms import IDENTITY, Transform
 from .handover import hand_over
 from .ledger import StepLedger
-from .selection import BudgetSelection, make_selection
+from .selection import make_selection
 from .sender_factors import factor_bytes, sender_factors, unmap_per_sender
 
 __all__ = ["Encoded", "GradientPipeline"]
@@ -54,11 +54,6 @@ class GradientPipeline(BucketPath, RecordedDecisions):
         residual_storage: ``"fp32"``, ``"bf16"``, ``"fp8"`` or ``"nvfp4"`` error-feedback
             residuals (see :mod:`geofp8.feedback`).
     """
-
-    # Whether the step's last unit's fused decode may decide its verdict: no layer of this
-    # step is on a map, whose inverse map rewrites its bucket's flag after the decode (set
-    # at each step's start; maps made per step are made later, at the bucket).
-    decode_decides = True
 
     def __init__(self, model: nn.Module, config, group: DeviceGroup, ledger: StepLedger,
                  candidates="blocks", residual_storage: str = "fp32") -> None:
@@ -122,8 +117,6 @@ class GradientPipeline(BucketPath, RecordedDecisions):
             self.source.start_step(step)  # forward was never called (its parts were)
         self._observing = self.source is not None and self.selection.wants(step)
         self.note_decisions()
-        self.decode_decides = self.source is None or not self.selection.selected or not (
-            self.source.per_step or self._on_a_map())
         self._next_start = min(self.selection.next_start(step),
                                math.inf if self.source is None else self.source.next_start(step))
 
@@ -272,12 +265,7 @@ class GradientPipeline(BucketPath, RecordedDecisions):
     def budget_stats(self) -> dict:
         """Under a budget: every tensor's path (``formats``), the bytes per element per
         round trip planned at the last decision, and the last measured relative errors."""
-        selection = self.selection
-        if not isinstance(selection, BudgetSelection):
-            return {}
-        return {"formats": selection.assignment(), "budget": selection.budget,
-                "budget_planned": selection.planned,
-                "budget_errors": {n: dict(e) for n, e in selection.last_measurement.items()}}
+        return self.selection.figures()
 
     @property
     def nonfinite_factors(self) -> int:

@@ -86,6 +86,10 @@ class Selection:
         """The wire codec of ``name`` (``None``: the pipeline's one codec)."""
         return None
 
+    def figures(self) -> dict:
+        """The selection's own figures in the adapters' ``stats()`` (default: none)."""
+        return {}
+
     def state_dict(self) -> dict:
         return {"selected": sorted(self.selected)}
 
@@ -351,6 +355,13 @@ class BudgetSelection(Selection):
     def codec_of(self, name: str) -> Codec | None:
         i = self.index.get(name)
         return None if i is None else self.codecs[PATHS[self.path[i]][0]]
+
+    def figures(self) -> dict:
+        """Every tensor's path (``formats``), the bytes per element per round trip planned at
+        the last decision, and the last measured relative errors."""
+        return {"formats": self.assignment(), "budget": self.budget,
+                "budget_planned": self.planned,
+                "budget_errors": {n: dict(e) for n, e in self.last_measurement.items()}}
 
     def assignment(self) -> dict[str, str]:
         """Every tensor's path, by parameter name (``nvfp4``, ``nvfp4-geo``, ``e4m3``)."""
