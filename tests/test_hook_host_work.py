@@ -170,8 +170,9 @@ def test_a_bucket_record_is_resolved_again_after_each_change_with_the_same_bits(
 
 def _geometry_check_worker(rank, world):
     """geofp8, every layer on a map (refreshes every 3 steps), one bucket, 7 steps: per step
-    the lookups of a layer's map made while the step settles, the steps it counted as sent
-    through a map, and the same with the check asked afresh at every settling (uncached)."""
+    the lookups of a layer's map made while the step starts and settles, the steps it
+    counted as sent through a map, and the same with the check asked afresh at every
+    asking (uncached)."""
     return {cached: _geometry_checks(rank, cached) for cached in (True, False)}
 
 
@@ -185,20 +186,22 @@ def _geometry_checks(rank: int, cached: bool) -> dict:
     ddp = nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(state, hook)
     pipeline, source, lookups = state.engine.pipeline, state.engine.pipeline.source, []
-    transform, settle, settling = source.transform, pipeline.settle, [False]
+    transform, settling = source.transform, [False]
     if not cached:
         pipeline._on_a_map = lambda: bool(pipeline.geometry_layers())
     source.transform = lambda name: (lookups.__setitem__(-1, lookups[-1] + settling[0]),
                                       transform(name))[1]
 
-    def counted_settle(finite):
-        settling[0] = True
-        try:
-            settle(finite)
-        finally:
-            settling[0] = False
+    def counted(boundary):
+        def at_boundary(*args):
+            settling[0] = True
+            try:
+                boundary(*args)
+            finally:
+                settling[0] = False
+        return at_boundary
 
-    pipeline.settle = counted_settle
+    pipeline.settle, pipeline.start_step = map(counted, (pipeline.settle, pipeline.start_step))
     for step in range(7):
         lookups.append(0)
         ddp(torch.randn(8, 32, generator=torch.Generator().manual_seed(step + 10 * rank))
@@ -207,12 +210,14 @@ def _geometry_checks(rank: int, cached: bool) -> dict:
     return {"lookups": lookups, "steps": [s for s, _ in pipeline._geometry_steps]}
 
 
-def test_the_settling_asks_whether_a_layer_is_on_a_map_once_per_generation():
-    """The step's settling records the steps sent through a map (``geometry_since``) by
-    asking whether a selected layer has one: layer by layer (4 lookups) at the first
-    settling of each generation of the decisions (the maps from the refresh at 3, then at
-    6), none in between; the same steps as asking at every settling."""
+def test_the_step_asks_whether_a_layer_is_on_a_map_once_per_generation():
+    """A step's start (may its last decode decide?) and its settling (``geometry_since``:
+    the steps sent through a map) ask whether a selected layer has a map: layer by layer (4
+    lookups) once per generation of the decisions (the maps from the refresh at 3, then at
+    6: the starts that refresh ask it), none in between (the starts between refreshes do
+    nothing); the same steps as asking afresh each time (uncached: the refreshing starts
+    and every settling)."""
     for out in run_ranks(_geometry_check_worker, 2, timeout=240):
         assert out[True]["steps"] == out[False]["steps"] and out[True]["steps"], out
-        assert out[False]["lookups"][3:] == [4, 4, 4, 4], out  # uncached: every settling
+        assert out[False]["lookups"][3:] == [8, 4, 4, 8], out  # uncached
         assert out[True]["lookups"][3:] == [4, 0, 0, 4], out

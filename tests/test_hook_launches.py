@@ -17,10 +17,11 @@ BENCHMARKS = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 FUSED_STAGES = 6  # Triton kernels of a bucket's four stages (comm.plan, comm.block_plan)
 SETTLE = 1  # the step's verdict from its buckets' flags (geofp8.verdict.StepVerdict)
-# the step's K-FAC statistics committed where finite: a finite check and a commit kernel
-# (codecs.triton_stats), every moment at once; 18 torch ops before them
-STATISTICS = 2
-# without maps the last bucket's decode makes that verdict (geofp8.verdict.decode_into)
+# the step's K-FAC statistics committed where finite: one kernel, a program per moment
+# (codecs.triton_stats), every moment at once; 18 torch ops before it, 2 kernels before that
+STATISTICS = 1
+# without maps the last bucket's decode makes that verdict (geofp8.verdict.decode_into),
+# a factor-source method's too when none of its layers is on a map
 DECIDED = 0
 
 
@@ -52,7 +53,8 @@ MEASURE = {"fp8-ef": _measure_child("fp8-ef", [(8, 1), (8, 4)]),
            "geofp8-auto": _measure_child("geofp8-auto", [(2, 1), (8, 1)], slice(0, 6))}
 # (fused, torch path) runs of the workers below
 SKIP = {w: (_skip_child(True, w), _skip_child(False, w))
-        for w in ("_skip_worker", "_map_overflow_worker")}
+        for w in ("_skip_worker", "_map_overflow_worker", "_auto_skip_first_worker",
+                  "_auto_skip_last_worker")}
 
 
 @pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.child(MEASURE[m]))
@@ -150,6 +152,68 @@ def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_decodes_verdict()
     assert fused[0]["params"] == fused[1]["params"]  # bit-identical parameters on both ranks
 
 
+def _auto_skip_worker(rank, layer, steps=5, bad=2):
+    """geofp8-auto's real hook on the fused path (interpreted), no layer on a map, 2 buckets
+    a step (layers 3, 2 in the first, 1, 0 in the last); at step ``bad`` rank 1's
+    ``layer``'s gradient is NaN. Its statistics' window and dropped counts are returned."""
+    import torch
+    from torch import nn
+
+    from geofp8.methods import METHODS
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(4)])
+    state, hook, _ = METHODS["geofp8-auto"].build(model, kernels="batched")
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2 * 32 * 32 * 4 / (1 << 20))
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kernel, saw_bad, windows = _kernel_verdicts(state), [], []
+    for step in range(steps):
+        handle = model[layer].weight.register_hook(lambda g: g * float("nan")) \
+            if step == bad and rank == 1 else None
+        saw_bad.append(_sgd_step(ddp, model, opt, step, rank))
+        if handle is not None:
+            handle.remove()
+        windows.append([w.flat.view(torch.int32).tolist()
+                        for _, _, w, _ in state.pipeline.source._joined])
+    stats = state.stats()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"saw_bad": saw_bad, "kernel": kernel, "skipped": stats["skipped_steps"],
+            "step": stats["step"], "buckets": len(ddp.reducer._get_zeros_like_grad_buckets()),
+            "mapped": stats["geometry_layers"], "windows": windows,
+            "dropped": [d.tolist() for _, _, _, d in state.pipeline.source._joined],
+            "params": params.view(torch.int32).tolist()}
+
+
+def _auto_skip_first_worker(rank, world_size):
+    return _auto_skip_worker(rank, 3)
+
+
+def _auto_skip_last_worker(rank, world_size):
+    return _auto_skip_worker(rank, 0)
+
+
+@pytest.mark.parametrize("worker", [
+    pytest.param(w, marks=[pytest.mark.child(SKIP[w][0]), pytest.mark.child(SKIP[w][1])])
+    for w in ("_auto_skip_first_worker", "_auto_skip_last_worker")])
+def test_a_factor_source_without_maps_settles_through_the_decodes_verdict(worker):
+    """geofp8-auto with no layer on a map: the last bucket's decode decides the step (no
+    verdict kernel), a NaN in the first bucket or in the last one (the deciding decode's
+    own) included, and the statistics' commit takes that verdict: the skipped step's
+    statistics are dropped, the others join the window, as on the torch path, bit for bit."""
+    fused, torch_path = map(_result, SKIP[worker])
+    for out, ref in zip(fused, torch_path):
+        assert out["buckets"] == 2 and out["mapped"] == []
+        assert out["saw_bad"] == [False, False, True, False, False]  # every rank, that step
+        assert (out["step"], out["skipped"]) == (4, 1)
+        assert out["kernel"] == ["torch"] + ["decode"] * 4
+        assert ref["kernel"] == ["torch"] * 5
+        assert out["windows"][1] != out["windows"][0] and out["windows"][2] == out["windows"][1]
+        for key in ("saw_bad", "step", "skipped", "windows", "dropped", "params"):
+            assert out[key] == ref[key], key  # the torch path's, bit for bit
+    assert fused[0]["params"] == fused[1]["params"]  # (the windows are each rank's own)
+
+
 def _map_overflow_worker(rank, world_size, steps=5, bad=3):
     """geofp8 with every layer on its map (refreshed every 2 steps) on the fused path, one
     bucket a step; at step ``bad`` every map back overflows on every rank (as a real one
@@ -209,9 +273,10 @@ def test_a_map_that_overflows_skips_the_step_through_the_one_kernel_verdict():
         assert out["mapped"][3:] == [4, 4]  # every layer on its map by the bad step
         assert out["saw_bad"] == [False, False, False, True, False]
         assert out["skipped"] == 1
-        # step 0 sizes the slots; a map back may rewrite a flag after the decode: the
-        # verdict kernel settles
-        assert out["kernel"] == ["torch"] + ["kernel"] * 4
+        # step 0 sizes the slots; step 1 has no map yet: its decode decides; from the
+        # refresh at step 2 on a map back may rewrite a flag after the decode: the verdict
+        # kernel settles
+        assert out["kernel"] == ["torch", "decode"] + ["kernel"] * 3
         for key in ("saw_bad", "skipped", "mapped", "params"):
             assert out[key] == ref[key], key  # the torch path's, bit for bit
     assert fused[0]["params"] == fused[1]["params"]
@@ -267,6 +332,6 @@ def test_geometry_hook_launches_without_a_map_are_the_flat_buckets():
     bucket path, so the launches do not grow with the tensors at all."""
     (b2, tri2, ops2, _, _, on2), (b8, tri8, ops8, _, _, on8) = _result(MEASURE["geofp8-auto"])
     assert (b2, b8, on2, on8) == (1, 1, 0, 0)
-    # the flat buckets' one-kernel verdict, the statistics' two kernels: no torch op
-    assert tri2 == tri8 == FUSED_STAGES + SETTLE + STATISTICS, (tri2, tri8)
+    # the last bucket's decode decides the step, the statistics' one kernel: no torch op
+    assert tri2 == tri8 == FUSED_STAGES + DECIDED + STATISTICS, (tri2, tri8)
     assert ops2 == ops8 == 0, (ops2, ops8)

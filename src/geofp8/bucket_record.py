@@ -59,6 +59,10 @@ class RecordedDecisions:
 
     _decisions = 0  # moved by forget_records
     _decided = None  # what the decisions of the step begun last were made from
+    # Whether the step's last unit's fused decode may decide its verdict: no layer of this
+    # step on a map, whose inverse map rewrites its bucket's flag after the decode (set
+    # with the decisions; maps made per step are made later, at the bucket).
+    decode_decides = True
 
     def generation(self) -> tuple[int, int]:
         """The generation a bucket's record is valid in (module notes)."""
@@ -66,33 +70,36 @@ class RecordedDecisions:
 
     def forget_records(self) -> None:
         """Every bucket resolves its decisions again at its next call (other decisions, a
-        loaded checkpoint, a rolled-back step)."""
+        loaded checkpoint, a rolled-back step), and the next step's start is made in full
+        (:meth:`~geofp8.pipeline.GradientPipeline.start_step`)."""
         self._decisions += 1
+        self._next_start = 0
 
     def note_decisions(self) -> None:
         """A step begins (after its selection and refreshes): what the per-tensor decisions
         read (``steady``, ``route``, ``plain``: whether the step measures, the selected
         layers, the maps by layer) compared whole with the last step's, by set and dict
         equality (no Python per tensor; maps by identity); other decisions forget the
-        records."""
+        records. Whether the last decode may decide (:attr:`decode_decides`) follows."""
         decided = (self._observing, frozenset(self.selection.selected),
                    None if self.source is None else dict(self.source.transforms))
         if decided != self._decided:
             self._decided = decided
             self.forget_records()
+        self.decode_decides = self.source is None or not self.selection.selected or not (
+            self.source.per_step or self._on_a_map())
 
-    _mapped_in = None  # (generation of the decisions, selected): _on_a_map's last answer
+    _mapped_in = None  # (generation of the decisions, answer): _on_a_map's last answer
 
     def _on_a_map(self) -> bool:
         """Whether a selected layer has a map this step (the pipeline's ``geometry_layers``
-        not empty): looked up layer by layer once per generation of the decisions and the
-        selection (the first moves whenever the maps or the observing do,
-        :meth:`note_decisions`), every step for a source that makes its maps every step."""
+        not empty): looked up layer by layer once per generation of the decisions (which
+        moves whenever the selection, the maps or the observing do, :meth:`note_decisions`),
+        every step for a source that makes its maps every step."""
         if self.source is None or self.source.per_step:
             return bool(self.geometry_layers())
-        key = (self._decisions, frozenset(self.selection.selected))
-        if self._mapped_in is None or self._mapped_in[0] != key:
-            self._mapped_in = (key, bool(self.geometry_layers()))
+        if self._mapped_in is None or self._mapped_in[0] != self._decisions:
+            self._mapped_in = (self._decisions, bool(self.geometry_layers()))
         return self._mapped_in[1]
 
     def recordable(self) -> bool:

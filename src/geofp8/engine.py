@@ -40,7 +40,7 @@ from torch import nn
 from .comm.group import DeviceGroup
 from .comm.stages import all_finite
 from .feedback import ErrorFeedback
-from .ledger import StepLedger
+from .ledger import Phase, StepLedger
 from .pipeline import GradientPipeline
 from .verdict import StepVerdict
 from .verification import checksum, differences, refusal
@@ -70,6 +70,7 @@ class SyncEngine:
                  residual_storage: str = "fp32", agree: bool = False,
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
         self.config, self.group, self.kind, self.agree = config, group, kind, agree
+        self._stochastic = config.rounding_seed(0) is not None  # (else every seed is None)
         self.ledger = StepLedger()
         self.pipeline = GradientPipeline(model, config, group, self.ledger, config.candidates,
                                          residual_storage=residual_storage)
@@ -85,6 +86,7 @@ class SyncEngine:
         self._parameters = [[n, list(p.shape), str(p.dtype), p.requires_grad]
                             for n, p in model.named_parameters()]
         self._checked = False
+        self._begin = self._first_begin  # a step's begin (collectives), given its number
         self._lock = threading.RLock()
         self._outstanding = 0
         self.verdict = StepVerdict(self.ledger.skipped_counter)  # the observed units' flags
@@ -139,22 +141,36 @@ class SyncEngine:
         return self.ledger.step >= self.config.warmup_steps
 
     def seed(self, *index: int) -> int | None:
-        """Stochastic rounding's seed for this step and ``index`` (bucket, unit, hop)."""
-        return self.config.rounding_seed(self.ledger.step, *index)
+        """Stochastic rounding's seed for this step and ``index`` (bucket, unit, hop);
+        ``None`` when rounding to nearest."""
+        return self.config.rounding_seed(self.ledger.step, *index) if self._stochastic else None
 
     def start_unit(self, last: bool = False) -> None:
-        """A unit of the step starts; the first one begins the step (collectives)."""
+        """A unit of the step starts; the first one begins the step (collectives). The last
+        one's decode may decide the step (:meth:`StepVerdict.arm`): armed once the step has
+        begun (its maps known), unless the flags are agreed, wanted per unit, or rewritten
+        after the decode (:attr:`GradientPipeline.decode_decides`)."""
         with self._lock:
-            self._outstanding += 1  # the last unit's decode may decide (no map back: verdict)
-            if last and self._agree is None and not self.on_skip and self.pipeline.source is None:
-                self.verdict.arm(len(self.verdict.flags) + self._outstanding)
-            if not self.ledger.begin_unit(last):
-                return
+            self._outstanding += 1
+            n = self.ledger.begin_unit(last)  # the unit's number in the step
+        if n == 1:
+            self._begin(self.ledger.step)
+        if last and self._agree is None and not self.on_skip and self.pipeline.decode_decides:
+            self.verdict.arm(n)
+
+    def _first_begin(self, step: int) -> None:
+        """The first step's begin: the consistency check, then what begins every step, bound
+        once as :attr:`_begin` (the loss scale read first when there is a scaler)."""
         if not self._checked:
             self.check_consistency()
-        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+        self._begin = self.pipeline.start_step if self.grad_scaler is None else \
+            self._begin_scaled
+        self._begin(step)
+
+    def _begin_scaled(self, step: int) -> None:
+        if self.grad_scaler.is_enabled():
             self.set_grad_scale(float(self.grad_scaler.get_scale()))
-        self.pipeline.start_step(self.ledger.step)
+        self.pipeline.start_step(step)
 
     def observe(self, values: torch.Tensor, also: torch.Tensor | None = None,
                 finite: torch.Tensor | None = None) -> None:
@@ -175,25 +191,30 @@ class SyncEngine:
             if values is not None:  # (the verdict's list, appended to under the lock)
                 self.verdict.flags.append(all_finite(values) if finite is None else finite)
             self._outstanding -= 1
-            if self._outstanding == 0 and self.ledger.unsettled:
+            if self._outstanding == 0 and self.ledger.phase is Phase.LAUNCHED:
                 self._settle()
 
     def end_step(self) -> None:
         """No more units this step (FSDP: the end of backward); settle once all are done."""
         with self._lock:
-            if self.ledger.begin_unit(last=True):  # nothing started: nothing to settle
+            if self.ledger.begin_unit(last=True) == 1:  # nothing started: nothing to settle
                 self.ledger.reset_phase()
                 return
             if self._outstanding == 0:
                 self._settle()
 
     def _settle(self) -> None:
-        finite, ok, counted = self.verdict.settle(self.group.device, self._agree,
-                                                  per_unit=bool(self.on_skip))
+        finite, ok, count = self.verdict.settle(self.group.device, self._agree, bool(self.on_skip))
         self.pipeline.settle(finite)  # the sender's residuals too
+        self.ledger.settle(finite, count, self._links, list(map(_TAKE_BYTES, self.groups)))
+        if self._more_feedbacks or self.on_skip or self.pipeline.selection.charges:
+            self._settle_more(finite, ok)
+
+    def _settle_more(self, finite: torch.Tensor, ok: torch.Tensor | None) -> None:
+        """What only some engines have settled: further residuals, a selection charged the
+        step's factor bytes, the ``on_skip`` callbacks."""
         for feedback in self._more_feedbacks:
             feedback.commit(finite)
-        self.ledger.settle(finite, counted, self._links, list(map(_TAKE_BYTES, self.groups)))
         if self.pipeline.selection.charges:
             self.pipeline.selection.charged(self.ledger.last["factor_bytes_sent"])
         for callback in self.on_skip:
@@ -243,24 +264,7 @@ class SyncEngine:
         a refreshed factor exists only from the first refresh on). ``step`` counts the steps
         settled as finite, ``skipped_steps`` the others (read from the device here: the one
         host read they cost); a layer's warning waiting on a device flag is given here too."""
-        skipped = self.ledger.skipped_steps
-        self.pipeline.report()
-        last = self.ledger.last
-        return {
-            "step": self.ledger.step - skipped,
-            "skipped_steps": skipped,
-            **_byte_figures(last),
-            "geometry_layers": self.pipeline.geometry_layers(),
-            "geometry_since_step": self.pipeline.geometry_since,
-            **self.pipeline.budget_stats(),
-            "codec_s": last["codec_s"],
-            "transform_s": last["transform_s"],
-            "statistics_s": last["statistics_s"],
-            "ef_bytes": sum(f.nbytes for f in self.feedbacks.values()),
-            "factor_bytes": self.pipeline.factor_nbytes,
-            "nonfinite_factors": self.pipeline.nonfinite_factors,
-            **{f"bytes_{g.link}": int(last[f"bytes_{g.link}"]) for g in self.groups if g.link},
-        }
+        return _figures(self)
 
     def state_dict(self) -> dict:
         """Everything needed to continue bit-identically, tensors and plain containers only
@@ -305,6 +309,26 @@ def _identity(engine: SyncEngine) -> dict:
     return {"version": STATE_VERSION, "kind": engine.kind, "config": engine.config.to_dict(),
             "world_size": engine.group.size, "rank": engine.group.rank,
             "parameters": engine._parameters}
+
+
+def _figures(engine: SyncEngine) -> dict:
+    """:meth:`SyncEngine.stats` of ``engine``."""
+    skipped = engine.ledger.skipped_steps
+    engine.pipeline.report()
+    last = engine.ledger.last
+    return {
+        "step": engine.ledger.step - skipped,
+        "skipped_steps": skipped,
+        **_byte_figures(last),
+        "geometry_layers": engine.pipeline.geometry_layers(),
+        "geometry_since_step": engine.pipeline.geometry_since,
+        **engine.pipeline.budget_stats(),
+        **{key: last[key] for key in ("codec_s", "transform_s", "statistics_s")},
+        "ef_bytes": sum(f.nbytes for f in engine.feedbacks.values()),
+        "factor_bytes": engine.pipeline.factor_nbytes,
+        "nonfinite_factors": engine.pipeline.nonfinite_factors,
+        **{f"bytes_{g.link}": int(last[f"bytes_{g.link}"]) for g in engine.groups if g.link},
+    }
 
 
 def _byte_figures(last: dict) -> dict:

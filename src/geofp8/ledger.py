@@ -45,6 +45,7 @@ class StepLedger:
         self.step = 0
         self._skipped: torch.Tensor | int = 0  # a device counter once a step settled
         self.phase = Phase.IDLE
+        self.units = 0  # the units started in the step in flight
         self._added: list[tuple[str, float]] = []  # (figure, value) added this step, in order
         # the last settled step's adds, and its groups' links and bytes by kind
         self._settled: tuple[list, list, list] = ([], [], [])
@@ -63,15 +64,11 @@ class StepLedger:
         """The last settled step's figures (summed here, not in the step)."""
         return _summed(*self._settled)
 
-    def begin_unit(self, last: bool) -> bool:
-        """Record a unit's start; ``True`` if it is the first unit of a step."""
-        first = self.phase is Phase.IDLE
+    def begin_unit(self, last: bool) -> int:
+        """Record a unit's start; its number in the step (1: the first)."""
+        self.units = 1 if self.phase is Phase.IDLE else self.units + 1
         self.phase = Phase.LAUNCHED if last else Phase.LAUNCHING
-        return first
-
-    @property
-    def unsettled(self) -> bool:
-        return self.phase is Phase.LAUNCHED
+        return self.units
 
     @property
     def skipped_steps(self) -> int:
@@ -80,11 +77,15 @@ class StepLedger:
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self._skipped = int(value)
+        if isinstance(self._skipped, torch.Tensor):  # (in place: a decision holds it)
+            self._skipped.fill_(int(value))
+        else:
+            self._skipped = int(value)
 
     def skipped_counter(self, device: torch.device) -> torch.Tensor:
         """The skipped steps' int64 0-dim counter on ``device``, for a caller that advances it
-        in place when it decides a verdict (then :meth:`settle` with ``counted``)."""
+        in place when it decides a verdict (then :meth:`settle` with ``counted``); the same
+        tensor until it is asked for on another device (advanced and set in place)."""
         if not isinstance(self._skipped, torch.Tensor) or self._skipped.device != device:
             self._skipped = torch.tensor(int(self._skipped), dtype=torch.int64, device=device)
         return self._skipped
@@ -97,7 +98,7 @@ class StepLedger:
         ``links`` their links). Its figures become :attr:`last`."""
         self.step += 1
         if counted is None:
-            self._skipped = (~finite).to(torch.int64) + self._skipped
+            self.skipped_counter(finite.device).add_((~finite).to(torch.int64))
         self._settled, self._added = (self._added, links, taken), []
         self.phase = Phase.IDLE
 

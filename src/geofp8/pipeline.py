@@ -18,6 +18,7 @@ bracket a step; per tensor, :meth:`~GradientPipeline.prepare_into` and
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -34,7 +35,7 @@ from .geometry.sources import LocalFactors, SharedInputs, make_source
 from .geometry.transforms import IDENTITY, Transform
 from .handover import hand_over
 from .ledger import StepLedger
-from .selection import BudgetSelection, make_selection
+from .selection import make_selection
 from .sender_factors import factor_bytes, sender_factors, unmap_per_sender
 
 __all__ = ["Encoded", "GradientPipeline"]
@@ -74,12 +75,11 @@ class GradientPipeline(BucketPath, RecordedDecisions):
                                         config.factor_source, shapes, self.world_size)
         self.feedback = ErrorFeedback(storage=residual_storage)
         self.shared = self.source.shared if self.source is not None else SharedInputs()
-        # whether a step may refresh, decide or observe (a loaded state forgets the records)
-        self._decides = self.source is not None or not self.selection.static
         modules = dict(model.named_modules())
         self.hooks = self.source.attach(modules) if self.source is not None else []
         self._layouts: dict[tuple, ShardLayout] = {}
         self._observing = False
+        self._next_start: float = 0  # the first step whose start may decide anything
         # the residuals of the exact collective's second rounding (owner_feedback), set by
         # the DDP adapter: see owner_keys and prepare_into
         self.owner: ErrorFeedback | None = None
@@ -102,16 +102,23 @@ class GradientPipeline(BucketPath, RecordedDecisions):
             self.shared.agree(list(self.layers), self.group)
 
     def start_step(self, step: int) -> None:
-        """Decisions and refreshes due at the start of ``step`` (collective), if any may be."""
+        """Decisions and refreshes due at the start of ``step`` (collective), if any may be:
+        none before the first step at which the selection or the source may act (their
+        ``next_start``), nor what they change (the observing, the decisions); any step
+        after a rolled-back one or a loaded state (:meth:`forget_records`)."""
         self.step = step
-        if not self._decides:
-            return
+        if step >= self._next_start:
+            self._start(step)
+
+    def _start(self, step: int) -> None:
         self.selection.start_step(step, self.group)
         if self.source is not None:
             self._agree()  # already done at the forward's end, unless the model's own
             self.source.start_step(step)  # forward was never called (its parts were)
         self._observing = self.source is not None and self.selection.wants(step)
         self.note_decisions()
+        self._next_start = min(self.selection.next_start(step),
+                               math.inf if self.source is None else self.source.next_start(step))
 
     def report(self) -> None:
         """Give the warnings that wait on device flags (a host read; see
@@ -133,15 +140,14 @@ class GradientPipeline(BucketPath, RecordedDecisions):
         """Hand the step's 0-dim verdict (on the device) to what it produced: kept where
         true, chosen away (residuals: reset to zero) where false."""
         self.feedback.commit(finite)
-        if not self._decides:
-            return
-        if self.source is not None:
+        if self.source is not None:  # (no map without one)
             self.source.settle(finite)
-        self.selection.settle(finite)
-        if self.geometry_since is None and self.selection.selected and self._on_a_map():
-            self._geometry_steps.append((self.step, finite))
-            if len(self._geometry_steps) >= 64:  # bounded: one host read per 64 such steps
-                self._resolve_geometry_since()
+            if self.geometry_since is None and self.selection.selected and self._on_a_map():
+                self._geometry_steps.append((self.step, finite))
+                if len(self._geometry_steps) >= 64:  # bounded: a host read per 64 such steps
+                    self._resolve_geometry_since()
+        if self._observing:  # (a selection that observed nothing has nothing to settle)
+            self.selection.settle(finite)
 
     # -- per tensor --------------------------------------------------------------------------
 
@@ -259,12 +265,7 @@ class GradientPipeline(BucketPath, RecordedDecisions):
     def budget_stats(self) -> dict:
         """Under a budget: every tensor's path (``formats``), the bytes per element per
         round trip planned at the last decision, and the last measured relative errors."""
-        selection = self.selection
-        if not isinstance(selection, BudgetSelection):
-            return {}
-        return {"formats": selection.assignment(), "budget": selection.budget,
-                "budget_planned": selection.planned,
-                "budget_errors": {n: dict(e) for n, e in selection.last_measurement.items()}}
+        return self.selection.figures()
 
     @property
     def nonfinite_factors(self) -> int:

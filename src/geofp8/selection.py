@@ -22,6 +22,7 @@ start of the next step (:meth:`Selection.start_step`), identically on every rank
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 
@@ -68,6 +69,12 @@ class Selection:
     def start_step(self, step: int, group: DeviceGroup) -> None:
         """Decide, from what earlier settled steps observed (collective on ``group``)."""
 
+    def next_start(self, step: int) -> float:
+        """The first step after ``step`` whose :meth:`start_step` or :meth:`wants` may act
+        (the ones before it neither decide nor observe; default: the next one, never for a
+        static selection)."""
+        return math.inf if self.static else step + 1
+
     def settle(self, finite: torch.Tensor) -> None:
         """Keep what this step observed if the 0-dim ``finite`` (on the device) holds, else
         drop it."""
@@ -78,6 +85,10 @@ class Selection:
     def codec_of(self, name: str) -> Codec | None:
         """The wire codec of ``name`` (``None``: the pipeline's one codec)."""
         return None
+
+    def figures(self) -> dict:
+        """The selection's own figures in the adapters' ``stats()`` (default: none)."""
+        return {}
 
     def state_dict(self) -> dict:
         return {"selected": sorted(self.selected)}
@@ -107,6 +118,10 @@ class ProfileSelection(Selection):
 
     def wants(self, step: int) -> bool:
         return self.start <= step < self.start + self.steps
+
+    def next_start(self, step: int) -> float:
+        """Each step up to the one after the profile (it decides); none later."""
+        return step + 1 if step < self.start + self.steps else math.inf
 
     def observe(self, name, G, geo, residual_in) -> None:
         score = self.codec.clipped_fraction(G)  # on G's device: no host read per layer
@@ -154,6 +169,13 @@ class AutoSelection(Selection):
 
     def wants(self, step: int) -> bool:
         return step % self.every == 0 and step >= self.first_step
+
+    def next_start(self, step: int) -> float:
+        """The step after a measuring one (it decides), else the next measuring step."""
+        if self.wants(step):
+            return step + 1
+        first = max(self.first_step, step + 1)
+        return first + -first % self.every
 
     def observe(self, name, G, geo, residual_in) -> None:
         if self._pending is None:  # on every rank that observes, with a map or not (local
@@ -333,6 +355,13 @@ class BudgetSelection(Selection):
     def codec_of(self, name: str) -> Codec | None:
         i = self.index.get(name)
         return None if i is None else self.codecs[PATHS[self.path[i]][0]]
+
+    def figures(self) -> dict:
+        """Every tensor's path (``formats``), the bytes per element per round trip planned at
+        the last decision, and the last measured relative errors."""
+        return {"formats": self.assignment(), "budget": self.budget,
+                "budget_planned": self.planned,
+                "budget_errors": {n: dict(e) for n, e in self.last_measurement.items()}}
 
     def assignment(self) -> dict[str, str]:
         """Every tensor's path, by parameter name (``nvfp4``, ``nvfp4-geo``, ``e4m3``)."""

@@ -28,8 +28,8 @@ back (``skipped −= ¬made``): the counter moves once per skipped step, on the 
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -37,7 +37,7 @@ from .codecs import triton_fp8
 
 __all__ = ["StepVerdict"]
 
-_ADDRESS, _DEVICE = torch.Tensor.data_ptr, operator.attrgetter("device")
+_ADDRESS = torch.Tensor.data_ptr
 _ARMED: dict[int, StepVerdict] = {}  # the address of a step's last slot -> that step
 
 
@@ -49,8 +49,16 @@ def decode_into(launches: tuple, flag: torch.Tensor, *args, **kwargs) -> None:
     if step is None:
         return launches[0](*args, flag_ptr=flag, **kwargs)
     launches[1](*args, flag_ptr=flag, **kwargs, **step.args)
-    step.made = step.args  # (taken: nothing left to disarm)
-    step.args = None
+    step.made, step.args = step.args, None  # (taken: nothing left to disarm)
+
+
+def _new_bytes(device: torch.device) -> Iterator[torch.Tensor]:
+    """0-dim uint8 tensors on ``device``, each a byte no other one was given (a verdict may
+    be held past its step: the residuals' keep flag), made 256 at a time as they are taken
+    (one allocation each; no Python per tensor taken)."""
+    blocks = map(lambda _: torch.empty(256, dtype=torch.uint8, device=device).unbind(),
+                 itertools.count())
+    return itertools.chain.from_iterable(blocks)
 
 
 class StepVerdict:
@@ -64,6 +72,9 @@ class StepVerdict:
         self._free: list[torch.Tensor] = []  # the views not handed out this step, last first
         self._addresses: list[int] = []  # the views' data_ptr, in order
         self._armable = 0  # a step of up to this many units may be decided by its decode
+        # the slots and the skipped counter, and new uint8 verdicts, for the armed decisions
+        self._decision: dict[str, torch.Tensor] = {}
+        self._verdicts: Iterator[torch.Tensor] = iter(())
         self.args: dict | None = None  # the armed decision's kernel arguments (arm)
         self.made: dict | None = None  # those of the decision the last unit's decode made
 
@@ -73,9 +84,7 @@ class StepVerdict:
         a new uint8 verdict, the skipped counter; :func:`decode_into`), when the slots hold
         ``n`` flags and the kernels run on them."""
         if n <= self._armable:
-            device = self._slots.device
-            self.args = {"flags_ptr": self._slots, "n": n - 1, "skipped_ptr": self._skipped(
-                device), "verdict_ptr": torch.empty((), dtype=torch.uint8, device=device)}
+            self.args = {**self._decision, "n": n - 1, "verdict_ptr": next(self._verdicts)}
             _ARMED[self._addresses[n - 1]] = self
 
     def slot(self, device: torch.device) -> torch.Tensor | None:
@@ -114,7 +123,9 @@ class StepVerdict:
         flags, slots, made = self.flags, self._slots, self.made
         self.reset()
         if made is not None:  # the last unit's decode made it
-            return self._made_by_decode(flags, made, agree, per_unit)
+            if agree is None and not per_unit and self._are_slots(flags, made["n"] + 1):
+                return made["verdict_ptr"].view(torch.bool), None, made["skipped_ptr"]
+            return self._remade(flags, made, agree)
         if agree is None and not per_unit and self._are_slots(flags, len(flags)) and \
                 triton_fp8.available(slots):
             counter = self._skipped(slots.device)
@@ -130,16 +141,15 @@ class StepVerdict:
             self._addresses = list(map(_ADDRESS, self._views))
             self._free = self._views[::-1]
             self._armable = len(self._views) if triton_fp8.available(self._slots) else 0
+            self._decision = {"flags_ptr": self._slots, "skipped_ptr": self._skipped(device)}
+            self._verdicts = _new_bytes(device)
         return ok.all(), ok, None
 
-    def _made_by_decode(self, flags: list[torch.Tensor], made: dict, agree,
-                        per_unit: bool) -> tuple:
+    def _remade(self, flags: list[torch.Tensor], made: dict, agree) -> tuple:
         """:meth:`settle` of a step the last unit's decode decided and counted (``made``:
-        its arguments): that verdict when the step's flags were its slots in order, the
-        armed one last; else (a unit's flag not its slot, e.g. from the torch path) the
-        torch verdict, the counter corrected by ``made − finite``."""
-        if agree is None and not per_unit and self._are_slots(flags, made["n"] + 1):
-            return made["verdict_ptr"].view(torch.bool), None, made["skipped_ptr"]
+        its arguments) whose flags were not its slots in order, the armed one last (e.g. a
+        unit's from the torch path), or are wanted per unit: the torch verdict, the counter
+        corrected by ``made − finite``."""
         ok = torch.stack(flags)  # (not empty: the armed unit was observed or not, others)
         if agree is not None:
             ok = agree((~ok).to(torch.float32)) == 0
@@ -148,8 +158,7 @@ class StepVerdict:
         return finite, ok, made["skipped_ptr"]
 
     def _are_slots(self, flags: list[torch.Tensor], n: int) -> bool:
-        """Whether ``flags`` are the first ``n`` slots, in order (addresses and devices
-        compared without Python per flag)."""
-        return 0 < n == len(flags) <= len(self._addresses) and \
-            list(map(_ADDRESS, flags)) == self._addresses[:n] and \
-            set(map(_DEVICE, flags)) == {self._slots.device}
+        """Whether ``flags`` are the first ``n`` slots, in order (addresses compared without
+        Python per flag: CUDA's unified addressing gives every device's and the host's
+        memory addresses of their own)."""
+        return 0 < n == len(flags) and list(map(_ADDRESS, flags)) == self._addresses[:n]

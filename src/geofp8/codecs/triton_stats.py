@@ -1,5 +1,5 @@
-"""A step's input statistics committed where finite in two Triton launches, beside the torch
-reference (:meth:`geofp8.geometry.statistics.JoinedMoments.commit_into`).
+"""A step's input statistics committed where finite in one Triton launch (two for very wide
+moments), beside the torch reference (:meth:`geofp8.geometry.statistics.JoinedMoments.commit_into`).
 
 Moments lie back to back in one flat buffer (the step's sums ``P``, the window's ``W``, the
 same layout); moment ``i`` of a finite step joins the window only if all of it is finite:
@@ -8,14 +8,26 @@ same layout); moment ``i`` of a finite step joins the window only if all of it i
     W_i += where(keep_i, P_i, 0),  dropped_i += finite ∧ bad_i,  P_i = 0.
 
 torch takes 18 launches for it (isfinite's four ops, a segment max, a repeat_interleave, the
-where, the flags' logic); here two, a program per *tile* (at most :data:`TILE` elements of
-one moment; the int64 ``[T, 4]`` map ``(first element, end, moment, first tile of the
-moment)``, made once per layout): ``_nonfinite_kernel``, an atomic max of ``epoch + any bad``
-into the moment's mark; then ``_commit_kernel``, the add where kept and ``P = 0``, and the
-moment's first tile advances its dropped count. The marks are :class:`~.triton_fp8.AmaxSlots`
-(an epoch per call above every mark of an earlier call: zeroed once, not by a launch per
-call). The add is one IEEE add of the same operands as torch's, so ``W``'s bits are the
-reference's (a dropped moment adds +0: ``-0`` becomes ``+0`` there too).
+where, the flags' logic). Here, :func:`commit` picks per layout:
+
+* :func:`moment_commit` (every moment of at most :data:`ONE_PASS` elements: the sketches
+  and the exact moments up to 1024 wide, so every layout of ``statistics="auto"``'s
+  default): **one** launch, a program per moment that reads it twice, ``bad_i`` from the
+  first pass, the add and ``P = 0`` in the second (a moment's device time is serial, in one
+  program; the moments run side by side). The int64 ``[M, 2]`` map ``(first element, end)``
+  is made once per layout.
+* :class:`TiledCommit` (a wider moment, e.g. an exact 4096²: too long for one program): two
+  launches, a program per *tile* (at most :data:`TILE` elements of one moment; the int64
+  ``[T, 4]`` map ``(first element, end, moment, first tile of the moment)``):
+  ``_nonfinite_kernel``, an atomic max of ``epoch + any bad`` into the moment's mark; then
+  ``_commit_kernel``, the add where kept and ``P = 0``, and the moment's first tile
+  advances its dropped count. The marks are :class:`~.triton_fp8.AmaxSlots` (an epoch per
+  call above every mark of an earlier call: zeroed once, not by a launch per call).
+
+Both call as ``commit(P, W, finite, dropped)``, ``finite`` a 0-dim bool and ``dropped`` an
+int64 ``[len(lengths)]``, all on the layout's device; no host read. The add is one IEEE add
+of the same operands as torch's, so ``W``'s bits are the reference's (a dropped moment adds
++0: ``-0`` becomes ``+0`` there too).
 """
 
 from __future__ import annotations
@@ -27,17 +39,32 @@ from .triton_fp8 import AmaxSlots, Launch, triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["TILE", "Commit"]
+__all__ = ["ONE_PASS", "TILE", "TiledCommit", "commit", "moment_commit"]
 
-TILE = 1024  # elements per program
+TILE = 1024  # elements per program (tiled), per loop iteration (a program per moment)
+ONE_PASS = 1 << 20  # the widest moment committed by one program (4 MiB of FP32)
 
 
-class Commit:
+def commit(lengths: list[int], device: torch.device) -> Launch | TiledCommit:
     """The fused commit of moments of ``lengths`` elements lying back to back on ``device``
-    (module notes): ``commit(P, W, finite, dropped)``, ``finite`` a 0-dim bool and
-    ``dropped`` an int64 ``[len(lengths)]``, all on ``device``; two launches, no host read."""
+    (module notes): one launch when every moment fits :data:`ONE_PASS`, else two."""
+    if max(lengths) <= ONE_PASS:
+        return moment_commit(lengths, device)
+    return TiledCommit(lengths, device)
 
-    __slots__ = ("_flag", "_commit", "marks", "tiles")
+
+def moment_commit(lengths: list[int], device: torch.device) -> Launch:
+    """A program per moment (module notes): the launch bound to its ``(first, end)`` map."""
+    ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    moments = torch.stack([ends - torch.tensor(lengths, dtype=torch.int64), ends], 1)
+    return Launch(_commit_moment_kernel, (len(lengths),), moments_ptr=moments.to(device),
+                  TILE=TILE)
+
+
+class TiledCommit:
+    """The two-launch commit of a layout with a moment wider than :data:`ONE_PASS`."""
+
+    __slots__ = ("_commit", "_flag", "marks", "tiles")
 
     def __init__(self, lengths: list[int], device: torch.device) -> None:
         rows, pos = [], 0
@@ -67,12 +94,43 @@ if triton is not None:
         return offs, offs < tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
 
     @triton.jit
+    def _nonfinite(p, mask):
+        """Per element: masked in and not finite (NaN < ∞ is false), int64."""
+        return (mask & ~(tl.abs(p) < float("inf"))).to(tl.int64)
+
+    @triton.jit
+    def _add_kept(p_ptr, w_ptr, offs, mask, keep):
+        """``W += where(keep, P, 0)``, ``P = 0`` over ``offs``."""
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        tl.store(w_ptr + offs, w + tl.where(keep, p, 0.0), mask=mask)
+        tl.store(p_ptr + offs, tl.zeros_like(p), mask=mask)
+
+    @triton.jit
+    def _commit_moment_kernel(p_ptr, w_ptr, finite_ptr, dropped_ptr, moments_ptr,
+                              TILE: tl.constexpr):
+        """Moment ``i`` (this program): ``bad_i`` over a first pass, then ``W += where(finite
+        ∧ ¬bad_i, P, 0)``, ``P = 0`` and ``dropped[i] += finite ∧ bad_i``."""
+        i = tl.program_id(0)
+        start, end = tl.load(moments_ptr + 2 * i), tl.load(moments_ptr + 2 * i + 1)
+        bad = tl.zeros((TILE,), tl.int64)
+        for lo in range(start, end, TILE):
+            offs = lo + tl.arange(0, TILE).to(tl.int64)
+            mask = offs < end
+            bad = tl.maximum(bad, _nonfinite(tl.load(p_ptr + offs, mask=mask, other=0.0), mask))
+        bad_i = tl.max(bad, 0) != 0
+        finite = tl.load(finite_ptr) != 0
+        for lo in range(start, end, TILE):
+            offs = lo + tl.arange(0, TILE).to(tl.int64)
+            _add_kept(p_ptr, w_ptr, offs, offs < end, finite & ~bad_i)
+        tl.store(dropped_ptr + i, tl.load(dropped_ptr + i) + (finite & bad_i).to(tl.int64))
+
+    @triton.jit
     def _nonfinite_kernel(p_ptr, epoch, tiles_ptr, marks_ptr, TILE: tl.constexpr):
-        """``mark[i] = max(mark[i], epoch + any(¬isfinite(tile)))`` (NaN < ∞ is false)."""
+        """``mark[i] = max(mark[i], epoch + any(¬isfinite(tile)))``."""
         offs, mask, i, _ = _tile(tiles_ptr, TILE)
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        bad = (mask & ~(tl.abs(p) < float("inf"))).to(tl.int64)
-        tl.atomic_max(marks_ptr + i, epoch + tl.max(bad, 0))
+        tl.atomic_max(marks_ptr + i, epoch + tl.max(_nonfinite(p, mask), 0))
 
     @triton.jit
     def _commit_kernel(p_ptr, w_ptr, finite_ptr, dropped_ptr, epoch, tiles_ptr, marks_ptr,
@@ -82,9 +140,6 @@ if triton is not None:
         offs, mask, i, first = _tile(tiles_ptr, TILE)
         finite = tl.load(finite_ptr) != 0
         bad = tl.load(marks_ptr + i) != epoch
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        tl.store(w_ptr + offs, w + tl.where(finite & ~bad, p, 0.0), mask=mask)
-        tl.store(p_ptr + offs, tl.zeros_like(p), mask=mask)
+        _add_kept(p_ptr, w_ptr, offs, mask, finite & ~bad)
         count = (finite & bad).to(tl.int64)
         tl.store(dropped_ptr + i, tl.load(dropped_ptr + i) + count, mask=first != 0)

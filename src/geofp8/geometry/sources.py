@@ -27,6 +27,7 @@ and factored once. No statistics collective depends on which layers a rank ran.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -138,6 +139,11 @@ class FactorSource:
     def start_step(self, step: int) -> None:
         """Collectives due at the start of ``step`` (e.g. a refresh)."""
 
+    def next_start(self, step: int) -> float:
+        """The first step after ``step`` whose :meth:`start_step` may act (default: the
+        next one)."""
+        return step + 1
+
     def forward_done(self) -> None:
         """The wrapped model's training forward returned (every rank, the same point)."""
 
@@ -216,6 +222,9 @@ class FixedFactors(FactorSource):
                                              device=devices[n])
                            for n, l in layers.items()}
 
+    def next_start(self, step: int) -> float:
+        return math.inf  # (fixed maps: no start acts)
+
 
 class RefreshFactors(FactorSource):
     """The paper's refreshed factors (module notes)."""
@@ -284,13 +293,16 @@ class RefreshFactors(FactorSource):
         finite (decided on the device, every moment at once: a non-finite moment of a
         finite step is dropped, counted at the refresh; a skipped step's are dropped
         uncounted)."""
-        for _, pending, window, dropped in self._joined:
+        for _, pending, window, dropped in self._joined:  # (no map of its own per step)
             pending.commit_into(window, finite.to(dropped.device), dropped)
-        super().settle(finite)
 
     def start_step(self, step: int) -> None:
         if step > 0 and step % self.config.refresh_every == 0:
             self.refresh()
+
+    def next_start(self, step: int) -> float:
+        """The next refresh."""
+        return (step // self.config.refresh_every + 1) * self.config.refresh_every
 
     def refresh(self) -> None:
         """Reduce the window, build each map on its owner rank, broadcast it as tensors."""

@@ -165,8 +165,8 @@ class SecondMoment:
 class JoinedMoments:
     """Moments of one dtype and device whose sums lie side by side in one flat buffer
     (:meth:`SecondMoment.place`), so a step's work on all of them takes a fixed number of
-    launches, whatever their count: :meth:`commit_into` (two Triton launches on the kernels'
-    device, :class:`~geofp8.codecs.triton_stats.Commit`; else torch's, :meth:`nonfinite` and
+    launches, whatever their count: :meth:`commit_into` (one Triton launch on the kernels'
+    device, :func:`~geofp8.codecs.triton_stats.commit`; else torch's, :meth:`nonfinite` and
     :meth:`add_where`)."""
 
     def __init__(self, moments: list[SecondMoment]) -> None:
@@ -181,10 +181,10 @@ class JoinedMoments:
         self.lengths = torch.tensor(self.numels, device=first.device)
 
     @functools.cached_property
-    def _fused(self) -> triton_stats.Commit | None:
-        """The fused commit's tile map and marks, made at the first commit (a window's
-        moments take none); ``None`` off the kernels' device."""
-        return triton_stats.Commit(self.numels, self.flat.device) \
+    def _fused(self) -> triton_stats.Launch | triton_stats.TiledCommit | None:
+        """The fused commit (:func:`~geofp8.codecs.triton_stats.commit`), made at the first
+        commit (a window's moments take none); ``None`` off the kernels' device."""
+        return triton_stats.commit(self.numels, self.flat.device) \
             if triton_fp8.available(self.flat) else None
 
     def commit_into(self, window: JoinedMoments, finite: torch.Tensor,

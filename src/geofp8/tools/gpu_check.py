@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import datetime
 import inspect
+import itertools
 import os
 import socket
 import sys
@@ -392,13 +393,17 @@ def check_fused(rows: list) -> None:
 
 
 def _statistics_commit() -> tuple[str, bool]:
-    """A step's statistics committed where finite in two kernels
-    (:class:`~geofp8.codecs.triton_stats.Commit`) against the torch reference, bitwise: a NaN
-    in one moment, an Inf in another's second tile, a finite and a skipped step."""
+    """A step's statistics committed where finite in one kernel (a program per moment) and,
+    :data:`~geofp8.codecs.triton_stats.ONE_PASS` set below the widest moment, in two
+    (tiles) (:func:`~geofp8.codecs.triton_stats.commit`) against the torch reference,
+    bitwise: a NaN in one moment, an Inf in another's second tile, a finite and a skipped
+    step."""
+    from ..codecs import triton_stats
     from ..geometry.statistics import JoinedMoments, SecondMoment
 
-    ok = []
-    for finite in (True, False):
+    ok, one_pass = [], triton_stats.ONE_PASS
+    for wide, finite in itertools.product((one_pass, 1000), (True, False)):
+        triton_stats.ONE_PASS = wide
         fused, ref = ([JoinedMoments([SecondMoment(d, device=DEVICE) for d in (3, 40, 33)])
                        for _ in range(2)] for _ in range(2))
         sums, window = torch.randn(fused[0].flat.numel()), torch.rand(fused[0].flat.numel())
@@ -411,9 +416,12 @@ def _statistics_commit() -> tuple[str, bool]:
         fused[0].commit_into(fused[1], flag, dropped[0])
         ref[0]._commit_reference(ref[1], flag, dropped[1])
         ok.append(fused[0]._fused is not None and torch.equal(*dropped)
+                  and isinstance(fused[0]._fused, triton_stats.TiledCommit) == (wide == 1000)
                   and _bits_equal(fused[1].flat, ref[1].flat)
                   and _bits_equal(fused[0].flat, ref[0].flat))
-    return f"window, dropped counts, zeroed sums; finite and skipped step: {ok}", all(ok)
+    triton_stats.ONE_PASS = one_pass
+    return (f"window, dropped counts, zeroed sums; one launch, tiles x finite, skipped step: "
+            f"{ok}", all(ok))
 
 
 def check_fused_blocks(rows: list) -> None:
