@@ -52,7 +52,7 @@ MEASURE = {"fp8-ef": _measure_child("fp8-ef", [(8, 1), (8, 4)]),
            "geofp8-auto": _measure_child("geofp8-auto", [(2, 1), (8, 1)], slice(0, 6))}
 # (fused, torch path) runs of the workers below
 SKIP = {w: (_skip_child(True, w), _skip_child(False, w))
-        for w in ("_skip_worker", "_map_overflow_worker")}
+        for w in ("_skip_worker", "_map_overflow_worker", "_map_overflow_buckets_worker")}
 
 
 @pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.child(MEASURE[m]))
@@ -150,70 +150,104 @@ def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_decodes_verdict()
     assert fused[0]["params"] == fused[1]["params"]  # bit-identical parameters on both ranks
 
 
-def _map_overflow_worker(rank, world_size, steps=5, bad=3):
-    """geofp8 with every layer on its map (refreshed every 2 steps) on the fused path, one
-    bucket a step; at step ``bad`` every map back overflows on every rank (as a real one
-    would: the same sum and maps everywhere) while the collective's sum is finite."""
+def _map_overflow_worker(rank, world_size, steps=5, bad=(3,), buckets=1):
+    """geofp8 with every layer on its map (refreshed every 2 steps) on the fused path,
+    ``buckets`` buckets a step; at step ``bad[i]`` the map back of bucket ``i`` (in the
+    order they complete: the last one is the step's last) overflows on every rank (as a
+    real one would: the same sum and maps everywhere) while the collective's sum is finite."""
     import torch
     from torch import nn
 
     from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
-    from geofp8.codecs.triton_map import GroupedMaps
+    from geofp8.codecs import triton_map
     from geofp8.geometry.transforms import LowRankInput
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(4)])
     state = GeoFP8State(model, GeoFP8Config(layers="all", refresh_every=2, k=4,
                                             kernels="batched"))
-    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp = nn.parallel.DistributedDataParallel(
+        model, bucket_cap_mb=4 // buckets * 32 * 32 * 4 / (1 << 20))
     ddp.register_comm_hook(state, geofp8_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    kernel, saw_bad, mapped, now = _kernel_verdicts(state), [], [], [0]
-    inverse_over, grouped = LowRankInput.inverse_over, GroupedMaps.__call__
+    kernel, saw_bad, mapped, now, seen = _kernel_verdicts(state), [], [], [0], [0]
+    overflows = {step: i for i, step in enumerate(bad)}  # step -> its bucket
+
+    def overflowing() -> bool:  # this map back overflows (counted per step, in order)
+        seen[0] += 1
+        return overflows.get(now[0]) == seen[0] - 1
+    inverse_over, run = LowRankInput.inverse_over, triton_map._map_kernel.run
     LowRankInput.inverse_over = lambda self, Gt: inverse_over(self, Gt).mul_(
-        float("inf") if now[0] == bad else 1.0)
-    # the grouped kernel's own overflow: its maps scaled by 2¹⁰⁰ at the bad step, so that
-    # G V and P Uᵀ overflow inside it (every layer of the bucket; its flag must catch it)
-    GroupedMaps.__call__ = lambda self, flat, inverse, finite=None: _scaled(
-        self, 2.0 ** 100 if inverse and now[0] == bad else None, grouped, flat, inverse, finite)
+        float("inf") if Gt.data_ptr() == _first_slot(Gt) and overflowing() else 1.0)
+
+    def scaled(*args, **kwargs):
+        # the grouped kernel's own overflow: its maps scaled by 2¹⁰⁰, so that G V and
+        # P Uᵀ overflow inside it (every layer of the bucket; its flag must catch it)
+        if kwargs["INVERSE"] and overflowing():
+            kwargs["maps_ptr"] = kwargs["maps_ptr"] * 2.0 ** 100
+        return run(*args, **kwargs)
+    triton_map._map_kernel.run = scaled
     for step in range(steps):
-        now[0] = step
+        now[0], seen[0] = step, 0
         mapped.append(len(state.pipeline.transforms()))
         saw_bad.append(_sgd_step(ddp, model, opt, step, rank))
     stats = state.stats()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"saw_bad": saw_bad, "kernel": kernel, "skipped": stats["skipped_steps"],
-            "mapped": mapped, "params": params.view(torch.int32).tolist()}
+            "mapped": mapped, "buckets": len(ddp.reducer._get_zeros_like_grad_buckets()),
+            "params": params.view(torch.int32).tolist()}
 
 
-def _scaled(grouped, factor, call, flat, inverse, finite):
-    """``call(grouped, flat, inverse, finite)`` with its packed maps times ``factor``
-    (``None``: as they are)."""
-    if factor is None:
-        return call(grouped, flat, inverse, finite)
-    packed, grouped.packed = grouped.packed, grouped.packed * factor
-    try:
-        return call(grouped, flat, inverse, finite)
-    finally:
-        grouped.packed = packed
+_FIRST_SLOTS: dict = {}  # a map back's bucket (its sum's storage) -> its first mapped slot
+
+
+def _first_slot(Gt) -> int:
+    """The address of the first slot mapped back in ``Gt``'s bucket (the torch path maps
+    layer by layer: a bucket's map back counts once, at its first layer)."""
+    key = Gt.untyped_storage().data_ptr()
+    return _FIRST_SLOTS.setdefault(key, Gt.data_ptr())
+
+
+def _map_overflow_buckets_worker(rank, world_size):
+    """:func:`_map_overflow_worker` with two buckets: the earlier bucket's map back
+    overflows at step 3, the last one's at step 4, none at steps 2 and 5."""
+    return _map_overflow_worker(rank, world_size, steps=6, bad=(3, 4), buckets=2)
 
 
 @pytest.mark.child(SKIP["_map_overflow_worker"][0])
 @pytest.mark.child(SKIP["_map_overflow_worker"][1])
-def test_a_map_that_overflows_skips_the_step_through_the_one_kernel_verdict():
-    """A bucket with layers on a map writes its mean's check into its slot of the step's
-    verdict (geofp8.ddp): the step settles in the one kernel, and a map back that overflows
-    (the collective's own flag up) still skips it on every rank, as the torch path does."""
+def test_a_map_that_overflows_skips_the_step_through_the_map_kernels_verdict():
+    """A bucket with layers on a map ANDs its mean's check into its slot of the step's
+    verdict (geofp8.ddp), in its grouped map kernel, and as the step's last bucket that
+    kernel decides the step (no verdict kernel): a map back that overflows (the collective's
+    own flag up) still skips it on every rank, as the torch path does."""
     fused, torch_path = map(_result, SKIP["_map_overflow_worker"])
     for out, ref in zip(fused, torch_path):
         assert out["mapped"][3:] == [4, 4]  # every layer on its map by the bad step
         assert out["saw_bad"] == [False, False, False, True, False]
         assert out["skipped"] == 1
-        # step 0 sizes the slots; a map back may rewrite a flag after the decode: the
-        # verdict kernel settles
-        assert out["kernel"] == ["torch"] + ["kernel"] * 4
+        # step 0 sizes the slots; then the last bucket's decode decides, or its map back's
+        # kernel once it has maps (a refresh step's and the overflowing one's too)
+        assert out["kernel"] == ["torch"] + ["decode"] * 4
         for key in ("saw_bad", "skipped", "mapped", "params"):
             assert out[key] == ref[key], key  # the torch path's, bit for bit
+    assert fused[0]["params"] == fused[1]["params"]
+
+
+@pytest.mark.child(SKIP["_map_overflow_buckets_worker"][0])
+@pytest.mark.child(SKIP["_map_overflow_buckets_worker"][1])
+def test_the_last_buckets_map_kernel_decides_whichever_bucket_overflows():
+    """Two mapped buckets: an overflow in the earlier bucket's map back (its flag, read by
+    the last bucket's deciding map kernel), then in the last one's (that kernel's own), then
+    none: the verdicts and the skipped-step counter are the torch path's, bit for bit."""
+    fused, torch_path = map(_result, SKIP["_map_overflow_buckets_worker"])
+    for out, ref in zip(fused, torch_path):
+        assert out["buckets"] == 2 and out["mapped"][3:] == [4, 4, 4]
+        assert out["saw_bad"] == [False, False, False, True, True, False]
+        assert out["skipped"] == 2
+        assert out["kernel"] == ["torch"] + ["decode"] * 5
+        for key in ("saw_bad", "skipped", "mapped", "params"):
+            assert out[key] == ref[key], key
     assert fused[0]["params"] == fused[1]["params"]
 
 

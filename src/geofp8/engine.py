@@ -145,8 +145,8 @@ class SyncEngine:
     def start_unit(self, last: bool = False) -> None:
         """A unit of the step starts; the first one begins the step (collectives)."""
         with self._lock:
-            self._outstanding += 1  # the last unit's decode may decide (no map back: verdict)
-            if last and self._agree is None and not self.on_skip and self.pipeline.source is None:
+            self._outstanding += 1  # the last unit's decode (or map back) may decide
+            if last and self._agree is None and not self.on_skip:
                 self.verdict.arm(len(self.verdict.flags) + self._outstanding)
             if not self.ledger.begin_unit(last):
                 return
