@@ -1,5 +1,5 @@
-"""The real DDP hook's kernel launches: six per bucket and, where a map back may rewrite a
-flag, one per step, whatever the tensors in a bucket.
+"""The real DDP hook's kernel launches: six per bucket and none per step for its verdict (the
+last bucket's decode or grouped map back makes it), whatever the tensors in a bucket.
 
 ``benchmarks/hook_launches.py`` counts them on gloo ranks under Triton's interpreter (the
 fused FP8 stages taken as on CUDA); the interpreter must be on before the kernels are
@@ -16,11 +16,12 @@ from interpreted import Child
 BENCHMARKS = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 FUSED_STAGES = 6  # Triton kernels of a bucket's four stages (comm.plan, comm.block_plan)
-SETTLE = 1  # the step's verdict from its buckets' flags (geofp8.verdict.StepVerdict)
 # the step's K-FAC statistics committed where finite: a finite check and a commit kernel
 # (codecs.triton_stats), every moment at once; 18 torch ops before them
 STATISTICS = 2
-# without maps the last bucket's decode makes that verdict (geofp8.verdict.decode_into)
+# the step's verdict from its buckets' flags (geofp8.verdict.StepVerdict): no kernel of its
+# own, the last bucket's decode makes it (geofp8.verdict.decode_into), or with layers on a
+# map its grouped map back's kernel (verdict.map_into)
 DECIDED = 0
 
 
@@ -260,8 +261,8 @@ def test_the_last_buckets_map_kernel_decides_whichever_bucket_overflows():
 # written in the fused sender's kernels)
 MAPPED_BUCKET_MAPS = 2
 # a bucket with a layer on a map checks its mean after the map back (a map may overflow:
-# geofp8.ddp) in the grouped map kernel itself, which clears the bucket's slot of the step's
-# verdict where a value it writes is not finite (the collective's flag covers the rest): no
+# geofp8.ddp) in the grouped map kernel itself, which ANDs the bucket's slot of the step's
+# verdict with "every value it writes finite" (the collective's flag covers the rest): no
 # torch op (comm.stages.all_finite's five are the torch path's)
 MAPPED_BUCKET = 0
 ALL_FINITE = ("aten.aminmax.default", "aten.eq.Scalar_out")
@@ -279,12 +280,14 @@ def test_geometry_hook_launches_do_not_grow_with_the_mapped_layers():
     grow with the layers; a bucket with maps adds its grouped map kernel each way, whatever
     its layers, and no GEMM: its residual is the bucket's flat one. 8 layers in 4 buckets,
     2 of them on a map: the unmapped layers and the buckets add nothing but their fused
-    stages and the second mapped bucket's maps and check."""
+    stages and the second mapped bucket's maps and check. The last bucket's map back
+    decides the step (no verdict kernel)."""
     (b2, tri2, ops2, _, names2, on2), (b8, tri8, ops8, _, names8, on8), \
         (b4, tri4, ops4, _, names4, on4) = _result(MEASURE["geofp8"])
     assert (b2, b8, b4, on2, on8, on4) == (1, 1, 4, 2, 8, 2)  # every layer on a map; 2 of 8
-    assert tri2 == tri8 == FUSED_STAGES + SETTLE + STATISTICS + MAPPED_BUCKET_MAPS, (tri2, tri8)
-    assert tri4 == 4 * FUSED_STAGES + SETTLE + STATISTICS + 2 * MAPPED_BUCKET_MAPS, tri4
+    assert tri2 == tri8 == FUSED_STAGES + DECIDED + STATISTICS + MAPPED_BUCKET_MAPS, \
+        (tri2, tri8)
+    assert tri4 == 4 * FUSED_STAGES + DECIDED + STATISTICS + 2 * MAPPED_BUCKET_MAPS, tri4
     for names in (names2, names8, names4):  # no GEMM left in torch
         assert not any(n.startswith(("aten.mm.", "aten.addmm.")) for n in names), names
     assert ops8 == ops2, (ops2, ops8, names2, names8)
@@ -301,6 +304,6 @@ def test_geometry_hook_launches_without_a_map_are_the_flat_buckets():
     bucket path, so the launches do not grow with the tensors at all."""
     (b2, tri2, ops2, _, _, on2), (b8, tri8, ops8, _, _, on8) = _result(MEASURE["geofp8-auto"])
     assert (b2, b8, on2, on8) == (1, 1, 0, 0)
-    # the flat buckets' one-kernel verdict, the statistics' two kernels: no torch op
-    assert tri2 == tri8 == FUSED_STAGES + SETTLE + STATISTICS, (tri2, tri8)
+    # the verdict in the last bucket's decode, the statistics' two kernels: no torch op
+    assert tri2 == tri8 == FUSED_STAGES + DECIDED + STATISTICS, (tri2, tri8)
     assert ops2 == ops8 == 0, (ops2, ops8)

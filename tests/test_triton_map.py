@@ -120,6 +120,8 @@ def decisions() -> list[str]:
     flag`` and the skipped counter advanced when false, against the torch path's values
     checked; twice in a row (the ticket zeroed by the last program each call): earlier
     flags up or one down, its own values finite, non-finite, or the sum's flag down."""
+    import functools
+
     import torch
 
     from geofp8.codecs.triton_map import GroupedMaps, reference
@@ -139,8 +141,8 @@ def decisions() -> list[str]:
                 out, flag = flat.clone(), torch.full((), start, dtype=torch.uint8)
                 flags = torch.tensor(earlier + [7], dtype=torch.uint8)  # (past n: not read)
                 verdict = torch.empty((), dtype=torch.uint8)
-                done = grouped.bind(out).back(flag, lambda launches, flag: launches[1](
-                    flag_ptr=flag, flags_ptr=flags, n=len(earlier), verdict_ptr=verdict,
+                done = grouped.bind(out).back(flag, functools.partial(
+                    _deciding, flags_ptr=flags, n=len(earlier), verdict_ptr=verdict,
                     skipped_ptr=skipped))
                 want = int(mapped_finite and start == 1)
                 if not done or flag.item() != want or not torch.equal(out.isfinite(),
@@ -151,6 +153,12 @@ def decisions() -> list[str]:
             if skipped.item() != 5 + 2 * (1 - int(want and all(earlier))):
                 failures.append(f"decide seed {seed} {earlier} {start}: skipped {skipped}")
     return failures
+
+
+def _deciding(launches, flag, **decision) -> None:
+    """The deciding launch of a map back's ``(plain, deciding)`` with the step's decision
+    (as :func:`geofp8.verdict.map_into` gives an armed slot's)."""
+    launches[1](flag_ptr=flag, **decision)
 
 
 def launches() -> tuple[int, int]:

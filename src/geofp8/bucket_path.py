@@ -16,9 +16,9 @@ import torch
 
 from .bucket_record import BucketRecord
 from .codecs import triton_map
-from .codecs.triton_map import BoundMaps
 from .codecs.base import device_scalar
 from .codecs.triton_fp8 import feedback_fits
+from .codecs.triton_map import BoundMaps
 from .comm.bound import BoundStages
 from .comm.layout import ShardLayout
 from .comm.stages import encode, encode_with_error
@@ -41,7 +41,7 @@ class Encoded:
     slots: tuple = ()  # MapSlots: each tensor the receiver maps back by T⁻¹
     record: BucketRecord | None = None  # the bucket's decisions, kept for its next call
     bound: BoundStages | None = None  # its record's stages, for the collective's later ones
-    maps: object | None = None  # its record's maps bound to the bucket (BucketRecord.maps)
+    maps: object | None = None  # its slots' maps bound to the bucket in place (MapSlots.bind)
 
 
 class BucketPath:
@@ -101,15 +101,16 @@ class BucketPath:
         # plain (Ũ = G, in place already)
         flat_path = bucket is not None or (in_place and not self.config.error_feedback
                                            and all(self.plain(n) for n in names))
+        maps = slots.bind(flat) if in_place else None  # (kept by a record)
         record = BucketRecord(self.generation(),
                               None if bucket is None else self.feedback.held(names),
                               tuple(names), tuple(shapes), tuple(routes),
                               per_sender, slots, layout, side_bytes,
                               layout.plan.bound(flat, flat) if feedback_fits(flat, bucket)
-                              else None, slots.bind(flat)) \
+                              else None, maps) \
             if flat_path and self.recordable() and not any(per_sender) else None
         return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes,
-                       slots, record, maps=record.maps if record is not None else None)
+                       slots, record, maps=maps)
 
     def _encode_recorded(self, record: BucketRecord, flat: torch.Tensor,
                          seed: int | None) -> Encoded:

@@ -274,7 +274,7 @@ class GeoFP8State:
             self.engine.finish_unit(kept.buffer, finite)
             return kept.buffer
         t1 = time.perf_counter()  # T⁻¹ over each mapped tensor of the sum, in place:
-        if encoded.maps is not None and finite is not None:  # a record's bound maps
+        if encoded.maps is not None and finite is not None and not check:  # bound maps
             check |= not encoded.maps.back(finite.view(torch.uint8), map_into)
         elif encoded.slots:
             check |= not self.engine.pipeline.decode(

@@ -23,9 +23,10 @@ it finds the step by that slot (:func:`decode_into`) and, in its program 0, read
 and advances the counter. Settling then launches nothing. A unit whose map back ANDs or
 rewrites its flag after the decode (a DDP bucket with layers on a map) hands the armed slot
 to that (:meth:`StepVerdict.to_map`): the grouped map kernel decides instead
-(:func:`map_into`; the torch path's map back takes none, and the verdict kernel settles). It checks that the step's flags were its slots in order (else the
-torch verdict, the counter corrected by ``made − finite``); a rollback takes the advance
-back (``skipped −= ¬made``): the counter moves once per skipped step, on the device.
+(:func:`map_into`; the torch path's map back takes none, and the verdict kernel settles).
+Settling checks that the step's flags were its slots in order (else the torch verdict, the
+counter corrected by ``made − finite``); a rollback takes the advance back
+(``skipped −= ¬made``): the counter moves once per skipped step, on the device.
 """
 
 from __future__ import annotations
