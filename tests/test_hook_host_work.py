@@ -35,7 +35,9 @@ METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_laun
 # with the bucket's residual restaged in place, no decode call nor future callback per
 # bucket and a launch run as a generator (s40b alone: 212, 220 and 242); a376144 184, 192
 # and 225; with the last unit's decode deciding the step (t40a: its arming checks, the
-# settling of a decided step; nothing armed on this path) 189, 197 and 228
+# settling of a decided step; nothing armed on this path) 189, 197 and 228; at f102ca7 190,
+# 198 and 231; with an unmapped bucket's map back returning at once and the arming no longer
+# excluding a factor source (v40c) 189, 197 and 232
 MOST = 202
 AUTO = 33  # geofp8-auto's decisions at the step's start and its factors' settling, more
 
