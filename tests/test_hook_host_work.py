@@ -38,7 +38,8 @@ METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_laun
 # settling of a decided step; nothing armed on this path) 189, 197 and 228; with buckets
 # found by their buffer's address, the collective's hops advanced by one loop, the seed
 # mixed only for stochastic rounding and leaner group and stage entries (v40a) 157, 163
-# and 196
+# and 196; with an unmapped bucket's map back returning at once, the arming no longer
+# excluding a factor source (v40c) and the engine's quiet step starts (v40b) MERGED
 MOST = 163
 AUTO = 33  # geofp8-auto's decisions at the step's start and its factors' settling, more
 

@@ -1,5 +1,5 @@
-"""The real DDP hook's kernel launches: six per bucket and, where a map back may rewrite a
-flag, one per step, whatever the tensors in a bucket.
+"""The real DDP hook's kernel launches: six per bucket and none per step for its verdict (the
+last bucket's decode or grouped map back makes it), whatever the tensors in a bucket.
 
 ``benchmarks/hook_launches.py`` counts them on gloo ranks under Triton's interpreter (the
 fused FP8 stages taken as on CUDA); the interpreter must be on before the kernels are
@@ -16,12 +16,12 @@ from interpreted import Child
 BENCHMARKS = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 FUSED_STAGES = 6  # Triton kernels of a bucket's four stages (comm.plan, comm.block_plan)
-SETTLE = 1  # the step's verdict from its buckets' flags (geofp8.verdict.StepVerdict)
 # the step's K-FAC statistics committed where finite: one kernel, a program per moment
 # (codecs.triton_stats), every moment at once; 18 torch ops before it, 2 kernels before that
 STATISTICS = 1
-# without maps the last bucket's decode makes that verdict (geofp8.verdict.decode_into),
-# a factor-source method's too when none of its layers is on a map
+# the step's verdict from its buckets' flags (geofp8.verdict.StepVerdict): no kernel of its
+# own, the last bucket's decode makes it (geofp8.verdict.decode_into), or with layers on a
+# map its grouped map back's kernel (verdict.map_into)
 DECIDED = 0
 
 
@@ -53,8 +53,8 @@ MEASURE = {"fp8-ef": _measure_child("fp8-ef", [(8, 1), (8, 4)]),
            "geofp8-auto": _measure_child("geofp8-auto", [(2, 1), (8, 1)], slice(0, 6))}
 # (fused, torch path) runs of the workers below
 SKIP = {w: (_skip_child(True, w), _skip_child(False, w))
-        for w in ("_skip_worker", "_map_overflow_worker", "_auto_skip_first_worker",
-                  "_auto_skip_last_worker")}
+        for w in ("_skip_worker", "_map_overflow_worker", "_map_overflow_buckets_worker",
+                  "_auto_skip_first_worker", "_auto_skip_last_worker")}
 
 
 @pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.child(MEASURE[m]))
@@ -214,71 +214,104 @@ def test_a_factor_source_without_maps_settles_through_the_decodes_verdict(worker
     assert fused[0]["params"] == fused[1]["params"]  # (the windows are each rank's own)
 
 
-def _map_overflow_worker(rank, world_size, steps=5, bad=3):
-    """geofp8 with every layer on its map (refreshed every 2 steps) on the fused path, one
-    bucket a step; at step ``bad`` every map back overflows on every rank (as a real one
-    would: the same sum and maps everywhere) while the collective's sum is finite."""
+def _map_overflow_worker(rank, world_size, steps=5, bad=(3,), buckets=1):
+    """geofp8 with every layer on its map (refreshed every 2 steps) on the fused path,
+    ``buckets`` buckets a step; at step ``bad[i]`` the map back of bucket ``i`` (in the
+    order they complete: the last one is the step's last) overflows on every rank (as a
+    real one would: the same sum and maps everywhere) while the collective's sum is finite."""
     import torch
     from torch import nn
 
     from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
-    from geofp8.codecs.triton_map import GroupedMaps
+    from geofp8.codecs import triton_map
     from geofp8.geometry.transforms import LowRankInput
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(4)])
     state = GeoFP8State(model, GeoFP8Config(layers="all", refresh_every=2, k=4,
                                             kernels="batched"))
-    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp = nn.parallel.DistributedDataParallel(
+        model, bucket_cap_mb=4 // buckets * 32 * 32 * 4 / (1 << 20))
     ddp.register_comm_hook(state, geofp8_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    kernel, saw_bad, mapped, now = _kernel_verdicts(state), [], [], [0]
-    inverse_over, grouped = LowRankInput.inverse_over, GroupedMaps.__call__
+    kernel, saw_bad, mapped, now, seen = _kernel_verdicts(state), [], [], [0], [0]
+    overflows = {step: i for i, step in enumerate(bad)}  # step -> its bucket
+
+    def overflowing() -> bool:  # this map back overflows (counted per step, in order)
+        seen[0] += 1
+        return overflows.get(now[0]) == seen[0] - 1
+    inverse_over, run = LowRankInput.inverse_over, triton_map._map_kernel.run
     LowRankInput.inverse_over = lambda self, Gt: inverse_over(self, Gt).mul_(
-        float("inf") if now[0] == bad else 1.0)
-    # the grouped kernel's own overflow: its maps scaled by 2¹⁰⁰ at the bad step, so that
-    # G V and P Uᵀ overflow inside it (every layer of the bucket; its flag must catch it)
-    GroupedMaps.__call__ = lambda self, flat, inverse, finite=None: _scaled(
-        self, 2.0 ** 100 if inverse and now[0] == bad else None, grouped, flat, inverse, finite)
+        float("inf") if Gt.data_ptr() == _first_slot(Gt) and overflowing() else 1.0)
+
+    def scaled(*args, **kwargs):
+        # the grouped kernel's own overflow: its maps scaled by 2¹⁰⁰, so that G V and
+        # P Uᵀ overflow inside it (every layer of the bucket; its flag must catch it)
+        if kwargs["INVERSE"] and overflowing():
+            kwargs["maps_ptr"] = kwargs["maps_ptr"] * 2.0 ** 100
+        return run(*args, **kwargs)
+    triton_map._map_kernel.run = scaled
     for step in range(steps):
-        now[0] = step
+        now[0], seen[0] = step, 0
         mapped.append(len(state.pipeline.transforms()))
         saw_bad.append(_sgd_step(ddp, model, opt, step, rank))
     stats = state.stats()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"saw_bad": saw_bad, "kernel": kernel, "skipped": stats["skipped_steps"],
-            "mapped": mapped, "params": params.view(torch.int32).tolist()}
+            "mapped": mapped, "buckets": len(ddp.reducer._get_zeros_like_grad_buckets()),
+            "params": params.view(torch.int32).tolist()}
 
 
-def _scaled(grouped, factor, call, flat, inverse, finite):
-    """``call(grouped, flat, inverse, finite)`` with its packed maps times ``factor``
-    (``None``: as they are)."""
-    if factor is None:
-        return call(grouped, flat, inverse, finite)
-    packed, grouped.packed = grouped.packed, grouped.packed * factor
-    try:
-        return call(grouped, flat, inverse, finite)
-    finally:
-        grouped.packed = packed
+_FIRST_SLOTS: dict = {}  # a map back's bucket (its sum's storage) -> its first mapped slot
+
+
+def _first_slot(Gt) -> int:
+    """The address of the first slot mapped back in ``Gt``'s bucket (the torch path maps
+    layer by layer: a bucket's map back counts once, at its first layer)."""
+    key = Gt.untyped_storage().data_ptr()
+    return _FIRST_SLOTS.setdefault(key, Gt.data_ptr())
+
+
+def _map_overflow_buckets_worker(rank, world_size):
+    """:func:`_map_overflow_worker` with two buckets: the earlier bucket's map back
+    overflows at step 3, the last one's at step 4, none at steps 2 and 5."""
+    return _map_overflow_worker(rank, world_size, steps=6, bad=(3, 4), buckets=2)
 
 
 @pytest.mark.child(SKIP["_map_overflow_worker"][0])
 @pytest.mark.child(SKIP["_map_overflow_worker"][1])
-def test_a_map_that_overflows_skips_the_step_through_the_one_kernel_verdict():
-    """A bucket with layers on a map writes its mean's check into its slot of the step's
-    verdict (geofp8.ddp): the step settles in the one kernel, and a map back that overflows
-    (the collective's own flag up) still skips it on every rank, as the torch path does."""
+def test_a_map_that_overflows_skips_the_step_through_the_map_kernels_verdict():
+    """A bucket with layers on a map ANDs its mean's check into its slot of the step's
+    verdict (geofp8.ddp), in its grouped map kernel, and as the step's last bucket that
+    kernel decides the step (no verdict kernel): a map back that overflows (the collective's
+    own flag up) still skips it on every rank, as the torch path does."""
     fused, torch_path = map(_result, SKIP["_map_overflow_worker"])
     for out, ref in zip(fused, torch_path):
         assert out["mapped"][3:] == [4, 4]  # every layer on its map by the bad step
         assert out["saw_bad"] == [False, False, False, True, False]
         assert out["skipped"] == 1
-        # step 0 sizes the slots; step 1 has no map yet: its decode decides; from the
-        # refresh at step 2 on a map back may rewrite a flag after the decode: the verdict
-        # kernel settles
-        assert out["kernel"] == ["torch", "decode"] + ["kernel"] * 3
+        # step 0 sizes the slots; then the last bucket's decode decides, or its map back's
+        # kernel once it has maps (a refresh step's and the overflowing one's too)
+        assert out["kernel"] == ["torch"] + ["decode"] * 4
         for key in ("saw_bad", "skipped", "mapped", "params"):
             assert out[key] == ref[key], key  # the torch path's, bit for bit
+    assert fused[0]["params"] == fused[1]["params"]
+
+
+@pytest.mark.child(SKIP["_map_overflow_buckets_worker"][0])
+@pytest.mark.child(SKIP["_map_overflow_buckets_worker"][1])
+def test_the_last_buckets_map_kernel_decides_whichever_bucket_overflows():
+    """Two mapped buckets: an overflow in the earlier bucket's map back (its flag, read by
+    the last bucket's deciding map kernel), then in the last one's (that kernel's own), then
+    none: the verdicts and the skipped-step counter are the torch path's, bit for bit."""
+    fused, torch_path = map(_result, SKIP["_map_overflow_buckets_worker"])
+    for out, ref in zip(fused, torch_path):
+        assert out["buckets"] == 2 and out["mapped"][3:] == [4, 4, 4]
+        assert out["saw_bad"] == [False, False, False, True, True, False]
+        assert out["skipped"] == 2
+        assert out["kernel"] == ["torch"] + ["decode"] * 5
+        for key in ("saw_bad", "skipped", "mapped", "params"):
+            assert out[key] == ref[key], key
     assert fused[0]["params"] == fused[1]["params"]
 
 
@@ -291,8 +324,8 @@ def test_a_map_that_overflows_skips_the_step_through_the_one_kernel_verdict():
 # written in the fused sender's kernels)
 MAPPED_BUCKET_MAPS = 2
 # a bucket with a layer on a map checks its mean after the map back (a map may overflow:
-# geofp8.ddp) in the grouped map kernel itself, which clears the bucket's slot of the step's
-# verdict where a value it writes is not finite (the collective's flag covers the rest): no
+# geofp8.ddp) in the grouped map kernel itself, which ANDs the bucket's slot of the step's
+# verdict with "every value it writes finite" (the collective's flag covers the rest): no
 # torch op (comm.stages.all_finite's five are the torch path's)
 MAPPED_BUCKET = 0
 ALL_FINITE = ("aten.aminmax.default", "aten.eq.Scalar_out")
@@ -310,12 +343,14 @@ def test_geometry_hook_launches_do_not_grow_with_the_mapped_layers():
     grow with the layers; a bucket with maps adds its grouped map kernel each way, whatever
     its layers, and no GEMM: its residual is the bucket's flat one. 8 layers in 4 buckets,
     2 of them on a map: the unmapped layers and the buckets add nothing but their fused
-    stages and the second mapped bucket's maps and check."""
+    stages and the second mapped bucket's maps and check. The last bucket's map back
+    decides the step (no verdict kernel)."""
     (b2, tri2, ops2, _, names2, on2), (b8, tri8, ops8, _, names8, on8), \
         (b4, tri4, ops4, _, names4, on4) = _result(MEASURE["geofp8"])
     assert (b2, b8, b4, on2, on8, on4) == (1, 1, 4, 2, 8, 2)  # every layer on a map; 2 of 8
-    assert tri2 == tri8 == FUSED_STAGES + SETTLE + STATISTICS + MAPPED_BUCKET_MAPS, (tri2, tri8)
-    assert tri4 == 4 * FUSED_STAGES + SETTLE + STATISTICS + 2 * MAPPED_BUCKET_MAPS, tri4
+    assert tri2 == tri8 == FUSED_STAGES + DECIDED + STATISTICS + MAPPED_BUCKET_MAPS, \
+        (tri2, tri8)
+    assert tri4 == 4 * FUSED_STAGES + DECIDED + STATISTICS + 2 * MAPPED_BUCKET_MAPS, tri4
     for names in (names2, names8, names4):  # no GEMM left in torch
         assert not any(n.startswith(("aten.mm.", "aten.addmm.")) for n in names), names
     assert ops8 == ops2, (ops2, ops8, names2, names8)

@@ -114,6 +114,53 @@ def flags() -> list[str]:
     return failures + ([] if wants == [True, False, False] else [f"cases {wants}"])
 
 
+def decisions() -> list[str]:
+    """The deciding variant (a record's bound maps, :class:`BoundMaps`, launched with the
+    step's decision): its flag as the plain one's, the verdict ``all(earlier flags) ∧ its
+    flag`` and the skipped counter advanced when false, against the torch path's values
+    checked; twice in a row (the ticket zeroed by the last program each call): earlier
+    flags up or one down, its own values finite, non-finite, or the sum's flag down."""
+    import functools
+
+    import torch
+
+    from geofp8.codecs.triton_map import GroupedMaps, reference
+
+    failures = []
+    for seed, scale in ((0, 1.0), (1, 2.0 ** 126)):
+        maps, n = _maps(seed)
+        flat = torch.randn(n, generator=torch.Generator().manual_seed(100 + seed)) * scale
+        ref = flat.clone()
+        reference(ref, maps, True)
+        mapped_finite = all(bool(ref[pos : pos + rows * d].isfinite().all())
+                            for pos, rows, d, U, _, _ in maps if U.shape[1])
+        grouped = GroupedMaps(maps, flat.device)
+        for earlier, start in (([1, 1, 1], 1), ([1, 0, 1], 1), ([1, 1, 1], 0), ([], 1)):
+            skipped = torch.tensor(5, dtype=torch.int64)
+            for _ in range(2):
+                out, flag = flat.clone(), torch.full((), start, dtype=torch.uint8)
+                flags = torch.tensor(earlier + [7], dtype=torch.uint8)  # (past n: not read)
+                verdict = torch.empty((), dtype=torch.uint8)
+                done = grouped.bind(out).back(flag, functools.partial(
+                    _deciding, flags_ptr=flags, n=len(earlier), verdict_ptr=verdict,
+                    skipped_ptr=skipped))
+                want = int(mapped_finite and start == 1)
+                if not done or flag.item() != want or not torch.equal(out.isfinite(),
+                                                                       ref.isfinite()):
+                    failures.append(f"decide seed {seed} {earlier} {start}: flag {flag}")
+                if verdict.item() != int(want and all(earlier)):
+                    failures.append(f"decide seed {seed} {earlier} {start}: verdict {verdict}")
+            if skipped.item() != 5 + 2 * (1 - int(want and all(earlier))):
+                failures.append(f"decide seed {seed} {earlier} {start}: skipped {skipped}")
+    return failures
+
+
+def _deciding(launches, flag, **decision) -> None:
+    """The deciding launch of a map back's ``(plain, deciding)`` with the step's decision
+    (as :func:`geofp8.verdict.map_into` gives an armed slot's)."""
+    launches[1](flag_ptr=flag, **decision)
+
+
 def launches() -> tuple[int, int]:
     """Triton launches of one call each way over a bucket of every layer."""
     import torch
@@ -140,7 +187,7 @@ def _ranks_worker(rank, world_size, source, steps=5):
     from torch import nn
 
     from geofp8 import GeoFP8Config, GeoFP8State, geofp8_hook
-    from geofp8.codecs.triton_map import GroupedMaps
+    from geofp8.codecs import triton_map
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 40, bias=False), nn.Linear(40, 17, bias=False),
@@ -150,9 +197,13 @@ def _ranks_worker(rank, world_size, source, steps=5):
     ddp = nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(state, geofp8_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    calls, call, tables = [], GroupedMaps.__call__, set()
-    GroupedMaps.__call__ = lambda self, flat, inverse, finite=None: (
-        calls.append(inverse), tables.add(id(self.table)), call(self, flat, inverse, finite))[-1]
+    calls, run, tables = [], triton_map._map_kernel.run, set()
+
+    def counted(*args, **kwargs):  # every launch of the grouped kernel, bound or not
+        calls.append(bool(kwargs["INVERSE"]))
+        tables.add(id(kwargs["table_ptr"]))
+        return run(*args, **kwargs)
+    triton_map._map_kernel.run = counted
     for step in range(steps):
         opt.zero_grad()
         x = torch.randn(8, 24, generator=torch.Generator().manual_seed(step + 10 * rank))
@@ -180,7 +231,7 @@ CHILD = Child([__file__])  # this file run as a script: the checks above
 @pytest.mark.child(CHILD)
 def test_one_launch_each_way_agrees_with_the_torch_maps_within_fp32_round_off():
     lines = CHILD.lines()
-    assert lines[:-3] == [], lines  # no failure
+    assert lines[:-3] == [], lines  # no failure (the deciding variant's included)
     assert lines[-3] == "launches (1, 1)"
     # a real 2-rank gloo group, 3 of 4 layers on a map (one bucket): the maps went through
     # the grouped kernel (refreshed maps: each way; fresh maps: back, the forward made per
@@ -207,7 +258,7 @@ def test_a_cpu_bucket_without_the_interpreter_stays_on_the_torch_path():
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    for failure in check():
+    for failure in check() + decisions():
         print(failure)
     print(f"launches {launches()}")
     print(ranks("refresh"))

@@ -18,13 +18,14 @@ from .bucket_record import BucketRecord
 from .codecs import triton_map
 from .codecs.base import device_scalar
 from .codecs.triton_fp8 import feedback_fits
+from .codecs.triton_map import BoundMaps
 from .comm.bound import BoundStages
 from .comm.layout import ShardLayout
 from .comm.stages import encode, encode_with_error
 from .feedback import NO_RESIDUALS
 from .geometry.transforms import IDENTITY, LowRankInput, Transform
 
-__all__ = ["BucketPath", "Encoded"]
+__all__ = ["BucketPath", "Encoded", "MapSlots", "TorchMaps"]
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Encoded:
     slots: tuple = ()  # MapSlots: each tensor the receiver maps back by T⁻¹
     record: BucketRecord | None = None  # the bucket's decisions, kept for its next call
     bound: BoundStages | None = None  # its record's stages, for the collective's later ones
+    maps: object | None = None  # its slots' maps bound to the bucket in place (MapSlots.bind)
 
 
 class BucketPath:
@@ -99,15 +101,16 @@ class BucketPath:
         # plain (Ũ = G, in place already)
         flat_path = bucket is not None or (in_place and not self.config.error_feedback
                                            and all(self.plain(n) for n in names))
+        maps = slots.bind(flat) if in_place else None  # (kept by a record)
         record = BucketRecord(self.generation(),
                               NO_RESIDUALS if bucket is None else self.feedback.held(names),
                               tuple(names), tuple(shapes), tuple(routes),
                               per_sender, slots, layout, side_bytes,
                               layout.plan.bound(flat, flat) if feedback_fits(flat, bucket)
-                              else None) \
+                              else None, maps) \
             if flat_path and self.recordable() and not any(per_sender) else None
         return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes,
-                       slots, record)
+                       slots, record, maps=maps)
 
     def _encode_recorded(self, record: BucketRecord, flat: torch.Tensor,
                          seed: int | None) -> Encoded:
@@ -117,8 +120,8 @@ class BucketPath:
         map's)."""
         # its check but the kernels' availability (a kernel may fail since)
         bound = record.bound if record.bound and record.bound.kernels.available(flat) else None
-        if record.slots:  # (no call for a bucket without a map)
-            _map_over(record.slots, flat, inverse=False)
+        if record.maps is not None:  # (no call for a bucket without a map)
+            record.maps.forward()
         if self.config.error_feedback:
             # the bucket's residual R (its recorded vector) added and the new one written
             # in place, into R (the error's own vector, error_out, is the bucket's: flat)
@@ -128,7 +131,8 @@ class BucketPath:
         else:
             sent = encode(flat, record.layout, None, seed, self.group.rank, bound)
         return Encoded(sent, record.layout, record.names, record.shapes, record.routes,
-                       record.per_sender, record.side_bytes, record.slots, record, bound)
+                       record.per_sender, record.side_bytes, record.slots, record, bound,
+                       record.maps)
 
     def _bucket_residual(self, names: list[str], shapes: list[tuple[int, ...]]):
         """``(routes, (R, flag))`` of a bucket whose every tensor is :meth:`steady` and has
@@ -239,6 +243,31 @@ class MapSlots(tuple):
                 [(pos, shape[0], shape[1], t.U, t.V_fwd, t.V_inv) for pos, _, shape, t in self],
                 flat.device, getattr(last, "grouped", None))
         return self
+
+    def bind(self, flat: torch.Tensor) -> BoundMaps | TorchMaps | None:
+        """These slots' maps over ``flat`` for a bucket's record: the grouped ones bound
+        (:meth:`~geofp8.codecs.triton_map.GroupedMaps.bind`), else the torch path's
+        (:class:`TorchMaps`); ``None`` where nothing is mapped."""
+        if self.grouped is not None:
+            return self.grouped.bind(flat)
+        return TorchMaps(self, flat) if self else None
+
+
+class TorchMaps:
+    """:class:`MapSlots` over one vector on the torch path, map by map, with the calls of a
+    bound grouped one (:class:`~geofp8.codecs.triton_map.BoundMaps`)."""
+
+    __slots__ = ("flat", "slots")
+
+    def __init__(self, slots: MapSlots, flat: torch.Tensor) -> None:
+        self.slots, self.flat = slots, flat
+
+    def forward(self) -> None:
+        _map_over(self.slots, self.flat, inverse=False)
+
+    def back(self, flag: torch.Tensor, launch_into) -> bool:
+        """``T⁻¹`` over each slot; ``False``: nothing checked (``flag`` left as it is)."""
+        return _map_over(self.slots, self.flat, inverse=True)
 
 
 def _map_over(slots: MapSlots, flat: torch.Tensor, inverse: bool,

@@ -50,6 +50,10 @@ class BucketRecord:
     # the layout's fused stages bound for the bucket's flat vector and residual, checked once
     # here (both kept while the record is: the same buffer, the same version), or None
     bound: BoundStages | None = None
+    # its slots' maps bound for that vector (MapSlots.bind: one launch each way where
+    # grouped), kept while the record is (new maps: a new generation, a new record); None
+    # where nothing is mapped
+    maps: object | None = None
 
 
 class RecordedDecisions:
@@ -59,10 +63,6 @@ class RecordedDecisions:
 
     _decisions = 0  # moved by forget_records
     _decided = None  # what the decisions of the step begun last were made from
-    # Whether the step's last unit's fused decode may decide its verdict: no layer of this
-    # step on a map, whose inverse map rewrites its bucket's flag after the decode (set
-    # with the decisions; maps made per step are made later, at the bucket).
-    decode_decides = True
 
     def generation(self) -> tuple[int, int]:
         """The generation a bucket's record is valid in (module notes)."""
@@ -80,14 +80,12 @@ class RecordedDecisions:
         read (``steady``, ``route``, ``plain``: whether the step measures, the selected
         layers, the maps by layer) compared whole with the last step's, by set and dict
         equality (no Python per tensor; maps by identity); other decisions forget the
-        records. Whether the last decode may decide (:attr:`decode_decides`) follows."""
+        records."""
         decided = (self._observing, frozenset(self.selection.selected),
                    None if self.source is None else dict(self.source.transforms))
         if decided != self._decided:
             self._decided = decided
             self.forget_records()
-        self.decode_decides = self.source is None or not self.selection.selected or not (
-            self.source.per_step or self._on_a_map())
 
     _mapped_in = None  # (generation of the decisions, answer): _on_a_map's last answer
 

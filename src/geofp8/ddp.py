@@ -47,6 +47,7 @@ from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
 from .geometry.transforms import IDENTITY
 from .hierarchy import HierarchicalAllReduce, node_size
+from .verdict import map_into
 
 __all__ = [
     "FP8State",
@@ -234,6 +235,8 @@ class GeoFP8State:
         codec_s = time.perf_counter() - t0  # (added with the map back's)
         # (a record has none of these: BucketRecord)
         unmap, owner_keys = (None, None) if encoded.record else self._resolved(encoded)
+        if last and (encoded.slots or unmap is not None):  # its map back rewrites its flag:
+            self.engine.verdict.to_map()  # that decides the step, not its decode (_map_back)
         then = functools.partial(self._map_back, kept, encoded, unmap is not None, codec_s)
         return self.communicator.launch(encoded.sent, encoded.layout, last, unmap, seed=seed,
                                         owner_keys=owner_keys, out=kept.flat, bound=encoded.bound,
@@ -257,14 +260,21 @@ class GeoFP8State:
         """The mean of ``kept``'s launch written into its buffer, from the collective's
         ``total`` (divided by N in its fused decode; all NaN on every rank if any rank sent
         a non-finite value): its finite flag stands for the bucket's where nothing is
-        mapped back. A map may overflow: the grouped maps of ``T⁻¹`` clear the flag where a
-        value they write is not finite (the elements they leave are the sum's, which it
-        covers already); else (the torch path, or ``check``: mapped back per sender in the
-        collective) the mean's own check is written over it (a poisoned sum maps back to
-        NaN), in its step's slot. ``codec_s``: the encode's seconds, added to the step's
-        figures with the map back's."""
-        t1 = time.perf_counter()
-        if encoded.slots:  # (T⁻¹ over each mapped tensor of the sum, in place)
+        mapped back. A map may overflow: the grouped maps of ``T⁻¹`` AND the flag with
+        "every value written finite" (the elements they leave are the sum's, which it
+        covers already; a bucket's record's bound maps, the step's armed last slot deciding
+        the step: :func:`geofp8.verdict.map_into`); else (the torch path, or ``check``:
+        mapped back per sender in the collective) the mean's own check is written over it
+        (a poisoned sum maps back to NaN), in its step's slot. ``codec_s``: the encode's
+        seconds, added to the step's figures with the map back's."""
+        if not (encoded.slots or check) and kept.flat is not None:  # nothing to map back
+            self.engine.ledger.add_each(_SECONDS, (codec_s, 0.0))
+            self.engine.finish_unit(kept.buffer, finite)
+            return kept.buffer
+        t1 = time.perf_counter()  # T⁻¹ over each mapped tensor of the sum, in place:
+        if encoded.maps is not None and finite is not None and not check:  # bound maps
+            check |= not encoded.maps.back(finite.view(torch.uint8), map_into)
+        elif encoded.slots:
             check |= not self.engine.pipeline.decode(
                 encoded, total, divided=True,
                 finite=None if finite is None else finite.view(torch.uint8))

@@ -147,15 +147,15 @@ class SyncEngine:
 
     def start_unit(self, last: bool = False) -> None:
         """A unit of the step starts; the first one begins the step (collectives). The last
-        one's decode may decide the step (:meth:`StepVerdict.arm`): armed once the step has
-        begun (its maps known), unless the flags are agreed, wanted per unit, or rewritten
-        after the decode (:attr:`GradientPipeline.decode_decides`)."""
+        one's decode, or its map back's kernel (:meth:`StepVerdict.to_map`), may decide the
+        step (:meth:`StepVerdict.arm`): armed once the step has begun, unless the flags are
+        agreed or wanted per unit."""
         with self._lock:
             self._outstanding += 1
             n = self.ledger.begin_unit(last)  # the unit's number in the step
         if n == 1:
             self._begin(self.ledger.step)
-        if last and self._agree is None and not self.on_skip and self.pipeline.decode_decides:
+        if last and self._agree is None and not self.on_skip:
             self.verdict.arm(n)
 
     def _first_begin(self, step: int) -> None:

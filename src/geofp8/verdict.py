@@ -16,18 +16,22 @@ counter (:func:`~geofp8.codecs.triton_fp8.verdict`); else (the torch path, an ag
 per-unit flags wanted) torch ops stack and reduce the flags.
 
 The last unit's decode decides: when the engine starts a step's last unit and may let it
-decide (:meth:`StepVerdict.arm`: no agreement, no per-unit callbacks, no map back
-that rewrites a flag after its decode), the slot that unit will be handed (the ``n``-th of
-``n`` units) is *armed*; the fused decode that writes it finds the step by that slot
-(:func:`decode_into`) and, in its program 0, reads the ``n - 1`` earlier slots (written by
-earlier kernels on the same stream), writes the verdict and advances the counter. Settling
-then launches nothing. It checks that the step's flags were its slots in order (else the
-torch verdict, the counter corrected by ``made − finite``); a rollback takes the advance
-back (``skipped −= ¬made``): the counter moves once per skipped step, on the device.
+decide (:meth:`StepVerdict.arm`: no agreement, no per-unit callbacks), the slot that
+unit will be handed (the ``n``-th of ``n`` units) is *armed*; the fused decode that writes
+it finds the step by that slot (:func:`decode_into`) and, in its program 0, reads the
+``n - 1`` earlier slots (written by earlier kernels on the same stream), writes the verdict
+and advances the counter. Settling then launches nothing. A unit whose map back ANDs or
+rewrites its flag after the decode (a DDP bucket with layers on a map) hands the armed slot
+to that (:meth:`StepVerdict.to_map`): the grouped map kernel decides instead
+(:func:`map_into`; the torch path's map back takes none, and the verdict kernel settles).
+Settling checks that the step's flags were its slots in order (else the torch verdict, the
+counter corrected by ``made − finite``); a rollback takes the advance back
+(``skipped −= ¬made``): the counter moves once per skipped step, on the device.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 
@@ -35,17 +39,20 @@ import torch
 
 from .codecs import triton_fp8
 
-__all__ = ["StepVerdict"]
+__all__ = ["StepVerdict", "decode_into", "map_into"]
 
 _ADDRESS = torch.Tensor.data_ptr
 _ARMED: dict[int, StepVerdict] = {}  # the address of a step's last slot -> that step
+_ARMED_MAPS: dict[int, StepVerdict] = {}  # the same, handed to its map back (to_map)
 
 
-def decode_into(launches: tuple, flag: torch.Tensor, *args, **kwargs) -> None:
+def decode_into(launches: tuple, flag: torch.Tensor, *args,
+                armed: dict[int, StepVerdict] = _ARMED, **kwargs) -> None:
     """Launch a fused decode writing its unit's flag into ``flag``: ``launches``' deciding
     one (:func:`~geofp8.codecs.triton_fp8.decode_launches`) when ``flag`` is a step's armed
-    last slot (taken: once), then the step is decided; else the plain one."""
-    step = _ARMED.pop(flag.data_ptr(), None) if _ARMED else None
+    last slot (taken: once), then the step is decided; else the plain one. ``armed``: the
+    slots armed for this kind of kernel (:func:`map_into`'s, a map back's)."""
+    step = armed.pop(flag.data_ptr(), None) if armed else None
     if step is None:
         return launches[0](*args, flag_ptr=flag, **kwargs)
     launches[1](*args, flag_ptr=flag, **kwargs, **step.args)
@@ -59,6 +66,10 @@ def _new_bytes(device: torch.device) -> Iterator[torch.Tensor]:
     blocks = map(lambda _: torch.empty(256, dtype=torch.uint8, device=device).unbind(),
                  itertools.count())
     return itertools.chain.from_iterable(blocks)
+
+
+# a map back's kernel that ANDs its unit's flag after the decode (StepVerdict.to_map)
+map_into = functools.partial(decode_into, armed=_ARMED_MAPS)
 
 
 class StepVerdict:
@@ -87,6 +98,14 @@ class StepVerdict:
             self.args = {**self._decision, "n": n - 1, "verdict_ptr": next(self._verdicts)}
             _ARMED[self._addresses[n - 1]] = self
 
+    def to_map(self) -> None:
+        """The last unit, armed, maps its result back after its decode, ANDing or rewriting
+        its flag: its map kernel decides the step (:func:`map_into`), its decode does not
+        (none decides where the map back runs in torch: the verdict kernel settles)."""
+        if self.args is not None:
+            address = self._addresses[self.args["n"]]
+            _ARMED_MAPS[address] = _ARMED.pop(address, self)
+
     def slot(self, device: torch.device) -> torch.Tensor | None:
         """The next slot, a 0-dim uint8 on ``device`` for a unit's flag; ``None`` before the
         first settling, on another device, or past the last step's number of units. (No lock:
@@ -103,6 +122,7 @@ class StepVerdict:
         self.flags, self._free, self.made = [], self._views[::-1], None
         if self.args is not None:  # armed, not taken: disarmed
             _ARMED.pop(self._addresses[self.args["n"]], None)
+            _ARMED_MAPS.pop(self._addresses[self.args["n"]], None)
             self.args = None
 
     def rollback(self) -> None:

@@ -21,12 +21,20 @@ FP32 low-rank maps on the kernels' device stays on the torch path (decided once,
 :func:`places`).
 
 The map back checks what it writes: given a 0-dim uint8 ``finite`` (a bucket's slot of the
-step's verdict, holding the collective's flag "every element of the sum finite"), a program
-that wrote a non-finite value (exponent bits all ones) stores 0 there and one that did not
-stores nothing, so the flag ends ``finite ∧ every mapped-back value finite``: with the
-elements outside the maps (the sum's, unchanged) that is "every element of the mean
-finite", the torch path's check of the whole mean after ``mm`` + ``addmm``
-(:func:`geofp8.comm.stages.all_finite`) without its pass over the bucket.
+step's verdict, holding the collective's flag "every element of the sum finite"), the
+kernel's last program to finish ANDs it with "every value written finite" (exponent bits not
+all ones): each program adds ``1 + 2³² · [it wrote a non-finite value]`` to an int64 *ticket*
+(one atomic; the one that finds ``P − 1`` programs counted before it is the last, and reads
+the others' verdicts in the high word), and the last writes the flag and zeroes the ticket
+for the next call. With the elements outside the maps (the sum's, unchanged) that is "every
+element of the mean finite", the torch path's check of the whole mean after ``mm`` +
+``addmm`` (:func:`geofp8.comm.stages.all_finite`) without its pass over the bucket. Its
+``VERDICT`` variant then decides the step from the earlier units' flags, as a fused decode
+does (:func:`~geofp8.codecs.triton_fp8.decode_launches`, :mod:`geofp8.verdict`): a mapped
+last bucket's map back, not its decode, writes the step's verdict.
+
+:meth:`GroupedMaps.bind` binds the launches to one bucket's vector (a bucket record's,
+:class:`BoundMaps`): each way one launch with nothing left to pass but the flag.
 
 Agreement with the reference: the same products summed in another order (blocks of
 ``BLOCK_K`` here, the BLAS's order there), so each element differs by at most FP32
@@ -38,12 +46,14 @@ from __future__ import annotations
 
 import torch
 
-from .triton_fp8 import Launch, attempt, available, triton
+from .triton_fp8 import Launch, attempt, available, decode_launches, failed, triton
 
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["BLOCK_M", "GroupedMaps", "places", "reference", "round_off_bound"]
+    from .triton_fp8 import _decide
+
+__all__ = ["BLOCK_M", "BoundMaps", "GroupedMaps", "places", "reference", "round_off_bound"]
 
 # rows per program: each program reads V and U whole (2 d_in k floats, from L2) beside its
 # rows' 3 BLOCK_M d_in (G read twice, written once), 1/3 more at k = 32 with 64 rows, 4/3
@@ -80,22 +90,23 @@ def places(flat: torch.Tensor, Us: list[torch.Tensor]) -> bool:
 class GroupedMaps:
     """A bucket's low-rank maps packed for one launch each way (module notes)."""
 
-    __slots__ = ("geometry", "launch", "maps", "packed", "table")
+    __slots__ = ("geometry", "launches", "maps", "packed", "table", "ticket")
 
     def __init__(self, maps: list[tuple[int, int, int, torch.Tensor, torch.Tensor,
                                         torch.Tensor]], device: torch.device,
                  like: GroupedMaps | None = None) -> None:
         """``maps``: ``(offset, rows, d_in, U, V_fwd, V_inv)`` of each layer over the flat
         bucket (``U``, ``V`` ``d_in × rank``). ``like``: the last packing of the same slots;
-        where its geometry (offsets, shapes, ranks) is this one's, its program table is
-        taken as it is (maps made every step are packed with one ``cat``, no table)."""
+        where its geometry (offsets, shapes, ranks) is this one's, its program table (and
+        ticket) is taken as it is (maps made every step are packed with one ``cat``, no
+        table)."""
         self.maps = maps
         self.geometry = tuple((pos, rows, d, U.shape[1]) for pos, rows, d, U, _, _ in maps)
         parts = [x.reshape(-1) for *_, U, V_fwd, V_inv in maps if U.shape[1]
                  for x in (U, V_fwd, V_inv)]
         self.packed = torch.cat(parts) if parts else None
         if like is not None and like.geometry == self.geometry:
-            self.table, self.launch = like.table, like.launch
+            self.table, self.ticket, self.launches = like.table, like.ticket, like.launches
             return
         programs, at, most = [], 0, 1
         for pos, rows, d, k in self.geometry:
@@ -107,9 +118,12 @@ class GroupedMaps:
             at += 3 * d * k
         self.table = torch.tensor(programs, dtype=torch.int64, device=device) \
             if programs else None
+        self.ticket = torch.zeros(1, dtype=torch.int64, device=device) if programs else None
         rank = max(16, 1 << (most - 1).bit_length())  # the next power of two
-        self.launch = Launch(_map_kernel, (len(programs),), table_ptr=self.table, RANK=rank,
-                             BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K) if programs else None
+        # (plain, deciding): the step's decision's pointers bound to the ticket in the first
+        self.launches = decode_launches(Launch(
+            _map_kernel, (len(programs),), table_ptr=self.table, ticket_ptr=self.ticket,
+            RANK=rank, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K), self.ticket) if programs else None
 
     def __call__(self, flat: torch.Tensor, inverse: bool,
                  finite: torch.Tensor | None = None) -> bool:
@@ -118,25 +132,71 @@ class GroupedMaps:
         uint8 flag the kernel clears where a value it writes is not finite (left as it is
         where all are: ANDed with what it holds; rank 0 writes nothing). Returns whether
         it did (``False``: the torch path ran, which checks nothing)."""
-        if self.launch is None:
+        if self.launches is None:
             return True
         return attempt(lambda: self._fused(flat, inverse, finite),
                        lambda: self._reference(flat, inverse))
 
     def _fused(self, flat: torch.Tensor, inverse: bool, finite: torch.Tensor | None) -> bool:
-        self.launch(flat, self.packed, flat if finite is None else finite,
-                    INVERSE=int(inverse), FLAG=finite is not None)
+        self.launches[0](flat_ptr=flat, maps_ptr=self.packed, INVERSE=int(inverse),
+                         flag_ptr=flat if finite is None else finite, FLAG=finite is not None)
         return True
 
     def _reference(self, flat: torch.Tensor, inverse: bool) -> bool:
         reference(flat, self.maps, inverse)
         return False
 
+    def bind(self, flat: torch.Tensor) -> BoundMaps | None:
+        """These maps bound to ``flat`` (:class:`BoundMaps`; ``None``: every map has rank
+        0, nothing to launch)."""
+        return BoundMaps(self, flat) if self.launches is not None else None
+
+
+class BoundMaps:
+    """:class:`GroupedMaps` bound to one FP32 vector (a bucket record's, made again with it
+    when the maps change): :meth:`forward` one launch, :meth:`back` one launch given its
+    flag; the torch path where a kernel raises (:func:`~.triton_fp8.failed`)."""
+
+    __slots__ = ("_forward", "flat", "grouped", "inverse")
+
+    def __init__(self, grouped: GroupedMaps, flat: torch.Tensor) -> None:
+        self.grouped, self.flat = grouped, flat
+        plain = grouped.launches[0]
+        self._forward = plain.bind(flat_ptr=flat, maps_ptr=grouped.packed, flag_ptr=flat,
+                                   INVERSE=0, FLAG=False)
+        # (plain, deciding), given the flag: see geofp8.verdict.decode_into
+        self.inverse = tuple(launch.bind(flat_ptr=flat, maps_ptr=grouped.packed, INVERSE=1,
+                                         FLAG=True) for launch in grouped.launches)
+
+    def forward(self) -> None:
+        """``G ← G + (G V_fwd) Uᵀ`` over every layer's slot of the vector."""
+        try:
+            self._forward()
+        except Exception as exc:  # noqa: BLE001 - any compile or launch error
+            self._torch_path(exc, False)
+
+    def back(self, flag: torch.Tensor, launch_into) -> bool:
+        """``G ← G + (G V_inv) Uᵀ``, ANDing the 0-dim uint8 ``flag`` with "every value
+        written finite" (:meth:`GroupedMaps.__call__`'s ``finite``), launched by
+        ``launch_into(self.inverse, flag)`` (the plain or the deciding launch,
+        :func:`geofp8.verdict.map_into`). Returns whether the flag was (``False``: the torch
+        path ran, which checks nothing)."""
+        try:
+            launch_into(self.inverse, flag)
+        except Exception as exc:  # noqa: BLE001 - any compile or launch error
+            return self._torch_path(exc, True)
+        return True
+
+    def _torch_path(self, exc: Exception, inverse: bool) -> bool:
+        failed(exc)  # (re-raised under the interpreter)
+        return self.grouped._reference(self.flat, inverse)
+
 
 if triton is not None:
     @triton.jit
-    def _map_kernel(flat_ptr, maps_ptr, flag_ptr, table_ptr, INVERSE: tl.constexpr,
-                    FLAG: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _map_kernel(flat_ptr, maps_ptr, flag_ptr, table_ptr, ticket_ptr, flags_ptr, n,
+                    verdict_ptr, skipped_ptr, INVERSE: tl.constexpr, FLAG: tl.constexpr,
+                    VERDICT: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_K: tl.constexpr):
         entry = table_ptr + tl.program_id(0) * 7
         start = tl.load(entry)
@@ -175,5 +235,14 @@ if triton is not None:
                 bits = out.to(tl.uint32, bitcast=True)
                 nonfinite = ((bits & 0x7F800000) == 0x7F800000) & m_ok[:, None] & k_ok[None, :]
                 bad = tl.maximum(bad, nonfinite.to(tl.int32))
-        if FLAG:  # cleared by any program that wrote a non-finite value, else left alone
-            tl.store(flag_ptr, tl.zeros((), dtype=tl.uint8), mask=tl.max(tl.max(bad, 1), 0) > 0)
+        if FLAG:  # the ticket (module notes): the last program writes the flag
+            mine = tl.max(tl.max(bad, 1), 0).to(tl.int64)
+            before = tl.atomic_add(ticket_ptr, 1 + (mine << 32))
+            # programs counted before this one (the low word), then its high word's verdicts
+            if before - ((before >> 32) << 32) == tl.num_programs(0) - 1:
+                finite = (tl.load(flag_ptr) != 0) & ((before >> 32) + mine == 0)
+                tl.store(flag_ptr, finite.to(tl.uint8))
+                tl.store(ticket_ptr, tl.zeros((), dtype=tl.int64))
+                if VERDICT:  # the step's last unit: its verdict, from the earlier flags
+                    _decide(flags_ptr, n, 1 - finite.to(tl.int32), verdict_ptr, skipped_ptr,
+                            BLOCK_M)

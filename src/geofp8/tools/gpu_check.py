@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import inspect
 import itertools
 import os
@@ -562,7 +563,9 @@ def check_fused_maps(rows: list) -> None:
     the device: within FP32 summation round-off (``triton_map.round_off_bound``), a row with
     a NaN or an Inf non-finite in both, rank 0 and unmapped elements untouched; the inverse's
     finite flag cleared exactly when a mapped-back value is not finite (the torch path's
-    values checked), on these rows and on their finite ones alone."""
+    values checked), on these rows and on their finite ones alone, and by its deciding
+    variant, which makes the step's verdict and counts a skipped step as the step's last
+    unit (:func:`_deciding_map_back`)."""
     from ..codecs import triton_map
 
     g = torch.Generator().manual_seed(7)
@@ -597,6 +600,7 @@ def check_fused_maps(rows: list) -> None:
                 want = all(bool(expected[pos : pos + n * d].isfinite().all())
                            for pos, n, d, U, _, _ in maps if U.shape[1])
                 ok.append(bool(flag.item()) == want)
+                ok.append(_deciding_map_back(grouped, values, want))
         for pos, n, d, U, V_fwd, V_inv in maps:
             G, o, r = (x[pos : pos + n * d].view(n, d) for x in (flat, out, ref))
             finite = G.isfinite().all(dim=1)
@@ -608,6 +612,29 @@ def check_fused_maps(rows: list) -> None:
 
     _row(rows, "fused low-rank maps forward (4 layers, ranks 0-32)", lambda: apply(False))
     _row(rows, "fused low-rank maps inverse", lambda: apply(True))
+
+
+def _deciding_map_back(grouped, values: torch.Tensor, want: bool) -> bool:
+    """The map back's deciding variant (bound to a copy of ``values``, as a bucket's record
+    binds it) as the step's last unit after two earlier ones: its flag ``want``, the
+    step's verdict ``want`` with both earlier flags up and false with one down, the skipped
+    counter advanced once per false verdict; twice each (the kernel's ticket zeroed by its
+    last program: every program's verdict counted again)."""
+    ok, skipped = [], torch.zeros((), dtype=torch.int64, device=values.device)
+    for earlier in ([1, 1], [1, 0]) * 2:
+        flag, verdict = (torch.ones((), dtype=torch.uint8, device=values.device),
+                         torch.empty((), dtype=torch.uint8, device=values.device))
+        flags = torch.tensor(earlier, dtype=torch.uint8, device=values.device)
+        grouped.bind(values.clone()).back(flag, functools.partial(
+            _deciding, flags_ptr=flags, n=2, verdict_ptr=verdict, skipped_ptr=skipped))
+        ok.append((flag.item(), verdict.item()) == (int(want), int(want and all(earlier))))
+    return all(ok) and skipped.item() == 2 * (2 - int(want))
+
+
+def _deciding(launches: tuple, flag: torch.Tensor, **decision) -> None:
+    """A map back's deciding launch with the step's decision (an armed slot's, as
+    :func:`geofp8.verdict.map_into` gives it)."""
+    launches[1](flag_ptr=flag, **decision)
 
 
 def check_fused_stages(rows: list) -> None:
