@@ -39,8 +39,8 @@ METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_laun
 # found by their buffer's address, the collective's hops advanced by one loop, the seed
 # mixed only for stochastic rounding and leaner group and stage entries (v40a) 157, 163
 # and 196; with an unmapped bucket's map back returning at once, the arming no longer
-# excluding a factor source (v40c) and a step's start doing nothing until its selection or source may act (v40b)
-# 149, 155 and 170
+# excluding a factor source (v40c) and a step's start doing nothing until its selection or
+# source may act (v40b) 149, 155 and 170
 MOST = 155
 AUTO = 15  # geofp8-auto's decisions at the step's start and its factors' settling, more
 
