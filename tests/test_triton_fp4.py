@@ -342,12 +342,13 @@ def test_fused_block_kernels_are_bit_identical_to_the_torch_reference_under_the_
     lines = CHILD.lines()
     assert lines[:-2] == [], "\n".join(lines)
     # (Triton, torch) per stage of a bucket (sender with error feedback, owner, gathered
-    # decode) for every format: two kernels each, six a bucket, no torch kernel, whatever
-    # the number of tensors or ranks (it was 4 + 7 / 6 + 1 / 2 + ~10 NVFP4 through the
-    # codecs' parts and the record-to-record owner)
-    assert lines[-1] == "launches" + " ((2, 0), (2, 0), (2, 0))" * 3
+    # decode) for every format: two kernels each, the decode one (its own finite flag),
+    # five a bucket, no torch kernel, whatever the number of tensors or ranks (it was
+    # 4 + 7 / 6 + 1 / 2 + ~10 NVFP4 through the codecs' parts and the record-to-record
+    # owner, then 2 / 2 / 2)
+    assert lines[-1] == "launches" + " ((2, 0), (2, 0), (1, 0))" * 3
     # rounding: the same, the step's seed a kernel scalar (nothing copied)
-    assert lines[-2] == "stochastic" + " ((2, 0), (2, 0), (2, 0))" * 3
+    assert lines[-2] == "stochastic" + " ((2, 0), (2, 0), (1, 0))" * 3
 
 
 def test_a_kernel_failure_on_the_device_falls_back_to_torch_once_and_warns_once(monkeypatch):
@@ -420,9 +421,10 @@ _VARIANTS = [
     ("_encode_kernel", dict(_ENCODE, SEEDS=1, FMT=1, NVFP4=False, EMAX=8, THRESHOLD=0x600000,
                             TILE=1024)),
     ("_reduce_kernel", dict(FMT=0, NVFP4=True, B=16, TILE=1024)),
-    ("_finite_kernel", dict(NVFP4=True, BLOCK=1024)),
-    ("_decode_kernel", dict(DIVIDE=True, POISON=True, FMT=0, NVFP4=True, TILE=1024)),
-    ("_decode_kernel", dict(DIVIDE=False, POISON=False, FMT=1, NVFP4=False, TILE=1024)),
+    ("_decode_kernel", dict(DIVIDE=True, POISON=True, VERDICT=True, FMT=0, NVFP4=True,
+                            TILE=1024)),
+    ("_decode_kernel", dict(DIVIDE=False, POISON=False, VERDICT=False, FMT=1, NVFP4=False,
+                            TILE=1024)),
 ]
 
 
