@@ -411,8 +411,8 @@ _ARGS = {"tiles_ptr": "*i64", "pairs_ptr": "*i64", "slots_ptr": "*i64", "slot_pt
          "seg_of_ptr": "*i32", "keep_ptr": "*u8", "err_ptr": "*i16", "flag_ptr": "*u8",
          "epoch": "i64", "seed0": "i64", "prefix": "i64", "offset": "i64", "pad_lo": "i64",
          "pad_hi": "i64", "s_stride": "i64", "blk_stride": "i64", "code_stride": "i64",
-         "r_ptr": "*bf16", "divisor": "fp32"}
-_BYTES = ("s_in", "blk_in", "code_in", "s_out", "blk_out", "code_out")
+         "r_ptr": "*bf16", "divisor": "fp32", "flags_ptr": "*u8", "verdict_ptr": "*u8"}
+_BYTES = ("s_in", "blk_in", "code_in", "s_out", "blk_out", "code_out", "buf_ptr")
 _ENCODE = dict(HAS_R=True, KEEP=True, HAS_ERR=True, ERR_BF16=True, SEEDS=2, NVFP4=True,
                EMAX=0, THRESHOLD=0)
 _VARIANTS = [
@@ -426,6 +426,9 @@ _VARIANTS = [
     ("_decode_kernel", dict(DIVIDE=False, POISON=False, VERDICT=False, FMT=1, NVFP4=False,
                             TILE=1024)),
 ]
+# the FP8 gathered decode, whose last program decides its flag as the block decode's does
+_FP8_VARIANTS = [("_decode_placed_kernel", dict(DIVIDE=True, VERDICT=v, E5M2=False, TILE=1024))
+                 for v in (True, False)]
 
 
 def test_every_block_kernel_compiles_for_an_h100_without_fma_and_with_ieee_division():
@@ -438,10 +441,11 @@ def test_every_block_kernel_compiles_for_an_h100_without_fma_and_with_ieee_divis
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from geofp8.codecs import triton_fp4
+    from geofp8.codecs import triton_fp4, triton_fp8
 
-    for name, constexprs in _VARIANTS:
-        fn = getattr(triton_fp4, name)
+    for module, (name, constexprs) in [(triton_fp4, v) for v in _VARIANTS] + [
+            (triton_fp8, v) for v in _FP8_VARIANTS]:
+        fn = getattr(module, name)
         signature = {a: "constexpr" if a in constexprs else "*u8" if a in _BYTES else _ARGS.get(
             a, "*i64" if a.endswith("_ptr") and a != "u_ptr" and a != "x_ptr"
             and a != "out_ptr" else "*fp32" if a.endswith("_ptr") else "i32")

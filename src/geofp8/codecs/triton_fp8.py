@@ -429,9 +429,13 @@ if triton is not None:
         last program writes ``flag = every program's bad is 0``, zeroes the ticket, writes
         NaN over every tile's elements unless finite (``POISON``) and (``VERDICT``) decides
         the step from ``flags[:n]`` and its flag (:func:`_decide`)."""
-        # acq_rel, Triton's default: this program's stores come before its atomic (the
-        # reduction of `bad` joins its threads first), whose release makes them visible to
-        # the last program, whose acquire orders its NaN stores after all of them
+        # acq_rel (Triton's default, scope gpu) is enough: a program's threads store its
+        # values, meet at a barrier (the reduction of `bad`), then one thread's atomic
+        # releases those stores; the last program's atomic acquires every earlier release,
+        # and its threads meet at a barrier again (the result's broadcast) before its NaN
+        # stores, which so land after every program's values (sm_90 PTX: the stores,
+        # bar.sync, atom.global.gpu.acq_rel.add.u64, bar.sync). The interpreter runs the
+        # programs one by one and cannot show it: make gpu-check's gathered decode rows do
         before = tl.atomic_add(ticket_ptr, 1 + (bad.to(tl.int64) << 32))
         # programs counted before this one (the low word), then its high word's verdicts
         if before - ((before >> 32) << 32) == tl.num_programs(0) - 1:
