@@ -7,7 +7,8 @@ E8M0 scale ``2^e`` per block of 32), rounding to nearest even or stochastically 
 :mod:`.uniforms`' counter-based draw, which the kernels compute from the seeds, the segment
 and the element's index). Every kernel reads and writes where a
 :class:`~.block_records.Placement` says (the codec's whole-bucket parts, or a layout's send
-buffer, records and flat vector: :mod:`geofp8.comm.block_plan`), two kernels a stage:
+buffer, records and flat vector: :mod:`geofp8.comm.block_plan`), two kernels a stage, the
+decode one:
 
 * :func:`amax` — ``u = x + where(keep, r, 0)`` (the error feedback add, ``r`` FP32 or
   BF16) and every block's max ``|u|`` (a tile's whole blocks reduced in registers, one
