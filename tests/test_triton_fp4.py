@@ -342,12 +342,13 @@ def test_fused_block_kernels_are_bit_identical_to_the_torch_reference_under_the_
     lines = CHILD.lines()
     assert lines[:-2] == [], "\n".join(lines)
     # (Triton, torch) per stage of a bucket (sender with error feedback, owner, gathered
-    # decode) for every format: two kernels each, six a bucket, no torch kernel, whatever
-    # the number of tensors or ranks (it was 4 + 7 / 6 + 1 / 2 + ~10 NVFP4 through the
-    # codecs' parts and the record-to-record owner)
-    assert lines[-1] == "launches" + " ((2, 0), (2, 0), (2, 0))" * 3
+    # decode) for every format: two kernels each, the decode one (its own finite flag),
+    # five a bucket, no torch kernel, whatever the number of tensors or ranks (it was
+    # 4 + 7 / 6 + 1 / 2 + ~10 NVFP4 through the codecs' parts and the record-to-record
+    # owner, then 2 / 2 / 2)
+    assert lines[-1] == "launches" + " ((2, 0), (2, 0), (1, 0))" * 3
     # rounding: the same, the step's seed a kernel scalar (nothing copied)
-    assert lines[-2] == "stochastic" + " ((2, 0), (2, 0), (2, 0))" * 3
+    assert lines[-2] == "stochastic" + " ((2, 0), (2, 0), (1, 0))" * 3
 
 
 def test_a_kernel_failure_on_the_device_falls_back_to_torch_once_and_warns_once(monkeypatch):
@@ -410,8 +411,8 @@ _ARGS = {"tiles_ptr": "*i64", "pairs_ptr": "*i64", "slots_ptr": "*i64", "slot_pt
          "seg_of_ptr": "*i32", "keep_ptr": "*u8", "err_ptr": "*i16", "flag_ptr": "*u8",
          "epoch": "i64", "seed0": "i64", "prefix": "i64", "offset": "i64", "pad_lo": "i64",
          "pad_hi": "i64", "s_stride": "i64", "blk_stride": "i64", "code_stride": "i64",
-         "r_ptr": "*bf16", "divisor": "fp32"}
-_BYTES = ("s_in", "blk_in", "code_in", "s_out", "blk_out", "code_out")
+         "r_ptr": "*bf16", "divisor": "fp32", "flags_ptr": "*u8", "verdict_ptr": "*u8"}
+_BYTES = ("s_in", "blk_in", "code_in", "s_out", "blk_out", "code_out", "buf_ptr")
 _ENCODE = dict(HAS_R=True, KEEP=True, HAS_ERR=True, ERR_BF16=True, SEEDS=2, NVFP4=True,
                EMAX=0, THRESHOLD=0)
 _VARIANTS = [
@@ -420,10 +421,14 @@ _VARIANTS = [
     ("_encode_kernel", dict(_ENCODE, SEEDS=1, FMT=1, NVFP4=False, EMAX=8, THRESHOLD=0x600000,
                             TILE=1024)),
     ("_reduce_kernel", dict(FMT=0, NVFP4=True, B=16, TILE=1024)),
-    ("_finite_kernel", dict(NVFP4=True, BLOCK=1024)),
-    ("_decode_kernel", dict(DIVIDE=True, POISON=True, FMT=0, NVFP4=True, TILE=1024)),
-    ("_decode_kernel", dict(DIVIDE=False, POISON=False, FMT=1, NVFP4=False, TILE=1024)),
+    ("_decode_kernel", dict(DIVIDE=True, POISON=True, VERDICT=True, FMT=0, NVFP4=True,
+                            TILE=1024)),
+    ("_decode_kernel", dict(DIVIDE=False, POISON=False, VERDICT=False, FMT=1, NVFP4=False,
+                            TILE=1024)),
 ]
+# the FP8 gathered decode, whose last program decides its flag as the block decode's does
+_FP8_VARIANTS = [("_decode_placed_kernel", dict(DIVIDE=True, VERDICT=v, E5M2=False, TILE=1024))
+                 for v in (True, False)]
 
 
 def test_every_block_kernel_compiles_for_an_h100_without_fma_and_with_ieee_division():
@@ -436,10 +441,11 @@ def test_every_block_kernel_compiles_for_an_h100_without_fma_and_with_ieee_divis
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from geofp8.codecs import triton_fp4
+    from geofp8.codecs import triton_fp4, triton_fp8
 
-    for name, constexprs in _VARIANTS:
-        fn = getattr(triton_fp4, name)
+    for module, (name, constexprs) in [(triton_fp4, v) for v in _VARIANTS] + [
+            (triton_fp8, v) for v in _FP8_VARIANTS]:
+        fn = getattr(module, name)
         signature = {a: "constexpr" if a in constexprs else "*u8" if a in _BYTES else _ARGS.get(
             a, "*i64" if a.endswith("_ptr") and a != "u_ptr" and a != "x_ptr"
             and a != "out_ptr" else "*fp32" if a.endswith("_ptr") else "i32")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from bitwise import same
 from interpreted import Child
@@ -310,8 +311,58 @@ def check_decision() -> list[str]:
     return failures
 
 
+GATHERED = [("e4m3", "row", None), ("e5m2", "block", 32), ("nvfp4", None, None),
+            ("mxfp4", None, None), ("mxfp8", None, None)]
+# odd shards; a bucket of N = 4 with two empty shards (an empty unit of work for their
+# owners, no scale in their records)
+GATHERED_LAYOUTS = [([(3, 300), (5,), (7, 129), (1,)], n) for n in (1, 3, 4)] + [
+    ([(1,), (2,)], 4)]
+
+
+def check_gathered() -> list[str]:
+    """The gathered decode (one kernel, its finite flag decided by its last program: the
+    ticket) against the CPU's chunked path, bit for bit, divided by ``N`` and not: every
+    format, N = 1, 3, 4, odd and empty shards; a non-finite scale (NaN, +Inf, -Inf) in the
+    first record's first group (program 0), in the last record's last group (the last
+    program), in both, and clean before and after (the ticket zeroed by each call)."""
+    import torch
+
+    from geofp8.codecs import make_codec
+    from geofp8.comm import ShardLayout
+    from geofp8.comm import stages as st
+
+    failures = []
+    for (fmt, scaling, block), (shapes, n) in [(c, s) for c in GATHERED
+                                               for s in GATHERED_LAYOUTS]:
+        codec = make_codec(fmt, scaling, block) if scaling else make_codec(fmt)
+        fused, chunked = (ShardLayout.build(shapes, codec, n, kernels=k)
+                          for k in ("batched", "chunked"))
+        flags = []
+        for first, last in ((None, None), ("nan", None), (None, "inf"), ("-inf", "nan"),
+                            (None, "-inf"), (None, None)):
+            name = f"gathered {fmt} {shapes} N={n} first={first} last={last}"
+            inputs = [_bucket(shapes, r, special=False) for r in range(n)]
+            inputs[0][0] = float(first) if first else inputs[0][0]
+            inputs[-1][-1] = float(last) if last else inputs[-1][-1]
+            sent = [st.encode(x, chunked, sender=r) for r, x in enumerate(inputs)]
+            cuts = [chunked.send_bytes(j) for j in range(n)]
+            gathered = torch.stack([
+                st.reduce_encode(torch.cat([s.split(cuts)[j] for s in sent]), chunked, j)[0]
+                for j in range(n)])
+            for divide in (n, None):
+                got, flag = st.decode_gathered_flagged(gathered, fused, divide=divide)
+                want = st.decode_gathered(gathered, chunked, divide=divide)
+                if flag is None or not same(got, want) or \
+                        bool(flag) != bool(want.isfinite().all()):
+                    failures.append(f"{name} divide={divide}: {flag}")
+                flags.append(None if flag is None else int(flag))
+        if flags != [1] * 2 + [0] * 8 + [1] * 2:
+            failures.append(f"gathered {fmt} {shapes} N={n}: flags {flags}")
+    return failures
+
+
 KERNELS = ("_amax_kernel", "_scales_kernel", "_encode_kernel", "_decode_kernel",
-           "_decode_sum_kernel", "_encode_placed_kernel", "_reduce_kernel", "_finite_kernel",
+           "_decode_sum_kernel", "_encode_placed_kernel", "_reduce_kernel",
            "_decode_placed_kernel", "_verdict_kernel")
 
 
@@ -380,9 +431,48 @@ def test_fused_fp8_kernels_are_bit_identical_to_the_torch_reference_under_the_in
     lines = CHILD.lines()
     assert lines[-1].startswith("launches "), "\n".join(lines)[-3000:]
     assert lines[:-1] == [], "\n".join(lines[:-1])
-    # encode: amax + placed encode; owner: decode-sum-amax + placed encode; flag + decode;
-    # whatever N and the number of tensors, and no torch kernel around them
-    assert lines[-1] == "launches [(6, 0), (6, 0), (6, 0)]"
+    # encode: amax + placed encode; owner: decode-sum-amax + placed encode; the decode with
+    # its own flag; whatever N and the number of tensors, and no torch kernel around them
+    assert lines[-1] == "launches [(5, 0), (5, 0), (5, 0)]"
+
+
+def _reads(tiles) -> list[tuple[int, int, int]]:
+    """``(element, group, its scale byte)`` of every element a placed tile map's programs
+    read: element ``e`` of a tile ``(start, stop, g₀, length, run start, code₀, scale₀)`` is
+    in group ``g₀ + (e − run start) // length``, whose FP32 scale (FP8) is at
+    ``scale₀ + 4 (g − g₀)`` (``triton_fp8._tile``, ``_places``)."""
+    return [(e, g0 + (e - run0) // size, scale0 + 4 * ((e - run0) // size))
+            for start, stop, g0, size, run0, _, scale0 in tiles.tolist()
+            for e in range(start, stop)]
+
+
+@pytest.mark.parametrize("shapes,n", GATHERED_LAYOUTS + [([(0,), (5, 3)], 3)])
+def test_the_gathered_decode_reads_every_scale_a_finite_check_would(shapes, n):
+    """The fused gathered decode's flag is "every scale its programs read is finite": the
+    same bits as a separate check over every scale of the records (the ``_finite_kernel``
+    it replaced) because its tiles read each of them — every group has at least one
+    element, padding has no scale — and its tiles' elements are the whole vector, each once
+    (what its last program poisons is what a poisoned decode wrote). FP8: the scale bytes
+    read are each record's first ``4 · groups``; block formats: every block's scale."""
+    from geofp8.codecs import make_codec
+    from geofp8.comm import ShardLayout
+    from geofp8.comm.block_plan import BlockPlan
+
+    cpu = torch.device("cpu")
+    for fmt, scaling, block in GATHERED:
+        codec = make_codec(fmt, scaling, block) if scaling else make_codec(fmt)
+        layout = ShardLayout.build(shapes, codec, n, kernels="batched")
+        if scaling:
+            reads = _reads(layout.plan.tiles("gather", cpu))
+            size = layout.max_shard_bytes
+            assert {at for _, _, at in reads} == {
+                j * size + 4 * k for j, count in enumerate(layout.plan.group_counts)
+                for k in range(count)}, (fmt, shapes, n)
+        else:
+            placed = BlockPlan(layout).place("gather", cpu).p
+            reads = _reads(placed.tiles)
+            assert {g for _, g, _ in reads} == set(range(placed.n_groups)), (fmt, shapes, n)
+        assert sorted(e for e, _, _ in reads) == list(range(layout.numel)), (fmt, shapes, n)
 
 
 def test_a_kernel_that_fails_on_the_device_falls_back_to_torch_once_and_for_all(monkeypatch):
@@ -410,6 +500,6 @@ def test_a_kernel_that_fails_on_the_device_falls_back_to_torch_once_and_for_all(
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for failure in check() + check_stages() + check_feedback() + check_verdict() + \
-            check_decision():
+            check_decision() + check_gathered():
         print(failure)
     print(f"launches {launches()}")

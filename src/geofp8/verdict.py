@@ -18,7 +18,7 @@ per-unit flags wanted) torch ops stack and reduce the flags.
 The last unit's decode decides: when the engine starts a step's last unit and may let it
 decide (:meth:`StepVerdict.arm`: no agreement, no per-unit callbacks), the slot that
 unit will be handed (the ``n``-th of ``n`` units) is *armed*; the fused decode that writes
-it finds the step by that slot (:func:`decode_into`) and, in its program 0, reads the
+it finds the step by that slot (:func:`decode_into`) and, in its last program, reads the
 ``n - 1`` earlier slots (written by earlier kernels on the same stream), writes the verdict
 and advances the counter. Settling then launches nothing. A unit whose map back ANDs or
 rewrites its flag after the decode (a DDP bucket with layers on a map) hands the armed slot

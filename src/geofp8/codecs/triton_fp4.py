@@ -7,7 +7,8 @@ E8M0 scale ``2^e`` per block of 32), rounding to nearest even or stochastically 
 :mod:`.uniforms`' counter-based draw, which the kernels compute from the seeds, the segment
 and the element's index). Every kernel reads and writes where a
 :class:`~.block_records.Placement` says (the codec's whole-bucket parts, or a layout's send
-buffer, records and flat vector: :mod:`geofp8.comm.block_plan`), two kernels a stage:
+buffer, records and flat vector: :mod:`geofp8.comm.block_plan`), two kernels a stage, the
+decode one:
 
 * :func:`amax` — ``u = x + where(keep, r, 0)`` (the error feedback add, ``r`` FP32 or
   BF16) and every block's max ``|u|`` (a tile's whole blocks reduced in registers, one
@@ -22,9 +23,12 @@ buffer, records and flat vector: :mod:`geofp8.comm.block_plan`), two kernels a s
   (to nearest even, as ``Tensor.to`` rounds);
 * :func:`reduce` — the ``N`` senders' payloads of a shard decoded and summed in FP32 in
   sender order from +0, and the sum's amax as :func:`amax` takes it;
-* :func:`decode_placed` — a finite check over the stored scales (into a one-slot epoch),
-  then ``value(code)·scale_b`` (``/ N``), every value NaN unless finite (``poison``, as
-  :func:`~.base.poison_scales_` does), and that flag.
+* :func:`decode_placed` — ``value(code)·scale_b`` (``/ N``) and the flag "every stored
+  scale finite", every value NaN unless it is set (``poison``, as
+  :func:`~.base.poison_scales_` does): one kernel, whose programs each check the scales
+  they read and whose last program writes the flag (the ticket of
+  :mod:`.triton_fp8`'s gathered decode: every block has at least one element, so the
+  scales read are every block's, the ones a separate check would read).
 
 Stochastic keys are mixed in the encoding pass from a per-map ``(shard, index in it)`` of
 every segment and the shard's seed: the step's seed and the stage's prefix as kernel
@@ -62,7 +66,16 @@ from .uniforms import StepSeed
 if triton is not None:
     import triton.language as tl
 
-    from .triton_fp8 import _decide, _e4m3_round, _e4m3_value, _load_f32, _places, _store_f32, _tile
+    from .triton_fp8 import (
+        _e4m3_round,
+        _e4m3_value,
+        _load_f32,
+        _nonfinite,
+        _places,
+        _settle,
+        _store_f32,
+        _tile,
+    )
 
 __all__ = ["FORMATS", "Bound", "Encoded", "amax", "available", "block_length", "decode",
            "decode_placed", "decode_shards", "decode_sum", "decode_whole", "encode",
@@ -72,7 +85,6 @@ __all__ = ["FORMATS", "Bound", "Encoded", "amax", "available", "block_length", "
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8")
 E2M1, E4M3 = 0, 1  # element formats (constexpr)
-BLOCK = 1024  # blocks per program of the per-block passes
 # MX: the E8M0 exponent is one above ⌊log₂ amax⌋ − emax when amax's mantissa bits exceed
 # these (amax > 1.5·2^k for E2M1's 6 = 1.5·2², > 1.75·2^k for E4M3's 448 = 1.75·2⁸)
 _MX = {"mxfp4": (2, 0x400000), "mxfp8": (8, 0x600000)}  # (emax, mantissa threshold)
@@ -447,40 +459,24 @@ if triton is not None:
                    NVFP4, B, TILE)
 
     @triton.jit
-    def _finite_kernel(s_in, blk_in, block_at_ptr, seg_at_ptr, seg_of_ptr, slot_ptr, epoch, n,
-                       NVFP4: tl.constexpr, BLOCK: tl.constexpr):
-        """Whether the stored scales of blocks ``[pid·BLOCK, …)`` are all finite: the slot's
-        atomic max is ``epoch`` if every block's are, ``epoch + 1`` if not."""
-        g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = g < n
-        scale = _stored_scale(s_in, blk_in, g, mask, block_at_ptr, seg_at_ptr, seg_of_ptr, NVFP4)
-        bad = (((scale.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000) & mask)
-        tl.atomic_max(slot_ptr, epoch + tl.max(bad.to(tl.int64), 0))
-
-    @triton.jit
     def _decode_kernel(s_in, blk_in, code_in, out_ptr, tiles_ptr, block_at_ptr, seg_at_ptr,
-                       seg_of_ptr, slot_ptr, epoch, flag_ptr, divisor, flags_ptr, n,
-                       verdict_ptr, skipped_ptr, DIVIDE: tl.constexpr, POISON: tl.constexpr,
+                       seg_of_ptr, ticket_ptr, flag_ptr, divisor, flags_ptr, n, verdict_ptr,
+                       skipped_ptr, DIVIDE: tl.constexpr, POISON: tl.constexpr,
                        VERDICT: tl.constexpr, FMT: tl.constexpr, NVFP4: tl.constexpr,
                        TILE: tl.constexpr):
-        """``value(code)·scale`` (``/ divisor``) of every element, all NaN unless the finite
-        check's slot says ``epoch`` (``POISON``); that flag stored (``VERDICT``: and the
-        step's verdict from it and ``flags[:n]``, ``triton_fp8._decide``)."""
+        """``value(code)·scale`` (``/ divisor``) of every element; the flag "every stored
+        scale finite" from the scales read (the ticket, ``triton_fp8._settle``: the last
+        program writes it, NaN over every element unless finite with ``POISON``, and with
+        ``VERDICT`` the step's verdict from it and ``flags[:n]``)."""
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         slot = _places(tiles_ptr, offs, g)[0]
         scale = _stored_scale(s_in, blk_in, g, mask, block_at_ptr, seg_at_ptr, seg_of_ptr, NVFP4)
         v = _value(_code_at(code_in, slot, mask, FMT), FMT) * scale
         if DIVIDE:
             v = tl.math.div_rn(v, tl.full(v.shape, divisor, tl.float32))
-        finite = tl.load(slot_ptr) == epoch
-        if POISON:
-            v = tl.where(finite, v, float("nan"))
         tl.store(out_ptr + offs, v, mask=mask)
-        if tl.program_id(0) == 0:
-            tl.store(flag_ptr, finite.to(tl.uint8))
-            if VERDICT:
-                _decide(flags_ptr, n, 1 - finite.to(tl.int32), verdict_ptr, skipped_ptr, TILE)
-
+        _settle(out_ptr, tiles_ptr, ticket_ptr, flag_ptr, _nonfinite(scale, mask), flags_ptr, n,
+                verdict_ptr, skipped_ptr, POISON, VERDICT, TILE)
 
 class Encoded(NamedTuple):
     """One encode's outputs: ``u`` (``x + r``), the segment scales (FP32, NVFP4 only), the
@@ -528,8 +524,6 @@ class Bound:
         self.reduce = Launch(_reduce_kernel, grid, tiles_ptr=p.tiles, **maps,
                              n_groups=p.n_groups, FMT=element, B=block_length(fmt), **common,
                              **_NO_FUSION)
-        self.finite = Launch(_finite_kernel, (triton.cdiv(max(p.n_groups, 1), BLOCK),),
-                             **maps, n=p.n_groups, NVFP4=nvfp4, BLOCK=BLOCK)
         self.decode = Launch(_decode_kernel, grid, tiles_ptr=p.tiles, **maps, FMT=element,
                              **common, **_NO_FUSION)
 
@@ -607,22 +601,20 @@ def reduce(rows: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor], b: Boun
 
 
 def decode_placed(out: torch.Tensor, ins: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor],
-                  b: Bound, finite_slot: AmaxSlots, divisor: int | None = None,
+                  b: Bound, ticket: torch.Tensor, divisor: int | None = None,
                   poison: bool = False, flag: torch.Tensor | None = None) -> torch.Tensor:
     """``out = value(code)·scale`` (``/ divisor`` when given) of the payloads in ``ins``
     ``(segment scales' bytes or None, block scales, codes)``, placed as ``b`` says; all NaN
     unless every stored scale is finite (``poison``). Returns that 0-dim bool flag, written
-    into the 0-dim uint8 ``flag`` when given (a step's slot); two kernels (the finite check
-    into the next epoch of the one-slot ``finite_slot``, the decode)."""
+    into the 0-dim uint8 ``flag`` when given (a step's slot); one kernel, which decides the
+    flag with the zeroed int64 ``ticket`` (:func:`ticket`; module notes)."""
     s, blk, codes = ins
     s = blk if s is None else s
     if flag is None:
         flag = torch.empty((), dtype=torch.uint8, device=out.device)
-    slot, epoch = finite_slot.buffer, next(finite_slot.epochs)
-    b.finite(s, blk, slot_ptr=slot, epoch=epoch)
-    plain = triton_fp8.decode_launches(b.decode, slot)[0]  # (no step's decision here)
-    plain(s, blk, codes, out, slot_ptr=slot, epoch=epoch, flag_ptr=flag,
-          divisor=float(divisor or 1), DIVIDE=divisor is not None, POISON=poison)
+    plain = triton_fp8.decode_launches(b.decode, ticket)[0]  # (no step's decision here)
+    plain(s, blk, codes, out, ticket_ptr=ticket, flag_ptr=flag, divisor=float(divisor or 1),
+          DIVIDE=divisor is not None, POISON=poison)
     return flag.view(torch.bool)
 
 
@@ -681,7 +673,8 @@ def decode(out: torch.Tensor, groups: GroupMap, fmt: str, block_bytes: torch.Ten
     "every block scale finite" (every value NaN unless it is set, with ``poison``)."""
     s = None if segment_scales is None else segment_scales.view(torch.uint8)
     return decode_placed(out, (s, block_bytes, codes), placement(groups, fmt, out.device),
-                         _memo_slots(groups, "finite", 1, out.device), poison=poison)
+                         groups.memo(("triton-fp4-ticket", torch.device(out.device)),
+                                     lambda: triton_fp8.ticket(out.device)), poison=poison)
 
 
 def encode_whole(codec, x: torch.Tensor, shards, seeds=None, error: bool = False,

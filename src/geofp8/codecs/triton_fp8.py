@@ -14,12 +14,12 @@ stages around them) takes a dozen kernels per stage; these take one pass each:
 
 The exact collective's stages (:mod:`geofp8.comm.stages`, placed and bound to their
 launches, :class:`Launch`, by :class:`geofp8.comm.plan.FP8Stages`) take the *placed*
-kernels, two per stage, six per bucket: ``_amax_kernel`` then ``_encode_placed_kernel``
+kernels, five per bucket: ``_amax_kernel`` then ``_encode_placed_kernel``
 (scales and codes written where they travel, the rounding error at the values' places);
 ``_reduce_kernel`` (the ``N`` received records decoded, summed sender after sender from
 +0, and the sum's amax) then ``_encode_placed_kernel`` (into the padded record);
-``_finite_kernel`` (a finite check over the gathered scales) then
-``_decode_placed_kernel`` (the decode, ``/ N`` and all NaN unless finite). The sender's
+``_decode_placed_kernel`` (the decode, ``/ N``, all NaN unless every gathered scale is
+finite, and that flag: below). The sender's
 pair takes a bucket's error feedback ``(R, keep)``: both read ``Ũ = G + where(keep, R,
 0)`` (``R`` FP32 or BF16, ``keep`` a 0-dim device flag read in the kernel) and the encode
 writes the new residual into ``R`` (BF16: rounded to nearest even on the bits, as torch's
@@ -39,6 +39,23 @@ Amax slots: a group's ``max |u|`` is an atomic max on the magnitudes' bits (exac
 order-free) into an int64 slot whose high word is the call's *epoch*
 (:class:`AmaxSlots`): every value of a new call beats every slot of an earlier one, so a
 layout's slots are zeroed once, not by a launch per call.
+
+The gathered decode decides its own finite flag with a *ticket*, as
+:mod:`.triton_map`'s map kernel does: each program checks the scales it reads (exponent all
+ones, over its elements' groups), stores its values, and adds ``1 + 2³² · [a scale it read
+is not finite]`` to an int64 ticket (one atomic); the program that finds ``P − 1`` counted
+before it is the last: it reads the others' verdicts in the high word, writes the flag,
+zeroes the ticket for the next call and, when not finite, writes NaN over every tile's
+elements (a loop over the ``P`` tiles in one program: slow, ``numel / TILE`` iterations, but
+only on a skipped step). The scales read are those a separate check over the records would
+read: every group has at least one element (a tile of its run reads its scale) and padding
+has no scale (no tile reads it); a unit with no element has one empty tile, finite. So the
+flag and the values are the bits of "check, then decode, all NaN unless finite". The
+``VERDICT`` variant's last program then decides the step (:func:`_decide`). One ticket per
+layout and device: its calls run in order on one stream, as a stage's kernels do. The
+memory ordering (the NaN stores land after every other program's values) rests on the
+atomic's ``acq_rel``: the interpreter runs programs one after the other and cannot test it;
+``make gpu-check`` does (its fused gathered decode rows).
 
 Bit-exactness: the rounding to E4M3 / E5M2 and the code's value are integer arithmetic on
 the FP32 bits (as :mod:`.native`'s C kernels do; c10's conversions: nearest even, E4M3
@@ -70,7 +87,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 
 __all__ = ["NO_FEEDBACK", "TILE", "AmaxSlots", "Feedback", "Launch", "amax",
            "attempt", "available", "decode", "decode_sum", "encode", "failed",
-           "feedback_fits", "placed_tiles", "reference", "scale_rows", "tiles", "verdict"]
+           "feedback_fits", "placed_tiles", "reference", "ticket", "tiles", "verdict"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # whether a tensor is where the kernels run (no Python per tensor in `available`)
@@ -392,17 +409,6 @@ if triton is not None:
         _group_max(bits_ptr, acc, mask, g, start, size, g0, run0, epoch, TILE)
 
     @triton.jit
-    def _finite_kernel(buf_ptr, rows_ptr, slot_ptr, epoch, BLOCK: tl.constexpr):
-        """Whether the FP32 scales of one row ``(first byte, count)`` are all finite: the
-        slot's atomic max is ``epoch`` if every row's are, ``epoch + 1`` if not."""
-        row = rows_ptr + 2 * tl.program_id(0)
-        i = tl.arange(0, BLOCK)
-        mask = i < tl.load(row + 1)
-        b = _load_f32(buf_ptr + tl.load(row) + 4 * i, mask).to(tl.uint32, bitcast=True)
-        bad = (((b & 0x7F800000) == 0x7F800000) & mask).to(tl.int64)
-        tl.atomic_max(slot_ptr, epoch + tl.max(bad, 0))
-
-    @triton.jit
     def _decide(flags_ptr, n, bad0, verdict_ptr, skipped_ptr, BLOCK: tl.constexpr):
         """``verdict = all(flags[:n]) and not bad0`` (uint8 flags; ``bad0``: 0 or 1, the
         caller's own flag down), ``skipped += !verdict``; in the calling program."""
@@ -416,22 +422,55 @@ if triton is not None:
         tl.store(skipped_ptr, tl.load(skipped_ptr) + worse.to(tl.int64))
 
     @triton.jit
-    def _decode_placed_kernel(buf_ptr, out_ptr, slot_ptr, epoch, flag_ptr, tiles_ptr, divisor,
+    def _settle(out_ptr, tiles_ptr, ticket_ptr, flag_ptr, bad, flags_ptr, n, verdict_ptr,
+                skipped_ptr, POISON: tl.constexpr, VERDICT: tl.constexpr, TILE: tl.constexpr):
+        """A fused decode's end, after its program stored its values: the ticket (module
+        notes) counts this program and its ``bad`` (0 or 1: a non-finite scale read); the
+        last program writes ``flag = every program's bad is 0``, zeroes the ticket, writes
+        NaN over every tile's elements unless finite (``POISON``) and (``VERDICT``) decides
+        the step from ``flags[:n]`` and its flag (:func:`_decide`)."""
+        # acq_rel (Triton's default, scope gpu) is enough: a program's threads store its
+        # values, meet at a barrier (the reduction of `bad`), then one thread's atomic
+        # releases those stores; the last program's atomic acquires every earlier release,
+        # and its threads meet at a barrier again (the result's broadcast) before its NaN
+        # stores, which so land after every program's values (sm_90 PTX: the stores,
+        # bar.sync, atom.global.gpu.acq_rel.add.u64, bar.sync). The interpreter runs the
+        # programs one by one and cannot show it: make gpu-check's gathered decode rows do
+        before = tl.atomic_add(ticket_ptr, 1 + (bad.to(tl.int64) << 32))
+        # programs counted before this one (the low word), then its high word's verdicts
+        if before - ((before >> 32) << 32) == tl.num_programs(0) - 1:
+            worse = ((before >> 32) + bad > 0).to(tl.int32)
+            tl.store(flag_ptr, (1 - worse).to(tl.uint8))
+            tl.store(ticket_ptr, tl.zeros((), dtype=tl.int64))
+            if POISON:
+                if worse != 0:  # a skipped step: all NaN, tile after tile
+                    for t in range(0, tl.num_programs(0)):
+                        at = tl.load(tiles_ptr + 7 * t) + tl.arange(0, TILE).to(tl.int64)
+                        tl.store(out_ptr + at, tl.full((TILE,), float("nan"), tl.float32),
+                                 mask=at < tl.load(tiles_ptr + 7 * t + 1))
+            if VERDICT:  # the step's last unit: its verdict, from the earlier units' flags
+                _decide(flags_ptr, n, worse, verdict_ptr, skipped_ptr, TILE)
+
+    @triton.jit
+    def _nonfinite(scale, mask):
+        """1 if a masked lane's FP32 ``scale`` has its exponent all ones (±Inf, NaN), else 0."""
+        bits = scale.to(tl.uint32, bitcast=True)
+        return tl.max((((bits & 0x7F800000) == 0x7F800000) & mask).to(tl.int32), 0)
+
+    @triton.jit
+    def _decode_placed_kernel(buf_ptr, out_ptr, ticket_ptr, flag_ptr, tiles_ptr, divisor,
                               flags_ptr, n, verdict_ptr, skipped_ptr, DIVIDE: tl.constexpr,
                               VERDICT: tl.constexpr, E5M2: tl.constexpr, TILE: tl.constexpr):
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         code_at, scale_at = _places(tiles_ptr, offs, g)
         c = tl.load(buf_ptr + code_at, mask=mask, other=0).to(tl.uint32)
-        v = _fp8_value(c, E5M2) * _load_f32(buf_ptr + scale_at, mask)
+        s = _load_f32(buf_ptr + scale_at, mask)
+        v = _fp8_value(c, E5M2) * s
         if DIVIDE:
             v = tl.math.div_rn(v, tl.full(v.shape, divisor, tl.float32))
-        finite = tl.load(slot_ptr) == epoch
-        v = tl.where(finite, v, float("nan"))  # any non-finite scale: all NaN
         tl.store(out_ptr + offs, v, mask=mask)
-        if tl.program_id(0) == 0:
-            tl.store(flag_ptr, finite.to(tl.uint8))
-            if VERDICT:  # the step's last unit: its verdict, from the earlier units' flags
-                _decide(flags_ptr, n, 1 - finite.to(tl.int32), verdict_ptr, skipped_ptr, TILE)
+        _settle(out_ptr, tiles_ptr, ticket_ptr, flag_ptr, _nonfinite(s, mask), flags_ptr, n,
+                verdict_ptr, skipped_ptr, True, VERDICT, TILE)
 
     @triton.jit
     def _verdict_kernel(flags_ptr, n, verdict_ptr, skipped_ptr, BLOCK: tl.constexpr):
@@ -526,13 +565,10 @@ def feedback_fits(x: torch.Tensor, feedback: Feedback | None) -> bool:
                                   and keep.device == x.device)))
 
 
-def scale_rows(records) -> list[tuple[int, int]]:
-    """The rows of the gathered records' finite check (``_finite_kernel``): ``(first byte,
-    count)`` of at most 1024 FP32 scales each, from every record's ``(first byte, number of
-    scales)``."""
-    rows = [(at + 4 * k, min(1024, count - k)) for at, count in records
-            for k in range(0, count, 1024)]
-    return rows or [(0, 0)]
+def ticket(device: torch.device) -> torch.Tensor:
+    """A fused decode's ticket (module notes): one int64, zeroed once; each call's last
+    program zeroes it again."""
+    return torch.zeros(1, dtype=torch.int64, device=device)
 
 
 def decode_launches(decode: Launch, anywhere: torch.Tensor) -> tuple[Launch, Launch]:

@@ -1,8 +1,8 @@
-"""The block-scaled fused stages of a layout (NVFP4, MXFP4, MXFP8): six kernels a bucket.
+"""The block-scaled fused stages of a layout (NVFP4, MXFP4, MXFP8): five kernels a bucket.
 
 A :class:`BlockPlan` places a one-codec block-scaled layout (no side bytes) for
 :mod:`geofp8.codecs.triton_fp4`'s kernels (:class:`~geofp8.codecs.block_records.Placement`),
-so each stage of the exact collective is two kernels that read the flat vector or the
+so each stage of the exact collective is one or two kernels that read the flat vector or the
 records where they lie and write where the next step reads, as :class:`.plan.FusedPlan`
 does for FP8:
 
@@ -15,8 +15,9 @@ does for FP8:
   its amax (``reduce_sum``, a reduce-scatter's end), then the re-encode into the
   padded record the all-gather sends (``encode_reduced``, which also takes a sum made
   elsewhere: one amax pass more);
-* ``decode_gathered`` — the gathered records' finite check, then the decode into the
-  flat vector with the division by ``N`` and all NaN unless every scale is finite.
+* ``decode_gathered`` — the decode of the gathered records into the flat vector with the
+  division by ``N``, all NaN unless every scale is finite, and that flag: one kernel, whose
+  last program writes the flag (:mod:`~geofp8.codecs.triton_fp8`'s ticket).
 
 Amax slots are epoch-tagged (:class:`~geofp8.codecs.triton_fp8.AmaxSlots`): one buffer per
 stage and device, zeroed once. The maps and slots are made once per layout, and bound to the
@@ -33,7 +34,7 @@ import torch
 
 from ..codecs import triton_fp4
 from ..codecs.block_records import ShardPlace, place
-from ..codecs.triton_fp8 import AmaxSlots, Launch
+from ..codecs.triton_fp8 import AmaxSlots, Launch, ticket
 from ..codecs.uniforms import StepSeed
 from ..verdict import decode_into
 from .bound import RESIDUALS, BoundStages, guarded
@@ -88,11 +89,11 @@ class BlockPlan:
         return self._maps[key]
 
     def slots(self, what: str | int, device: torch.device) -> AmaxSlots:
-        """The persistent amax slots of ``"send"``, shard ``j`` or ``"finite"`` (one)."""
+        """The persistent amax slots of ``"send"`` or shard ``j``."""
         key = ("slots", what, device)
         if key not in self._maps:
-            p = None if what == "finite" else self.place(what, device).p
-            self._maps[key] = AmaxSlots(1 if p is None else p.n_groups + p.n_segments, device)
+            p = self.place(what, device).p
+            self._maps[key] = AmaxSlots(p.n_groups + p.n_segments, device)
         return self._maps[key]
 
 
@@ -110,10 +111,10 @@ class _Owner(NamedTuple):
 
 class BlockStages(BoundStages):
     """A block-scaled layout's stages bound on one device (module notes, :mod:`.bound`): the
-    send map's two launches and the gathered decode's two made at once, each owner shard's
-    on its first call (an empty shard: the torch path); rounding to nearest, the encodes'
-    seed arguments fixed with them; the send's two with a residual's constexprs, per
-    residual dtype."""
+    send map's two launches and the gathered decode's one (with its ticket) made at once,
+    each owner shard's on its first call (an empty shard: the torch path); rounding to
+    nearest, the encodes' seed arguments fixed with them; the send's two with a residual's
+    constexprs, per residual dtype."""
 
     kernels = triton_fp4
     dtypes = (torch.float32, torch.bfloat16, torch.uint8)
@@ -124,9 +125,9 @@ class BlockStages(BoundStages):
         self.numel, self.record_bytes = layout.numel, layout.max_shard_bytes
         self.stochastic = layout.codec.rounding == "stochastic"
         self._send = self._encoder("send", (0, 0))
-        gather, self.finite_slot = plan.place("gather", device), plan.slots("finite", device)
-        self.finite = gather.finite.bind(slot_ptr=self.finite_slot.buffer)
-        self._decode = gather.decode.bind(slot_ptr=self.finite_slot.buffer, POISON=True)
+        self.ticket = ticket(device)
+        self._decode = plan.place("gather", device).decode.bind(ticket_ptr=self.ticket,
+                                                                POISON=True)
         self._decodes: dict[int | None, tuple] = {}
         self._owners: dict[int, tuple | None] = {}  # None: an empty shard
         self._feedback = {dtype: self._with_residual(dtype) for dtype in RESIDUALS}
@@ -265,15 +266,14 @@ class BlockStages(BoundStages):
     def decode_gathered(self, gathered, out, divide, flag):
         """``(values, finite)``: the flat vector from the all-gather's ``N`` padded records
         (``/ divide`` when given), all NaN unless every scale is finite, and that flag
-        (written into the 0-dim uint8 ``flag`` when given: a step's slot): two kernels."""
+        (written into the 0-dim uint8 ``flag`` when given: a step's slot): one kernel
+        (:mod:`~geofp8.codecs.triton_fp8`'s ticket)."""
         values = out if out is not None else torch.empty(self.numel, dtype=torch.float32,
                                                          device=gathered.device)
         if flag is None:
             flag = torch.empty((), dtype=torch.uint8, device=gathered.device)
         launches = self._decodes.get(divide) or self.decodes(divide)
-        epoch = next(self.finite_slot.epochs)
-        self.finite(gathered, gathered, epoch=epoch)
-        decode_into(launches, flag, gathered, gathered, gathered, values, epoch=epoch)
+        decode_into(launches, flag, gathered, gathered, gathered, values)
         return values, flag.view(torch.bool)
 
 

@@ -1,11 +1,12 @@
 """A layout's fused stages bound on one device: what does not change between calls, resolved once.
 
 The exact collective's stages (:mod:`.stages`) on the fused Triton kernels take two launches
-each. Everything such a launch needs but the call's own tensors — which kernels, their grids,
-the layout's maps and amax slots, the format's constexprs — is resolved when a layout first
-runs on a device, into a :class:`BoundStages` (:class:`.plan.FP8Stages` for E4M3 / E5M2,
-:class:`.block_plan.BlockStages` for NVFP4 and MX) whose calls only allocate their outputs
-and launch (:class:`~geofp8.codecs.triton_fp8.Launch`). Its protocol:
+each, the gathered decode one. Everything such a launch needs but the call's own tensors —
+which kernels, their grids, the layout's maps, amax slots and tickets, the format's
+constexprs — is resolved when a layout first runs on a device, into a :class:`BoundStages`
+(:class:`.plan.FP8Stages` for E4M3 / E5M2, :class:`.block_plan.BlockStages` for NVFP4 and
+MX) whose calls only allocate their outputs and launch
+(:class:`~geofp8.codecs.triton_fp8.Launch`). Its protocol:
 
 * ``send(flat, error, feedback, seed, sender)`` — the sender's encode into the send buffer;
 * ``reduce_sum(received, shard)`` — ``(sum, its amax slots)`` of the ``N`` received copies;
@@ -64,13 +65,14 @@ class BoundStages:
     dtypes: tuple[torch.dtype, ...] = ()
     _decode: object  # the gathered decode's launch, its divisor not bound (its class's)
     _decodes: dict  # divide -> that launch's (plain, deciding) pair with it bound
+    ticket: torch.Tensor  # the gathered decode's (triton_fp8.ticket)
 
     def decodes(self, divide: int | None) -> tuple:
         """The gathered decode's ``(plain, deciding)`` launches
         (:func:`~geofp8.codecs.triton_fp8.decode_launches`) dividing by ``divide`` (``None``:
         not), its divisor and constexpr bound on first use: a call passes neither."""
         found = self._decodes[divide] = decode_launches(self._decode.bind(
-            divisor=float(divide or 1), DIVIDE=divide is not None), self.finite_slot.buffer)
+            divisor=float(divide or 1), DIVIDE=divide is not None), self.ticket)
         return found
 
     @classmethod

@@ -13,7 +13,7 @@ values or bytes in between:
 * ``gather``: the all-gather's ``N`` padded records → the flat vector.
 
 A block-scaled layout (one NVFP4 / MX codec, :attr:`FusedPlan.blocks`) is placed by
-:class:`~geofp8.comm.block_plan.BlockPlan` (its own placed maps, two kernels a stage).
+:class:`~geofp8.comm.block_plan.BlockPlan` (its own placed maps, one or two kernels a stage).
 
 :meth:`FusedPlan.bound`: the layout's stages bound on a device (:mod:`.bound`), made once
 per device: :class:`FP8Stages`, or the block-scaled :class:`~.block_plan.BlockStages`.
@@ -124,31 +124,19 @@ class FusedPlan:
         return self._maps[key]
 
     def slots(self, what: str | int, device: torch.device) -> triton_fp8.AmaxSlots:
-        """The persistent amax slots of ``"send"`` or shard ``j``'s groups on ``device``, or
-        the one slot of the gathered records' finite check (``"finite"``)."""
+        """The persistent amax slots of ``"send"`` or shard ``j``'s groups on ``device``."""
         key = ("slots", what, device)
         if key not in self._maps:
-            n = {"send": self.n_groups, "finite": 1}.get(what)
             self._maps[key] = triton_fp8.AmaxSlots(
-                self.group_counts[what] if n is None else n, device)
-        return self._maps[key]
-
-    def scale_rows(self, device: torch.device) -> torch.Tensor:
-        """Where the gathered records' FP32 scales lie, int64 ``[R, 2]`` on ``device``
-        (:func:`~geofp8.codecs.triton_fp8.scale_rows`)."""
-        key = ("scale rows", device)
-        if key not in self._maps:
-            size = self.layout.max_shard_bytes
-            rows = triton_fp8.scale_rows((j * size, count)
-                                         for j, count in enumerate(self.group_counts))
-            self._maps[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+                self.n_groups if what == "send" else self.group_counts[what], device)
         return self._maps[key]
 
 
 class FP8Stages(BoundStages):
     """A one-codec FP8 layout's stages bound on one device (:mod:`.bound`): the send map's
-    two launches and the gathered decode's two made at once, each owner shard's on its
-    first call; the send's two with a residual's constexprs, per residual dtype."""
+    two launches and the gathered decode's one (with its ticket) made at once, each owner
+    shard's on its first call; the send's two with a residual's constexprs, per residual
+    dtype."""
 
     kernels = triton_fp8
     dtypes = _PLAIN
@@ -159,12 +147,9 @@ class FP8Stages(BoundStages):
         self.numel, self.record_bytes = layout.numel, layout.max_shard_bytes
         self.fmt = {"E5M2": plan.fmt == "e5m2", "TILE": TILE}
         self._send = self._encoder("send", (0, 0))
-        rows, gather = plan.scale_rows(device), plan.tiles("gather", device)
-        self.finite_slot = plan.slots("finite", device)
-        self.finite = Launch(triton_fp8._finite_kernel, (rows.shape[0],), rows_ptr=rows,
-                             slot_ptr=self.finite_slot.buffer, BLOCK=1024)
+        gather, self.ticket = plan.tiles("gather", device), triton_fp8.ticket(device)
         self._decode = Launch(triton_fp8._decode_placed_kernel, (gather.shape[0],),
-                              slot_ptr=self.finite_slot.buffer, tiles_ptr=gather, **self.fmt,
+                              ticket_ptr=self.ticket, tiles_ptr=gather, **self.fmt,
                               **triton_fp8._NO_FUSION)
         self._decodes: dict[int | None, tuple] = {}
         self._owners: dict[int, tuple] = {}
@@ -265,14 +250,13 @@ class FP8Stages(BoundStages):
 
     @guarded
     def decode_gathered(self, gathered, out, divide, flag):
-        """``(values, finite)`` from the ``N`` padded records: the finite check, then the
-        decode (``/ divide``), all NaN unless finite, the flag into ``flag`` when given."""
+        """``(values, finite)`` from the ``N`` padded records: the decode (``/ divide``), all
+        NaN unless every scale is finite, and that flag (into ``flag`` when given); one
+        kernel (:mod:`~geofp8.codecs.triton_fp8`'s ticket)."""
         values = out if out is not None else torch.empty(self.numel, dtype=torch.float32,
                                                          device=gathered.device)
         if flag is None:
             flag = torch.empty((), dtype=torch.uint8, device=gathered.device)
         launches = self._decodes.get(divide) or self.decodes(divide)
-        epoch = next(self.finite_slot.epochs)
-        self.finite(gathered, epoch=epoch)
-        decode_into(launches, flag, gathered, values, epoch=epoch)
+        decode_into(launches, flag, gathered, values)
         return values, flag.view(torch.bool)

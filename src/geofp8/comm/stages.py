@@ -298,7 +298,7 @@ def decode_gathered(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLa
     ``N`` re-encoded shards (an all-gather's ``[N, max_shard_bytes]`` buffer, or a list);
     all NaN if any shard carries a non-finite scale (a segmentwise codec: through its
     scales; else a pass over the values, :func:`poison_unless`); ``divide``: divided by it
-    (IEEE, e.g. by ``N`` for the mean). The fused kernels: two (the flag, the decode)."""
+    (IEEE, e.g. by ``N`` for the mean). The fused kernels: one, its own flag."""
     return decode_gathered_flagged(gathered, layout, out, divide)[0]
 
 

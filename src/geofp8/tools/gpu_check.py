@@ -545,16 +545,52 @@ def _collective_matches(codec, seed: int | None = None) -> tuple[str, bool]:
             f"with a NaN: {ok}"), all(ok)
 
 
+def _gathered_decode_matches(codec) -> tuple[str, bool]:
+    """The fused decode of the gathered records (one kernel that decides its own finite
+    flag: :mod:`geofp8.codecs.triton_fp8`'s ticket) on the device against the CPU's chunked
+    path, bitwise, divided by ``N``: clean, a NaN scale in the first record (its first
+    group), an Inf in the last record's last group, both, clean again (the ticket zeroed by
+    each call's last program). On CUDA over a 4 Mi-element bucket (thousands of programs
+    at once: the last one's NaN stores must land after every other's values, the atomic's
+    ordering, which the interpreter cannot show); the flags ``[1, 0, 0, 0, 1]``."""
+    from ..comm import ShardLayout
+    from ..comm import stages as st
+
+    shapes = SHAPES + [(4 << 20,)] if DEVICE.type == "cuda" else SHAPES
+    fused, chunked = (ShardLayout.build(shapes, codec, WORLD, kernels=kernels)
+                      for kernels in ("batched", "chunked"))
+    ok, flags = [], []
+    for first, last in ((False, False), (True, False), (False, True), (True, True),
+                        (False, False)):
+        inputs = [bucket(r, shapes) for r in range(WORLD)]
+        inputs[1][0] = float("nan") if first else inputs[1][0]
+        inputs[2][-1] = float("inf") if last else inputs[2][-1]
+        sent = [st.encode(x, chunked, sender=r) for r, x in enumerate(inputs)]
+        cuts = [chunked.send_bytes(j) for j in range(WORLD)]
+        gathered = torch.stack([st.reduce_encode(torch.cat([s.split(cuts)[j] for s in sent]),
+                                                 chunked, j)[0] for j in range(WORLD)])
+        got, flag = st.decode_gathered_flagged(gathered.to(DEVICE), fused, divide=WORLD)
+        want = st.decode_gathered(gathered, chunked, divide=WORLD)
+        flags.append(None if flag is None else int(flag))
+        ok.append(_bits_equal(got.cpu(), want) and flags[-1] == int(bool(want.isfinite().all())))
+    ok.append(flags == [1, 0, 0, 0, 1])
+    return f"clean, NaN first, Inf last, both, clean: {ok}, flags {flags}", all(ok)
+
+
 def check_fused_block_stages(rows: list) -> None:
     """The exact collective on a block-scaled codec's batched path (NVFP4 both roundings,
     MXFP4; the owners' stages record to record,
     :meth:`~geofp8.comm.block_plan.BlockStages.reduce_encode`) against the CPU's chunked path,
-    bitwise, clean and with a NaN on one sender."""
+    bitwise, clean and with a NaN on one sender; the gathered decode of NVFP4 and MXFP8
+    with non-finite scales in its first and last records (:func:`_gathered_decode_matches`)."""
     from ..codecs import make_codec
 
     for fmt, rounding in (("nvfp4", "nearest"), ("nvfp4", "stochastic"), ("mxfp4", "nearest")):
         _row(rows, f"fused stages {fmt}/{rounding} N={WORLD}", lambda fmt=fmt, rounding=rounding:
              _collective_matches(make_codec(fmt, rounding=rounding), seed=5))
+    for fmt in ("nvfp4", "mxfp8"):
+        _row(rows, f"fused gathered decode {fmt} N={WORLD}",
+             lambda fmt=fmt: _gathered_decode_matches(make_codec(fmt)))
 
 
 def check_fused_maps(rows: list) -> None:
@@ -640,12 +676,17 @@ def _deciding(launches: tuple, flag: torch.Tensor, **decision) -> None:
 def check_fused_stages(rows: list) -> None:
     """The exact collective's stages on the fused kernels (:class:`geofp8.comm.plan.FusedPlan`)
     against the CPU's chunked path, bitwise (a sender's encode with its error written over
-    the bucket, the whole collective with a NaN on one sender)."""
+    the bucket, the whole collective with a NaN on one sender); the gathered decode with
+    non-finite scales in its first and last records (:func:`_gathered_decode_matches`)."""
     from ..codecs import make_codec
 
     for fmt, scaling in (("e4m3", "row"), ("e4m3", "block"), ("e5m2", "tensor")):
         _row(rows, f"fused stages {fmt}/{scaling} N={WORLD}", lambda fmt=fmt, scaling=scaling:
              _collective_matches(make_codec(fmt, scaling, 32)))
+    for fmt, scaling in (("e4m3", "row"), ("e5m2", "block")):
+        _row(rows, f"fused gathered decode {fmt}/{scaling} N={WORLD}",
+             lambda fmt=fmt, scaling=scaling: _gathered_decode_matches(
+                 make_codec(fmt, scaling, 32)))
 
 
 def stage_share(layout, x: torch.Tensor, feedback: bool = False):
