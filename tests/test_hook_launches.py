@@ -295,9 +295,10 @@ def test_a_map_that_overflows_skips_the_step_through_the_map_kernels_verdict():
         # step 0 sizes the slots; then the last bucket's decode decides, or its map back's
         # kernel once it has maps (a refresh step's and the overflowing one's too)
         assert out["kernel"] == ["torch"] + ["decode"] * 4
-        for key in ("saw_bad", "skipped", "mapped", "params"):
-            assert out[key] == ref[key], key  # the torch path's, bit for bit
-    assert fused[0]["params"] == fused[1]["params"]
+        for key in ("saw_bad", "skipped", "mapped"):
+            assert out[key] == ref[key], key  # the torch path's, exactly
+        _assert_round_off(out["params"], ref["params"])
+    assert fused[0]["params"] == fused[1]["params"]  # every rank's bits the same
 
 
 @pytest.mark.child(SKIP["_map_overflow_buckets_worker"][0])
@@ -312,9 +313,21 @@ def test_the_last_buckets_map_kernel_decides_whichever_bucket_overflows():
         assert out["saw_bad"] == [False, False, False, True, True, False]
         assert out["skipped"] == 2
         assert out["kernel"] == ["torch"] + ["decode"] * 5
-        for key in ("saw_bad", "skipped", "mapped", "params"):
+        for key in ("saw_bad", "skipped", "mapped"):
             assert out[key] == ref[key], key
+        _assert_round_off(out["params"], ref["params"])
     assert fused[0]["params"] == fused[1]["params"]
+
+
+def _assert_round_off(fused, torch_path):
+    """The fused run's parameters (FP32 bits) are the torch path's up to round-off: the
+    grouped map kernel sums the same products in another order than the BLAS does
+    (codecs.triton_map's notes), so a bit may differ where the BLAS's order happens not to
+    be the kernel's (it depends on the machine); a wrong map, verdict or skip is far off."""
+    import torch
+
+    a, b = (torch.tensor(x, dtype=torch.int32).view(torch.float32) for x in (fused, torch_path))
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 # launches per bucket with layers on a low-rank map, beyond the flat bucket's: the forward
