@@ -117,19 +117,24 @@ class BucketPath:
         """:meth:`encode` of a bucket as ``record`` resolved it, on the flat path: ``G T``
         over each mapped tensor's slot, then the encode, with error feedback the bucket's
         residual added and the new one written back into it (no Python per tensor but a
-        map's)."""
+        map's): the record's bound send (its tensors checked when it was made), the stages'
+        entry where it has none or a kernel failed."""
         # its check but the kernels' availability (a kernel may fail since)
         bound = record.bound if record.bound and record.bound.kernels.available(flat) else None
         if record.maps is not None:  # (no call for a bucket without a map)
             record.maps.forward()
-        if self.config.error_feedback:
-            # the bucket's residual R (its recorded vector) added and the new one written
-            # in place, into R (the error's own vector, error_out, is the bucket's: flat)
-            sent, _ = encode_with_error(flat, record.layout, None, seed, self.group.rank, flat,
-                                        self.feedback.recorded(record.residuals), bound)
+        # with error feedback the bucket's residual R (its recorded vector) added and the new
+        # one written in place, into R; without, no error is kept
+        feedback = self.feedback.recorded(record.residuals) if self.config.error_feedback else None
+        sent = bound and bound.send(flat, None, feedback, seed, self.group.rank)
+        if sent is None:  # the torch path
+            if feedback is None:
+                sent = encode(flat, record.layout, None, seed, self.group.rank)
+            else:  # (the error of Ũ written into R; error_out: the bucket, not read again)
+                sent = encode_with_error(flat, record.layout, None, seed, self.group.rank, flat,
+                                         feedback)[0]
+        if feedback is not None:
             self.feedback.restage(record.names)
-        else:
-            sent = encode(flat, record.layout, None, seed, self.group.rank, bound)
         return Encoded(sent, record.layout, record.names, record.shapes, record.routes,
                        record.per_sender, record.side_bytes, record.slots, record, bound,
                        record.maps)

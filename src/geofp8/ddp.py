@@ -98,8 +98,7 @@ class GeoFP8State:
         self.engine = SyncEngine(model, config, DeviceGroup(process_group, device), "ddp",
                                  residual_storage=config.residual, grad_scaler=grad_scaler)
         self.stream = SideStream(device)
-        # every call of it runs inside the hook's side-stream context (communicate): it
-        # enters no stream of its own
+        # every call of it runs inside the hook's side-stream context (communicate)
         self.communicator = Communicator(config.collective, self.engine.group, lag=self.lag)
         # the step settles in one kernel (StepVerdict.slot: one list.pop, no lock needed)
         self.communicator.flag_slot = self.engine.verdict.slot

@@ -7,7 +7,9 @@ runs on a device, into a :class:`BoundStages` (:class:`.plan.FP8Stages` for E4M3
 :class:`.block_plan.BlockStages` for NVFP4 and MX) whose calls only allocate their outputs
 and launch (:class:`~geofp8.codecs.triton_fp8.Launch`). Its protocol:
 
-* ``send(flat, error, feedback, seed, sender)`` — the sender's encode into the send buffer;
+* ``send(flat, error, feedback, seed, sender)`` — the sender's encode into the send buffer,
+  its rounding error written into ``error`` (``None``: not kept) or, with ``feedback = (R,
+  keep)``, into ``R``;
 * ``reduce_sum(received, shard)`` — ``(sum, its amax slots)`` of the ``N`` received copies;
 * ``encode_reduced(values, shard, seed, error, bits)`` — the owner's padded record, the
   values' amax taken unless ``bits`` (``reduce_sum``'s) are given;

@@ -119,13 +119,16 @@ class DeviceGroup:
                    flat: bool = False):
         """``(every rank's t stacked as [N, *t.shape], work)``: one buffer, gathered in place
         (a list of outputs would be gathered into a buffer and copied out, one copy per rank,
-        by NCCL); ``flat``: that buffer as gathered, ``[N · t.shape[0], *t.shape[1:]]`` (the
-        ranks' 1-D ``t`` back to back), not viewed."""
-        t = self.on_device(t)
+        by NCCL). ``flat``: the communicator's all-gather of a 1-D ``t`` it allocated on the
+        device (not moved, as :meth:`all_to_all`'s buffers), the buffer as gathered (the
+        ranks' ``t`` back to back), not viewed."""
+        if not flat:
+            t = self.on_device(t)
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # gloo: concatenated form
         self.bytes[kind] += (self.size - 1) * t.numel() * t.element_size()
         work = getattr(dist, _ALL_GATHER)(out, t, group=self.group, async_op=True)
-        return out if flat else out.view(self.size, *t.shape), self._keep(work, async_op)
+        self._works.append(work)  # kept alive (module notes)
+        return out if flat else out.view(self.size, *t.shape), work if async_op else _waited(work)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, kind: str,
                        async_op: bool = False):
@@ -143,7 +146,8 @@ class DeviceGroup:
         from / to rank ``j``."""
         self.bytes[kind] += sum(sends) - sends[self.rank]  # to the others
         work = dist.all_to_all_single(out, inp, received, sends, group=self.group, async_op=True)
-        return self._keep(work)
+        self._works.append(work)  # kept alive (module notes)
+        return work
 
     # -- plain data: JSON text and named tensors as bytes (no Python objects) -----------------
 
