@@ -127,8 +127,7 @@ class DeviceGroup:
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # gloo: concatenated form
         self.bytes[kind] += (self.size - 1) * t.numel() * t.element_size()
         work = getattr(dist, _ALL_GATHER)(out, t, group=self.group, async_op=True)
-        self._works.append(work)  # kept alive (module notes)
-        return out if flat else out.view(self.size, *t.shape), work if async_op else _waited(work)
+        return out if flat else out.view(self.size, *t.shape), self._keep(work, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, kind: str,
                        async_op: bool = False):
@@ -146,8 +145,7 @@ class DeviceGroup:
         from / to rank ``j``."""
         self.bytes[kind] += sum(sends) - sends[self.rank]  # to the others
         work = dist.all_to_all_single(out, inp, received, sends, group=self.group, async_op=True)
-        self._works.append(work)  # kept alive (module notes)
-        return work
+        return self._keep(work)
 
     # -- plain data: JSON text and named tensors as bytes (no Python objects) -----------------
 
