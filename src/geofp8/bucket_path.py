@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .bucket_record import BucketRecord
-from .codecs import triton_map
+from .codecs import triton_fp8, triton_map
 from .codecs.base import device_scalar
 from .codecs.triton_fp8 import feedback_fits
 from .codecs.triton_map import BoundMaps
@@ -102,15 +102,26 @@ class BucketPath:
         flat_path = bucket is not None or (in_place and not self.config.error_feedback
                                            and all(self.plain(n) for n in names))
         maps = slots.bind(flat) if in_place else None  # (kept by a record)
-        record = BucketRecord(self.generation(),
-                              NO_RESIDUALS if bucket is None else self.feedback.held(names),
-                              tuple(names), tuple(shapes), tuple(routes),
-                              per_sender, slots, layout, side_bytes,
-                              layout.plan.bound(flat, flat) if feedback_fits(flat, bucket)
-                              else None, maps) \
+        record = self._record(names, shapes, routes, per_sender, slots, layout, side_bytes,
+                              flat, bucket, maps) \
             if flat_path and self.recordable() and not any(per_sender) else None
         return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes,
                        slots, record, maps=maps)
+
+    def _record(self, names: list[str], shapes: list[tuple[int, ...]],
+                routes: list[Transform], per_sender: tuple[bool, ...], slots: MapSlots,
+                layout: ShardLayout, side_bytes: int, flat: torch.Tensor,
+                bucket: triton_fp8.Feedback | None, maps) -> BucketRecord:
+        """The :class:`BucketRecord` of a bucket just encoded on the flat path: its stages
+        bound for its vector and residual, and their send bound for both
+        (:meth:`~geofp8.comm.bound.BoundStages.sender`), where the fused kernels take them."""
+        bound = layout.plan.bound(flat, flat) if feedback_fits(flat, bucket) else None
+        return BucketRecord(self.generation(),
+                            NO_RESIDUALS if bucket is None else self.feedback.held(names),
+                            tuple(names), tuple(shapes), tuple(routes), per_sender, slots,
+                            layout, side_bytes, bound,
+                            bound and bound.sender(flat, None if bucket is None else bucket[0]),
+                            maps)
 
     def _encode_recorded(self, record: BucketRecord, flat: torch.Tensor,
                          seed: int | None) -> Encoded:
@@ -126,7 +137,7 @@ class BucketPath:
         # with error feedback the bucket's residual R (its recorded vector) added and the new
         # one written in place, into R; without, no error is kept
         feedback = self.feedback.recorded(record.residuals) if self.config.error_feedback else None
-        sent = bound and bound.send(flat, None, feedback, seed, self.group.rank)
+        sent = bound and record.send(feedback, seed, self.group.rank)
         if sent is None:  # the torch path
             if feedback is None:
                 sent = encode(flat, record.layout, None, seed, self.group.rank)

@@ -99,7 +99,8 @@ class GeoFP8State:
                                  residual_storage=config.residual, grad_scaler=grad_scaler)
         self.stream = SideStream(device)
         # every call of it runs inside the hook's side-stream context (communicate)
-        self.communicator = Communicator(config.collective, self.engine.group, lag=self.lag)
+        self.communicator = Communicator(config.collective, self.engine.group, lag=self.lag,
+                                         mean=True)
         # the step settles in one kernel (StepVerdict.slot: one list.pop, no lock needed)
         self.communicator.flag_slot = self.engine.verdict.slot
         self.communicator.on_failure = self._rollback  # a failed bucket rolls the step back
@@ -239,8 +240,8 @@ class GeoFP8State:
             self.engine.verdict.to_map()  # that decides the step, not its decode (_map_back)
         then = functools.partial(self._map_back, kept, encoded, unmap is not None)
         return self.communicator.launch(encoded.sent, encoded.layout, last, unmap, seed=seed,
-                                        owner_keys=owner_keys, out=kept.flat, bound=encoded.bound,
-                                        divide=self.engine.group.size, then=then)
+                                        owner_keys=owner_keys, out=kept.flat, then=then,
+                                        bound=encoded.bound)
 
     def _resolved(self, encoded) -> tuple:
         """``(unmap, owner keys)`` of a launch whose bucket was resolved this call, its

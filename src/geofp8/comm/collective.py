@@ -34,6 +34,10 @@ COLLECTIVES = ("exact", "allgather")
 Then = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
+def _same(value: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
+    return value
+
+
 class _Route(NamedTuple):
     """A layout's all-to-all arguments: bytes received from and sent to each rank."""
 
@@ -76,7 +80,9 @@ class Communicator:
     (``benchmarks/exit_abort.py``).
 
     ``kind``: the :class:`DeviceGroup` byte counter its traffic is charged to (``payload``
-    for gradients, ``factor`` for fresh factors' sketches).
+    for gradients, ``factor`` for fresh factors' sketches). ``mean``: every launch's value
+    is divided by ``N``, the group's size (IEEE), by the fused decode where it runs (the
+    same for every launch: :attr:`divide`, ``None`` without).
 
     Streams: every call runs on the caller's current stream — every wait on a collective,
     every stage after it and every completion (``then`` included) — so a caller that runs
@@ -117,13 +123,14 @@ class Communicator:
     on_failure: Callable[[], None] | None = None
 
     def __init__(self, collective: str, group: DeviceGroup, kind: str = "payload",
-                 lag: int = 1):
+                 lag: int = 1, mean: bool = False):
         if collective not in COLLECTIVES:
             raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
         self.collective, self.group, self.kind = collective, group, kind
         if lag < 1:
             raise ValueError(f"lag must be >= 1, got {lag}")
         self.lag, self.rank = lag, group.rank
+        self.divide = group.size if mean else None
         # (work, run, result) of the launches whose first collective's next hop is not run
         self._in_flight: list[tuple] = []
         self._pending: list = []  # (work, finish, result): results this thread completes
@@ -133,9 +140,8 @@ class Communicator:
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
                unmap=None, gather: bool = True, seed: int | None = None,
                owner_keys: list[str | None] | None = None,
-               out: torch.Tensor | None = None, then: Then | None = None,
-               divide: int | None = None, bound: BoundStages | None = None
-               ) -> torch.futures.Future:
+               out: torch.Tensor | None = None, then: Then = _same,
+               bound: BoundStages | None = None) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
         (mapped back per sender by ``unmap(rows, sides)`` first, see :func:`decode_sum`).
         ``gather=False`` stops after the FP32 sum (a reduce-scatter): the value is this
@@ -146,9 +152,8 @@ class Communicator:
         ``layout.numel`` elements that is the communicator's from here, e.g. the bucket that
         ``sent`` came from, not read again: the senders' decoded copies of this rank's shard
         are summed there (see :func:`decode_sum`) and, with ``gather``, the sum is decoded
-        into it and it is the future's value.
-        ``divide``: the value divided by it (IEEE; the mean's ``N``), by the fused decode
-        where it runs. ``then(value, finite)``: a function of that value whose result is the
+        into it and it is the future's value (divided by ``N`` with ``mean``, class notes).
+        ``then(value, finite)``: a function of that value whose result is the
         future's value instead, run by this thread (on its current stream) before the future
         is completed; ``finite``: the 0-dim bool device flag "every element of the value is
         finite" where the collective has it (the fused decode's; ``None``: not known).
@@ -161,8 +166,7 @@ class Communicator:
         self._advance(self.lag - 1, block=False)
         # the collective's first hop (the exact one's all-gather is issued `lag` launches later)
         result = device_future(sent.device)
-        run = self._run(sent, layout, unmap, gather, seed, owner_keys, out, then or _same,
-                        divide, bound, result)
+        run = self._run(sent, layout, unmap, gather, seed, owner_keys, out, then, bound, result)
         self._in_flight.append((next(run), run, result))  # its first collective issued
         if last:  # issue the all-gathers now, from this thread (class notes), and wait
             self._advance(0, block=True)
@@ -224,7 +228,7 @@ class Communicator:
 
     def _exact(self, sent: torch.Tensor, layout: ShardLayout, unmap, gather: bool,
                seed: int | None, keys: list[str | None] | None, out: torch.Tensor | None,
-               then: Then, divide: int | None, bound: BoundStages | None,
+               then: Then, bound: BoundStages | None,
                result: torch.futures.Future) -> Generator:
         """One launch of the exact collective, run by this thread hop by hop (a generator,
         its locals the launch's state): it issues the all-to-all and yields its work; once
@@ -263,14 +267,14 @@ class Communicator:
         yield work
         # its finite flag in flag_slot's slot
         flag = self.flag_slot(shard.device) if self.flag_slot is not None else None
-        done = bound and bound.decode_gathered(gathered, out, divide, flag)
-        total, finite = done or decode_gathered_flagged(gathered, layout, out, divide, flag)
+        done = bound and bound.decode_gathered(gathered, out, self.divide, flag)
+        total, finite = done or decode_gathered_flagged(gathered, layout, out, self.divide, flag)
         release(shard, gathered)
         yield then(total, finite)
 
     def _allgather(self, sent: torch.Tensor, layout: ShardLayout, unmap, gather: bool,
                    seed: int | None, keys: list[str | None] | None, out: torch.Tensor | None,
-                   then: Then, divide: int | None, bound: BoundStages | None,
+                   then: Then, bound: BoundStages | None,
                    result: torch.futures.Future) -> Generator:
         """One launch of the ``allgather`` collective, run as :meth:`_exact`'s: it issues
         the all-gather of every payload and yields its work; once that is done
@@ -287,7 +291,7 @@ class Communicator:
         # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
         finite = all_finite(total)
         poison_unless(total, finite)
-        mean = total if divide is None else total.div_(total.new_full((), divide))
+        mean = total if self.divide is None else total.div_(total.new_full((), self.divide))
         result.set_result(then(mean, finite))
 
 
@@ -300,10 +304,6 @@ def _pieces(layout: ShardLayout, rank: int, keys: list[str | None]
             out.append((keys[index], pos, pos + hi - lo))
         pos += hi - lo
     return out
-
-
-def _same(value: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
-    return value
 
 
 def fail(result: torch.futures.Future, exc: Exception,
