@@ -273,14 +273,15 @@ class GeoFP8State:
             return kept.buffer
         t1 = time.perf_counter()  # T⁻¹ over each mapped tensor of the sum, in place:
         if encoded.maps is not None and finite is not None and not check:  # bound maps
-            check |= not encoded.maps.back(finite.view(torch.uint8), map_into)
-        elif encoded.slots:
-            check |= not self.engine.pipeline.decode(
-                encoded, total, divided=True,
-                finite=None if finite is None else finite.view(torch.uint8))
-        if kept.flat is None:  # the sum was not decoded into the buffer itself
-            for off, y in zip(kept.offsets, total.split([g.numel() for g in kept.grads])):
-                kept.buffer[off : off + y.numel()].copy_(y)
+            check = not encoded.maps.back(finite.view(torch.uint8), map_into)  # (in the bucket)
+        else:
+            if encoded.slots:
+                check |= not self.engine.pipeline.decode(
+                    encoded, total, divided=True,
+                    finite=None if finite is None else finite.view(torch.uint8))
+            if kept.flat is None:  # the sum was not decoded into the buffer itself
+                for off, y in zip(kept.offsets, total.split([g.numel() for g in kept.grads])):
+                    kept.buffer[off : off + y.numel()].copy_(y)
         self.engine.ledger.add("transform_s", time.perf_counter() - t1)
         if check and finite is not None:
             all_finite(kept.buffer, out=finite)
