@@ -2,7 +2,8 @@
 records that keep it flat (:mod:`geofp8.bucket_record`).
 
 Lines: the lines of GeoFP8's own Python that the hook's calls execute in one ordinary step
-on rank 0 of 2 gloo ranks, the stages' (under :mod:`geofp8.comm.stages`) left out
+on rank 0 of 2 gloo ranks, the stages' (under :mod:`geofp8.comm.stages` or a layout's bound
+stages: ``host_lines.STAGES``) left out
 (``benchmarks/host_lines.py``: ``SplitLines``, as ``hook_launches.py`` counts them; here on
 the torch path, whose stages differ from the fused kernels' but not the hook around them).
 Deterministic: the same model and step every run.
