@@ -309,6 +309,7 @@ class BoundSend:
 
     @guarded
     def __call__(self, feedback, seed, sender):
+        """The send buffer (:meth:`FP8Stages.send`'s bytes; ``None``: a kernel failed)."""
         sent = torch.empty(self.nbytes, dtype=torch.uint8, device=self.flat.device)
         keep = feedback and feedback[1]  # (None: R kept as it is, or no feedback)
         keep_ptr = self.flat if keep is None else keep.view(torch.uint8)  # any pointer without
