@@ -13,7 +13,8 @@ of GeoFP8's own Python the hook's calls execute (``py lines``, a trace as
 real hook per bucket, the stages' and everything around them (the pipeline's bucket
 path, the error feedback's residual, the collective's launch and flush, the step's
 verdict), counted rather than timed, split into the stages' (lines run under a frame of
-:mod:`geofp8.comm.stages`) and the hook's own (everything else). The hook's launches and
+:mod:`geofp8.comm.stages` or of a layout's bound stages: ``host_lines.STAGES``) and the hook's
+own (everything else). The hook's launches and
 lines must not grow with the tensors per bucket: ``--tensors`` varies them with one bucket
 per step; ``--buckets`` splits the same layers into several buckets.
 

@@ -1,11 +1,12 @@
 """The lines of GeoFP8's own Python a call executes, the stages' apart from the rest.
 
 :class:`SplitLines` traces a call (as ``gpu_bucket.python_lines`` does) and splits its lines
-into the stages' (run under a frame of :mod:`geofp8.comm.stages`, whatever that calls) and
-the others (for the DDP hook: its own host work around the stages). A count, not a time:
-deterministic whatever the machine's load; :data:`LINE_US` converts it into modelled host
-µs. :func:`hooked` makes the DDP hook of a method as ``hook_launches.py`` and the tests
-count it. No environment is set here (``hook_launches`` sets Triton's interpreter).
+into the stages' (run under a frame of :mod:`geofp8.comm.stages` or of a layout's bound stages,
+:data:`STAGES`, whatever that calls) and the others (for the DDP hook: its own host work around
+the stages). A count, not a time: deterministic whatever the machine's load; :data:`LINE_US`
+converts it into modelled host µs. :func:`hooked` makes the DDP hook of a method as
+``hook_launches.py`` and the tests count it. No environment is set here (``hook_launches``
+sets Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import geofp8
 
 ROOT = os.path.dirname(geofp8.__file__) + os.sep  # GeoFP8's own files (as gpu_bucket's)
 
-STAGES = os.path.join(ROOT, "comm", "stages.py")  # a line under one of its frames: a stage's
+# a line under one of their frames is a stage's: the stages' entries (comm.stages) and the
+# layouts' bound stages (comm.bound, comm.plan, comm.block_plan), which a bucket record and the
+# collective call themselves
+STAGES = tuple(os.path.join(ROOT, "comm", f"{name}.py")
+               for name in ("stages", "bound", "plan", "block_plan"))
 # Host µs of one library line executed, measured here as the fused stages' modelled host
 # time less their launches, over their lines: `gpu_bucket.py --paths fused --methods fp8-ef
 # nvfp4-ef --sizes 1 --ranks 8 --kinds equal --repeats 9`, twice on 2026-12-07 on the shared
@@ -29,13 +34,13 @@ LINE_US = 0.2
 
 class SplitLines:
     """A trace of the lines of GeoFP8's own Python a call executes (as
-    ``gpu_bucket.python_lines``), split into the stages' (under a frame of
-    :mod:`geofp8.comm.stages`, whatever it calls) and the hook's own (everything else);
+    ``gpu_bucket.python_lines``), split into the stages' (under a frame of one of
+    :data:`STAGES`, whatever it calls) and the hook's own (everything else);
     ``paused()``: true while the frames begun are not counted (an interpreted kernel)."""
 
     def __init__(self, paused=lambda: False) -> None:
         self.paused, self.hook, self.stages = paused, 0, 0
-        self._stage = None  # the outermost frame of comm/stages.py running, if any
+        self._stage = None  # the outermost frame of a STAGES file running, if any
 
     @property
     def in_stages(self) -> bool:
@@ -56,7 +61,7 @@ class SplitLines:
             name = frame.f_code.co_filename
             if self.paused() or not name.startswith(ROOT):
                 return None
-            if self._stage is None and name == STAGES:
+            if self._stage is None and name in STAGES:
                 self._stage = frame
             return local
 

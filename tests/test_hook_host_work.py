@@ -2,7 +2,8 @@
 records that keep it flat (:mod:`geofp8.bucket_record`).
 
 Lines: the lines of GeoFP8's own Python that the hook's calls execute in one ordinary step
-on rank 0 of 2 gloo ranks, the stages' (under :mod:`geofp8.comm.stages`) left out
+on rank 0 of 2 gloo ranks, the stages' (under :mod:`geofp8.comm.stages` or a layout's bound
+stages: ``host_lines.STAGES``) left out
 (``benchmarks/host_lines.py``: ``SplitLines``, as ``hook_launches.py`` counts them; here on
 the torch path, whose stages differ from the fused kernels' but not the hook around them).
 Deterministic: the same model and step every run.
@@ -40,8 +41,11 @@ METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_laun
 # mixed only for stochastic rounding and leaner group and stage entries (v40a) 157, 163
 # and 196; with an unmapped bucket's map back returning at once, the arming no longer
 # excluding a factor source (v40c) and a step's start doing nothing until its selection or
-# source may act (v40b) 149, 155 and 170
-MOST = 155
+# source may act (v40b) 149, 155 and 170; with the collective calling its bound stages itself,
+# its launch's choices made once and a bucket's figures added in one call (w40c) 146, 154
+# and 169 (here the torch path: on the fused path a record's bound send and the stages'
+# entries skipped take 20 lines, hook_launches.py)
+MOST = 154
 AUTO = 15  # geofp8-auto's decisions at the step's start and its factors' settling, more
 
 

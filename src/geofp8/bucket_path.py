@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .bucket_record import BucketRecord
-from .codecs import triton_map
+from .codecs import triton_fp8, triton_map
 from .codecs.base import device_scalar
 from .codecs.triton_fp8 import feedback_fits
 from .codecs.triton_map import BoundMaps
@@ -102,34 +102,50 @@ class BucketPath:
         flat_path = bucket is not None or (in_place and not self.config.error_feedback
                                            and all(self.plain(n) for n in names))
         maps = slots.bind(flat) if in_place else None  # (kept by a record)
-        record = BucketRecord(self.generation(),
-                              NO_RESIDUALS if bucket is None else self.feedback.held(names),
-                              tuple(names), tuple(shapes), tuple(routes),
-                              per_sender, slots, layout, side_bytes,
-                              layout.plan.bound(flat, flat) if feedback_fits(flat, bucket)
-                              else None, maps) \
+        record = self._record(names, shapes, routes, per_sender, slots, layout, side_bytes,
+                              flat, bucket, maps) \
             if flat_path and self.recordable() and not any(per_sender) else None
         return Encoded(sent, layout, list(names), shapes, routes, per_sender, side_bytes,
                        slots, record, maps=maps)
+
+    def _record(self, names: list[str], shapes: list[tuple[int, ...]],
+                routes: list[Transform], per_sender: tuple[bool, ...], slots: MapSlots,
+                layout: ShardLayout, side_bytes: int, flat: torch.Tensor,
+                bucket: triton_fp8.Feedback | None, maps) -> BucketRecord:
+        """The :class:`BucketRecord` of a bucket just encoded on the flat path: its stages
+        bound for its vector and residual, and their send bound for both
+        (:meth:`~geofp8.comm.bound.BoundStages.sender`), where the fused kernels take them."""
+        bound = layout.plan.bound(flat, flat) if feedback_fits(flat, bucket) else None
+        return BucketRecord(self.generation(),
+                            NO_RESIDUALS if bucket is None else self.feedback.held(names),
+                            tuple(names), tuple(shapes), tuple(routes), per_sender, slots,
+                            layout, side_bytes, bound,
+                            bound and bound.sender(flat, None if bucket is None else bucket[0]),
+                            maps)
 
     def _encode_recorded(self, record: BucketRecord, flat: torch.Tensor,
                          seed: int | None) -> Encoded:
         """:meth:`encode` of a bucket as ``record`` resolved it, on the flat path: ``G T``
         over each mapped tensor's slot, then the encode, with error feedback the bucket's
         residual added and the new one written back into it (no Python per tensor but a
-        map's)."""
+        map's): the record's bound send (its tensors checked when it was made), the stages'
+        entry where it has none or a kernel failed."""
         # its check but the kernels' availability (a kernel may fail since)
         bound = record.bound if record.bound and record.bound.kernels.available(flat) else None
         if record.maps is not None:  # (no call for a bucket without a map)
             record.maps.forward()
-        if self.config.error_feedback:
-            # the bucket's residual R (its recorded vector) added and the new one written
-            # in place, into R (the error's own vector, error_out, is the bucket's: flat)
-            sent, _ = encode_with_error(flat, record.layout, None, seed, self.group.rank, flat,
-                                        self.feedback.recorded(record.residuals), bound)
+        # with error feedback the bucket's residual R (its recorded vector) added and the new
+        # one written in place, into R; without, no error is kept
+        feedback = self.feedback.recorded(record.residuals) if self.config.error_feedback else None
+        sent = bound and record.send(feedback, seed, self.group.rank)
+        if sent is None:  # the torch path
+            if feedback is None:
+                sent = encode(flat, record.layout, None, seed, self.group.rank)
+            else:  # (the error of Ũ written into R; error_out: the bucket, not read again)
+                sent = encode_with_error(flat, record.layout, None, seed, self.group.rank, flat,
+                                         feedback)[0]
+        if feedback is not None:
             self.feedback.restage(record.names)
-        else:
-            sent = encode(flat, record.layout, None, seed, self.group.rank, bound)
         return Encoded(sent, record.layout, record.names, record.shapes, record.routes,
                        record.per_sender, record.side_bytes, record.slots, record, bound,
                        record.maps)

@@ -50,6 +50,7 @@ class BucketRecord:
     # the layout's fused stages bound for the bucket's flat vector and residual, checked once
     # here (both kept while the record is: the same buffer, the same version), or None
     bound: BoundStages | None = None
+    send: object | None = None  # its send bound for them (BoundStages.sender), with `bound`
     # its slots' maps bound for that vector (MapSlots.bind: one launch each way where
     # grouped), kept while the record is (new maps: a new generation, a new record); None
     # where nothing is mapped

@@ -60,7 +60,7 @@ __all__ = [
 
 SUPPORTED_BACKENDS = ("gloo", "nccl")
 _SIZE = ("elements", "bytes_fp32_equivalent")  # a bucket's figures per step (_Bucket.size)
-_SECONDS = ("codec_s", "transform_s")  # its encode's and map back's host seconds
+_ENCODED = (*_SIZE, "codec_s")  # with its encode's host seconds (its map back's: transform_s)
 
 
 class GeoFP8State:
@@ -98,9 +98,9 @@ class GeoFP8State:
         self.engine = SyncEngine(model, config, DeviceGroup(process_group, device), "ddp",
                                  residual_storage=config.residual, grad_scaler=grad_scaler)
         self.stream = SideStream(device)
-        # every call of it runs inside the hook's side-stream context (communicate): it
-        # enters no stream of its own
-        self.communicator = Communicator(config.collective, self.engine.group, lag=self.lag)
+        # every call of it runs inside the hook's side-stream context (communicate)
+        self.communicator = Communicator(config.collective, self.engine.group, lag=self.lag,
+                                         mean=True)
         # the step settles in one kernel (StepVerdict.slot: one list.pop, no lock needed)
         self.communicator.flag_slot = self.engine.verdict.slot
         self.communicator.on_failure = self._rollback  # a failed bucket rolls the step back
@@ -159,10 +159,9 @@ class GeoFP8State:
             with self.stream.after_current(buffer):
                 kept = self._buckets.get(buffer.data_ptr()) or self._bucket_of(bucket, buffer)
                 self.engine.start_unit(last)
-                self.engine.ledger.add_each(_SIZE, kept.size)
                 if self.engine.fp8:
                     return self._fp8_allreduce(kept, last)
-                return self._fp32_allreduce(buffer, last)
+                return self._fp32_allreduce(kept, last)
         except BaseException:
             self._rollback()
             raise
@@ -181,10 +180,11 @@ class GeoFP8State:
             self.hierarchy.reset()
         self.engine.rollback()
 
-    def _fp32_allreduce(self, buffer: torch.Tensor, last: bool) -> torch.futures.Future:
+    def _fp32_allreduce(self, kept: "_Bucket", last: bool) -> torch.futures.Future:
         """Full precision, exactly as DDP's default: divide by N, then SUM all-reduce
         (completed on this thread, as the low-precision launches are)."""
-        communicator = self.communicator
+        communicator, buffer = self.communicator, kept.buffer
+        self.engine.ledger.add_each(_SIZE, kept.size)
         communicator.flush()
         _, work = self.group.all_reduce(buffer.div_(self.world_size), "payload", async_op=True)
         future = communicator.track(work, lambda: self._bucket_done(buffer), buffer.device)
@@ -221,6 +221,7 @@ class GeoFP8State:
     def _hierarchical(self, kept: "_Bucket", last: bool) -> torch.futures.Future:
         """The bucket's all-reduce over nodes, several buckets in flight (see
         :mod:`geofp8.hierarchy`)."""
+        self.engine.ledger.add_each(_SIZE, kept.size)
         return self.hierarchy.launch(kept.names, kept.grads, kept.buffer, kept.offsets,
                                      self.engine.seed(kept.index), last, then=self._bucket_done)
 
@@ -232,15 +233,15 @@ class GeoFP8State:
         t0 = time.perf_counter()
         encoded = self.engine.pipeline.encode(kept.names, kept.grads, seed, kept.flat, kept.record)
         kept.record = encoded.record  # the bucket's decisions for its next call
-        codec_s = time.perf_counter() - t0  # (added with the map back's)
+        self.engine.ledger.add_each(_ENCODED, (*kept.size, time.perf_counter() - t0))
         # (a record has none of these: BucketRecord)
         unmap, owner_keys = (None, None) if encoded.record else self._resolved(encoded)
         if last and (encoded.slots or unmap is not None):  # its map back rewrites its flag:
             self.engine.verdict.to_map()  # that decides the step, not its decode (_map_back)
-        then = functools.partial(self._map_back, kept, encoded, unmap is not None, codec_s)
+        then = functools.partial(self._map_back, kept, encoded, unmap is not None)
         return self.communicator.launch(encoded.sent, encoded.layout, last, unmap, seed=seed,
-                                        owner_keys=owner_keys, out=kept.flat, bound=encoded.bound,
-                                        divide=self.engine.group.size, then=then)
+                                        owner_keys=owner_keys, out=kept.flat, then=then,
+                                        bound=encoded.bound)
 
     def _resolved(self, encoded) -> tuple:
         """``(unmap, owner keys)`` of a launch whose bucket was resolved this call, its
@@ -255,8 +256,8 @@ class GeoFP8State:
         owner_keys = pipeline.owner_keys(encoded) if pipeline.owner is not None else None
         return pipeline.unmap(encoded) if any(encoded.per_sender) else None, owner_keys
 
-    def _map_back(self, kept: "_Bucket", encoded, check: bool, codec_s: float,
-                  total: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
+    def _map_back(self, kept: "_Bucket", encoded, check: bool, total: torch.Tensor,
+                  finite: torch.Tensor | None) -> torch.Tensor:
         """The mean of ``kept``'s launch written into its buffer, from the collective's
         ``total`` (divided by N in its fused decode; all NaN on every rank if any rank sent
         a non-finite value): its finite flag stands for the bucket's where nothing is
@@ -265,23 +266,23 @@ class GeoFP8State:
         covers already; a bucket's record's bound maps, the step's armed last slot deciding
         the step: :func:`geofp8.verdict.map_into`); else (the torch path, or ``check``:
         mapped back per sender in the collective) the mean's own check is written over it
-        (a poisoned sum maps back to NaN), in its step's slot. ``codec_s``: the encode's
-        seconds, added to the step's figures with the map back's."""
+        (a poisoned sum maps back to NaN), in its step's slot; its host seconds are added to
+        the step's ``transform_s``."""
         if not (encoded.slots or check) and kept.flat is not None:  # nothing to map back
-            self.engine.ledger.add_each(_SECONDS, (codec_s, 0.0))
             self.engine.finish_unit(kept.buffer, finite)
             return kept.buffer
         t1 = time.perf_counter()  # T⁻¹ over each mapped tensor of the sum, in place:
         if encoded.maps is not None and finite is not None and not check:  # bound maps
-            check |= not encoded.maps.back(finite.view(torch.uint8), map_into)
-        elif encoded.slots:
-            check |= not self.engine.pipeline.decode(
-                encoded, total, divided=True,
-                finite=None if finite is None else finite.view(torch.uint8))
-        if kept.flat is None:  # the sum was not decoded into the buffer itself
-            for off, y in zip(kept.offsets, total.split([g.numel() for g in kept.grads])):
-                kept.buffer[off : off + y.numel()].copy_(y)
-        self.engine.ledger.add_each(_SECONDS, (codec_s, time.perf_counter() - t1))
+            check = not encoded.maps.back(finite.view(torch.uint8), map_into)  # (in the bucket)
+        else:
+            if encoded.slots:
+                check |= not self.engine.pipeline.decode(
+                    encoded, total, divided=True,
+                    finite=None if finite is None else finite.view(torch.uint8))
+            if kept.flat is None:  # the sum was not decoded into the buffer itself
+                for off, y in zip(kept.offsets, total.split([g.numel() for g in kept.grads])):
+                    kept.buffer[off : off + y.numel()].copy_(y)
+        self.engine.ledger.add("transform_s", time.perf_counter() - t1)
         if check and finite is not None:
             all_finite(kept.buffer, out=finite)
         self.engine.finish_unit(kept.buffer, finite)

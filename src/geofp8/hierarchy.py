@@ -101,7 +101,7 @@ class HierarchicalAllReduce:
                              "hierarchical collective; use hierarchy='flat'")
         self.engine, self.size = engine, size
         self.intra, self.inter = _node_groups(size, device, engine)
-        self.communicator = Communicator("exact", self.inter, stream=stream)
+        self.communicator = Communicator("exact", self.inter)  # (run under `runs`' stream)
         self.runs = Lagged(stream)
         self._layouts: dict[tuple, ShardLayout] = {}
 

@@ -8,13 +8,16 @@ constexprs — is resolved when a layout first runs on a device, into a :class:`
 MX) whose calls only allocate their outputs and launch
 (:class:`~geofp8.codecs.triton_fp8.Launch`). Its protocol:
 
-* ``send(flat, error, feedback, seed, sender)`` — the sender's encode into the send buffer;
+* ``send(flat, error, feedback, seed, sender)`` — the sender's encode into the send buffer,
+  its rounding error written into ``error`` (``None``: not kept) or, with ``feedback = (R,
+  keep)``, into ``R``;
 * ``reduce_sum(received, shard)`` — ``(sum, its amax slots)`` of the ``N`` received copies;
 * ``encode_reduced(values, shard, seed, error, bits)`` — the owner's padded record, the
   values' amax taken unless ``bits`` (``reduce_sum``'s) are given;
 * ``reduce_encode(received, shard, seed)`` — ``(record, sum)``, the two above in one
   stage (one owner lookup, the sum's amax from the reduction);
-* ``decode_gathered(gathered, out, divide, flag)`` — ``(values, finite)``.
+* ``decode_gathered(gathered, out, divide, flag)`` — ``(values, finite)``;
+* ``sender(flat, residual)`` — ``send`` bound for a bucket record (:meth:`BoundStages.sender`).
 
 Each returns ``None`` where the torch path must run the call instead: a kernel failed (its
 module's ``failed`` records it and warns, :func:`guarded`; from then on
@@ -74,6 +77,14 @@ class BoundStages:
         found = self._decodes[divide] = decode_launches(self._decode.bind(
             divisor=float(divide or 1), DIVIDE=divide is not None), self.ticket)
         return found
+
+    def sender(self, flat: torch.Tensor, residual: torch.Tensor | None):
+        """``send(feedback, seed, sender)``: :meth:`send` of ``flat`` for a bucket record,
+        which keeps ``flat`` and its residual ``residual`` (the ``R`` of every call's
+        ``feedback = (R, keep)``; ``None``: no feedback, no error kept) while it is kept. Here
+        the send with ``flat`` and no error of its own fixed; the FP8 stages bind their
+        kernels' pointers once (:class:`.plan.BoundSend`)."""
+        return functools.partial(self.send, flat, None)
 
     @classmethod
     def takes(cls, first: torch.Tensor, other: torch.Tensor | None = None) -> bool:

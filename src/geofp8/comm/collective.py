@@ -5,7 +5,6 @@ re-encode, all-gather (see :mod:`geofp8.comm.stages`). Per rank and element that
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Generator
 from typing import NamedTuple
 
@@ -25,7 +24,6 @@ from .stages import (
     poison_unless,
     reduce_encode,
 )
-from .streams import SideStream
 
 __all__ = ["COLLECTIVES", "Communicator", "device_future", "exact_allreduce", "wire_bytes"]
 
@@ -34,6 +32,10 @@ COLLECTIVES = ("exact", "allgather")
 
 
 Then = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def _same(value: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
+    return value
 
 
 class _Route(NamedTuple):
@@ -78,13 +80,15 @@ class Communicator:
     (``benchmarks/exit_abort.py``).
 
     ``kind``: the :class:`DeviceGroup` byte counter its traffic is charged to (``payload``
-    for gradients, ``factor`` for fresh factors' sketches).
+    for gradients, ``factor`` for fresh factors' sketches). ``mean``: every launch's value
+    is divided by ``N``, the group's size (IEEE), by the fused decode where it runs (the
+    same for every launch: :attr:`divide`, ``None`` without).
 
-    ``stream``: a :class:`~geofp8.comm.streams.SideStream` that every wait on a collective,
-    every stage after it and every completion (``then`` included) runs under, so that on
-    CUDA only that stream waits for the network and the futures record it (see
-    :mod:`geofp8.comm.streams`); the caller orders it after its gradients and runs
-    :func:`encode` on it. ``None``: the current stream.
+    Streams: every call runs on the caller's current stream — every wait on a collective,
+    every stage after it and every completion (``then`` included) — so a caller that runs
+    its calls under a side stream ordered after its gradients (the DDP hook and the
+    hierarchical path, :mod:`geofp8.comm.streams`) has only that stream wait for the network,
+    and the futures record it.
 
     ``owner``: an :class:`~geofp8.feedback.ErrorFeedback` for the second rounding (``exact``):
     a launch with ``owner_keys`` (one per tensor of the layout) adds each tensor's residual
@@ -119,26 +123,25 @@ class Communicator:
     on_failure: Callable[[], None] | None = None
 
     def __init__(self, collective: str, group: DeviceGroup, kind: str = "payload",
-                 stream: SideStream | None = None, lag: int = 1):
+                 lag: int = 1, mean: bool = False):
         if collective not in COLLECTIVES:
             raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
         self.collective, self.group, self.kind = collective, group, kind
         if lag < 1:
             raise ValueError(f"lag must be >= 1, got {lag}")
-        self.stream, self.lag = stream, lag
-        self.rank = group.rank
-        # (work, run, result) of the launches whose all-to-all's all-gather is not issued
+        self.lag, self.rank = lag, group.rank
+        self.divide = group.size if mean else None
+        # (work, run, result) of the launches whose first collective's next hop is not run
         self._in_flight: list[tuple] = []
         self._pending: list = []  # (work, finish, result): results this thread completes
         self._routes: dict[int, _Route] = {}  # id(layout) -> its all-to-all's arguments
-        self._side = stream.use if stream is not None else contextlib.nullcontext
+        self._run = self._exact if collective == "exact" else self._allgather  # chosen once
 
     def launch(self, sent: torch.Tensor, layout: ShardLayout, last: bool = True,
                unmap=None, gather: bool = True, seed: int | None = None,
                owner_keys: list[str | None] | None = None,
-               out: torch.Tensor | None = None, then: Then | None = None,
-               divide: int | None = None, bound: BoundStages | None = None
-               ) -> torch.futures.Future:
+               out: torch.Tensor | None = None, then: Then = _same,
+               bound: BoundStages | None = None) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
         (mapped back per sender by ``unmap(rows, sides)`` first, see :func:`decode_sum`).
         ``gather=False`` stops after the FP32 sum (a reduce-scatter): the value is this
@@ -149,34 +152,24 @@ class Communicator:
         ``layout.numel`` elements that is the communicator's from here, e.g. the bucket that
         ``sent`` came from, not read again: the senders' decoded copies of this rank's shard
         are summed there (see :func:`decode_sum`) and, with ``gather``, the sum is decoded
-        into it and it is the future's value.
-        ``divide``: the value divided by it (IEEE; the mean's ``N``), by the fused decode
-        where it runs. ``then(value, finite)``: a function of that value whose result is the
-        future's value instead, run by this thread under :attr:`stream` before the future is
-        completed; ``finite``: the 0-dim bool device flag "every element of the value is
+        into it and it is the future's value (divided by ``N`` with ``mean``, class notes).
+        ``then(value, finite)``: a function of that value whose result is the
+        future's value instead, run by this thread (on its current stream) before the future
+        is completed; ``finite``: the 0-dim bool device flag "every element of the value is
         finite" where the collective has it (the fused decode's; ``None``: not known).
         ``sent`` is the communicator's from here: its memory is freed once it is sent.
         ``bound``: the layout's fused stages (:meth:`~geofp8.comm.plan.FusedPlan.bound`)
         bound already for ``sent`` and ``out``, e.g. when ``sent`` was encoded: handed to
         the later stages, whose other inputs this communicator allocates (contiguous uint8
-        on ``sent``'s device), with no check of their own; ``None``: each stage checks."""
-        with self._side():
-            self._advance(self.lag - 1, block=False)  # (under the stream: no nested entries)
-            if self.collective == "allgather":
-                if unmap is not None or not gather:
-                    raise ValueError("per-sender decoding and reduce-scatter need "
-                                     "collective='exact'")
-                result = self._allgather(sent, layout, out, then or _same, divide)
-                if last:
-                    self._advance(0, block=True)
-                return result
-            # the exact collective's first hop; its all-gather is issued `lag` launches later
-            result = device_future(sent.device)
-            run = self._exact(sent, layout, unmap, gather, seed, owner_keys, out,
-                              then or _same, divide, bound, result)
-            self._in_flight.append((next(run), run, result))  # its all-to-all issued
-            if last:  # issue the all-gather now, from this thread (class notes), and wait
-                self._advance(0, block=True)
+        on ``sent``'s device), with no check of their own; ``None``: the torch path's
+        stages, each checking."""
+        self._advance(self.lag - 1, block=False)
+        # the collective's first hop (the exact one's all-gather is issued `lag` launches later)
+        result = device_future(sent.device)
+        run = self._run(sent, layout, unmap, gather, seed, owner_keys, out, then, bound, result)
+        self._in_flight.append((next(run), run, result))  # its first collective issued
+        if last:  # issue the all-gathers now, from this thread (class notes), and wait
+            self._advance(0, block=True)
         return result
 
     def _route(self, layout: ShardLayout) -> _Route:
@@ -197,9 +190,8 @@ class Communicator:
 
     def complete(self, block: bool) -> None:
         """Complete the tracked results whose collectives are done, in launch order (all of
-        them, waiting, when ``block``), under :attr:`stream`."""
-        with self._side():
-            self._advance(len(self._in_flight), block)
+        them, waiting, when ``block``)."""
+        self._advance(len(self._in_flight), block)
 
     def reset(self) -> None:
         """Drop unfinished launches (after a failed step): their collectives' results are
@@ -209,20 +201,20 @@ class Communicator:
     def flush(self, keep: int = 0) -> None:
         """Finish the oldest all-to-alls in flight and issue their all-gathers, in launch
         order, until ``keep`` are left (and complete the results done already)."""
-        with self._side():
-            self._advance(keep, block=False)
+        self._advance(keep, block=False)
 
     def _advance(self, keep: int, block: bool) -> None:
-        """Finish the oldest all-to-alls in flight, in launch order, until ``keep`` are left:
-        each one's second hop (its all-gather pending, or for a reduce-scatter its result
-        set); then complete the tracked results whose collectives are done, in launch order
-        (all of them, waiting, when ``block``)."""
+        """Finish the oldest launches' first collectives in flight, in launch order, until
+        ``keep`` are left: each one's next hop (the exact collective's all-gather pending,
+        or, for a reduce-scatter or the ``allgather`` collective, its result set); then
+        complete the tracked results whose collectives are done, in launch order (all of
+        them, waiting, when ``block``)."""
         while len(self._in_flight) > keep:
             work, run, result = self._in_flight.pop(0)
             work.wait()  # (raises if the all-to-all failed)
             try:
                 self._pending.append((next(run), run.__next__, result))
-            except StopIteration:  # a reduce-scatter: done
+            except StopIteration:  # its result set: done
                 pass
             except Exception as exc:  # noqa: BLE001 - hand every failure to the caller
                 fail(result, exc, self.on_failure)
@@ -236,20 +228,23 @@ class Communicator:
 
     def _exact(self, sent: torch.Tensor, layout: ShardLayout, unmap, gather: bool,
                seed: int | None, keys: list[str | None] | None, out: torch.Tensor | None,
-               then: Then, divide: int | None, bound: BoundStages | None,
+               then: Then, bound: BoundStages | None,
                result: torch.futures.Future) -> Generator:
         """One launch of the exact collective, run by this thread hop by hop (a generator,
         its locals the launch's state): it issues the all-to-all and yields its work; once
         that is done (:meth:`_advance`), it sums and re-encodes this rank's shard, issues the
         all-gather and yields its work (a reduce-scatter sets ``result`` instead); once that
-        is done (:meth:`_advance`), it decodes the gathered shards and yields the value."""
+        is done (:meth:`_advance`), it decodes the gathered shards and yields the value.
+        ``bound``'s stages are called as they are (``None`` from one: a kernel failed, the
+        torch path's stage instead)."""
         route = self._routes.get(id(layout)) or self._route(layout)
         recv = sent.new_empty(route.received_total, dtype=torch.uint8)
         yield self.group.all_to_all(recv, sent, route.received, route.sends, self.kind)
         release(sent)
         pieces = _pieces(layout, self.rank, keys) if keys and self.owner is not None else ()
         if gather and unmap is None and not pieces:  # the fused kernels' case
-            shard = reduce_encode(recv, layout, self.rank, seed, scratch=out, bound=bound)[0]
+            done = bound and bound.reduce_encode(recv, self.rank, seed)
+            shard = (done or reduce_encode(recv, layout, self.rank, seed, scratch=out))[0]
             release(recv)
         else:
             # `out` is not read again (see launch): the senders' copies are decoded there
@@ -272,27 +267,32 @@ class Communicator:
         yield work
         # its finite flag in flag_slot's slot
         flag = self.flag_slot(shard.device) if self.flag_slot is not None else None
-        total, finite = decode_gathered_flagged(gathered, layout, out, divide, flag, bound)
+        done = bound and bound.decode_gathered(gathered, out, self.divide, flag)
+        total, finite = done or decode_gathered_flagged(gathered, layout, out, self.divide, flag)
         release(shard, gathered)
         yield then(total, finite)
 
-    def _allgather(self, sent: torch.Tensor, layout: ShardLayout, out: torch.Tensor | None,
-                   then: Then, divide: int | None) -> torch.futures.Future:
-
-        def decode_all() -> torch.Tensor:
-            total = out.zero_() if out is not None else torch.zeros(
-                layout.numel, dtype=torch.float32, device=sent.device)
-            for buf in gathered:
-                total += decode(buf, layout)
-            release(sent, gathered)
-            # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
-            finite = all_finite(total)
-            poison_unless(total, finite)
-            return then(total if divide is None else total.div_(total.new_full((), divide)),
-                        finite)
-
+    def _allgather(self, sent: torch.Tensor, layout: ShardLayout, unmap, gather: bool,
+                   seed: int | None, keys: list[str | None] | None, out: torch.Tensor | None,
+                   then: Then, bound: BoundStages | None,
+                   result: torch.futures.Future) -> Generator:
+        """One launch of the ``allgather`` collective, run as :meth:`_exact`'s: it issues
+        the all-gather of every payload and yields its work; once that is done
+        (:meth:`_advance`), it sums the decoded payloads in FP32 and sets ``result``."""
+        if unmap is not None or not gather:
+            raise ValueError("per-sender decoding and reduce-scatter need collective='exact'")
         gathered, work = self.group.all_gather(sent, self.kind, async_op=True)
-        return self.track(work, decode_all, sent.device)
+        yield work
+        total = out.zero_() if out is not None else torch.zeros(
+            layout.numel, dtype=torch.float32, device=sent.device)
+        for buf in gathered:
+            total += decode(buf, layout)
+        release(sent, gathered)
+        # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
+        finite = all_finite(total)
+        poison_unless(total, finite)
+        mean = total if self.divide is None else total.div_(total.new_full((), self.divide))
+        result.set_result(then(mean, finite))
 
 
 def _pieces(layout: ShardLayout, rank: int, keys: list[str | None]
@@ -304,10 +304,6 @@ def _pieces(layout: ShardLayout, rank: int, keys: list[str | None]
             out.append((keys[index], pos, pos + hi - lo))
         pos += hi - lo
     return out
-
-
-def _same(value: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
-    return value
 
 
 def fail(result: torch.futures.Future, exc: Exception,

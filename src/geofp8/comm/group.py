@@ -119,9 +119,11 @@ class DeviceGroup:
                    flat: bool = False):
         """``(every rank's t stacked as [N, *t.shape], work)``: one buffer, gathered in place
         (a list of outputs would be gathered into a buffer and copied out, one copy per rank,
-        by NCCL); ``flat``: that buffer as gathered, ``[N · t.shape[0], *t.shape[1:]]`` (the
-        ranks' 1-D ``t`` back to back), not viewed."""
-        t = self.on_device(t)
+        by NCCL). ``flat``: the communicator's all-gather of a 1-D ``t`` it allocated on the
+        device (not moved, as :meth:`all_to_all`'s buffers), the buffer as gathered (the
+        ranks' ``t`` back to back), not viewed."""
+        if not flat:
+            t = self.on_device(t)
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # gloo: concatenated form
         self.bytes[kind] += (self.size - 1) * t.numel() * t.element_size()
         work = getattr(dist, _ALL_GATHER)(out, t, group=self.group, async_op=True)

@@ -33,7 +33,7 @@ from ..verdict import decode_into
 from .block_plan import BlockPlan, BlockStages
 from .bound import RESIDUALS, BoundStages, guarded
 
-__all__ = ["FP8Stages", "FusedPlan"]
+__all__ = ["BoundSend", "FP8Stages", "FusedPlan"]
 
 _PLAIN = (torch.float32, torch.uint8)
 
@@ -216,6 +216,11 @@ class FP8Stages(BoundStages):
                HAS_ERR=error is not None, **triton_fp8.NO_FEEDBACK)
         return sent
 
+    def sender(self, flat, residual):
+        """:meth:`send` of ``flat`` for a bucket record (:meth:`.BoundStages.sender`):
+        :class:`BoundSend`."""
+        return BoundSend(self, flat, residual)
+
     @guarded
     def reduce_sum(self, received, shard):
         """``(sum, its amax slots)``: the ``N`` received records decoded and summed in FP32
@@ -260,3 +265,38 @@ class FP8Stages(BoundStages):
         launches = self._decodes.get(divide) or self.decodes(divide)
         decode_into(launches, flag, gathered, values)
         return values, flag.view(torch.bool)
+
+
+class BoundSend:
+    """:meth:`FP8Stages.send` of one bucket's vector ``flat`` with its residual ``R`` (or
+    none: no error kept) fixed, a bucket record's (:meth:`.BoundStages.sender`): the two
+    launches with their pointers and constexprs bound once, so a call passes the keep flag,
+    the epoch and the send buffer alone. ``R``'s keep flag is read from each call's
+    ``feedback = (R, keep)`` (``R``: this one); FP8 rounds to nearest whatever the seed."""
+
+    __slots__ = ("amax", "encode", "epochs", "flat", "nbytes")
+    kernels = triton_fp8  # (guarded's)
+
+    def __init__(self, stages: FP8Stages, flat: torch.Tensor,
+                 residual: torch.Tensor | None) -> None:
+        if residual is None:
+            slots, amax, encode = stages._send
+            ptr, flags = flat, {"HAS_R": False, "BF16": False}
+            encode = encode.bind(HAS_ERR=False, **flags)
+            amax = amax.bind(**flags)
+        else:
+            slots, amax, encode, bf16 = stages._feedback[residual.dtype]
+            ptr = residual.view(torch.int16) if bf16 else residual
+        self.amax = amax.bind(x_ptr=flat, r_ptr=ptr, u_ptr=flat)
+        self.encode = encode.bind(u_ptr=flat, r_ptr=ptr, err_ptr=ptr)
+        self.epochs, self.flat, self.nbytes = slots.epochs, flat, stages.send_bytes
+
+    @guarded
+    def __call__(self, feedback, seed, sender):
+        """The send buffer (:meth:`FP8Stages.send`'s bytes; ``None``: a kernel failed)."""
+        sent = torch.empty(self.nbytes, dtype=torch.uint8, device=self.flat.device)
+        keep = feedback and feedback[1]  # (None: R kept as it is, or no feedback)
+        keep_ptr = self.flat if keep is None else keep.view(torch.uint8)  # any pointer without
+        self.amax(keep_ptr=keep_ptr, epoch=next(self.epochs), HAS_KEEP=keep is not None)
+        self.encode(keep_ptr=keep_ptr, out_ptr=sent, HAS_KEEP=keep is not None)
+        return sent

@@ -26,7 +26,6 @@ import torch
 
 from ..codecs import triton_fp8
 from ..codecs.base import device_scalar, mix_seed
-from .bound import BoundStages
 from .layout import ShardLayout
 
 __all__ = ["all_finite", "decode", "decode_gathered", "decode_gathered_flagged", "decode_sum",
@@ -41,20 +40,20 @@ def _shard_seed(seed: int | None, *index: int) -> int | None:
 
 def encode(flat: torch.Tensor, layout: ShardLayout,
            side: list[torch.Tensor] | None = None, seed: int | None = None,
-           sender: int = 0, bound: BoundStages | None = None) -> torch.Tensor:
+           sender: int = 0) -> torch.Tensor:
     """Stage 1: every shard quantized with its own scales (then its ``side`` bytes, if any),
     one after the other in one uint8 buffer; ``sender``: this rank (its rounding stream).
     Batched (:attr:`ShardLayout.kernels`) or segmentwise: one codec call over the bucket
     (the kernels do not grow with ``N``, :meth:`ShardLayout.encode_pieces`); else chunked:
-    shard by shard straight into the buffer. ``bound``: as :func:`encode_with_error`'s."""
-    return _encode(flat, layout, side, seed, sender, bound=bound)[0]
+    shard by shard straight into the buffer."""
+    return _encode(flat, layout, side, seed, sender)[0]
 
 
 def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
                       side: list[torch.Tensor] | None = None, seed: int | None = None,
                       sender: int = 0, error_out: torch.Tensor | None = None,
-                      feedback: triton_fp8.Feedback | None = None,
-                      bound: BoundStages | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      feedback: triton_fp8.Feedback | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sent, error)``: :func:`encode` and its :func:`rounding_error` ``flat −
     decode(sent)`` (a sender's error feedback residual, FP32; the same bits), left in flat
     order by the layout's one codec call where it can (:attr:`ShardLayout.encodes_error`),
@@ -73,17 +72,13 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
     made ``Ũ`` by one add (``where``'s 0 a device constant) and the error written straight
     into ``R`` where the codec's torch ops can (its ``sub`` rounds to ``R``'s dtype as
     ``R.copy_`` would; a CPU's chunked kernels with a BF16 ``R``: into ``error_out``, then
-    copied): the same bits.
-
-    ``bound``: the layout's fused stages bound already for ``flat``, ``error_out`` and
-    ``feedback``'s ``R`` (a bucket record's, checked once when it was made: not again);
-    ``None``: checked here."""
-    if bound is None and not side and triton_fp8.feedback_fits(flat, feedback):
-        bound = layout.plan.bound(flat, error_out)
-    if bound is not None:
+    copied): the same bits. (A bucket record calls its stages' ``send`` itself,
+    :mod:`geofp8.bucket_path`.)"""
+    fits = not side and triton_fp8.feedback_fits(flat, feedback)
+    if fits and (fused := layout.plan.bound(flat, error_out)) is not None:
         error = feedback[0] if feedback is not None else (
             error_out if error_out is not None else torch.empty_like(flat))
-        if (sent := bound.send(flat, error, feedback, seed, sender)) is not None:
+        if (sent := fused.send(flat, error, feedback, seed, sender)) is not None:
             return sent, error
     if feedback is not None:
         residual, keep = feedback
@@ -104,15 +99,11 @@ def encode_with_error(flat: torch.Tensor, layout: ShardLayout,
 
 def _encode(flat: torch.Tensor, layout: ShardLayout, side: list[torch.Tensor] | None,
             seed: int | None, sender: int, with_error: bool = False,
-            error_out: torch.Tensor | None = None, bound: BoundStages | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            error_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(sent, the rounding error when with_error, else None)``; the error is written into
-    ``error_out`` where the layout's codec call can (see :meth:`ShardLayout.encode_pieces`).
-    ``bound``: the fused stages bound for ``flat`` already (without ``with_error``)."""
+    ``error_out`` where the layout's codec call can (see :meth:`ShardLayout.encode_pieces`)."""
     n = layout.world_size
-    fused = bound
-    if fused is None and not (with_error or side):
-        fused = layout.plan.bound(flat)
+    fused = None if with_error or side else layout.plan.bound(flat)
     if fused is not None and (sent := fused.send(flat, None, None, seed, sender)) is not None:
         return sent, None
     if not side and (done := layout.encode_send(flat, seed, sender, with_error,
@@ -246,16 +237,15 @@ def sender_sum(rows: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_encode(received: torch.Tensor, layout: ShardLayout, shard: int,
-                  seed: int | None = None, scratch: torch.Tensor | None = None,
-                  bound: BoundStages | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  seed: int | None = None, scratch: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stages 3 and 4 of the owner of ``shard``: ``(its re-encoded record, padded to
     max_shard_bytes, the FP32 sum it encodes)``: :func:`decode_sum` then
     :func:`encode_reduced`, the same bytes; with the fused kernels two (decode, sum and
     the groups' amax; the scales and codes written into the record, its padding zeroed).
-    ``scratch``: see :func:`decode_sum` (the torch path's). ``bound``: the layout's fused
-    stages already bound for ``received`` (a launch's, :class:`~.collective.Communicator`:
-    not checked again); ``None``: bound here when they take it."""
-    fused = layout.plan.bound(received) if bound is None else bound
+    ``scratch``: see :func:`decode_sum` (the torch path's). (A launch with the layout's
+    bound stages calls them itself, :class:`~.collective.Communicator`.)"""
+    fused = layout.plan.bound(received)
     if fused is not None and (done := fused.reduce_encode(received, shard, seed)) is not None:
         return done
     total = decode_sum(received, layout, shard, scratch=scratch)
@@ -304,18 +294,13 @@ def decode_gathered(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLa
 
 def decode_gathered_flagged(gathered: torch.Tensor | list[torch.Tensor], layout: ShardLayout,
                             out: torch.Tensor | None = None, divide: int | None = None,
-                            flag: torch.Tensor | None = None,
-                            bound: BoundStages | None = None
+                            flag: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(values, finite)``: :func:`decode_gathered` and, from the fused kernels, their 0-dim
     bool flag "every scale finite" (``values`` are all NaN unless it is set, and finite
     where it is), written into the 0-dim uint8 ``flag`` when given (a step's slot,
     :class:`geofp8.verdict.StepVerdict`); ``None`` from the torch path (check the values,
-    :func:`all_finite`). ``bound``: as :func:`reduce_encode`'s, for ``gathered`` (then the
-    records back to back, 1-D) and ``out``."""
-    # a launch's bound stages: its all-gather's buffer as gathered
-    if bound is not None and (done := bound.decode_gathered(gathered, out, divide, flag)):
-        return done
+    :func:`all_finite`)."""
     if isinstance(gathered, torch.Tensor) and gathered.dim() != 1:
         gathered = gathered.view(-1)
     fused = layout.plan.bound(_first(gathered), out)
