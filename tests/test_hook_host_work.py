@@ -189,8 +189,13 @@ def _geometry_checks(rank: int, cached: bool) -> dict:
     ddp.register_comm_hook(state, hook)
     pipeline, source, lookups = state.engine.pipeline, state.engine.pipeline.source, []
     transform, settling = source.transform, [False]
-    if not cached:
-        pipeline._on_a_map = lambda: bool(pipeline.geometry_layers())
+    if not cached:  # the step's answer asked afresh before each settling
+        settle = pipeline.settle
+
+        def asked(finite):
+            pipeline._mapped = bool(pipeline.geometry_layers())
+            settle(finite)
+        pipeline.settle = asked
     source.transform = lambda name: (lookups.__setitem__(-1, lookups[-1] + settling[0]),
                                       transform(name))[1]
 
@@ -213,12 +218,13 @@ def _geometry_checks(rank: int, cached: bool) -> dict:
 
 
 def test_the_step_asks_whether_a_layer_is_on_a_map_once_per_generation():
-    """A step's settling (``geometry_since``: the steps sent through a map) asks whether a
-    selected layer has a map: layer by layer (4 lookups) once per generation of the
-    decisions (the maps from the refresh at 3, then at 6), none in between; its start never
-    asks (the starts between refreshes do nothing); the same steps as asking afresh each
-    time (uncached: every settling)."""
+    """A step's settling (``geometry_since``: the steps sent through a map) reads whether a
+    selected layer has a map, asked layer by layer (4 lookups) once per generation of the
+    decisions, at the start that changed them (the maps from the refresh at 3, then at 6),
+    none in between (the starts between refreshes are not made); the same steps as asking
+    afresh before every settling."""
     for out in run_ranks(_geometry_check_worker, 2, timeout=240):
         assert out[True]["steps"] == out[False]["steps"] and out[True]["steps"], out
-        assert out[False]["lookups"][3:] == [4, 4, 4, 4], out  # uncached: every settling
         assert out[True]["lookups"][3:] == [4, 0, 0, 4], out
+        # asked afresh: those, and 4 more at every settling
+        assert out[False]["lookups"][3:] == [8, 4, 4, 8], out
