@@ -40,9 +40,10 @@ METHODS = ("fp8", "fp8-ef", "geofp8-auto")  # nvfp4-ef: the same hook (hook_laun
 # mixed only for stochastic rounding and leaner group and stage entries (v40a) 157, 163
 # and 196; with an unmapped bucket's map back returning at once, the arming no longer
 # excluding a factor source (v40c) and a step's start doing nothing until its selection or
-# source may act (v40b) 149, 155 and 170
-MOST = 155
-AUTO = 15  # geofp8-auto's decisions at the step's start and its factors' settling, more
+# source may act (v40b) 149, 155 and 170; with DDP's engine taking no lock, a step's start
+# not called until due and the statistics' commit bound once (w40b) 142, 148 and 161
+MOST = 148
+AUTO = 13  # geofp8-auto's factors' settling (its statistics' commit), more
 
 
 def _hook_lines(method: str, tensors: int) -> int:
