@@ -63,6 +63,7 @@ class RecordedDecisions:
 
     _decisions = 0  # moved by forget_records
     _decided = None  # what the decisions of the step begun last were made from
+    _mapped = False  # whether a selected layer had a map then (note_decisions)
 
     def generation(self) -> tuple[int, int]:
         """The generation a bucket's record is valid in (module notes)."""
@@ -89,8 +90,6 @@ class RecordedDecisions:
             self._decided = decided
             self.forget_records()
             self._mapped = bool(self.geometry_layers())
-
-    _mapped = False  # whether a selected layer had a map at the step's start (note_decisions)
 
     def recordable(self) -> bool:
         """Whether a bucket's decisions may be kept: not under a budget (whose codecs change

@@ -177,7 +177,7 @@ class SyncEngine:
             self.verdict.arm(n)
 
     def _first_begin(self, step: int) -> None:
-        """The first step's begin: the consistency check, then what begins every step, bound
+        """The first step's begin: the consistency check, then what begins a step, bound
         once as :attr:`_begin` (the loss scale read first when there is a scaler)."""
         if not self._checked:
             self.check_consistency()
