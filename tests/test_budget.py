@@ -138,6 +138,12 @@ class _OneRank:
 def test_measured_at_the_first_low_precision_step_and_the_factor_traffic_is_repaid():
     sel, shapes = _selection(0.8, every=4, first=2)
     assert [s for s in range(13) if sel.wants(s)] == [2, 4, 8, 12]
+    starts, due = [], 0  # the steps whose start is made: each measuring one and the next
+    for step in range(13):
+        if step >= due:
+            starts.append(step)
+            due = sel.next_start(step)
+    assert starts == [0, 2, 3, 4, 5, 8, 9, 12]
     ring = 2 * 3 / 4
     elements_ring = sum(torch.Size(s).numel() for s in shapes.values()) * ring
     per_step = 0.05 * elements_ring  # factor bytes per step, in every period alike

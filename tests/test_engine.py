@@ -273,3 +273,39 @@ def test_the_ledgers_step_figures_are_summed_when_read_bytes_and_links_included(
     ledger.reset_phase()  # the step in flight is forgotten
     ledger.settle(~finite, None, [], [])
     assert ledger.last["codec_s"] == 0.0 and ledger.skipped_steps == 1
+
+
+def _lock_held(serial: bool) -> tuple[list[bool], int]:
+    """Whether an engine's lock was held while a unit's start counted it and while its
+    finish settled the step (one unit, the step's last), and the step after."""
+    from geofp8.comm.group import DeviceGroup
+    from geofp8.engine import SyncEngine
+
+    engine = SyncEngine(nn.Linear(4, 4), GeoFP8Config(), DeviceGroup(None, "cpu"), "ddp",
+                        serial=serial)
+    begin, settle, seen = engine.ledger.begin_unit, engine._settle, []
+
+    def counted(last):
+        seen.append(engine._lock._is_owned())
+        return begin(last)
+
+    def settled():
+        seen.append(engine._lock._is_owned())
+        settle()
+    engine.ledger.begin_unit, engine._settle = counted, settled
+    engine.start_unit(last=True)
+    engine.finish_unit(torch.ones(3))
+    return seen, engine.ledger.step
+
+
+def _lock_worker(rank, world):
+    return {serial: _lock_held(serial) for serial in (True, False)}
+
+
+def test_a_serial_engine_takes_no_lock_and_the_others_hold_it_per_unit():
+    """DDP's engine (``serial``: its hook's calls are serialised by DDP's reducer, and
+    complete their units on the hook's thread) starts and finishes units without the lock;
+    an engine whose units may finish on other threads (FSDP's) holds it across each."""
+    held = run_ranks(_lock_worker, 1)[0]
+    assert held[True] == ([False, False], 1)
+    assert held[False] == ([True, True], 1)

@@ -64,6 +64,7 @@ class RecordedDecisions:
 
     _decisions = 0  # moved by forget_records
     _decided = None  # what the decisions of the step begun last were made from
+    _mapped = False  # whether a selected layer had a map then (note_decisions)
 
     def generation(self) -> tuple[int, int]:
         """The generation a bucket's record is valid in (module notes)."""
@@ -74,32 +75,22 @@ class RecordedDecisions:
         loaded checkpoint, a rolled-back step), and the next step's start is made in full
         (:meth:`~geofp8.pipeline.GradientPipeline.start_step`)."""
         self._decisions += 1
-        self._next_start = 0
+        self.next_start = 0
 
     def note_decisions(self) -> None:
         """A step begins (after its selection and refreshes): what the per-tensor decisions
         read (``steady``, ``route``, ``plain``: whether the step measures, the selected
         layers, the maps by layer) compared whole with the last step's, by set and dict
         equality (no Python per tensor; maps by identity); other decisions forget the
-        records."""
+        records, and say whether a selected layer has a map (:attr:`_mapped`: the
+        pipeline's ``geometry_layers`` not empty, looked up layer by layer once per change;
+        a source that makes its maps every step may add one by the step's settling)."""
         decided = (self._observing, frozenset(self.selection.selected),
                    None if self.source is None else dict(self.source.transforms))
         if decided != self._decided:
             self._decided = decided
             self.forget_records()
-
-    _mapped_in = None  # (generation of the decisions, answer): _on_a_map's last answer
-
-    def _on_a_map(self) -> bool:
-        """Whether a selected layer has a map this step (the pipeline's ``geometry_layers``
-        not empty): looked up layer by layer once per generation of the decisions (which
-        moves whenever the selection, the maps or the observing do, :meth:`note_decisions`),
-        every step for a source that makes its maps every step."""
-        if self.source is None or self.source.per_step:
-            return bool(self.geometry_layers())
-        if self._mapped_in is None or self._mapped_in[0] != self._decisions:
-            self._mapped_in = (self._decisions, bool(self.geometry_layers()))
-        return self._mapped_in[1]
+            self._mapped = bool(self.geometry_layers())
 
     def recordable(self) -> bool:
         """Whether a bucket's decisions may be kept: not under a budget (whose codecs change

@@ -96,7 +96,8 @@ class GeoFP8State:
                             f"unsupported parameters: {unsupported[:3]}")
         config = config if config is not None else GeoFP8Config()
         self.engine = SyncEngine(model, config, DeviceGroup(process_group, device), "ddp",
-                                 residual_storage=config.residual, grad_scaler=grad_scaler)
+                                 residual_storage=config.residual, grad_scaler=grad_scaler,
+                                 serial=True)
         self.stream = SideStream(device)
         # every call of it runs inside the hook's side-stream context (communicate)
         self.communicator = Communicator(config.collective, self.engine.group, lag=self.lag,

@@ -30,6 +30,7 @@ DDP's comm hook (:mod:`geofp8.ddp`), FSDP2's reduce-scatter and HSDP's replica a
 
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 
@@ -64,11 +65,16 @@ class SyncEngine:
         residual_storage: storage of the error-feedback residuals (:mod:`geofp8.feedback`).
         agree: all-reduce the finite flag at settling (module notes).
         grad_scaler: a ``torch.amp.GradScaler`` whose scale changes rescale the residuals.
+        serial: every unit starts and finishes on one thread at a time (DDP's: its hook's
+            calls are serialised by DDP's reducer and complete their units on the hook's
+            thread, :class:`~geofp8.comm.collective.Communicator`): no lock around them;
+            else (FSDP) each :meth:`start_unit` and :meth:`finish_unit` holds the engine's
+            lock.
     """
 
     def __init__(self, model: nn.Module, config, group: DeviceGroup, kind: str,
                  residual_storage: str = "fp32", agree: bool = False,
-                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+                 grad_scaler: torch.amp.GradScaler | None = None, serial: bool = False) -> None:
         self.config, self.group, self.kind, self.agree = config, group, kind, agree
         self._stochastic = config.rounding_seed(0) is not None  # (else every seed is None)
         self.ledger = StepLedger()
@@ -81,6 +87,7 @@ class SyncEngine:
         self.groups: list[DeviceGroup] = [group]
         self._links = [group.link]  # each group's, in order
         self.grad_scaler, self.grad_scale = grad_scaler, 1.0
+        self._scaled = grad_scaler is not None  # (a begin then reads the scale)
         self.fingerprint_extra: dict = {}
         self.on_skip: list = []  # callbacks(0-dim device flags, finite per observed unit)
         self._parameters = [[n, list(p.shape), str(p.dtype), p.requires_grad]
@@ -89,6 +96,9 @@ class SyncEngine:
         self._begin = self._first_begin  # a step's begin (collectives), given its number
         self._lock = threading.RLock()
         self._outstanding = 0
+        if not serial:  # units may start or finish on other threads: one at a time
+            self.start_unit, self.finish_unit = map(self._locked, (self.start_unit,
+                                                                   self.finish_unit))
         self.verdict = StepVerdict(self.ledger.skipped_counter)  # the observed units' flags
         self._hooks = [model.register_forward_pre_hook(self._on_forward),
                        model.register_forward_hook(self._on_forward_end), *self.pipeline.hooks]
@@ -145,21 +155,29 @@ class SyncEngine:
         ``None`` when rounding to nearest."""
         return self.config.rounding_seed(self.ledger.step, *index) if self._stochastic else None
 
+    def _locked(self, method):
+        """``method`` run under the engine's lock (an engine that is not ``serial``)."""
+        @functools.wraps(method)
+        def locked(*args, **kwargs):
+            with self._lock:
+                return method(*args, **kwargs)
+        return locked
+
     def start_unit(self, last: bool = False) -> None:
-        """A unit of the step starts; the first one begins the step (collectives). The last
-        one's decode, or its map back's kernel (:meth:`StepVerdict.to_map`), may decide the
-        step (:meth:`StepVerdict.arm`): armed once the step has begun, unless the flags are
-        agreed or wanted per unit."""
-        with self._lock:
-            self._outstanding += 1
-            n = self.ledger.begin_unit(last)  # the unit's number in the step
-        if n == 1:
+        """A unit of the step starts; the first one begins the step (collectives) when its
+        begin has anything to do: the loss scale to read, or a start of the pipeline due
+        (:attr:`GradientPipeline.next_start`). The last one's decode, or its map back's
+        kernel (:meth:`StepVerdict.to_map`), may decide the step (:meth:`StepVerdict.arm`):
+        armed once the step has begun, unless the flags are agreed or wanted per unit."""
+        self._outstanding += 1
+        n = self.ledger.begin_unit(last)  # the unit's number in the step
+        if n == 1 and (self.ledger.step >= self.pipeline.next_start or self._scaled):
             self._begin(self.ledger.step)
         if last and self._agree is None and not self.on_skip:
             self.verdict.arm(n)
 
     def _first_begin(self, step: int) -> None:
-        """The first step's begin: the consistency check, then what begins every step, bound
+        """The first step's begin: the consistency check, then what begins a step, bound
         once as :attr:`_begin` (the loss scale read first when there is a scaler)."""
         if not self._checked:
             self.check_consistency()
@@ -185,14 +203,13 @@ class SyncEngine:
 
     def finish_unit(self, values: torch.Tensor | None = None,
                     finite: torch.Tensor | None = None) -> None:
-        """A unit's result is ready (``values``: observed first, as :meth:`observe`, under
-        the same lock); the last one of a launched step settles it."""
-        with self._lock:
-            if values is not None:  # (the verdict's list, appended to under the lock)
-                self.verdict.flags.append(all_finite(values) if finite is None else finite)
-            self._outstanding -= 1
-            if self._outstanding == 0 and self.ledger.phase is Phase.LAUNCHED:
-                self._settle()
+        """A unit's result is ready (``values``: observed first, as :meth:`observe`); the last
+        one of a launched step settles it."""
+        if values is not None:
+            self.verdict.flags.append(all_finite(values) if finite is None else finite)
+        self._outstanding -= 1
+        if self._outstanding == 0 and self.ledger.phase is Phase.LAUNCHED:
+            self._settle()
 
     def end_step(self) -> None:
         """No more units this step (FSDP: the end of backward); settle once all are done."""

@@ -79,11 +79,10 @@ class GradientPipeline(BucketPath, RecordedDecisions):
         self.hooks = self.source.attach(modules) if self.source is not None else []
         self._layouts: dict[tuple, ShardLayout] = {}
         self._observing = False
-        self._next_start: float = 0  # the first step whose start may decide anything
+        self.next_start: float = 0  # the first step whose start may decide anything
         # the residuals of the exact collective's second rounding (owner_feedback), set by
         # the DDP adapter: see owner_keys and prepare_into
         self.owner: ErrorFeedback | None = None
-        self.step = 0
         self.geometry_since: int | None = None  # the first settled step with a layer on a map
         self._geometry_steps: list[tuple[int, torch.Tensor]] = []  # (step, finite) to resolve
 
@@ -101,13 +100,18 @@ class GradientPipeline(BucketPath, RecordedDecisions):
         if not self.shared.agreed:
             self.shared.agree(list(self.layers), self.group)
 
+    @property
+    def step(self) -> int:
+        """The step in flight (the ledger's clock)."""
+        return self.ledger.step
+
     def start_step(self, step: int) -> None:
         """Decisions and refreshes due at the start of ``step`` (collective), if any may be:
-        none before the first step at which the selection or the source may act (their
-        ``next_start``), nor what they change (the observing, the decisions); any step
-        after a rolled-back one or a loaded state (:meth:`forget_records`)."""
-        self.step = step
-        if step >= self._next_start:
+        none before :attr:`next_start`, the first step at which the selection or the source
+        may act (their ``next_start``), nor what they change (the observing, the decisions);
+        any step after a rolled-back one or a loaded state (:meth:`forget_records`). (An
+        engine does not call it before then.)"""
+        if step >= self.next_start:
             self._start(step)
 
     def _start(self, step: int) -> None:
@@ -117,8 +121,8 @@ class GradientPipeline(BucketPath, RecordedDecisions):
             self.source.start_step(step)  # forward was never called (its parts were)
         self._observing = self.source is not None and self.selection.wants(step)
         self.note_decisions()
-        self._next_start = min(self.selection.next_start(step),
-                               math.inf if self.source is None else self.source.next_start(step))
+        self.next_start = min(self.selection.next_start(step),
+                              math.inf if self.source is None else self.source.next_start(step))
 
     def report(self) -> None:
         """Give the warnings that wait on device flags (a host read; see
@@ -140,10 +144,11 @@ class GradientPipeline(BucketPath, RecordedDecisions):
         """Hand the step's 0-dim verdict (on the device) to what it produced: kept where
         true, chosen away (residuals: reset to zero) where false."""
         self.feedback.commit(finite)
-        if self.source is not None:  # (no map without one)
+        if self.source is not None:  # (no map without one; the steps sent through one:)
             self.source.settle(finite)
-            if self.geometry_since is None and self.selection.selected and self._on_a_map():
-                self._geometry_steps.append((self.step, finite))
+            if self.geometry_since is None and (self._mapped or self.source.per_step
+                                                and bool(self.geometry_layers())):
+                self._geometry_steps.append((self.ledger.step, finite))
                 if len(self._geometry_steps) >= 64:  # bounded: a host read per 64 such steps
                     self._resolve_geometry_since()
         if self._observing:  # (a selection that observed nothing has nothing to settle)

@@ -326,6 +326,14 @@ class BudgetSelection(Selection):
     def wants(self, step: int) -> bool:
         return step == self.first_step or (step > self.first_step and step % self.every == 0)
 
+    def next_start(self, step: int) -> float:
+        """The step after a measuring one (it decides), else the next measuring step."""
+        if self.wants(step):
+            return step + 1
+        if step < self.first_step:
+            return self.first_step
+        return (step // self.every + 1) * self.every
+
     def observe(self, name, G, geo, residual_in) -> None:
         if self._pending is None:
             self._pending = torch.zeros(len(self.tensors), len(PATHS) + 1,

@@ -107,15 +107,15 @@ def available(*tensors: torch.Tensor) -> bool:
     return triton is not None and not _FAILED and all(map(_ON_DEVICE, tensors))
 
 
-def attempt(fused: Callable[[], T], fallback: Callable[[], T]) -> T:
-    """``fused()``, or ``fallback()`` (the torch reference) once a kernel has failed to
-    compile or launch on this machine (:func:`failed`)."""
+def attempt(fused: Callable[..., T], fallback: Callable[..., T], *args) -> T:
+    """``fused(*args)``, or ``fallback(*args)`` (the torch reference) once a kernel has
+    failed to compile or launch on this machine (:func:`failed`)."""
     if not _FAILED:
         try:
-            return fused()
+            return fused(*args)
         except Exception as exc:  # noqa: BLE001 - any compile or launch error
             failed(exc)
-    return fallback()
+    return fallback(*args)
 
 
 def failed(exc: Exception) -> None:

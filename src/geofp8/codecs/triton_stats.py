@@ -24,8 +24,10 @@ where, the flags' logic). Here, :func:`commit` picks per layout:
   advances its dropped count. The marks are :class:`~.triton_fp8.AmaxSlots` (an epoch per
   call above every mark of an earlier call: zeroed once, not by a launch per call).
 
-Both call as ``commit(P, W, finite, dropped)``, ``finite`` a 0-dim bool and ``dropped`` an
-int64 ``[len(lengths)]``, all on the layout's device; no host read. The add is one IEEE add
+Both call as ``commit(P, W, dropped, finite)``, ``dropped`` an int64 ``[len(lengths)]`` and
+``finite`` a 0-dim bool, all on the layout's device (the step's own argument last: the rest
+may be bound once, :meth:`~geofp8.geometry.statistics.JoinedMoments.bound_commit`); no host
+read. The add is one IEEE add
 of the same operands as torch's, so ``W``'s bits are the reference's (a dropped moment adds
 +0: ``-0`` becomes ``+0`` there too).
 """
@@ -78,11 +80,11 @@ class TiledCommit:
         self._flag = Launch(_nonfinite_kernel, (len(rows),), **fixed)
         self._commit = Launch(_commit_kernel, (len(rows),), **fixed)
 
-    def __call__(self, pending: torch.Tensor, window: torch.Tensor, finite: torch.Tensor,
-                 dropped: torch.Tensor) -> None:
+    def __call__(self, pending: torch.Tensor, window: torch.Tensor, dropped: torch.Tensor,
+                 finite: torch.Tensor) -> None:
         epoch = next(self.marks.epochs)
         self._flag(pending, epoch)
-        self._commit(pending, window, finite, dropped, epoch)
+        self._commit(pending, window, dropped, finite, epoch)
 
 
 if triton is not None:
@@ -107,7 +109,7 @@ if triton is not None:
         tl.store(p_ptr + offs, tl.zeros_like(p), mask=mask)
 
     @triton.jit
-    def _commit_moment_kernel(p_ptr, w_ptr, finite_ptr, dropped_ptr, moments_ptr,
+    def _commit_moment_kernel(p_ptr, w_ptr, dropped_ptr, finite_ptr, moments_ptr,
                               TILE: tl.constexpr):
         """Moment ``i`` (this program): ``bad_i`` over a first pass, then ``W += where(finite
         ∧ ¬bad_i, P, 0)``, ``P = 0`` and ``dropped[i] += finite ∧ bad_i``."""
@@ -133,7 +135,7 @@ if triton is not None:
         tl.atomic_max(marks_ptr + i, epoch + tl.max(_nonfinite(p, mask), 0))
 
     @triton.jit
-    def _commit_kernel(p_ptr, w_ptr, finite_ptr, dropped_ptr, epoch, tiles_ptr, marks_ptr,
+    def _commit_kernel(p_ptr, w_ptr, dropped_ptr, finite_ptr, epoch, tiles_ptr, marks_ptr,
                        TILE: tl.constexpr):
         """``W += where(finite ∧ ¬bad_i, P, 0)``, ``P = 0``; the moment's first tile:
         ``dropped[i] += finite ∧ bad_i``."""

@@ -247,6 +247,9 @@ class RefreshFactors(FactorSource):
                                                seed=config.seed, device=devices[name])
                                for s, (d, m) in sides.items()}
         self._joined = self._join()
+        # per device, its moments' commit bound once: commit(finite) (JoinedMoments.bound_commit)
+        self._commits = [(dropped.device, pending.bound_commit(window, dropped))
+                         for _, pending, window, dropped in self._joined]
 
     def _join(self) -> list[tuple[list[str], JoinedMoments, JoinedMoments, torch.Tensor]]:
         """Per device: ``(layers, pending, window, dropped)``, every moment's pending and
@@ -293,8 +296,8 @@ class RefreshFactors(FactorSource):
         finite (decided on the device, every moment at once: a non-finite moment of a
         finite step is dropped, counted at the refresh; a skipped step's are dropped
         uncounted)."""
-        for _, pending, window, dropped in self._joined:  # (no map of its own per step)
-            pending.commit_into(window, finite.to(dropped.device), dropped)
+        for device, commit in self._commits:  # (no map of its own per step)
+            commit(finite.to(device))
 
     def start_step(self, step: int) -> None:
         if step > 0 and step % self.config.refresh_every == 0:

@@ -16,6 +16,7 @@ moving average over updates); ``decay = 1`` is a running mean over all tokens.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -182,8 +183,8 @@ class JoinedMoments:
 
     @functools.cached_property
     def _fused(self) -> triton_stats.Launch | triton_stats.TiledCommit | None:
-        """The fused commit (:func:`~geofp8.codecs.triton_stats.commit`), made at the first
-        commit (a window's moments take none); ``None`` off the kernels' device."""
+        """The fused commit (:func:`~geofp8.codecs.triton_stats.commit`), made when a commit
+        is first bound (a window's moments take none); ``None`` off the kernels' device."""
         return triton_stats.commit(self.numels, self.flat.device) \
             if triton_fp8.available(self.flat) else None
 
@@ -192,11 +193,19 @@ class JoinedMoments:
         """``window += where(finite ∧ ¬bad[i], moment i, 0)`` and ``dropped[i] += finite ∧
         bad[i]`` (``bad``: :meth:`nonfinite`; ``finite`` a 0-dim bool, ``dropped`` int64
         ``[moments]``, the same layout and device), then these sums zeroed; no host read."""
+        self.bound_commit(window, dropped)(finite)
+
+    def bound_commit(self, window: JoinedMoments, dropped: torch.Tensor
+                     ) -> Callable[[torch.Tensor], None]:
+        """:meth:`commit_into` ``window`` and ``dropped`` as ``commit(finite)``, the rest
+        bound (a caller that commits every step binds it once): the fused launch, or
+        torch's once a kernel has failed (:func:`~geofp8.codecs.triton_fp8.attempt`);
+        torch's alone off the kernels' device."""
+        reference = functools.partial(self._commit_reference, window, dropped=dropped)
         if self._fused is None:
-            self._commit_reference(window, finite, dropped)
-        else:
-            triton_fp8.attempt(lambda: self._fused(self.flat, window.flat, finite, dropped),
-                               lambda: self._commit_reference(window, finite, dropped))
+            return reference
+        return functools.partial(triton_fp8.attempt, functools.partial(
+            self._fused, self.flat, window.flat, dropped), reference)
 
     def _commit_reference(self, window: JoinedMoments, finite: torch.Tensor,
                           dropped: torch.Tensor) -> None:
