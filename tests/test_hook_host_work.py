@@ -119,7 +119,7 @@ def _train(rank: int, keep: bool):
     follow = pipeline._encode_recorded
 
     def encode_recorded(record, flat, seed):
-        calls[-1] = (pipeline.step, True)
+        calls[-1] = (pipeline.ledger.step, True)
         return follow(record, flat, seed)
 
     pipeline._encode_recorded = encode_recorded
@@ -128,7 +128,7 @@ def _train(rank: int, keep: bool):
     encode = pipeline.encode
 
     def counted_encode(*args, **kwargs):
-        calls.append((pipeline.step, False))
+        calls.append((pipeline.ledger.step, False))
         return encode(*args, **kwargs)
 
     def resume(step):

@@ -27,7 +27,7 @@ def _worker(rank, world, flat: bool):
 
     def bucket_residual(names, shapes):
         routes, bucket = choose(names, shapes) if flat else (None, None)
-        took.append((pipeline.step, routes is not None and any(r is not IDENTITY
+        took.append((pipeline.ledger.step, routes is not None and any(r is not IDENTITY
                                                                  for r in routes)))
         return routes, bucket
 
@@ -35,7 +35,7 @@ def _worker(rank, world, flat: bool):
     follow = pipeline._encode_recorded
 
     def encode_recorded(record, flat_bucket, seed):  # the flat path as resolved before
-        took.append((pipeline.step, bool(record.slots)))
+        took.append((pipeline.ledger.step, bool(record.slots)))
         return follow(record, flat_bucket, seed)
 
     pipeline._encode_recorded = encode_recorded

@@ -236,26 +236,13 @@ class GeoFP8State:
         kept.record = encoded.record  # the bucket's decisions for its next call
         self.engine.ledger.add_each(_ENCODED, (*kept.size, time.perf_counter() - t0))
         # (a record has none of these: BucketRecord)
-        unmap, owner_keys = (None, None) if encoded.record else self._resolved(encoded)
+        unmap, owner_keys = (None, None) if encoded.record else _resolved(self.engine, encoded)
         if last and (encoded.slots or unmap is not None):  # its map back rewrites its flag:
             self.engine.verdict.to_map()  # that decides the step, not its decode (_map_back)
         then = functools.partial(self._map_back, kept, encoded, unmap is not None)
         return self.communicator.launch(encoded.sent, encoded.layout, last, unmap, seed=seed,
                                         owner_keys=owner_keys, out=kept.flat, then=then,
                                         bound=encoded.bound)
-
-    def _resolved(self, encoded) -> tuple:
-        """``(unmap, owner keys)`` of a launch whose bucket was resolved this call, its
-        sender factors' bytes charged as factor bytes (before the launch: the last one
-        settles the step, bytes charged included)."""
-        engine, pipeline = self.engine, self.engine.pipeline
-        if encoded.side_bytes:
-            engine.group.charge("payload", -encoded.side_bytes)
-            engine.group.charge("factor", encoded.side_bytes)
-        # the owners' residuals are in communication coordinates, which stay put only for
-        # tensors sent without a map (refreshes change maps): see GradientPipeline.owner_keys
-        owner_keys = pipeline.owner_keys(encoded) if pipeline.owner is not None else None
-        return pipeline.unmap(encoded) if any(encoded.per_sender) else None, owner_keys
 
     def _map_back(self, kept: "_Bucket", encoded, check: bool, total: torch.Tensor,
                   finite: torch.Tensor | None) -> torch.Tensor:
@@ -331,6 +318,20 @@ class HadamardFP8State(GeoFP8State):
                  process_group: dist.ProcessGroup | None = None) -> None:
         geo = (config or FP8Config()).to_geofp8(transform="hadamard", layers="all")
         super().__init__(model, geo, process_group)
+
+
+def _resolved(engine: SyncEngine, encoded) -> tuple:
+    """``(unmap, owner keys)`` of a launch whose bucket was resolved this call, its sender
+    factors' bytes charged as factor bytes (before the launch: the last one settles the
+    step, bytes charged included)."""
+    pipeline = engine.pipeline
+    if encoded.side_bytes:
+        engine.group.charge("payload", -encoded.side_bytes)
+        engine.group.charge("factor", encoded.side_bytes)
+    # the owners' residuals are in communication coordinates, which stay put only for
+    # tensors sent without a map (refreshes change maps): see GradientPipeline.owner_keys
+    owner_keys = pipeline.owner_keys(encoded) if pipeline.owner is not None else None
+    return pipeline.unmap(encoded) if any(encoded.per_sender) else None, owner_keys
 
 
 def geofp8_hook(state: GeoFP8State,

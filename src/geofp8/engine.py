@@ -65,11 +65,9 @@ class SyncEngine:
         residual_storage: storage of the error-feedback residuals (:mod:`geofp8.feedback`).
         agree: all-reduce the finite flag at settling (module notes).
         grad_scaler: a ``torch.amp.GradScaler`` whose scale changes rescale the residuals.
-        serial: every unit starts and finishes on one thread at a time (DDP's: its hook's
-            calls are serialised by DDP's reducer and complete their units on the hook's
-            thread, :class:`~geofp8.comm.collective.Communicator`): no lock around them;
-            else (FSDP) each :meth:`start_unit` and :meth:`finish_unit` holds the engine's
-            lock.
+        serial: units start and finish one at a time, on one thread (DDP's reducer runs its
+            hook under a mutex, whose units complete on its thread): no lock; else (FSDP)
+            :meth:`start_unit` and :meth:`finish_unit` hold the engine's lock.
     """
 
     def __init__(self, model: nn.Module, config, group: DeviceGroup, kind: str,
@@ -97,8 +95,8 @@ class SyncEngine:
         self._lock = threading.RLock()
         self._outstanding = 0
         if not serial:  # units may start or finish on other threads: one at a time
-            self.start_unit, self.finish_unit = map(self._locked, (self.start_unit,
-                                                                   self.finish_unit))
+            self.start_unit = _locked(self._lock, self.start_unit)
+            self.finish_unit = _locked(self._lock, self.finish_unit)
         self.verdict = StepVerdict(self.ledger.skipped_counter)  # the observed units' flags
         self._hooks = [model.register_forward_pre_hook(self._on_forward),
                        model.register_forward_hook(self._on_forward_end), *self.pipeline.hooks]
@@ -154,14 +152,6 @@ class SyncEngine:
         """Stochastic rounding's seed for this step and ``index`` (bucket, unit, hop);
         ``None`` when rounding to nearest."""
         return self.config.rounding_seed(self.ledger.step, *index) if self._stochastic else None
-
-    def _locked(self, method):
-        """``method`` run under the engine's lock (an engine that is not ``serial``)."""
-        @functools.wraps(method)
-        def locked(*args, **kwargs):
-            with self._lock:
-                return method(*args, **kwargs)
-        return locked
 
     def start_unit(self, last: bool = False) -> None:
         """A unit of the step starts; the first one begins the step (collectives) when its
@@ -225,17 +215,7 @@ class SyncEngine:
         self.pipeline.settle(finite)  # the sender's residuals too
         self.ledger.settle(finite, count, self._links, list(map(_TAKE_BYTES, self.groups)))
         if self._more_feedbacks or self.on_skip or self.pipeline.selection.charges:
-            self._settle_more(finite, ok)
-
-    def _settle_more(self, finite: torch.Tensor, ok: torch.Tensor | None) -> None:
-        """What only some engines have settled: further residuals, a selection charged the
-        step's factor bytes, the ``on_skip`` callbacks."""
-        for feedback in self._more_feedbacks:
-            feedback.commit(finite)
-        if self.pipeline.selection.charges:
-            self.pipeline.selection.charged(self.ledger.last["factor_bytes_sent"])
-        for callback in self.on_skip:
-            callback(list(ok.unbind()))
+            _settle_more(self, finite, ok)
 
     def rollback(self) -> None:
         """Forget the step in flight after an exception: the residuals it wrote are reset to
@@ -319,6 +299,26 @@ class SyncEngine:
         for name, feedback in self.feedbacks.items():
             feedback.load_state_dict(state["feedback"][name],
                                      transforms if name == "sender" else {})
+
+
+def _settle_more(engine: SyncEngine, finite: torch.Tensor, ok: torch.Tensor | None) -> None:
+    """What only some engines have settled: further residuals, a selection charged the
+    step's factor bytes, the ``on_skip`` callbacks."""
+    for feedback in engine._more_feedbacks:
+        feedback.commit(finite)
+    if engine.pipeline.selection.charges:
+        engine.pipeline.selection.charged(engine.ledger.last["factor_bytes_sent"])
+    for callback in engine.on_skip:
+        callback(list(ok.unbind()))
+
+
+def _locked(lock: threading.RLock, method):
+    """``method`` run under ``lock`` (an engine that is not ``serial``)."""
+    @functools.wraps(method)
+    def locked(*args, **kwargs):
+        with lock:
+            return method(*args, **kwargs)
+    return locked
 
 
 def _identity(engine: SyncEngine) -> dict:

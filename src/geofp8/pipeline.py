@@ -100,11 +100,6 @@ class GradientPipeline(BucketPath, RecordedDecisions):
         if not self.shared.agreed:
             self.shared.agree(list(self.layers), self.group)
 
-    @property
-    def step(self) -> int:
-        """The step in flight (the ledger's clock)."""
-        return self.ledger.step
-
     def start_step(self, step: int) -> None:
         """Decisions and refreshes due at the start of ``step`` (collective), if any may be:
         none before :attr:`next_start`, the first step at which the selection or the source
