@@ -7,7 +7,7 @@ verdict is their conjunction: one non-finite unit on one rank skips the step on 
 does not, e.g. a reduce-scatter, *agree*: the flags are all-reduced first). The verdict stays
 on the device, and so does the count of skipped steps.
 
-Slots: a fused decode (:func:`geofp8.codecs.triton_fp8.decode_placed`) writes its unit's flag
+Slots: a fused decode (:func:`geofp8.codecs.triton_fp8.decode_launches`) writes its unit's flag
 into the next of the step's slots (:meth:`StepVerdict.slot`: a persistent uint8 vector sized
 at settling, twice the step's units and at least 64, so DDP's rebuilt buckets still fit;
 every slot handed out is written in its step, so nothing zero-fills it). When the step's
