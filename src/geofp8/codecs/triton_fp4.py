@@ -476,7 +476,7 @@ if triton is not None:
             v = tl.math.div_rn(v, tl.full(v.shape, divisor, tl.float32))
         tl.store(out_ptr + offs, v, mask=mask)
         _settle(out_ptr, tiles_ptr, ticket_ptr, flag_ptr, _nonfinite(scale, mask), flags_ptr, n,
-                verdict_ptr, skipped_ptr, POISON, VERDICT, TILE)
+                verdict_ptr, skipped_ptr, POISON, VERDICT, TILE, False)
 
 class Encoded(NamedTuple):
     """One encode's outputs: ``u`` (``x + r``), the segment scales (FP32, NVFP4 only), the

@@ -423,12 +423,14 @@ if triton is not None:
 
     @triton.jit
     def _settle(out_ptr, tiles_ptr, ticket_ptr, flag_ptr, bad, flags_ptr, n, verdict_ptr,
-                skipped_ptr, POISON: tl.constexpr, VERDICT: tl.constexpr, TILE: tl.constexpr):
-        """A fused decode's end, after its program stored its values: the ticket (module
-        notes) counts this program and its ``bad`` (0 or 1: a non-finite scale read); the
-        last program writes ``flag = every program's bad is 0``, zeroes the ticket, writes
-        NaN over every tile's elements unless finite (``POISON``) and (``VERDICT``) decides
-        the step from ``flags[:n]`` and its flag (:func:`_decide`)."""
+                skipped_ptr, POISON: tl.constexpr, VERDICT: tl.constexpr, TILE: tl.constexpr,
+                AND_FLAG: tl.constexpr):
+        """A fused kernel's end, after its program stored its values: the ticket (module
+        notes) counts this program and its ``bad`` (0 or 1: a non-finite scale read, or
+        value written); the last program writes ``flag = every program's bad is 0`` (ANDed
+        with the flag's own value with ``AND_FLAG``: :mod:`.triton_map`'s map back), zeroes
+        the ticket, writes NaN over every tile's elements unless finite (``POISON``) and
+        (``VERDICT``) decides the step from ``flags[:n]`` and its flag (:func:`_decide`)."""
         # acq_rel (Triton's default, scope gpu) is enough: a program's threads store its
         # values, meet at a barrier (the reduction of `bad`), then one thread's atomic
         # releases those stores; the last program's atomic acquires every earlier release,
@@ -440,6 +442,8 @@ if triton is not None:
         # programs counted before this one (the low word), then its high word's verdicts
         if before - ((before >> 32) << 32) == tl.num_programs(0) - 1:
             worse = ((before >> 32) + bad > 0).to(tl.int32)
+            if AND_FLAG:
+                worse = tl.maximum(worse, (tl.load(flag_ptr) == 0).to(tl.int32))
             tl.store(flag_ptr, (1 - worse).to(tl.uint8))
             tl.store(ticket_ptr, tl.zeros((), dtype=tl.int64))
             if POISON:
@@ -470,7 +474,7 @@ if triton is not None:
             v = tl.math.div_rn(v, tl.full(v.shape, divisor, tl.float32))
         tl.store(out_ptr + offs, v, mask=mask)
         _settle(out_ptr, tiles_ptr, ticket_ptr, flag_ptr, _nonfinite(s, mask), flags_ptr, n,
-                verdict_ptr, skipped_ptr, True, VERDICT, TILE)
+                verdict_ptr, skipped_ptr, True, VERDICT, TILE, False)
 
     @triton.jit
     def _verdict_kernel(flags_ptr, n, verdict_ptr, skipped_ptr, BLOCK: tl.constexpr):

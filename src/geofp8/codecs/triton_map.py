@@ -51,7 +51,7 @@ from .triton_fp8 import Launch, attempt, available, decode_launches, failed, tri
 if triton is not None:
     import triton.language as tl
 
-    from .triton_fp8 import _decide
+    from .triton_fp8 import _settle
 
 __all__ = ["BLOCK_M", "BoundMaps", "GroupedMaps", "places", "reference", "round_off_bound"]
 
@@ -235,14 +235,6 @@ if triton is not None:
                 bits = out.to(tl.uint32, bitcast=True)
                 nonfinite = ((bits & 0x7F800000) == 0x7F800000) & m_ok[:, None] & k_ok[None, :]
                 bad = tl.maximum(bad, nonfinite.to(tl.int32))
-        if FLAG:  # the ticket (module notes): the last program writes the flag
-            mine = tl.max(tl.max(bad, 1), 0).to(tl.int64)
-            before = tl.atomic_add(ticket_ptr, 1 + (mine << 32))
-            # programs counted before this one (the low word), then its high word's verdicts
-            if before - ((before >> 32) << 32) == tl.num_programs(0) - 1:
-                finite = (tl.load(flag_ptr) != 0) & ((before >> 32) + mine == 0)
-                tl.store(flag_ptr, finite.to(tl.uint8))
-                tl.store(ticket_ptr, tl.zeros((), dtype=tl.int64))
-                if VERDICT:  # the step's last unit: its verdict, from the earlier flags
-                    _decide(flags_ptr, n, 1 - finite.to(tl.int32), verdict_ptr, skipped_ptr,
-                            BLOCK_M)
+        if FLAG:  # the ticket (module notes): the last program ANDs the flag, may decide
+            _settle(flat_ptr, table_ptr, ticket_ptr, flag_ptr, tl.max(tl.max(bad, 1), 0),
+                    flags_ptr, n, verdict_ptr, skipped_ptr, False, VERDICT, BLOCK_M, True)
