@@ -497,6 +497,30 @@ def test_a_kernel_that_fails_on_the_device_falls_back_to_torch_once_and_for_all(
     assert tried == []  # the kernels are not tried again
 
 
+def test_a_launch_is_a_partial_of_the_kernels_run_with_no_python_of_its_own():
+    import functools
+
+    from geofp8.codecs import triton_fp8
+
+    calls = []
+
+    class Kernel:
+        def run(self, *args, **kwargs):
+            calls.append((args, kwargs))
+    kernel = Kernel()
+    launch = triton_fp8.Launch(kernel, (3,), maps_ptr="maps", TILE=8)
+    bound = launch.bind(flat_ptr="flat")
+    # functools.partial's own call (C): no frame of GeoFP8's per launch; bind flattens
+    assert type(bound).__call__ is functools.partial.__call__
+    assert isinstance(bound, triton_fp8.Launch) and bound.func == kernel.run
+    bound("x", epoch=2)
+    launch(flat_ptr="other")
+    assert calls == [(("x",), {"grid": (3,), "warmup": False, "maps_ptr": "maps", "TILE": 8,
+                               "flat_ptr": "flat", "epoch": 2}),
+                     ((), {"grid": (3,), "warmup": False, "maps_ptr": "maps", "TILE": 8,
+                           "flat_ptr": "other"})]
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for failure in check() + check_stages() + check_feedback() + check_verdict() + \

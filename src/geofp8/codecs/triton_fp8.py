@@ -67,6 +67,7 @@ interpreter (``TRITON_INTERPRET=1``, whose own FP8 casts round differently).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import os
@@ -129,23 +130,23 @@ def failed(exc: Exception) -> None:
                   "falling back to the torch path from now on", RuntimeWarning, stacklevel=3)
 
 
-class Launch:
+class Launch(functools.partial):
     """One kernel bound to its grid and to the arguments and constexprs that do not change
     from call to call (a layout's maps, counts and slots, the format): ``launch(*args,
     **kwargs)`` runs ``kernel[grid](*args, **fixed, **kwargs)`` with only the call's own
-    tensors, scalars and flags (the kernel's ``run`` looked up per call)."""
+    tensors, scalars and flags. A :class:`functools.partial` of the kernel's ``run``: a call
+    runs no Python of its own (the arguments merged by the partial), and the ``run`` is the
+    one the kernel had when the launch was made (a test or a benchmark that replaces it
+    does so before)."""
 
-    __slots__ = ("fixed", "grid", "kernel")
+    __slots__ = ()
 
-    def __init__(self, kernel, grid: tuple[int, ...], **fixed) -> None:
-        self.kernel, self.grid, self.fixed = kernel, grid, fixed
-
-    def __call__(self, *args, **kwargs) -> None:
-        self.kernel.run(*args, grid=self.grid, warmup=False, **self.fixed, **kwargs)
+    def __new__(cls, kernel, grid: tuple[int, ...], **fixed) -> Launch:
+        return super().__new__(cls, kernel.run, grid=grid, warmup=False, **fixed)
 
     def bind(self, **more) -> Launch:
         """This launch with ``more`` arguments fixed too (a stage's own slots, padding)."""
-        return Launch(self.kernel, self.grid, **self.fixed, **more)
+        return functools.partial.__new__(type(self), self, **more)
 
 
 def tiles(groups: GroupMap, device: torch.device) -> torch.Tensor:

@@ -26,9 +26,10 @@ module's ``failed`` records it and warns, :func:`guarded`; from then on
 :meth:`BoundStages.takes` is the per-call check of the tensors (the kernels available on
 their device, contiguous, a dtype their pointers read); what the layout decides (one FP8
 or block-scaled codec, no side bytes, batched kernels on the device) is decided once, by
-:meth:`.plan.FusedPlan.bound`. The kernels' own ``run`` is looked up at every launch and
-their module's ``available`` at every call, so what a test or a benchmark replaces there
-takes effect on a layout bound before.
+:meth:`.plan.FusedPlan.bound`. Their module's ``available`` is looked up at every call, so
+what a test replaces there takes effect on a layout bound before; a kernel's ``run`` is
+bound when its launch is made (:class:`~geofp8.codecs.triton_fp8.Launch`: a test or a
+benchmark that wraps it does so before the layouts it counts are bound).
 """
 
 from __future__ import annotations

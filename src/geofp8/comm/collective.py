@@ -163,7 +163,8 @@ class Communicator:
         the later stages, whose other inputs this communicator allocates (contiguous uint8
         on ``sent``'s device), with no check of their own; ``None``: the torch path's
         stages, each checking."""
-        self._advance(self.lag - 1, block=False)
+        if self._in_flight or self._pending:  # (nothing to advance at a step's first launch)
+            self._advance(self.lag - 1, block=False)
         # the collective's first hop (the exact one's all-gather is issued `lag` launches later)
         result = device_future(sent.device)
         run = self._run(sent, layout, unmap, gather, seed, owner_keys, out, then, bound, result)

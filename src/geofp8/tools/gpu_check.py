@@ -727,8 +727,9 @@ def check_bucket_stages(rows: list) -> None:
     for fmt, n in ((f, n) for f in GOAL_US for n in (2, 8)):
         def timed(fmt=fmt, n=n):
             layout = ShardLayout.build([(BUCKET_NUMEL,)], make_codec(fmt), n, kernels="batched")
-            run = stage_share(layout, torch.randn(layout.numel, device=DEVICE))
-            with kernel_census() as launched:
+            with kernel_census() as launched:  # (the layout's launches bound in it)
+                run = stage_share(layout, torch.randn(layout.numel, device=DEVICE))
+                launched.clear()
                 run()
             t = 1e6 * cuda_seconds(run)
             return (f"{t:.0f} µs (goal <= {GOAL_US[fmt]:.0f}), {len(launched)} Triton kernels",
@@ -774,8 +775,10 @@ def triton_kernels() -> dict[str, object]:
 
 @contextlib.contextmanager
 def kernel_census():
-    """``launched``: the set of :func:`triton_kernels` launched inside (each one's ``run``
-    wrapped, and the one it had put back after; censuses nest)."""
+    """``launched``: the set of :func:`triton_kernels` launched inside by launches made
+    inside (each one's ``run`` wrapped, and the one it had put back after; a
+    :class:`~geofp8.codecs.triton_fp8.Launch` binds the ``run`` it finds when made;
+    censuses nest)."""
     launched: set[str] = set()
     kernels = triton_kernels()
     before = {name: vars(fn).get("run") for name, fn in kernels.items()}
