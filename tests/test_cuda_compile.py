@@ -66,7 +66,7 @@ def _map_shape() -> dict:
     layer of the default rank ``k``."""
     k = GeoFP8Config.k
     fixed = triton_map.GroupedMaps([(0, 1, k, *[torch.zeros(k, k)] * 3)],
-                                   torch.device("cpu")).launches[0].fixed
+                                   torch.device("cpu")).launches[0].keywords
     return {a: fixed[a] for a in ("RANK", "BLOCK_M", "BLOCK_K")}
 
 
