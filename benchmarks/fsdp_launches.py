@@ -112,20 +112,20 @@ def count(rank: int, world: int, method: str, layers: int, per_unit: int, mesh: 
         len(state.pipeline.geometry_layers()), *c.lines, c.staged
 
 
-def _worker(rank: int, world: int, port: int, method: str, queue, *case) -> None:
+def _worker(rank: int, world: int, port: int, cases: list[tuple], queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=300))
-    queue.put((rank, *count(rank, world, method, *case)))
+    queue.put((rank, [count(rank, world, *case) for case in cases]))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def measure(method: str, layers: int, per_unit: int, mesh: str = "fsdp",
-            mapped: int | None = None, lines: bool = True) -> tuple:
-    """:func:`count` of one ordinary step on rank 0 of 2 spawned gloo ranks."""
-    return on_ranks(_worker, 2, method, layers, per_unit, mesh, mapped, lines)
+def measure(cases: list[tuple]) -> list[tuple]:
+    """:func:`count` of each case, ``(method, layers, per_unit, mesh[, mapped[, lines]])``,
+    on rank 0 of 2 spawned gloo ranks (one group for them all)."""
+    return on_ranks(_worker, 2, cases)[0]
 
 
 def main() -> None:
@@ -142,10 +142,11 @@ def main() -> None:
           "unit | collectives per unit | py lines per unit: ours + stages | host µs per unit, "
           "modelled: ours + stages |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    meshes = list(MESHES) if args.hsdp else ["fsdp"]
-    for mesh, method, per_unit in itertools.product(meshes, args.methods, args.per_unit):
-        units, triton, ops, colls, names, on_map, ours, stages, staged = measure(
-            method, args.layers, per_unit, mesh, args.mapped)
+    cases = [(method, args.layers, per_unit, mesh, args.mapped) for mesh, method, per_unit
+             in itertools.product(list(MESHES) if args.hsdp else ["fsdp"], args.methods,
+                                  args.per_unit)]
+    for (method, _, per_unit, mesh, _), found in zip(cases, measure(cases)):
+        units, triton, ops, colls, names, on_map, ours, stages, staged = found
         launches = triton + ops
         ours_us = (ours * LINE_US + (launches - staged) * LAUNCH_US) / units
         stages_us = (stages * LINE_US + staged * LAUNCH_US) / units

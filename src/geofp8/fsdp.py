@@ -50,6 +50,7 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -104,9 +105,15 @@ class _Unit:
     def shard_size(self) -> int:
         return self.param_group.mesh_info.shard_mesh_size
 
+    @cached_property
     def chunk_shapes(self) -> list[tuple[int, ...]]:
         """This rank's dim-0 chunk of every parameter (the HSDP replica hop's tensors)."""
         return [(-(-s[0] // self.shard_size), *s[1:]) for s in self.shapes]
+
+    @cached_property
+    def replica_keys(self) -> list[str]:
+        """The replica hop's residuals' names, one a parameter."""
+        return [name + REPLICA for name in self.names]
 
     def crc(self) -> int:
         return zlib.crc32(self.name.encode())
@@ -261,20 +268,9 @@ class ReplicaAllReduce:
         else:
             t0 = time.perf_counter()
             layout = self.state.layout(unit, "replica", n)
-            feedback = engine.feedbacks["replica"]
-            chunks = unit.chunk_shapes()
-            if self.state.replica_feedback:
-                for name, (lo, hi) in zip(unit.names, _spans(chunks)):
-                    residual = feedback.residual_in(name + REPLICA, IDENTITY)
-                    if residual is not None:
-                        x[lo:hi] += residual.reshape(-1)
             seed = engine.seed(unit.crc(), 1)
-            if self.state.replica_feedback:
-                sent, residual = encode_with_error(x, layout, seed=seed, sender=rep.rank)
-                for name, (lo, hi), chunk in zip(unit.names, _spans(chunks), chunks):
-                    feedback.stage(name + REPLICA, residual[lo:hi].view(chunk), IDENTITY)
-            else:
-                sent = encode(x, layout, seed=seed, sender=rep.rank)
+            sent = self._encode_with_residual(x, layout, seed) if self.state.replica_feedback \
+                else encode(x, layout, seed=seed, sender=rep.rank)
             engine.ledger.add("codec_s", time.perf_counter() - t0)
             x = self.state.communicator(rep).launch(sent, layout, gather=True, seed=seed,
                                                     owner_keys=unit.names, out=x).wait()
@@ -284,6 +280,28 @@ class ReplicaAllReduce:
             shard.copy_(x)
         engine.observe(shard)
         self.state.probe.replica(unit, shard.float(), rep, divisor)
+
+    def _encode_with_residual(self, x: torch.Tensor, layout: ShardLayout, seed) -> torch.Tensor:
+        """The shard ``x`` encoded with its replica residuals added, the new ones staged.
+        Stored plain (FP32 or BF16) and written by one step, they are one flat vector
+        (:meth:`ErrorFeedback.bucket_in`, as a DDP bucket's) that the encode reads and
+        writes in place (the fused kernels: ``x`` not written); else parameter by
+        parameter (the first step makes that vector, :meth:`ErrorFeedback.first_bucket`)."""
+        feedback = self.state.engine.feedbacks["replica"]
+        keys, chunks = self.unit.replica_keys, self.unit.chunk_shapes
+        bucket = feedback.bucket_in(keys, chunks)
+        for key, (lo, hi) in zip(keys, _spans(chunks)) if bucket is None else ():
+            residual = feedback.residual_in(key, IDENTITY)
+            if residual is not None:
+                x[lo:hi] += residual.reshape(-1)
+        sent, residual = encode_with_error(x, layout, seed=seed, sender=self.group.rank,
+                                           feedback=bucket)
+        if bucket is not None or feedback.first_bucket(keys):
+            feedback.stage_bucket(keys, residual, chunks)
+            return sent
+        for key, (lo, hi), chunk in zip(keys, _spans(chunks), chunks):
+            feedback.stage(key, residual[lo:hi].view(chunk), IDENTITY)
+        return sent
 
 
 class Fidelity:
@@ -481,7 +499,7 @@ class GeoFP8FSDP:
         if key not in unit.layouts:
             codec, kernels = self.engine.pipeline.codec, self.engine.config.kernels
             unit.layouts[key] = ShardLayout.for_rows(unit.shapes, codec, world, kernels=kernels) \
-                if kind == "rows" else ShardLayout.build(unit.chunk_shapes(), codec, world,
+                if kind == "rows" else ShardLayout.build(unit.chunk_shapes, codec, world,
                                                          kernels=kernels)
         return unit.layouts[key]
 
