@@ -145,8 +145,9 @@ def main() -> None:
     cases = [(method, args.layers, per_unit, mesh, args.mapped) for mesh, method, per_unit
              in itertools.product(list(MESHES) if args.hsdp else ["fsdp"], args.methods,
                                   args.per_unit)]
-    for (method, _, per_unit, mesh, _), found in zip(cases, measure(cases)):
-        units, triton, ops, colls, names, on_map, ours, stages, staged = found
+    for method, layers, per_unit, mesh, mapped in cases:  # a group each (on_ranks' timeout)
+        units, triton, ops, colls, names, on_map, ours, stages, staged = measure(
+            [(method, layers, per_unit, mesh, mapped)])[0]
         launches = triton + ops
         ours_us = (ours * LINE_US + (launches - staged) * LAUNCH_US) / units
         stages_us = (stages * LINE_US + staged * LAUNCH_US) / units

@@ -24,17 +24,17 @@ SCATTER, REPLICA = 3, 5
 # torch ops a unit: the division that is the copy into FSDP's output, the finite flag of
 # that output (comm.stages.all_finite: aminmax and four scalar ops), the unit's gradient
 # shards times 1 or NaN (one foreach op). Before (the torch path's stages, a flag byte per
-# shard, an all_finite pass over the input and a where per unit): 24 (fp8-ef), 23 (nvfp4-ef)
+# shard, an all_finite pass over the input and a where per unit): 192 (fp8-ef) and 184
+# (nvfp4-ef) in a step of 8 units, 54 and 52 in a step of 2
 PER_UNIT = 7
 # torch ops a step: its settling (the units' flags agreed over the ranks, the poison factors)
 PER_STEP = 12
 # GeoFP8's own lines of an ordinary step, its settling included (host_lines.SplitLines, the
-# stages' apart), 8 layers, 1 / 4 a unit; before (f0fa687): 1424 / 588 (fp8-ef), 1642 / 740
-# (HSDP 2 × 1); with the fused stages and a unit of plain parameters without per-parameter
-# Python (s9F) 1125 / 357 and 1561 / 541
-LINES = {("fsdp", 1): 1125, ("fsdp", 4): 357, ("hsdp 2×1", 1): 1561, ("hsdp 2×1", 4): 541}
-CASES = [("fp8-ef", 8, 1, "fsdp"), ("fp8-ef", 8, 4, "fsdp"), ("nvfp4-ef", 8, 1, "fsdp"),
-         ("fp8-ef", 8, 1, "hsdp 2×1"), ("nvfp4-ef", 8, 4, "hsdp 2×1")]
+# stages' apart), 8 layers, 1 / 4 a unit; before (f0fa687): 1424 / 588 (FSDP), 740 (HSDP
+# 2 × 1, 4 a unit); with the fused stages, a unit of plain parameters without per-parameter
+# Python and HSDP's replica residuals one vector a unit (s9F) 1125 / 357 and 541
+LINES = {("fsdp", 1): 1125, ("fsdp", 4): 357, ("hsdp 2×1", 4): 541}
+CASES = [("fp8-ef", 8, 1, "fsdp"), ("nvfp4-ef", 8, 4, "fsdp"), ("nvfp4-ef", 8, 4, "hsdp 2×1")]
 MEASURE = Child(["-c", "import json, fsdp_launches as f\n"
                  f"print(json.dumps([r[:4] + r[6:8] for r in f.measure({CASES!r})]))"],
                 cwd=BENCHMARKS, path=(BENCHMARKS,))
@@ -94,7 +94,8 @@ def _bits_worker(rank, world_size, steps=4, bad=2):
                 x[0, 0] = float("inf")
             net(x).pow(2).sum().backward()
             finite.append([bool(p.grad.to_local().isfinite().all()) for p in net.parameters()])
-            opt.step()
+            if all(finite[-1]):  # (as GradScaler: a step found non-finite is skipped)
+                opt.step()
             opt.zero_grad(set_to_none=True)
         params = torch.cat([p.to_local().detach().reshape(-1) for p in net.parameters()])
         out[name] = {"finite": finite, "skipped": state.stats()["skipped_steps"],
