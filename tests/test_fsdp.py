@@ -227,9 +227,8 @@ def _unpad(vec, names, shapes, world, j):
 def _simulate_rows(inputs, names, world):
     """The FP8 reduce-scatter of one unit, simulated: per receiver ``j``, its averaged row."""
     shapes = [tuple(inputs[0][n].shape) for n in names]
-    layout = ShardLayout.for_rows(shapes, make_codec("e4m3", "tensor"), world, 1)
-    flags = [torch.ones(1, dtype=torch.uint8)] * world
-    sent = [encode(_chunk_rows([g[n] for n in names], world), layout, flags) for g in inputs]
+    layout = ShardLayout.for_rows(shapes, make_codec("e4m3", "tensor"), world)
+    sent = [encode(_chunk_rows([g[n] for n in names], world), layout) for g in inputs]
     size = [layout.send_bytes(j) for j in range(world)]
     rows = []
     for j in range(world):

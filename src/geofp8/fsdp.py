@@ -15,20 +15,23 @@ buffer ``[N, M]`` whose row ``r`` is every parameter's dim-0 chunk ``r`` (see
   whole unsharded gradient, so it is kept only with ``sender_feedback=True``; by default
   ``R = 0`` (no error feedback on this rounding: measured without loss, see
   :class:`GeoFP8FSDP`);
-* every row chunk quantized with this sender's own scales, plus one flag byte ("my input
-  was finite"); all-to-all; receiver ``r`` decodes the ``N`` copies of row ``r`` and sums in
-  FP32, then maps its rows back by ``T_p⁻¹`` and applies FSDP's ``op`` (``AVG``: ``/N``;
-  ``PREMUL_SUM`` after ``set_gradient_divide_factor(f)``: ``/f``). One rounding, no
-  all-gather: ``(N−1)/N`` encoded bytes per element and rank, against ``4(N−1)/N`` in FP32.
-* non-finite: a sender whose input is not finite says so in its flag byte, which every
-  receiver joins to the unit's verdict (its output is finite and every sender's flag up);
-  the verdicts, a sum that overflows on one receiver only, or a NaN that FSDP's own
-  reduce-scatter left in one shard (HSDP hook only), are agreed on when the step settles
-  (the engine all-reduces the finite flags, on the device): every rank counts the step as
-  skipped, resets the residuals it wrote to zero, keeps no statistic, and sets the local
-  gradient shards of the units that were not finite on some rank to NaN on every rank, so
-  an optimizer or ``GradScaler`` sees the same verdict everywhere (one multiply per local
-  shard and step, the verdict staying on the device).
+* every row chunk quantized with this sender's own scales; all-to-all; receiver ``r``
+  decodes the ``N`` copies of row ``r`` and sums in FP32 (the fused kernels where they
+  run: two launches to encode, one to decode and sum), then maps its rows back by
+  ``T_p⁻¹`` and applies FSDP's ``op`` (``AVG``: ``/N``; ``PREMUL_SUM`` after
+  ``set_gradient_divide_factor(f)``: ``/f``). One rounding, no all-gather: ``(N−1)/N``
+  encoded bytes per element and rank, against ``4(N−1)/N`` in FP32.
+* non-finite: a sender's non-finite element makes its scale group's scale non-finite, so
+  the group decodes to NaN in its owner's sum (every codec, either path), whose output is
+  then not finite: the unit's verdict on that rank. The verdicts, a sum that overflows on
+  one receiver only, or a NaN that FSDP's own reduce-scatter left in one shard (HSDP hook
+  only), are agreed on when the step settles (the engine all-reduces the units' finite
+  flags, on the device), so a reduce-scatter that leaves a NaN on one rank makes the unit
+  non-finite on every rank: every rank counts the step as skipped, resets the residuals it
+  wrote to zero, keeps no statistic, and sets the local gradient shards of the units that
+  were not finite on some rank to NaN on every rank, so an optimizer or ``GradScaler`` sees
+  the same verdict everywhere (one multiply per unit and step, the verdict staying on the
+  device).
 
 :class:`ReplicaAllReduce` (HSDP: ``enable(..., mesh=2-D mesh with dims ("replicate",
 "shard"))``, the model sharded on ``mesh["shard"]``): FSDP's all-reduce hook receives this
@@ -47,6 +50,7 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -56,7 +60,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .comm import Communicator, ShardLayout, encode, encode_with_error, fp32_allreduce_wire_bytes
 from .comm.group import DeviceGroup, collective
-from .comm.stages import all_finite
 from .comm.streams import StreamsUsed
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
@@ -82,23 +85,35 @@ class _Unit:
     names: list[str]
     shapes: list[tuple[int, ...]]
     layouts: dict = field(default_factory=dict)  # (kind, world size) -> ShardLayout
+    # the generation of the pipeline's decisions in which every parameter was plain with no
+    # residual to add (GeoFP8ReduceScatter._prepare), else None
+    plain: tuple | None = None
+    _rows: dict = field(default_factory=dict)  # world size -> rows(world)
 
     def rows(self, world: int) -> list[tuple[int, int, int]]:
         """Per parameter ``(offset in a row, chunk rows, elements per dim-0 row)``."""
-        out, pos = [], 0
-        for shape in self.shapes:
-            rows, width = -(-shape[0] // world), torch.Size(shape[1:]).numel()
-            out.append((pos, rows, width))
-            pos += rows * width
-        return out
+        if world not in self._rows:
+            out = self._rows[world] = []
+            pos = 0
+            for shape in self.shapes:
+                rows, width = -(-shape[0] // world), torch.Size(shape[1:]).numel()
+                out.append((pos, rows, width))
+                pos += rows * width
+        return self._rows[world]
 
     @property
     def shard_size(self) -> int:
         return self.param_group.mesh_info.shard_mesh_size
 
+    @cached_property
     def chunk_shapes(self) -> list[tuple[int, ...]]:
         """This rank's dim-0 chunk of every parameter (the HSDP replica hop's tensors)."""
         return [(-(-s[0] // self.shard_size), *s[1:]) for s in self.shapes]
+
+    @cached_property
+    def replica_keys(self) -> list[str]:
+        """The replica hop's residuals' names, one a parameter."""
+        return [name + REPLICA for name in self.names]
 
     def crc(self) -> int:
         return zlib.crc32(self.name.encode())
@@ -143,36 +158,38 @@ class GeoFP8ReduceScatter(ReduceScatter):
         flat = inp.float() if inp.dtype != torch.float32 else inp
         self.state.probe.reference(unit, flat, dg, divisor)
         routes = self._prepare(flat.view(n, -1), n)
-        finite = all_finite(flat).to(torch.uint8).reshape(1)
         seed = engine.seed(unit.crc(), 0)
         if engine.config.error_feedback:
-            sent, residual = encode_with_error(flat, layout, [finite] * n, seed, dg.rank)
+            sent, residual = encode_with_error(flat, layout, seed=seed, sender=dg.rank)
             self._stage_residuals(residual.view(n, -1), n, routes)
         else:
-            sent = encode(flat, layout, [finite] * n, seed, dg.rank)
+            sent = encode(flat, layout, seed=seed, sender=dg.rank)
         engine.ledger.add("codec_s", time.perf_counter() - t0)
-        senders: list[torch.Tensor] = []
-        total = self.state.communicator(dg).launch(
-            sent, layout, unmap=lambda rows, side: _note_senders(rows, side, senders),
-            gather=False, out=flat).wait()
+        total = self.state.communicator(dg).launch(sent, layout, gather=False, out=flat).wait()
         self._map_back(total, n, routes)
         if divisor != 1:
             torch.div(total, divisor, out=out)  # the division is the copy into FSDP's output
         else:
             out.copy_(total)
-        engine.observe(out, also=senders[0])
+        engine.observe(out)  # a sender's non-finite input: NaN in its owner's sum (notes)
         if self.state.mesh is None:
             self.state.probe.compare(unit, out.float(), n)
 
-    def _prepare(self, rows2d: torch.Tensor, n: int) -> list:
+    def _prepare(self, rows2d: torch.Tensor, n: int) -> list | None:
         """``Ũ = G T + R`` in place, parameter by parameter. A plain parameter (identity
         route, nothing observed: :meth:`GradientPipeline.plain`) adds its residual straight
         into its row chunks; the others go through the pipeline on one temporary of the
-        parameter's padded size (``G`` gathered into it, ``Ũ`` written over it and back)."""
-        routes, pipeline = [], self.state.engine.pipeline
+        parameter's padded size (``G`` gathered into it, ``Ũ`` written over it and back).
+        ``None`` (every route the identity, ``Ũ = G`` as it is) when every parameter is
+        plain and no residual is added: once found, taken as long as the pipeline's
+        decisions keep their generation (as a DDP bucket's record, :mod:`.bucket_record`),
+        with no Python per parameter."""
+        routes, pipeline, unit = [], self.state.engine.pipeline, self.unit
         feedback = pipeline.feedback if pipeline.config.error_feedback else None
-        for name, shape, (pos, rows, width) in zip(self.unit.names, self.unit.shapes,
-                                                   self.unit.rows(n)):
+        if feedback is None and unit.plain == pipeline.generation():
+            return None
+        everyone = feedback is None and pipeline.recordable()
+        for name, shape, (pos, rows, width) in zip(unit.names, unit.shapes, unit.rows(n)):
             if pipeline.plain(name):
                 residual = feedback.residual_in(name, IDENTITY) if feedback else None
                 if residual is not None:
@@ -188,6 +205,8 @@ class GeoFP8ReduceScatter(ReduceScatter):
             routes.append(pipeline.prepare_into(name, G, G, in_place=True))
             padded[shape[0] :].zero_()
             view.copy_(padded.view(n, rows * width))
+            everyone = False
+        unit.plain = pipeline.generation() if everyone else None
         return routes
 
     def _stage_residuals(self, rows2d: torch.Tensor, n: int, routes) -> None:
@@ -199,8 +218,9 @@ class GeoFP8ReduceScatter(ReduceScatter):
                                 route)
 
     def _map_back(self, total: torch.Tensor, n: int, routes) -> None:
-        """This rank's summed rows of each routed weight, ``Y T⁻¹`` (``T`` acts on columns)."""
-        for (pos, rows, width), route in zip(self.unit.rows(n), routes):
+        """This rank's summed rows of each routed weight, ``Y T⁻¹`` (``T`` acts on columns;
+        ``routes``: :meth:`_prepare`'s, ``None``: none routed)."""
+        for (pos, rows, width), route in zip(self.unit.rows(n), routes or ()):
             if route is not IDENTITY:
                 Y = total[pos : pos + rows * width].view(rows, width)
                 route.inverse_over(Y)
@@ -248,20 +268,9 @@ class ReplicaAllReduce:
         else:
             t0 = time.perf_counter()
             layout = self.state.layout(unit, "replica", n)
-            feedback = engine.feedbacks["replica"]
-            chunks = unit.chunk_shapes()
-            if self.state.replica_feedback:
-                for name, (lo, hi) in zip(unit.names, _spans(chunks)):
-                    residual = feedback.residual_in(name + REPLICA, IDENTITY)
-                    if residual is not None:
-                        x[lo:hi] += residual.reshape(-1)
             seed = engine.seed(unit.crc(), 1)
-            if self.state.replica_feedback:
-                sent, residual = encode_with_error(x, layout, seed=seed, sender=rep.rank)
-                for name, (lo, hi), chunk in zip(unit.names, _spans(chunks), chunks):
-                    feedback.stage(name + REPLICA, residual[lo:hi].view(chunk), IDENTITY)
-            else:
-                sent = encode(x, layout, seed=seed, sender=rep.rank)
+            sent = self._encode_with_residual(x, layout, seed) if self.state.replica_feedback \
+                else encode(x, layout, seed=seed, sender=rep.rank)
             engine.ledger.add("codec_s", time.perf_counter() - t0)
             x = self.state.communicator(rep).launch(sent, layout, gather=True, seed=seed,
                                                     owner_keys=unit.names, out=x).wait()
@@ -271,6 +280,28 @@ class ReplicaAllReduce:
             shard.copy_(x)
         engine.observe(shard)
         self.state.probe.replica(unit, shard.float(), rep, divisor)
+
+    def _encode_with_residual(self, x: torch.Tensor, layout: ShardLayout, seed) -> torch.Tensor:
+        """The shard ``x`` encoded with its replica residuals added, the new ones staged.
+        Stored plain (FP32 or BF16) and written by one step, they are one flat vector
+        (:meth:`ErrorFeedback.bucket_in`, as a DDP bucket's) that the encode reads and
+        writes in place (the fused kernels: ``x`` not written); else parameter by
+        parameter (the first step makes that vector, :meth:`ErrorFeedback.first_bucket`)."""
+        feedback = self.state.engine.feedbacks["replica"]
+        keys, chunks = self.unit.replica_keys, self.unit.chunk_shapes
+        bucket = feedback.bucket_in(keys, chunks)
+        for key, (lo, hi) in zip(keys, _spans(chunks)) if bucket is None else ():
+            residual = feedback.residual_in(key, IDENTITY)
+            if residual is not None:
+                x[lo:hi] += residual.reshape(-1)
+        sent, residual = encode_with_error(x, layout, seed=seed, sender=self.group.rank,
+                                           feedback=bucket)
+        if bucket is not None or feedback.first_bucket(keys):
+            feedback.stage_bucket(keys, residual, chunks)
+            return sent
+        for key, (lo, hi), chunk in zip(keys, _spans(chunks), chunks):
+            feedback.stage(key, residual[lo:hi].view(chunk), IDENTITY)
+        return sent
 
 
 class Fidelity:
@@ -445,12 +476,14 @@ class GeoFP8FSDP:
         """NaN in the local gradient shards of the units not finite on some rank (module
         notes; one 0-dim device flag per :meth:`run_unit`, in order; on the device): each
         unit's shards multiplied by 1 or NaN in one foreach op (as
-        :func:`~geofp8.comm.stages.poison_unless` does one tensor)."""
-        for unit, ok in zip(self._reduced, finite):
+        :func:`~geofp8.comm.stages.poison_unless` does one tensor), the units' factors made
+        by one ``where``."""
+        factors = torch.where(torch.stack(finite), 1.0, float("nan")).unbind()
+        for unit, factor in zip(self._reduced, factors):
             shards = [getattr(g, "_local_tensor", g) for fp in unit.param_group.fsdp_params
                       if (g := fp.sharded_param.grad) is not None]
             if shards:
-                torch._foreach_mul_(shards, torch.where(ok, 1.0, float("nan")))
+                torch._foreach_mul_(shards, factor)
 
     def communicator(self, group: DeviceGroup) -> Communicator:
         key = id(group)
@@ -465,8 +498,8 @@ class GeoFP8FSDP:
         key = (kind, world)
         if key not in unit.layouts:
             codec, kernels = self.engine.pipeline.codec, self.engine.config.kernels
-            unit.layouts[key] = ShardLayout.for_rows(unit.shapes, codec, world, 1, kernels) \
-                if kind == "rows" else ShardLayout.build(unit.chunk_shapes(), codec, world,
+            unit.layouts[key] = ShardLayout.for_rows(unit.shapes, codec, world, kernels=kernels) \
+                if kind == "rows" else ShardLayout.build(unit.chunk_shapes, codec, world,
                                                          kernels=kernels)
         return unit.layouts[key]
 
@@ -618,15 +651,6 @@ def _row_pieces(rows2d: torch.Tensor, pos: int, rows: int, width: int,
     if rem:
         out.append((chunks[full, :rem], full * rows, length))
     return out
-
-
-def _note_senders(rows: torch.Tensor, side: torch.Tensor, into: list) -> torch.Tensor:
-    """The per-sender decoding of ``[N, shard]`` copies: each sender's flag byte
-    (``side[r, 0]``) says whether its input was finite; their conjunction (a 0-dim device
-    flag) is noted in ``into`` and joins the unit's verdict (module notes), the values
-    pass unchanged."""
-    into.append((side[:, 0] == 1).all())
-    return rows
 
 
 def enable(model: nn.Module, config: GeoFP8Config | FP8Config | None = None, mesh=None,
