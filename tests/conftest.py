@@ -22,6 +22,13 @@ def pytest_runtest_setup(item):
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items):
+    """The tests that take an interpreter child run last, in their order: by then the lane
+    has run most of their children beside the rest of the suite, so no test in between
+    waits on the lane or runs a child of the lane's share itself."""
+    items.sort(key=lambda item: item.get_closest_marker("child") is not None)
+
+
 def pytest_collection_finish(session):
     """The selected tests' interpreter children, queued on the background lane in the
     tests' order (it runs them from the last: tests/interpreted.py); none for a test skipped
