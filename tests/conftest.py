@@ -1,7 +1,13 @@
 import os
 import sys
 
-import torch
+# One OpenMP thread a process, this one and every process it starts (set before torch is
+# imported): the suite runs its interpreter lane, its ranks and its tests side by side on a
+# 2-core runner, where a second thread only spins waiting for a busy core (an interpreter
+# child: a quarter more CPU time on two threads here).
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
 
 # tests/distributed.py is imported by the test modules and by spawned worker processes.
 sys.path.insert(0, os.path.dirname(__file__))
@@ -15,10 +21,10 @@ def pytest_configure(config):
 
 
 def pytest_runtest_setup(item):
-    """Each test starts on one torch thread (one that wants more sets them itself, as
-    test_native does): the other core of a 2-core runner runs the interpreter lane or the
-    other ranks, and two intra-op threads contending for one core made the tests that
-    compute in this process several times slower (test_device, test_analysis: 4-9x)."""
+    """Each test starts on one torch thread, whatever an earlier one set (an in-process
+    ``train`` sets its own; test_native sets 7 for its split kernels): two threads contending
+    for a core the lane or the other ranks hold made the tests that compute in this process
+    several times slower (test_device, test_analysis: 4-9x here)."""
     torch.set_num_threads(1)
 
 
