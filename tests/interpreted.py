@@ -7,9 +7,10 @@ suite, so a test declares its child once (``CHILD = Child([...])``) and marks it
 the selected tests on one background lane (one child at a time, beside the tests: the
 second core of a 2-core runner), and the test takes its child's lines when it runs. A child
 the lane has not started yet when its test runs is run by the test itself, in the
-foreground, as before. The lane takes the children from the last test's back to the first
-while the tests reach theirs from the front: the two meet once, so a test rarely waits on a
-child the lane runs, and the lane is done early in the suite, not beside its last tests."""
+foreground, as before. ``conftest.py`` runs the tests that take a child last, so the lane
+runs their children beside the rest of the suite; it takes them from the last test's back
+to the first while the tests, once there, reach theirs from the front: the two meet once,
+so a test rarely waits on a child the lane runs."""
 
 from __future__ import annotations
 
