@@ -21,6 +21,10 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # send's two, the owner's decode-and-sum one); HSDP's replica all-reduce, the exact
 # collective's five (comm.collective)
 SCATTER, REPLICA = 3, 5
+# and a unit with parameters on low-rank maps, whatever their number: its maps, one grouped
+# launch each way (fsdp_maps.UnitMaps; before: 8 torch ops a mapped parameter, a padded
+# temporary in and out and two GEMMs each way); a step, the statistics' commit
+MAPS, STATISTICS = 2, 1
 # torch ops a unit: the division that is the copy into FSDP's output, the finite flag of
 # that output (comm.stages.all_finite: aminmax and four scalar ops), the unit's gradient
 # shards times 1 or NaN (one foreach op). Before (the torch path's stages, a flag byte per
@@ -33,10 +37,12 @@ PER_STEP = 12
 # stages' apart), 4 layers, 1 / 4 a unit; before (f0fa687): 748 / 328 (FSDP), 406 (HSDP
 # 2 × 1, 4 a unit); with the fused stages, a unit of plain parameters without per-parameter
 # Python and HSDP's replica residuals one vector a unit (s9F) 597 / 213 and 307
-LINES = {("fsdp", 1): 597, ("fsdp", 4): 213, ("hsdp 2×1", 4): 307}
-CASES = [("fp8-ef", 4, 1, "fsdp"), ("nvfp4-ef", 4, 4, "fsdp"), ("nvfp4-ef", 4, 4, "hsdp 2×1")]
+# (a unit of 4 layers on maps: before, 400 lines for 8 layers, 4 a unit)
+LINES = {("fsdp", 1): 597, ("fsdp", 4): 213, ("hsdp 2×1", 4): 307, ("mapped", 4): 0}
+CASES = [("fp8-ef", 4, 1, "fsdp"), ("nvfp4-ef", 4, 4, "fsdp"), ("nvfp4-ef", 4, 4, "hsdp 2×1"),
+         ("geofp8", 4, 4, "fsdp")]
 MEASURE = Child(["-c", "import json, fsdp_launches as f\n"
-                 f"print(json.dumps([r[:4] + r[6:8] for r in f.measure({CASES!r})]))"],
+                 f"print(json.dumps([r[:4] + r[5:8] for r in f.measure({CASES!r})]))"],
                 cwd=BENCHMARKS, path=(BENCHMARKS,))
 
 
@@ -53,15 +59,19 @@ BITS = (_bits_child(True), _bits_child(False))
 
 @pytest.mark.child(MEASURE)
 def test_a_unit_launches_the_fused_stages_and_a_fixed_number_of_torch_ops():
-    for (method, _, per_unit, mesh), (units, triton, ops, colls, lines, _) in zip(
+    for (method, _, per_unit, mesh), (units, triton, ops, colls, mapped, lines, _) in zip(
             CASES, json.loads(MEASURE.lines()[-1])):
         assert units == 4 // per_unit, (method, mesh)
+        assert mapped == (4 if method == "geofp8" else 0), method  # every layer on a map
         # exact: nothing per parameter (a unit of 4 would add 4 an op per parameter)
         stages = SCATTER if mesh == "fsdp" else REPLICA
-        assert (triton, ops) == (stages * units, PER_UNIT * units + PER_STEP), (method, mesh)
+        if mapped:
+            stages += MAPS
+        assert (triton, ops) == (stages * units + STATISTICS * bool(mapped),
+                                 PER_UNIT * units + PER_STEP), (method, mesh)
         # the all-to-all (HSDP: and the all-gather), the step's agreement
         assert colls == (1 if mesh == "fsdp" else 2) * units + 1, (method, mesh)
-        assert lines <= LINES[mesh, per_unit], (method, mesh, per_unit, lines)
+        assert lines <= LINES["mapped" if mapped else mesh, per_unit], (method, mesh, lines)
 
 
 def _bits_worker(rank, world_size, steps=3, bad=1):
