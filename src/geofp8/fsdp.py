@@ -86,7 +86,10 @@ class _Unit:
     names: list[str]
     shapes: list[tuple[int, ...]]
     layouts: dict = field(default_factory=dict)  # (kind, world size) -> ShardLayout
-    # its routes with no residual to add, kept while they hold (GeoFP8ReduceScatter._prepare)
+    # with no residual to add (GeoFP8ReduceScatter._prepare): the generation of the
+    # pipeline's decisions in which every route is the identity, else None; its routes
+    # resolved (fsdp_maps.resolve), kept while they hold
+    plain: tuple | None = None
     record: UnitRecord | None = None
     _rows: dict = field(default_factory=dict)  # world size -> rows(world)
 
@@ -176,26 +179,31 @@ class GeoFP8ReduceScatter(ReduceScatter):
             self.state.probe.compare(unit, out.float(), n)
 
     def _prepare(self, rows2d: torch.Tensor, n: int) -> list | UnitMaps | None:
-        """``Ũ = G T + R`` in place. With no residual to add, the unit's record
-        (:mod:`.fsdp_maps`), resolved once per generation of the pipeline's decisions: no
-        Python per parameter, ``None`` (every route the identity, ``Ũ = G`` as it is) or
-        its grouped maps (``G T`` in one launch; returned for :meth:`_map_back`). Else
-        parameter by parameter: a plain parameter (identity route, nothing observed:
-        :meth:`GradientPipeline.plain`) adds its residual straight into its row chunks; the
-        others go through the pipeline on one temporary of the parameter's padded size
-        (``G`` gathered into it, ``Ũ`` written over it and back); returns the routes."""
+        """``Ũ = G T + R`` in place. With no residual to add, the unit's routes resolved
+        once per generation of the pipeline's decisions (:mod:`.fsdp_maps`), then taken
+        with no Python per parameter: ``None`` when every route is the identity (``Ũ = G``
+        as it is), or its grouped maps (``G T`` in one launch; returned for
+        :meth:`_map_back`). Else parameter by parameter: a plain parameter (identity route,
+        nothing observed: :meth:`GradientPipeline.plain`) adds its residual straight into
+        its row chunks; the others go through the pipeline on one temporary of the
+        parameter's padded size (``G`` gathered into it, ``Ũ`` written over it and back);
+        returns the routes."""
         routes, pipeline, unit = [], self.state.engine.pipeline, self.unit
         feedback = pipeline.feedback if pipeline.config.error_feedback else None
+        if feedback is None and unit.plain == pipeline.generation():
+            return None
         if feedback is None and pipeline.recordable():
             record = unit.record
             if record is None or record.key != (pipeline.generation(), n):
                 batched = self.state.layout(unit, "rows", n).batched(rows2d.device)
                 record = unit.record = resolve(pipeline, unit.names, unit.shapes, unit.rows(n),
                                                rows2d.view(-1), n, batched, record)
-            if record.kept:
-                if record.maps is not None:
-                    record.maps.forward(rows2d.view(-1))
+            if record.maps is not None:
+                record.maps.forward(rows2d.view(-1))
                 return record.maps
+            if record.plain:
+                unit.plain = pipeline.generation()
+                return None
         for name, shape, (pos, rows, width) in zip(unit.names, unit.shapes, unit.rows(n)):
             if pipeline.plain(name):
                 residual = feedback.residual_in(name, IDENTITY) if feedback else None
@@ -226,8 +234,9 @@ class GeoFP8ReduceScatter(ReduceScatter):
         """This rank's summed rows of each routed weight, ``Y T⁻¹`` (``T`` acts on columns;
         ``routes``: :meth:`_prepare`'s, ``None``: none routed; the unit's grouped maps: one
         launch)."""
-        if isinstance(routes, UnitMaps):
-            routes.back(total)
+        if not isinstance(routes, list):
+            if routes is not None:
+                routes.back(total)
             return
         for (pos, rows, width), route in zip(self.unit.rows(n), routes or ()):
             if route is not IDENTITY:

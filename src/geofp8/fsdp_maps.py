@@ -53,7 +53,8 @@ class UnitMaps:
         self._back = triton_map.GroupedMaps(slots, device, last and last._back)
 
     def forward(self, flat: torch.Tensor) -> None:
-        """``G ← G T`` over each mapped parameter's rows of the ``[n, M]`` input ``flat``."""
+        """``G ← G T`` over each mapped parameter's rows of the input ``flat`` (``[n, M]``,
+        flattened)."""
         self._forward(flat, False)
 
     def back(self, total: torch.Tensor) -> None:
@@ -63,13 +64,12 @@ class UnitMaps:
 
 @dataclass(frozen=True)
 class UnitRecord:
-    """What :func:`resolve` found for a unit: ``key``, the ``(generation, world size)`` it
-    holds in; ``kept``: every parameter steady with the maps below (else parameter by
-    parameter this generation); ``maps``: its grouped maps, ``None`` where every route is the
-    identity (``Ũ = G`` as it is)."""
+    """What :func:`resolve` found for a unit, in the ``key`` ``(generation, world size)``:
+    ``plain``, every route the identity (``Ũ = G`` as it is); ``maps``, its grouped maps;
+    neither, parameter by parameter this generation."""
 
     key: tuple
-    kept: bool
+    plain: bool = False
     maps: UnitMaps | None = None
 
 
@@ -80,16 +80,18 @@ def resolve(pipeline, names: list[str], shapes: list[tuple[int, ...]],
     ``names`` of ``shapes`` at ``rows`` (``_Unit.rows(n)``) in the input ``flat``;
     ``batched``: the unit's layout takes the batched stages on ``flat``'s device."""
     key = (pipeline.generation(), n)
-    routes = [pipeline.steady(name) for name in names]
-    if any(route is None for route in routes):
-        return UnitRecord(key, False)
+    routes = []
+    for name in names:  # (the first that is not steady decides)
+        routes.append(pipeline.steady(name))
+        if routes[-1] is None:
+            return UnitRecord(key)
     mapped = [(*place, route) for place, route in zip(rows, routes) if route is not IDENTITY]
     if not mapped:
-        return UnitRecord(key, True)
+        return UnitRecord(key, plain=True)
     grouped = batched and all(isinstance(route, LowRankInput) and len(shape) == 2
                               for shape, route in zip(shapes, routes) if route is not IDENTITY) \
         and triton_map.places(flat, [t.U for *_, t in mapped])
     if not grouped:
-        return UnitRecord(key, False)
-    return UnitRecord(key, True, UnitMaps(mapped, n, flat.numel() // n, flat.device,
-                                          last and last.maps))
+        return UnitRecord(key)
+    return UnitRecord(key, maps=UnitMaps(mapped, n, flat.numel() // n, flat.device,
+                                         last and last.maps))
