@@ -37,9 +37,9 @@ PER_STEP = 12
 # stages' apart), 4 layers, 1 / 4 a unit; before (f0fa687): 748 / 328 (FSDP), 406 (HSDP
 # 2 × 1, 4 a unit); with the fused stages, a unit of plain parameters without per-parameter
 # Python and HSDP's replica residuals one vector a unit (s9F) 597 / 213 and 307
-# ("mapped": geofp8, the 4 layers on maps in one unit: 255, of which the maps' two grouped
+# ("mapped": geofp8, the 4 layers on maps in one unit: 254, of which the maps' two grouped
 # calls about 30; the benchmark's 8 layers, 4 a unit, before: 400 a unit)
-LINES = {("fsdp", 1): 597, ("fsdp", 4): 213, ("hsdp 2×1", 4): 307, ("mapped", 4): 255}
+LINES = {("fsdp", 1): 597, ("fsdp", 4): 213, ("hsdp 2×1", 4): 307, ("mapped", 4): 254}
 CASES = [("fp8-ef", 4, 1, "fsdp"), ("nvfp4-ef", 4, 4, "fsdp"), ("nvfp4-ef", 4, 4, "hsdp 2×1"),
          ("geofp8", 4, 4, "fsdp")]
 MEASURE = Child(["-c", "import json, fsdp_launches as f\n"

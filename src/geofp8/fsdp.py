@@ -192,7 +192,7 @@ class GeoFP8ReduceScatter(ReduceScatter):
         feedback = pipeline.feedback if pipeline.config.error_feedback else None
         if feedback is None and unit.plain == pipeline.generation():
             return None
-        if feedback is None and pipeline.recordable():
+        if feedback is None:
             record = unit.record
             if record is None or record.key != (pipeline.generation(), n):
                 batched = self.state.layout(unit, "rows", n).batched(rows2d.device)

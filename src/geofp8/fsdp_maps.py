@@ -80,6 +80,8 @@ def resolve(pipeline, names: list[str], shapes: list[tuple[int, ...]],
     ``names`` of ``shapes`` at ``rows`` (``_Unit.rows(n)``) in the input ``flat``;
     ``batched``: the unit's layout takes the batched stages on ``flat``'s device."""
     key = (pipeline.generation(), n)
+    if not pipeline.recordable():  # (the pipeline's rule; FSDP has no budget nor owner)
+        return UnitRecord(key)
     routes = []
     for name in names:  # (the first that is not steady decides)
         routes.append(pipeline.steady(name))
