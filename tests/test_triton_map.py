@@ -79,7 +79,65 @@ def check() -> list[str]:
                 gaps[pos : pos + rows * d] = False
             if not torch.equal(out[gaps], flat[gaps]):
                 failures.append("an unmapped element changed")
-    return failures + flags()
+    return failures + flags() + fsdp_unit()
+
+
+def fsdp_unit() -> list[str]:
+    """A ``fully_shard`` unit's maps over FSDP's layout (:class:`geofp8.fsdp_maps.UnitMaps`):
+    2 rank chunks; 3 parameters of ``rows_total`` dim-0 rows (odd: the last chunk padded
+    with zero rows), the first and the last sharing one map (packed once), a plain one
+    between them; a NaN in a row. The forward over the whole input, the map back over a
+    chunk, each against the torch path on the parameter's real rows within the round-off
+    bound; the padding rows and the plain parameter's elements left bit for bit."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from geofp8.codecs.triton_map import round_off_bound
+    from geofp8.fsdp_maps import UnitMaps
+
+    failures, g, n = [], torch.Generator().manual_seed(7), 2
+    shapes = [(75, 40), (9, 24), (3, 40)]  # (dim-0 rows, width)
+    U = torch.linalg.qr(torch.randn(40, 5, generator=g))[0]
+    shared = SimpleNamespace(U=U, V_fwd=U * 1.5, V_inv=U * -0.6)
+    places, pos = [], 0  # (pos, chunk rows, width)
+    for total, width in shapes:
+        places.append((pos, -(-total // n), width))
+        pos += places[-1][1] * width
+    chunk, maps = pos, [(*places[0], shared), (*places[2], shared)]
+    layout = torch.zeros(n, chunk)
+    for (total, width), (at, rows, _) in zip(shapes, places):
+        G = torch.randn(total, width, generator=g)
+        padded = torch.cat([G, G.new_zeros(n * rows - total, width)])
+        layout[:, at : at + rows * width] = padded.view(n, rows * width)
+    layout[1, 3 * 40 + 5] = float("nan")  # row 40 of the first parameter
+    unit = UnitMaps(maps, n, chunk, layout.device, None)
+    if unit._forward.packed.numel() != 3 * U.numel():
+        failures.append(f"fsdp: the shared map packed {unit._forward.packed.numel()} floats")
+    for inverse, (out, ref) in ((False, (layout.clone().view(-1), layout.clone())),
+                                (True, (layout[1].clone(), layout[1].clone()[None]))):
+        (unit.back if inverse else unit.forward)(out)
+        out = out.view(ref.shape)
+        for (total, width), (at, rows, _) in zip(shapes, places):
+            G = ref[:, at : at + rows * width].reshape(-1, width)  # (a copy: not ref's)
+            o = out[:, at : at + rows * width].reshape(-1, width)
+            real = total if not inverse else min(rows, total - rows)  # chunk 1's real rows
+            if width == 24:  # the plain one
+                if not torch.equal(o.view(torch.int32), G.view(torch.int32)):
+                    failures.append(f"fsdp inverse {inverse}: the plain parameter changed")
+                continue
+            want = torch.addmm(G[:real], G[:real] @ (shared.V_inv if inverse else
+                                                     shared.V_fwd), U.T)
+            finite = G[:real].isfinite().all(dim=1)
+            bound = round_off_bound(G[:real][finite], shared.V_inv if inverse
+                                    else shared.V_fwd, U)
+            if not torch.equal(o[:real].isfinite(), want.isfinite()) or not bool(
+                    ((o[:real][finite] - want[finite]).abs() <= bound).all()):
+                failures.append(f"fsdp inverse {inverse} {total}x{width}: past the bound")
+            if not torch.equal(o[real:].view(torch.int32), torch.zeros_like(o[real:]).view(
+                    torch.int32)):
+                failures.append(f"fsdp inverse {inverse} {total}x{width}: padding not +0")
+    return failures
 
 
 def flags() -> list[str]:

@@ -64,6 +64,7 @@ from .comm.streams import StreamsUsed
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
 from .feedback import STORAGES
+from .fsdp_maps import UnitMaps, UnitRecord, resolve
 from .geometry.transforms import IDENTITY
 
 __all__ = ["GeoFP8FSDP", "GeoFP8ReduceScatter", "ReplicaAllReduce", "enable"]
@@ -85,9 +86,11 @@ class _Unit:
     names: list[str]
     shapes: list[tuple[int, ...]]
     layouts: dict = field(default_factory=dict)  # (kind, world size) -> ShardLayout
-    # the generation of the pipeline's decisions in which every parameter was plain with no
-    # residual to add (GeoFP8ReduceScatter._prepare), else None
+    # with no residual to add (GeoFP8ReduceScatter._prepare): the generation of the
+    # pipeline's decisions in which every route is the identity, else None; its routes
+    # resolved (fsdp_maps.resolve), kept while they hold
     plain: tuple | None = None
+    record: UnitRecord | None = None
     _rows: dict = field(default_factory=dict)  # world size -> rows(world)
 
     def rows(self, world: int) -> list[tuple[int, int, int]]:
@@ -175,20 +178,32 @@ class GeoFP8ReduceScatter(ReduceScatter):
         if self.state.mesh is None:
             self.state.probe.compare(unit, out.float(), n)
 
-    def _prepare(self, rows2d: torch.Tensor, n: int) -> list | None:
-        """``Ũ = G T + R`` in place, parameter by parameter. A plain parameter (identity
-        route, nothing observed: :meth:`GradientPipeline.plain`) adds its residual straight
-        into its row chunks; the others go through the pipeline on one temporary of the
-        parameter's padded size (``G`` gathered into it, ``Ũ`` written over it and back).
-        ``None`` (every route the identity, ``Ũ = G`` as it is) when every parameter is
-        plain and no residual is added: once found, taken as long as the pipeline's
-        decisions keep their generation (as a DDP bucket's record, :mod:`.bucket_record`),
-        with no Python per parameter."""
+    def _prepare(self, rows2d: torch.Tensor, n: int) -> list | UnitMaps | None:
+        """``Ũ = G T + R`` in place. With no residual to add, the unit's routes resolved
+        once per generation of the pipeline's decisions (:mod:`.fsdp_maps`), then taken
+        with no Python per parameter: ``None`` when every route is the identity (``Ũ = G``
+        as it is), or its grouped maps (``G T`` in one launch; returned for
+        :meth:`_map_back`). Else parameter by parameter: a plain parameter (identity route,
+        nothing observed: :meth:`GradientPipeline.plain`) adds its residual straight into
+        its row chunks; the others go through the pipeline on one temporary of the
+        parameter's padded size (``G`` gathered into it, ``Ũ`` written over it and back);
+        returns the routes."""
         routes, pipeline, unit = [], self.state.engine.pipeline, self.unit
         feedback = pipeline.feedback if pipeline.config.error_feedback else None
         if feedback is None and unit.plain == pipeline.generation():
             return None
-        everyone = feedback is None and pipeline.recordable()
+        if feedback is None:
+            record = unit.record
+            if record is None or record.key != (pipeline.generation(), n):
+                batched = self.state.layout(unit, "rows", n).batched(rows2d.device)
+                record = unit.record = resolve(pipeline, unit.names, unit.shapes, unit.rows(n),
+                                               rows2d.view(-1), n, batched, record)
+            if record.maps is not None:
+                record.maps.forward(rows2d.view(-1))
+                return record.maps
+            if record.plain:
+                unit.plain = pipeline.generation()
+                return None
         for name, shape, (pos, rows, width) in zip(unit.names, unit.shapes, unit.rows(n)):
             if pipeline.plain(name):
                 residual = feedback.residual_in(name, IDENTITY) if feedback else None
@@ -205,8 +220,6 @@ class GeoFP8ReduceScatter(ReduceScatter):
             routes.append(pipeline.prepare_into(name, G, G, in_place=True))
             padded[shape[0] :].zero_()
             view.copy_(padded.view(n, rows * width))
-            everyone = False
-        unit.plain = pipeline.generation() if everyone else None
         return routes
 
     def _stage_residuals(self, rows2d: torch.Tensor, n: int, routes) -> None:
@@ -219,7 +232,12 @@ class GeoFP8ReduceScatter(ReduceScatter):
 
     def _map_back(self, total: torch.Tensor, n: int, routes) -> None:
         """This rank's summed rows of each routed weight, ``Y T⁻¹`` (``T`` acts on columns;
-        ``routes``: :meth:`_prepare`'s, ``None``: none routed)."""
+        ``routes``: :meth:`_prepare`'s, ``None``: none routed; the unit's grouped maps: one
+        launch)."""
+        if not isinstance(routes, list):
+            if routes is not None:
+                routes.back(total)
+            return
         for (pos, rows, width), route in zip(self.unit.rows(n), routes or ()):
             if route is not IDENTITY:
                 Y = total[pos : pos + rows * width].view(rows, width)

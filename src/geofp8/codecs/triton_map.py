@@ -11,7 +11,8 @@ the rank padded to a power of two ≥ 16, the padding's ``V`` and ``Uᵀ`` read 
 second writes it; rows are a program's own).
 
 The maps are packed once per set of maps (a bucket's record, at a refresh): ``U``, ``V_fwd``
-and ``V_inv`` of every layer in one FP32 device buffer, and a program table, int64
+and ``V_inv`` of every map in one FP32 device buffer (a map over several slots, as an FSDP
+unit's over each rank's chunk of a parameter, packed once), and a program table, int64
 ``[P, 7]``: ``(first element of the rows, rows, d_in, rank, U's, V_fwd's, V_inv's offset)``,
 so a call passes its tensors and flags (no per-call host work). The table depends on the
 slots' geometry alone: maps made every step (``fresh``) repack their values, one ``cat``,
@@ -95,27 +96,31 @@ class GroupedMaps:
     def __init__(self, maps: list[tuple[int, int, int, torch.Tensor, torch.Tensor,
                                         torch.Tensor]], device: torch.device,
                  like: GroupedMaps | None = None) -> None:
-        """``maps``: ``(offset, rows, d_in, U, V_fwd, V_inv)`` of each layer over the flat
-        bucket (``U``, ``V`` ``d_in × rank``). ``like``: the last packing of the same slots;
-        where its geometry (offsets, shapes, ranks) is this one's, its program table (and
-        ticket) is taken as it is (maps made every step are packed with one ``cat``, no
-        table)."""
+        """``maps``: ``(offset, rows, d_in, U, V_fwd, V_inv)`` of each slot over the flat
+        bucket (``U``, ``V`` ``d_in × rank``; slots with the same ``U`` object share one
+        packing of their map). ``like``: the last packing of the same slots; where its
+        geometry (offsets, shapes, ranks, where each map is packed) is this one's, its
+        program table (and ticket) is taken as it is (maps made every step are packed with
+        one ``cat``, no table)."""
         self.maps = maps
-        self.geometry = tuple((pos, rows, d, U.shape[1]) for pos, rows, d, U, _, _ in maps)
-        parts = [x.reshape(-1) for *_, U, V_fwd, V_inv in maps if U.shape[1]
-                 for x in (U, V_fwd, V_inv)]
+        parts, at, end = [], {}, 0  # id(U) -> where its map is packed (once, whatever its
+        for *_, U, V_fwd, V_inv in maps:  # slots)
+            if U.shape[1] and id(U) not in at:
+                at[id(U)], end = end, end + 3 * U.numel()
+                parts += [x.reshape(-1) for x in (U, V_fwd, V_inv)]
+        self.geometry = tuple((pos, rows, d, U.shape[1], at.get(id(U)))
+                              for pos, rows, d, U, _, _ in maps)
         self.packed = torch.cat(parts) if parts else None
         if like is not None and like.geometry == self.geometry:
             self.table, self.ticket, self.launches = like.table, like.ticket, like.launches
             return
-        programs, at, most = [], 0, 1
-        for pos, rows, d, k in self.geometry:
+        programs, most = [], 1
+        for pos, rows, d, k, u in self.geometry:
             if k == 0:  # the identity: no program
                 continue
             most = max(most, k)
-            programs += [(pos + r0 * d, min(BLOCK_M, rows - r0), d, k, at, at + d * k,
-                          at + 2 * d * k) for r0 in range(0, rows, BLOCK_M)]
-            at += 3 * d * k
+            programs += [(pos + r0 * d, min(BLOCK_M, rows - r0), d, k, u, u + d * k,
+                          u + 2 * d * k) for r0 in range(0, rows, BLOCK_M)]
         self.table = torch.tensor(programs, dtype=torch.int64, device=device) \
             if programs else None
         self.ticket = torch.zeros(1, dtype=torch.int64, device=device) if programs else None
