@@ -58,6 +58,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from .codecs.base import device_scalar
 from .comm import Communicator, ShardLayout, encode, encode_with_error, fp32_allreduce_wire_bytes
 from .comm.group import DeviceGroup, collective
 from .comm.streams import StreamsUsed
@@ -165,13 +166,19 @@ class GeoFP8ReduceScatter(ReduceScatter):
         else:
             sent = encode(flat, layout, seed=seed, sender=dg.rank)
         engine.ledger.add("codec_s", time.perf_counter() - t0)
-        total = self.state.communicator(dg).launch(sent, layout, gather=False, out=flat).wait()
-        self._map_back(total, n, routes)
-        if divisor != 1:
-            torch.div(total, divisor, out=out)  # the division is the copy into FSDP's output
-        else:
-            out.copy_(total)
-        engine.observe(out)  # a sender's non-finite input: NaN in its owner's sum (notes)
+        # a sender's non-finite input: NaN in its owner's sum (notes), its flag down
+        comm, divide = self.state.communicator(dg), None if divisor == 1 else divisor
+        if routes is None and out.dtype == torch.float32:  # the sum / divisor straight in out
+            engine.observe(out, finite=comm.launch(sent, layout, gather=False, out=flat,
+                                                   into=out, divide=divide, then=_flag).wait())
+        else:  # mapped back first, or copied into FSDP's dtype
+            total = comm.launch(sent, layout, gather=False, out=flat).wait()
+            self._map_back(total, n, routes)
+            if divide is None:
+                out.copy_(total)
+            else:  # the division (IEEE, as the kernel's) is the copy into FSDP's output
+                torch.div(total, device_scalar(divide, torch.float32, total.device), out=out)
+            engine.observe(out)
         if self.state.mesh is None:
             self.state.probe.compare(unit, out.float(), n)
 
@@ -263,8 +270,11 @@ class ReplicaAllReduce:
         x = shard.float() if shard.dtype != torch.float32 else shard
         if not self.after_ours:  # FSDP's FP32 reduce-scatter: this shard is exact
             self.state.probe.keep(unit, x)
+        finite = None  # the gathered decode's flag of x, where it has one
         if not engine.fp8:
             x, _ = rep.all_reduce(x, "payload")
+            if divisor != 1:
+                x.div_(device_scalar(divisor, torch.float32, x.device))
         else:
             t0 = time.perf_counter()
             layout = self.state.layout(unit, "replica", n)
@@ -272,13 +282,14 @@ class ReplicaAllReduce:
             sent = self._encode_with_residual(x, layout, seed) if self.state.replica_feedback \
                 else encode(x, layout, seed=seed, sender=rep.rank)
             engine.ledger.add("codec_s", time.perf_counter() - t0)
-            x = self.state.communicator(rep).launch(sent, layout, gather=True, seed=seed,
-                                                    owner_keys=unit.names, out=x).wait()
-        if divisor != 1:
-            x.div_(divisor)
+            # divided by the decode (IEEE), its flag that of x
+            x, finite = self.state.communicator(rep).launch(
+                sent, layout, gather=True, seed=seed, owner_keys=unit.names, out=x,
+                divide=None if divisor == 1 else divisor, then=_pair).wait()
         if x is not shard:
             shard.copy_(x)
-        engine.observe(shard)
+            finite = None  # (the copy may round to infinity)
+        engine.observe(shard, finite=finite)
         self.state.probe.replica(unit, shard.float(), rep, divisor)
 
     def _encode_with_residual(self, x: torch.Tensor, layout: ShardLayout, seed) -> torch.Tensor:
@@ -491,6 +502,7 @@ class GeoFP8FSDP:
             self._communicators[key] = Communicator("exact", group)
             self._communicators[key].owner = self.engine.feedbacks.get("owner")
             self._communicators[key].owner_route = IDENTITY
+            self._communicators[key].flag_slot = self.engine.verdict.slot
         return self._communicators[key]
 
     def layout(self, unit: _Unit, kind: str, world: int) -> ShardLayout:
@@ -622,6 +634,16 @@ def _divisor(unit: _Unit, op, world: int) -> float:
         raise RuntimeError(f"GeoFP8: unexpected reduce-scatter op {op!r} without a "
                            "gradient divide factor")
     return float(factor)
+
+
+def _flag(values: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """A reduce-scatter's ``then``: its finite flag (its values are written where asked)."""
+    return finite
+
+
+def _pair(values: torch.Tensor, finite: torch.Tensor | None) -> tuple:
+    """A launch's ``then``: its value and its finite flag (``None``: not known)."""
+    return values, finite
 
 
 def _spans(shapes: list[tuple[int, ...]]) -> list[tuple[int, int]]:

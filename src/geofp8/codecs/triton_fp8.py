@@ -88,7 +88,8 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 
 __all__ = ["NO_FEEDBACK", "TILE", "AmaxSlots", "Feedback", "Launch", "amax",
            "attempt", "available", "decode", "decode_sum", "encode", "failed",
-           "feedback_fits", "placed_tiles", "reference", "ticket", "tiles", "verdict"]
+           "feedback_fits", "no_scatter", "placed_tiles", "reference", "ticket", "tiles",
+           "verdict"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # whether a tensor is where the kernels run (no Python per tensor in `available`)
@@ -398,7 +399,8 @@ if triton is not None:
 
     @triton.jit
     def _reduce_kernel(recv_ptr, out_ptr, bits_ptr, epoch, tiles_ptr, n_senders, record,
-                       E5M2: tl.constexpr, TILE: tl.constexpr):
+                       ticket_ptr, flag_ptr, divisor, SCATTER: tl.constexpr,
+                       DIVIDE: tl.constexpr, E5M2: tl.constexpr, TILE: tl.constexpr):
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         code_at, scale_at = _places(tiles_ptr, offs, g)
         acc = tl.zeros((TILE,), tl.float32)  # from +0 (-0 + 0 = +0), sender after sender
@@ -406,8 +408,23 @@ if triton is not None:
             base = recv_ptr + r * record
             c = tl.load(base + code_at, mask=mask, other=0).to(tl.uint32)
             acc += _fp8_value(c, E5M2) * _load_f32(base + scale_at, mask)
-        tl.store(out_ptr + offs, acc, mask=mask)
-        _group_max(bits_ptr, acc, mask, g, start, size, g0, run0, epoch, TILE)
+        if SCATTER:
+            _scattered(out_ptr, offs, acc, mask, ticket_ptr, flag_ptr, divisor, DIVIDE, TILE)
+        else:
+            tl.store(out_ptr + offs, acc, mask=mask)
+            _group_max(bits_ptr, acc, mask, g, start, size, g0, run0, epoch, TILE)
+
+    @triton.jit
+    def _scattered(out_ptr, offs, v, mask, ticket_ptr, flag_ptr, divisor, DIVIDE: tl.constexpr,
+                   TILE: tl.constexpr):
+        """A reduce-scatter's end (``SCATTER``), after its program summed ``v``: ``v /
+        divisor`` (``DIVIDE``) stored, and the flag "every value stored is finite" decided by
+        the ticket (:func:`_settle`: no poison, no decision)."""
+        if DIVIDE:
+            v = tl.math.div_rn(v, tl.full(v.shape, divisor, tl.float32))
+        tl.store(out_ptr + offs, v, mask=mask)
+        _settle(out_ptr, ticket_ptr, ticket_ptr, flag_ptr, _nonfinite(v, mask), ticket_ptr, 0,
+                ticket_ptr, ticket_ptr, False, False, TILE, False)
 
     @triton.jit
     def _decide(flags_ptr, n, bad0, verdict_ptr, skipped_ptr, BLOCK: tl.constexpr):
@@ -568,6 +585,13 @@ def feedback_fits(x: torch.Tensor, feedback: Feedback | None) -> bool:
             and r.numel() == x.numel() and r.device == x.device
             and (keep is None or (keep.dtype == torch.bool and keep.dim() == 0
                                   and keep.device == x.device)))
+
+
+def no_scatter(anywhere: torch.Tensor) -> dict:
+    """A reduction kernel's arguments for its amax variant (not a reduce-scatter's end: no
+    ticket nor flag, their pointers ``anywhere``, not read)."""
+    return {"ticket_ptr": anywhere, "flag_ptr": anywhere, "divisor": 1.0, "SCATTER": False,
+            "DIVIDE": False}
 
 
 def ticket(device: torch.device) -> torch.Tensor:
