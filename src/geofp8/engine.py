@@ -87,7 +87,7 @@ class SyncEngine:
         self.grad_scaler, self.grad_scale = grad_scaler, 1.0
         self._scaled = grad_scaler is not None  # (a begin then reads the scale)
         self.fingerprint_extra: dict = {}
-        self.on_skip: list = []  # callbacks(0-dim device flags, finite per observed unit)
+        self.on_skip: list = []  # callbacks(bool [U] device flags, finite per observed unit)
         self._parameters = [[n, list(p.shape), str(p.dtype), p.requires_grad]
                             for n, p in model.named_parameters()]
         self._checked = False
@@ -309,7 +309,7 @@ def _settle_more(engine: SyncEngine, finite: torch.Tensor, ok: torch.Tensor | No
     if engine.pipeline.selection.charges:
         engine.pipeline.selection.charged(engine.ledger.last["factor_bytes_sent"])
     for callback in engine.on_skip:
-        callback(list(ok.unbind()))
+        callback(ok)
 
 
 def _locked(lock: threading.RLock, method):

@@ -47,6 +47,8 @@ outside a backward).
 
 from __future__ import annotations
 
+import math
+import operator
 import time
 import zlib
 from dataclasses import dataclass, field, replace
@@ -64,10 +66,12 @@ from .comm.group import DeviceGroup, collective
 from .comm.streams import StreamsUsed
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
-from .feedback import STORAGES
+from .feedback import STORAGES, FlatResiduals
 from .geometry.transforms import IDENTITY
 
 __all__ = ["GeoFP8FSDP", "GeoFP8ReduceScatter", "ReplicaAllReduce", "enable"]
+
+_LOCAL_GRAD = operator.attrgetter("sharded_param.grad._local_tensor")  # an FSDPParam's
 
 RESIDUALS = STORAGES
 REPLICA = "#replica"
@@ -85,6 +89,7 @@ class _Unit:
     param_group: object  # torch's FSDPParamGroup
     names: list[str]
     shapes: list[tuple[int, ...]]
+    trained: list  # the FSDPParams of those parameters (torch's), in the same order
     layouts: dict = field(default_factory=dict)  # (kind, world size) -> ShardLayout
     # the generation of the pipeline's decisions in which every parameter was plain with no
     # residual to add (GeoFP8ReduceScatter._prepare), else None
@@ -241,6 +246,10 @@ class ReplicaAllReduce:
                  after_ours: bool) -> None:
         self.state, self.unit, self.group, self.after_ours = state, unit, group, after_ours
         self._partial: torch.Tensor | None = None  # shards kept under no all-reduce
+        # the replica residuals' flat vector as the last step left it, and the feedback's
+        # version then (_encode_with_residual)
+        self._held: FlatResiduals | None = None
+        self._version = 0
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if not self.unit.param_group.all_reduce_grads:  # accumulate: all-reduce later
@@ -297,9 +306,17 @@ class ReplicaAllReduce:
         Stored plain (FP32 or BF16) and written by one step, they are one flat vector
         (:meth:`ErrorFeedback.bucket_in`, as a DDP bucket's) that the encode reads and
         writes in place (the fused kernels: ``x`` not written); else parameter by
-        parameter (the first step makes that vector, :meth:`ErrorFeedback.first_bucket`)."""
+        parameter (the first step makes that vector, :meth:`ErrorFeedback.first_bucket`).
+        That vector, once made, is read again as it was left (:meth:`ErrorFeedback.recorded`,
+        as a DDP bucket's record does) while it is live and the feedback's version has not
+        moved: no Python per parameter."""
         feedback = self.state.engine.feedbacks["replica"]
         keys, chunks = self.unit.replica_keys, self.unit.chunk_shapes
+        if self._held is not None and self._held.live and self._version == feedback.version:
+            sent = encode_with_error(x, layout, seed=seed, sender=self.group.rank,
+                                     feedback=feedback.recorded(self._held))[0]
+            feedback.restage(self._held.names)
+            return sent
         bucket = feedback.bucket_in(keys, chunks)
         for key, (lo, hi) in zip(keys, _spans(chunks)) if bucket is None else ():
             residual = feedback.residual_in(key, IDENTITY)
@@ -309,6 +326,7 @@ class ReplicaAllReduce:
                                            feedback=bucket)
         if bucket is not None or feedback.first_bucket(keys):
             feedback.stage_bucket(keys, residual, chunks)
+            self._held, self._version = feedback.held(keys), feedback.version
             return sent
         for key, (lo, hi), chunk in zip(keys, _spans(chunks), chunks):
             feedback.stage(key, residual[lo:hi].view(chunk), IDENTITY)
@@ -483,16 +501,20 @@ class GeoFP8FSDP:
         self.engine.end_step()
         self._reduced = []
 
-    def _poison_reduced(self, finite: list[torch.Tensor]) -> None:
+    def _poison_reduced(self, finite: torch.Tensor) -> None:
         """NaN in the local gradient shards of the units not finite on some rank (module
-        notes; one 0-dim device flag per :meth:`run_unit`, in order; on the device): each
-        unit's shards multiplied by 1 or NaN in one foreach op (as
+        notes; ``finite``: a bool device flag per :meth:`run_unit`, in order): each unit's
+        shards multiplied by 1 or NaN in one foreach op (as
         :func:`~geofp8.comm.stages.poison_unless` does one tensor), the units' factors made
-        by one ``where``."""
-        factors = torch.where(torch.stack(finite), 1.0, float("nan")).unbind()
+        by one ``where`` (of two device constants)."""
+        one, nan = (device_scalar(v, torch.float32, finite.device) for v in (1.0, math.nan))
+        factors = torch.where(finite, one, nan).unbind()
         for unit, factor in zip(self._reduced, factors):
-            shards = [getattr(g, "_local_tensor", g) for fp in unit.param_group.fsdp_params
-                      if (g := fp.sharded_param.grad) is not None]
+            try:  # (no Python per parameter)
+                shards = list(map(_LOCAL_GRAD, unit.trained))
+            except AttributeError:  # a gradient missing, or not a DTensor's
+                shards = [getattr(g, "_local_tensor", g) for fp in unit.trained
+                          if (g := fp.sharded_param.grad) is not None]
             if shards:
                 torch._foreach_mul_(shards, factor)
 
@@ -596,7 +618,7 @@ def _unit(name: str, module: FSDPModule, names: dict[int, str], mesh) -> _Unit |
             raise ValueError("GeoFP8 HSDP: shard the model on mesh['shard'] (a 1-D mesh); "
                              "the replica all-reduce is GeoFP8's own (via the all-reduce "
                              "hook), not FSDP's native HSDP one")
-    unames, shapes = [], []
+    unames, shapes, trained = [], [], []
     for fp in group.fsdp_params:
         if fp.fsdp_placement.dim != 0:
             raise ValueError(f"GeoFP8: parameter of {name!r} is sharded on dim "
@@ -609,7 +631,8 @@ def _unit(name: str, module: FSDPModule, names: dict[int, str], mesh) -> _Unit |
             continue
         unames.append(names[pid])
         shapes.append(tuple(fp._orig_size))
-    return _Unit(name, group, unames, shapes)
+        trained.append(fp)
+    return _Unit(name, group, unames, shapes, trained)
 
 
 def _queue_end_of_backward(callback) -> bool:

@@ -151,19 +151,32 @@ class StepVerdict:
             counter = self._skipped(slots.device)
             return triton_fp8.verdict(slots, len(flags), counter), None, counter
         device = flags[0].device if flags else torch.device(device)
-        ok = torch.stack(flags) if flags else torch.ones(1, dtype=torch.bool, device=device)
-        if agree is not None:  # per unit, count the ranks whose flag is down
-            ok = agree((~ok).to(torch.float32)) == 0
-        if slots is None or slots.numel() < len(flags) or slots.device != device:
-            self._slots = torch.empty(max(2 * len(flags), 64), dtype=torch.uint8,
-                                      device=device)
+        if agree is not None and self._are_slots(flags, len(flags)):  # no stack: the slots
+            ok = slots[: len(flags)].view(torch.bool)
+        else:
+            ok = torch.stack(flags) if flags else torch.ones(1, dtype=torch.bool, device=device)
+        self._fit(len(flags), device)
+        if agree is None:
+            return ok.all(), ok, None
+        # per unit, count the ranks whose flag is down (FP32)
+        ok = agree(torch.logical_not(ok, out=ok.new_empty(ok.shape, dtype=torch.float32))) == 0
+        if not triton_fp8.available(ok):
+            return ok.all(), ok, None
+        counter = self._skipped(device)  # the verdict and the counter: one kernel
+        return triton_fp8.verdict(ok.view(torch.uint8), len(ok), counter), ok, counter
+
+    def _fit(self, n: int, device: torch.device) -> None:
+        """Slots for a step of ``n`` units on ``device`` (module notes), made anew unless
+        those there fit."""
+        slots = self._slots
+        if slots is None or slots.numel() < n or slots.device != device:
+            self._slots = torch.empty(max(2 * n, 64), dtype=torch.uint8, device=device)
             self._views = list(self._slots.unbind())
             self._addresses = list(map(_ADDRESS, self._views))
             self._free = self._views[::-1]
             self._armable = len(self._views) if triton_fp8.available(self._slots) else 0
             self._decision = {"flags_ptr": self._slots, "skipped_ptr": self._skipped(device)}
             self._verdicts = _new_bytes(device)
-        return ok.all(), ok, None
 
     def _remade(self, flags: list[torch.Tensor], made: dict, agree) -> tuple:
         """:meth:`settle` of a step the last unit's decode decided and counted (``made``:
