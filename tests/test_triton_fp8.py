@@ -212,7 +212,11 @@ def check_feedback() -> list[str]:
 def check_verdict() -> list[str]:
     """A step's verdict from its units' flags in the slots (one kernel) as the torch path
     decides it, and the skipped-step counter; flags that are not the slots, or not in
-    order, go the torch way."""
+    order, go the torch way, with the units' factors (1 or NaN) when asked for. Agreed
+    (``agree``: here a second rank's flags down where ``other``): the factors, the verdict
+    and the counter from one kernel, whether the flags are the slots or not."""
+    import math
+
     import torch
 
     from geofp8.verdict import StepVerdict
@@ -222,8 +226,11 @@ def check_verdict() -> list[str]:
     verdict = StepVerdict(lambda device: counter)
     if verdict.slot("cpu") is not None:
         failures.append("verdict: a slot before the first settling (which sizes them)")
-    for units, how in (([1, 1, 1], "plain"), ([1], "slots"), ([1, 0, 1], "slots"),
-                       ([1, 0, 1], "plain"), ([0, 0, 0], "slots"), ([1, 1, 0], "reversed")):
+    for units, how, other in (([1, 1, 1], "plain", None), ([1], "slots", None),
+                              ([1, 0, 1], "slots", None), ([1, 0, 1], "plain", None),
+                              ([0, 0, 0], "slots", None), ([1, 1, 0], "reversed", None),
+                              ([1, 1, 1], "slots", [0, 0, 0]), ([1, 1, 1], "slots", [0, 1, 0]),
+                              ([1, 0, 1], "plain", [1, 0, 0]), ([1], "plain", [0])):
         slots = [verdict.slot("cpu") for _ in units] if how != "plain" else []
         flags = [torch.tensor(bool(u)) for u in units]
         for slot, ok in zip(slots, units):
@@ -233,14 +240,27 @@ def check_verdict() -> list[str]:
         for flag in reversed(flags) if how == "reversed" else flags:
             verdict.observe(flag)
         before = int(counter)
-        finite, ok, counted = verdict.settle("cpu")
-        kernel = how == "slots"
-        if (counted is counter) != kernel or bool(finite) != all(units):
-            failures.append(f"verdict {units} {how}: {bool(finite)}, {counted}")
-        if kernel and int(counter) != before + (not all(units)):
-            failures.append(f"verdict {units}: counter {int(counter)} after {before}")
-        if not kernel and sorted(ok.tolist()) != sorted(bool(u) for u in units):
-            failures.append(f"verdict {units} {how}: per unit {ok.tolist()}")
+        agree = None if other is None else \
+            (lambda bad, other=other: bad + torch.tensor(other, dtype=torch.float32))
+        per_unit = how != "slots" or other is not None  # (the one-kernel path: not wanted)
+        finite, factors, counted = verdict.settle("cpu", agree, per_unit)
+        want = all(units) and not any(other or ())
+        kernel = how == "slots" or other is not None
+        name = f"verdict {units} {how} {other}"
+        if (counted is counter) != kernel or bool(finite) != want:
+            failures.append(f"{name}: {bool(finite)}, {counted}")
+        if kernel and int(counter) != before + (not want):
+            failures.append(f"{name}: counter {int(counter)} after {before}")
+        up = [bool(u) and not o for u, o in zip(units, other or [0] * len(units))]
+        if how == "reversed":
+            up.reverse()
+        if not per_unit:
+            if factors is not None:
+                failures.append(f"{name}: factors {factors}, none asked for")
+        elif factors.dtype != torch.float32 or \
+                [1.0 if u else "nan" for u in up] != [f if f == 1 else math.isnan(f) and "nan"
+                                                      for f in factors.tolist()]:
+            failures.append(f"{name}: factors {factors.tolist()} for {up}")
     if [verdict.slot("cpu") is None for _ in range(65)] != [False] * 64 + [True]:
         failures.append("verdict: slots past twice the last step's units, at least 64")
     return failures
@@ -305,7 +325,7 @@ def check_decision() -> list[str]:
                 failures.append(f"{name}: {bool(finite)}, counter {int(counter)} after {before}")
             if kernels:
                 failures.append(f"{name}: the verdict kernel ran at settling")
-            if (ok is None) != (how != "not slots"):
+            if ok is not None:  # (no per-unit factors asked for)
                 failures.append(f"{name}: per unit {ok}")
     triton_fp8.verdict = verdict_kernel
     return failures

@@ -47,7 +47,6 @@ outside a backward).
 
 from __future__ import annotations
 
-import math
 import operator
 import time
 import zlib
@@ -62,6 +61,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .codecs.base import device_scalar
 from .comm import Communicator, ShardLayout, encode, encode_with_error, fp32_allreduce_wire_bytes
+from .comm.bound import BoundStages
 from .comm.group import DeviceGroup, collective
 from .comm.streams import StreamsUsed
 from .config import FP8Config, GeoFP8Config
@@ -288,20 +288,22 @@ class ReplicaAllReduce:
             t0 = time.perf_counter()
             layout = self.state.layout(unit, "replica", n)
             seed = engine.seed(unit.crc(), 1)
-            sent = self._encode_with_residual(x, layout, seed) if self.state.replica_feedback \
-                else encode(x, layout, seed=seed, sender=rep.rank)
+            bound = layout.plan.bound(x, x)  # the fused stages on x, for every stage
+            sent = self._encode_with_residual(x, layout, seed, bound) \
+                if self.state.replica_feedback else encode(x, layout, seed=seed, sender=rep.rank)
             engine.ledger.add("codec_s", time.perf_counter() - t0)
             # divided by the decode (IEEE), its flag that of x
             x, finite = self.state.communicator(rep).launch(
                 sent, layout, gather=True, seed=seed, owner_keys=unit.names, out=x,
-                divide=None if divisor == 1 else divisor, then=_pair).wait()
+                divide=None if divisor == 1 else divisor, then=_pair, bound=bound).wait()
         if x is not shard:
             shard.copy_(x)
             finite = None  # (the copy may round to infinity)
         engine.observe(shard, finite=finite)
         self.state.probe.replica(unit, shard.float(), rep, divisor)
 
-    def _encode_with_residual(self, x: torch.Tensor, layout: ShardLayout, seed) -> torch.Tensor:
+    def _encode_with_residual(self, x: torch.Tensor, layout: ShardLayout, seed,
+                              bound: BoundStages | None) -> torch.Tensor:
         """The shard ``x`` encoded with its replica residuals added, the new ones staged.
         Stored plain (FP32 or BF16) and written by one step, they are one flat vector
         (:meth:`ErrorFeedback.bucket_in`, as a DDP bucket's) that the encode reads and
@@ -309,12 +311,16 @@ class ReplicaAllReduce:
         parameter (the first step makes that vector, :meth:`ErrorFeedback.first_bucket`).
         That vector, once made, is read again as it was left (:meth:`ErrorFeedback.recorded`,
         as a DDP bucket's record does) while it is live and the feedback's version has not
-        moved: no Python per parameter."""
+        moved: no Python per parameter, the encode ``bound``'s send (the layout's fused stages
+        on ``x``; the vector fits them: made so) where it runs."""
         feedback = self.state.engine.feedbacks["replica"]
         keys, chunks = self.unit.replica_keys, self.unit.chunk_shapes
         if self._held is not None and self._held.live and self._version == feedback.version:
-            sent = encode_with_error(x, layout, seed=seed, sender=self.group.rank,
-                                     feedback=feedback.recorded(self._held))[0]
+            bucket = feedback.recorded(self._held)
+            sent = bound and bound.send(x, None, bucket, seed, self.group.rank)
+            if sent is None:  # the torch path (or a kernel failed)
+                sent = encode_with_error(x, layout, seed=seed, sender=self.group.rank,
+                                         feedback=bucket)[0]
             feedback.restage(self._held.names)
             return sent
         bucket = feedback.bucket_in(keys, chunks)
@@ -501,15 +507,13 @@ class GeoFP8FSDP:
         self.engine.end_step()
         self._reduced = []
 
-    def _poison_reduced(self, finite: torch.Tensor) -> None:
+    def _poison_reduced(self, factors: torch.Tensor) -> None:
         """NaN in the local gradient shards of the units not finite on some rank (module
-        notes; ``finite``: a bool device flag per :meth:`run_unit`, in order): each unit's
-        shards multiplied by 1 or NaN in one foreach op (as
-        :func:`~geofp8.comm.stages.poison_unless` does one tensor), the units' factors made
-        by one ``where`` (of two device constants)."""
-        one, nan = (device_scalar(v, torch.float32, finite.device) for v in (1.0, math.nan))
-        factors = torch.where(finite, one, nan).unbind()
-        for unit, factor in zip(self._reduced, factors):
+        notes; ``factors``: per :meth:`run_unit`, in order, 1 or NaN on the device,
+        :meth:`~geofp8.verdict.StepVerdict.settle`'s): each unit's shards multiplied by its
+        factor in one foreach op (as :func:`~geofp8.comm.stages.poison_unless` does one
+        tensor)."""
+        for unit, factor in zip(self._reduced, factors.unbind()):
             try:  # (no Python per parameter)
                 shards = list(map(_LOCAL_GRAD, unit.trained))
             except AttributeError:  # a gradient missing, or not a DTensor's

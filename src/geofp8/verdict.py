@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable, Iterator
 
 import torch
 
 from .codecs import triton_fp8
+from .codecs.base import device_scalar
 
 __all__ = ["StepVerdict", "decode_into", "map_into"]
 
@@ -66,6 +68,14 @@ def _new_bytes(device: torch.device) -> Iterator[torch.Tensor]:
     blocks = map(lambda _: torch.empty(256, dtype=torch.uint8, device=device).unbind(),
                  itertools.count())
     return itertools.chain.from_iterable(blocks)
+
+
+def _factors(ok: torch.Tensor) -> torch.Tensor:
+    """The units' factors (:meth:`StepVerdict.settle`) of their bool flags ``ok``: one
+    ``where`` of two device constants."""
+    one, nan = device_scalar(1.0, torch.float32, ok.device), \
+        device_scalar(math.nan, torch.float32, ok.device)
+    return torch.where(ok, one, nan)
 
 
 # a map back's kernel that ANDs its unit's flag after the decode (StepVerdict.to_map)
@@ -134,18 +144,21 @@ class StepVerdict:
     def settle(self, device: torch.device,
                agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
                per_unit: bool = False) -> tuple:
-        """``(finite, ok, counted)``: the step's 0-dim bool verdict; its units' flags (bool
-        ``[U]``, after the agreement) unless they are not needed (``per_unit`` false and no
-        ``agree``: ``None`` from the one-kernel path); the skipped steps' int64 counter
-        when advanced here, else ``None`` (the caller counts). ``agree(bad)``: the sum over
-        ranks of the FP32 ``[U]`` "my flag is down". ``device``: where a step without units
-        decides."""
+        """``(finite, factors, counted)``: the step's 0-dim bool verdict; with ``per_unit``
+        its units' factors (FP32 ``[U]``: 1 for a unit finite, after the agreement, NaN for
+        one that is not: what poisons a unit's results by one multiply, as
+        :func:`~geofp8.comm.stages.poison_unless` does), else ``None``; the skipped steps'
+        int64 counter when advanced here, else ``None`` (the caller counts).
+        ``agree(bad)``: the sum over ranks of the FP32 ``[U]`` "my flag is down"
+        (``per_unit``, a step whose flags are its slots: the factors, the verdict and the
+        counter from one kernel, :func:`~geofp8.codecs.triton_fp8.agreed`). ``device``:
+        where a step without units decides."""
         flags, slots, made = self.flags, self._slots, self.made
         self.reset()
         if made is not None:  # the last unit's decode made it
             if agree is None and not per_unit and self._are_slots(flags, made["n"] + 1):
                 return made["verdict_ptr"].view(torch.bool), None, made["skipped_ptr"]
-            return self._remade(flags, made, agree)
+            return self._remade(flags, made, agree, per_unit)
         if agree is None and not per_unit and self._are_slots(flags, len(flags)) and \
                 triton_fp8.available(slots):
             counter = self._skipped(slots.device)
@@ -156,14 +169,13 @@ class StepVerdict:
         else:
             ok = torch.stack(flags) if flags else torch.ones(1, dtype=torch.bool, device=device)
         self._fit(len(flags), device)
-        if agree is None:
-            return ok.all(), ok, None
-        # per unit, count the ranks whose flag is down (FP32)
-        ok = agree(torch.logical_not(ok, out=ok.new_empty(ok.shape, dtype=torch.float32))) == 0
-        if not triton_fp8.available(ok):
-            return ok.all(), ok, None
-        counter = self._skipped(device)  # the verdict and the counter: one kernel
-        return triton_fp8.verdict(ok.view(torch.uint8), len(ok), counter), ok, counter
+        if agree is not None:  # per unit, count the ranks whose flag is down (FP32)
+            down = agree(torch.logical_not(ok, out=ok.new_empty(ok.shape, dtype=torch.float32)))
+            if per_unit and triton_fp8.available(down):  # factors, verdict, counter: one kernel
+                counter = self._skipped(device)
+                return *triton_fp8.agreed(down, counter), counter
+            ok = down == 0
+        return ok.all(), _factors(ok) if per_unit else None, None
 
     def _fit(self, n: int, device: torch.device) -> None:
         """Slots for a step of ``n`` units on ``device`` (module notes), made anew unless
@@ -178,7 +190,7 @@ class StepVerdict:
             self._decision = {"flags_ptr": self._slots, "skipped_ptr": self._skipped(device)}
             self._verdicts = _new_bytes(device)
 
-    def _remade(self, flags: list[torch.Tensor], made: dict, agree) -> tuple:
+    def _remade(self, flags: list[torch.Tensor], made: dict, agree, per_unit: bool) -> tuple:
         """:meth:`settle` of a step the last unit's decode decided and counted (``made``:
         its arguments) whose flags were not its slots in order, the armed one last (e.g. a
         unit's from the torch path), or are wanted per unit: the torch verdict, the counter
@@ -188,7 +200,7 @@ class StepVerdict:
             ok = agree((~ok).to(torch.float32)) == 0
         finite = ok.all()
         made["skipped_ptr"].add_(made["verdict_ptr"].to(torch.int64) - finite.to(torch.int64))
-        return finite, ok, made["skipped_ptr"]
+        return finite, _factors(ok) if per_unit else None, made["skipped_ptr"]
 
     def _are_slots(self, flags: list[torch.Tensor], n: int) -> bool:
         """Whether ``flags`` are the first ``n`` slots, in order (addresses compared without

@@ -86,7 +86,7 @@ try:  # an optional dependency (geofp8[gpu])
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
-__all__ = ["NO_FEEDBACK", "TILE", "AmaxSlots", "Feedback", "Launch", "amax",
+__all__ = ["NO_FEEDBACK", "TILE", "AmaxSlots", "Feedback", "Launch", "agreed", "amax",
            "attempt", "available", "decode", "decode_sum", "encode", "failed",
            "feedback_fits", "no_scatter", "placed_tiles", "reference", "ticket", "tiles",
            "verdict"]
@@ -499,6 +499,20 @@ if triton is not None:
         """One program: ``verdict = all(flags[:n])`` (uint8 flags), ``skipped += !verdict``."""
         _decide(flags_ptr, n, 0, verdict_ptr, skipped_ptr, BLOCK)
 
+    @triton.jit
+    def _agreed_kernel(down_ptr, n, factors_ptr, verdict_ptr, skipped_ptr, BLOCK: tl.constexpr):
+        """One program: ``factors = where(down[:n] == 0, 1, NaN)`` (FP32),
+        ``verdict = all(down[:n] == 0)``, ``skipped += !verdict``."""
+        bad = tl.zeros((BLOCK,), tl.int32)
+        for lo in range(0, n, BLOCK):
+            at = lo + tl.arange(0, BLOCK)
+            up = tl.load(down_ptr + at, mask=at < n, other=0.0) == 0.0
+            tl.store(factors_ptr + at, tl.where(up, 1.0, float("nan")), mask=at < n)
+            bad = tl.maximum(bad, 1 - up.to(tl.int32))
+        worse = tl.max(bad, 0)
+        tl.store(verdict_ptr, (1 - worse).to(tl.uint8))
+        tl.store(skipped_ptr, tl.load(skipped_ptr) + worse.to(tl.int64))
+
 
 def _grid(map_: torch.Tensor) -> tuple[int]:
     return (map_.shape[0],)
@@ -616,6 +630,18 @@ def verdict(flags: torch.Tensor, n: int, skipped: torch.Tensor) -> torch.Tensor:
     out = torch.empty((), dtype=torch.uint8, device=flags.device)
     _verdict_kernel[(1,)](flags, n, out, skipped, BLOCK=128)
     return out.view(torch.bool)
+
+
+def agreed(down: torch.Tensor, skipped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(verdict, factors)`` of a step whose units' flags were agreed over the ranks
+    (``down``: FP32 ``[U]``, per unit the ranks whose flag is down): the 0-dim bool
+    ``verdict = all(down == 0)``, per unit the FP32 factor 1 where ``down == 0`` and NaN
+    where not, and the int64 0-dim counter ``skipped`` advanced in place when the verdict is
+    false: one kernel, no host read."""
+    factors = torch.empty_like(down)
+    out = torch.empty((), dtype=torch.uint8, device=down.device)
+    _agreed_kernel[(1,)](down, down.numel(), factors, out, skipped, BLOCK=128)
+    return out.view(torch.bool), factors
 
 
 def reference(x: torch.Tensor, groups: GroupMap, fmt: str = "e4m3") -> tuple[torch.Tensor, ...]:
