@@ -121,6 +121,7 @@ class _Unit:
         """The replica hop's residuals' names, one a parameter."""
         return [name + REPLICA for name in self.names]
 
+    @cached_property
     def crc(self) -> int:
         return zlib.crc32(self.name.encode())
 
@@ -164,7 +165,7 @@ class GeoFP8ReduceScatter(ReduceScatter):
         flat = inp.float() if inp.dtype != torch.float32 else inp
         self.state.probe.reference(unit, flat, dg, divisor)
         routes = self._prepare(flat.view(n, -1), n)
-        seed = engine.seed(unit.crc(), 0)
+        seed = engine.seed(unit.crc, 0)
         if engine.config.error_feedback:
             sent, residual = encode_with_error(flat, layout, seed=seed, sender=dg.rank)
             self._stage_residuals(residual.view(n, -1), n, routes)
@@ -184,7 +185,7 @@ class GeoFP8ReduceScatter(ReduceScatter):
             else:  # the division (IEEE, as the kernel's) is the copy into FSDP's output
                 torch.div(total, device_scalar(divide, torch.float32, total.device), out=out)
             engine.observe(out)
-        if self.state.mesh is None:
+        if self.state.mesh is None and self.state.probe.enabled:
             self.state.probe.compare(unit, out.float(), n)
 
     def _prepare(self, rows2d: torch.Tensor, n: int) -> list | None:
@@ -263,15 +264,16 @@ class ReplicaAllReduce:
         self.state.run_unit(self.unit, self._all_reduce, reduce_output)
 
     def _all_reduce(self, shard: torch.Tensor) -> None:
-        engine, unit, rep = self.state.engine, self.unit, self.group
+        engine, unit, rep, shards = self.state.engine, self.unit, self.group, self.unit.shard_size
         n = rep.size
-        rep.charge("fp32_equivalent", fp32_allreduce_wire_bytes(shard.numel(), n))
-        if not self.after_ours or unit.shard_size == 1:  # FSDP's FP32 reduce-scatter ran
-            # before (none on a shard group of one rank): count it and the elements here
-            shard_bytes = (unit.shard_size - 1) * shard.numel() * 4
-            engine.ledger.add("elements", unit.shard_size * shard.numel())
+        fp32_bytes = fp32_allreduce_wire_bytes(shard.numel(), n)
+        if not self.after_ours or shards == 1:  # FSDP's FP32 reduce-scatter ran before
+            # (none on a shard group of one rank): count it and the elements here
+            shard_bytes = (shards - 1) * shard.numel() * 4
+            engine.ledger.add("elements", shards * shard.numel())
             rep.charge("payload", shard_bytes)  # issued by FSDP, not through our door
-            rep.charge("fp32_equivalent", shard_bytes)
+            fp32_bytes += shard_bytes
+        rep.charge("fp32_equivalent", fp32_bytes)
         # FSDP divided by the shard group only; divide by the replicas unless the user set
         # their own divide factor (then it is the whole division)
         divisor = n if unit.param_group.gradient_divide_factor is None else 1
@@ -286,21 +288,30 @@ class ReplicaAllReduce:
                 x.div_(device_scalar(divisor, torch.float32, x.device))
         else:
             t0 = time.perf_counter()
-            layout = self.state.layout(unit, "replica", n)
-            seed = engine.seed(unit.crc(), 1)
+            layout = self._layout
+            seed = engine.seed(unit.crc, 1)
             bound = layout.plan.bound(x, x)  # the fused stages on x, for every stage
             sent = self._encode_with_residual(x, layout, seed, bound) \
                 if self.state.replica_feedback else encode(x, layout, seed=seed, sender=rep.rank)
             engine.ledger.add("codec_s", time.perf_counter() - t0)
             # divided by the decode (IEEE), its flag that of x
-            x, finite = self.state.communicator(rep).launch(
+            x, finite = self._communicator.launch(
                 sent, layout, gather=True, seed=seed, owner_keys=unit.names, out=x,
                 divide=None if divisor == 1 else divisor, then=_pair, bound=bound).wait()
         if x is not shard:
             shard.copy_(x)
             finite = None  # (the copy may round to infinity)
         engine.observe(shard, finite=finite)
-        self.state.probe.replica(unit, shard.float(), rep, divisor)
+        if self.state.probe.enabled:
+            self.state.probe.replica(unit, shard.float(), rep, divisor)
+
+    @cached_property
+    def _layout(self) -> ShardLayout:
+        return self.state.layout(self.unit, "replica", self.group.size)
+
+    @cached_property
+    def _communicator(self) -> Communicator:
+        return self.state.communicator(self.group)
 
     def _encode_with_residual(self, x: torch.Tensor, layout: ShardLayout, seed,
                               bound: BoundStages | None) -> torch.Tensor:
@@ -314,7 +325,6 @@ class ReplicaAllReduce:
         moved: no Python per parameter, the encode ``bound``'s send (the layout's fused stages
         on ``x``; the vector fits them: made so) where it runs."""
         feedback = self.state.engine.feedbacks["replica"]
-        keys, chunks = self.unit.replica_keys, self.unit.chunk_shapes
         if self._held is not None and self._held.live and self._version == feedback.version:
             bucket = feedback.recorded(self._held)
             sent = bound and bound.send(x, None, bucket, seed, self.group.rank)
@@ -323,6 +333,7 @@ class ReplicaAllReduce:
                                          feedback=bucket)[0]
             feedback.restage(self._held.names)
             return sent
+        keys, chunks = self.unit.replica_keys, self.unit.chunk_shapes
         bucket = feedback.bucket_in(keys, chunks)
         for key, (lo, hi) in zip(keys, _spans(chunks)) if bucket is None else ():
             residual = feedback.residual_in(key, IDENTITY)
