@@ -541,9 +541,80 @@ def test_a_launch_is_a_partial_of_the_kernels_run_with_no_python_of_its_own():
                            "flat_ptr": "other"})]
 
 
+SCATTERED = [("e4m3", "tensor", None), ("e4m3", "row", None), ("e5m2", "block", 32),
+             ("e4m3", "block", 128), ("nvfp4", None, None), ("mxfp4", None, None),
+             ("mxfp8", None, None)]
+
+
+def check_scatter() -> list[str]:
+    """A reduce-scatter's end (``stages.reduce_scatter``: one kernel, the sum divided and
+    its finite flag decided by its last program, the ticket) against the CPU's chunked
+    path, bit for bit: every format (the block formats rounding to nearest and
+    stochastically), N = 1 (E4M3), 3, 4, odd and empty shards; shard by shard divided by
+    ``N`` into a given FP32 vector, not divided, or divided by 3 (not a power of two: IEEE,
+    as a device scalar divides); a sender's non-finite input (NaN, -Inf) in the first
+    group, in the last, a sum that overflows (+Inf), and clean before and after (the ticket
+    zeroed by each call). The kernel runs for every shard but the block formats' empty
+    ones (the torch path's)."""
+    import torch
+
+    from geofp8.codecs import make_codec
+    from geofp8.comm import ShardLayout
+    from geofp8.comm import stages as st
+    from geofp8.comm.block_plan import BlockStages
+    from geofp8.comm.plan import FP8Stages
+
+    failures, rounds, ran = [], ("nearest", "stochastic"), []
+
+    def counted(stage):
+        def run(*args):
+            done = stage(*args)
+            ran.append(done is not None)
+            return done
+        return run
+    stages = {cls: cls.reduce_scatter for cls in (FP8Stages, BlockStages)}
+    for cls, stage in stages.items():
+        cls.reduce_scatter = counted(stage)
+    for (fmt, scaling, block), rounding, (shapes, n) in [
+            (c, r, s) for c in SCATTERED for r in rounds[: 1 + (c[1] is None)]
+            for s in GATHERED_LAYOUTS[0 if c == SCATTERED[0] else 1 :]]:
+        codec = make_codec(fmt, scaling, block, rounding)
+        fused, chunked = (ShardLayout.build(shapes, codec, n, kernels=k)
+                          for k in ("batched", "chunked"))
+        flags = []
+        for first, last in ((None, None), ("nan", None), (None, "-inf"), ("3e38", "3e38"),
+                            (None, None)):
+            name = f"scatter {fmt}/{scaling}/{rounding} {shapes} N={n} {first} {last}"
+            inputs = [_bucket(shapes, r, special=False) for r in range(n)]
+            for x in inputs if first == last else inputs[:1]:  # (an overflow: every sender)
+                x[0] = float(first) if first else x[0]
+            inputs[-1][-1] = float(last) if last else inputs[-1][-1]
+            sent = [st.encode(x, chunked, seed=5, sender=r) for r, x in enumerate(inputs)]
+            cuts = [chunked.send_bytes(j) for j in range(n)]
+            for j in range(n):
+                received = torch.cat([x.split(cuts)[j] for x in sent])
+                divide = (n, None, 3.0)[j % 3]
+                out = torch.full((fused.shard_numel(j),), 7.0) if divide == n else None
+                ran.clear()
+                got, flag = st.reduce_scatter(received, fused, j, out=out, divide=divide)
+                want, check = st.reduce_scatter(received, chunked, j, divide=divide)
+                if ran != [fused.shard_numel(j) > 0 or fmt.startswith("e")]:
+                    failures.append(f"{name} shard {j}: the kernel ran {ran}")
+                if not same(got, want) or bool(flag) != bool(check) or \
+                        bool(flag) != bool(want.isfinite().all()) or \
+                        (out is not None and got is not out):
+                    failures.append(f"{name} shard {j} divide={divide}: {bool(flag)}")
+                flags.append(int(flag))
+        if flags[:n] != [1] * n or flags[-n:] != [1] * n or all(flags[n:-n]):
+            failures.append(f"scatter {fmt}/{scaling} {shapes} N={n}: flags {flags}")
+    for cls, stage in stages.items():
+        cls.reduce_scatter = stage
+    return failures
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for failure in check() + check_stages() + check_feedback() + check_verdict() + \
-            check_decision() + check_gathered():
+            check_decision() + check_gathered() + check_scatter():
         print(failure)
     print(f"launches {launches()}")
