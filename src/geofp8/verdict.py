@@ -12,8 +12,12 @@ into the next of the step's slots (:meth:`StepVerdict.slot`: a persistent uint8 
 at settling, twice the step's units and at least 64, so DDP's rebuilt buckets still fit;
 every slot handed out is written in its step, so nothing zero-fills it). When the step's
 flags are its slots in order, one kernel makes the verdict and advances the skipped-step
-counter (:func:`~geofp8.codecs.triton_fp8.verdict`); else (the torch path, an agreement,
-per-unit flags wanted) torch ops stack and reduce the flags.
+counter (:func:`~geofp8.codecs.triton_fp8.verdict`). An agreement (its per-unit
+factors wanted: FSDP's) all-reduces the FP32 "my flag is down" of the units, read from the
+slots without a stack where they are the step's flags, and one kernel makes the units'
+factors (1 or NaN), the verdict and the counter from the agreed counts
+(:func:`~geofp8.codecs.triton_fp8.agreed`); else (the torch path, per-unit factors wanted
+without an agreement) torch ops stack and reduce the flags.
 
 The last unit's decode decides: when the engine starts a step's last unit and may let it
 decide (:meth:`StepVerdict.arm`: no agreement, no per-unit callbacks), the slot that

@@ -17,14 +17,17 @@ launches, :class:`Launch`, by :class:`geofp8.comm.plan.FP8Stages`) take the *pla
 kernels, five per bucket: ``_amax_kernel`` then ``_encode_placed_kernel``
 (scales and codes written where they travel, the rounding error at the values' places);
 ``_reduce_kernel`` (the ``N`` received records decoded, summed sender after sender from
-+0, and the sum's amax) then ``_encode_placed_kernel`` (into the padded record);
++0, and the sum's amax) then ``_encode_placed_kernel`` (into the padded record; a
+reduce-scatter ends with the reduction alone, ``SCATTER``: no amax, the sum divided and
+written where the caller says, and its finite flag decided by the ticket, below);
 ``_decode_placed_kernel`` (the decode, ``/ N``, all NaN unless every gathered scale is
 finite, and that flag: below). The sender's
 pair takes a bucket's error feedback ``(R, keep)``: both read ``Ũ = G + where(keep, R,
 0)`` (``R`` FP32 or BF16, ``keep`` a 0-dim device flag read in the kernel) and the encode
 writes the new residual into ``R`` (BF16: rounded to nearest even on the bits, as torch's
 ``.to(torch.bfloat16)``). :func:`verdict`: a step's units' finite flags reduced, in one
-program, into its verdict and its skipped-step counter.
+program, into its verdict and its skipped-step counter; :func:`agreed`: the same from the
+counts of ranks whose flag is down, with the units' poison factors (1 or NaN).
 
 The groups come as a *tile map* (:func:`tiles`, :func:`placed_tiles`), an int64 ``[T, 7]``
 device tensor made once per map: each tile is at most ``TILE`` elements of one run of
