@@ -18,8 +18,9 @@ the pointers a variant reads (one it does not read may be given any tensor). Eac
   flush-to-zero instruction but libdevice's floor (:data:`_ROUGH`);
 * the map kernel: its ``tl.dot`` in IEEE FP32, not TF32 (it sums in another order than the
   BLAS by design, bounded in ``codecs/triton_map.py``: FMAs are expected there);
-* a kernel that takes a ticket (``triton_fp8._settle``: the gathered decodes, the map back)
-  adds to it with an ``acq_rel`` atomic, the memory ordering ``_settle`` documents.
+* a kernel that takes a ticket (``triton_fp8._settle``: the gathered decodes, the map back,
+  a reduce-scatter's end) adds to it with an ``acq_rel`` atomic, the memory ordering
+  ``_settle`` documents.
 
 A kernel's variants multiply (141 in all, 60 of the block encode: 100 s to compile here), so
 each kernel compiles a subset in which every pair of settings found together in one of its
@@ -108,11 +109,14 @@ KERNELS = {
         _flags("HAS_R HAS_KEEP BF16 HAS_ERR", "FFFF", "FFFT", "FTFF", "TFFT", "TTFT")
         + [dict(f, **_R16) for f in _flags("HAS_R HAS_KEEP BF16 HAS_ERR", "TFTT", "TTTT")],
         _FMAX, _TILE, [{"out_ptr": "*u8"}])),
-    "triton_fp8._reduce_kernel": (False, _product(_FP8, _TILE)),
+    # FP8Stages: the owner's (the sum's amax), a reduce-scatter's end (divided or not)
+    "triton_fp8._reduce_kernel": (False, _product(_flags("SCATTER DIVIDE", "FF", "TF", "TT"),
+                                                  _FP8, _TILE)),
     # decode_launches: plain and deciding; the stages' divisor or none
     "triton_fp8._decode_placed_kernel": (False, _product(
         _flags("DIVIDE VERDICT", "FF", "FT", "TF", "TT"), _FP8, _TILE)),
     "triton_fp8._verdict_kernel": (True, [{"BLOCK": 128}]),
+    "triton_fp8._agreed_kernel": (True, [{"BLOCK": 128}]),
     # amax(): a residual (u stored: encode()'s) and keep, or none; BlockStages: no
     # feedback, FP32 / BF16 R (keep or not)
     "triton_fp4._amax_kernel": (True, _product(
@@ -128,7 +132,9 @@ KERNELS = {
                    + [dict(f, **_B16) for f in _flags("HAS_R KEEP HAS_ERR ERR_BF16", "TFTT",
                                                       "TTTT")], _SEEDS[:3]),
         _formats("FMT", "NVFP4", "EMAX", "THRESHOLD"), _TILE)),
-    "triton_fp4._reduce_kernel": (False, _product(_formats("FMT", "NVFP4", "B"), _TILE)),
+    # BlockStages: the owner's (the sum's amax), a reduce-scatter's end (divided or not)
+    "triton_fp4._reduce_kernel": (False, _product(_flags("SCATTER DIVIDE", "FF", "TF", "TT"),
+                                                  _formats("FMT", "NVFP4", "B"), _TILE)),
     # the codec's decode (poison or not); the stages' (poison; a divisor or none; plain or
     # deciding)
     "triton_fp4._decode_kernel": (False, _product(
@@ -152,7 +158,8 @@ _FIRST = {
     "triton_fp4._encode_kernel": [
         dict(_ENCODE, SEEDS=2, FMT=0, NVFP4=True, EMAX=0, THRESHOLD=0),
         dict(_ENCODE, SEEDS=1, FMT=1, NVFP4=False, EMAX=8, THRESHOLD=0x600000)],
-    "triton_fp4._reduce_kernel": [dict(FMT=0, NVFP4=True, B=16, TILE=triton_fp8.TILE)],
+    "triton_fp4._reduce_kernel": [dict(SCATTER=False, DIVIDE=False, FMT=0, NVFP4=True, B=16,
+                                       TILE=triton_fp8.TILE)],
     "triton_fp4._decode_kernel": [
         dict(DIVIDE=True, POISON=True, VERDICT=True, FMT=0, NVFP4=True, TILE=triton_fp8.TILE),
         dict(DIVIDE=False, POISON=False, VERDICT=False, FMT=1, NVFP4=False,
@@ -233,5 +240,6 @@ def test_kernel_compiles_for_an_h100_with_the_floating_point_and_ordering_it_nee
             assert not _FMA.search(ptx), where
             assert set(re.findall(r"\bdiv(?:\.\w+)*\.f32\b", ptx)) <= {"div.rn.f32"}, where
             assert set(_ROUGH.findall(ptx)) <= {"cvt.rmi.ftz.f32.f32"}, where
-        if "ticket_ptr" in fn.arg_names and variant.get("FLAG", True):  # (the map's back)
+        # the map's back with its flag, a reduce-scatter's end, a decode
+        if "ticket_ptr" in fn.arg_names and variant.get("FLAG", variant.get("SCATTER", True)):
             assert _TICKET.search(ptx), where

@@ -18,28 +18,34 @@ from interpreted import Child
 BENCHMARKS = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # Triton kernels a unit: the reduce-scatter's fused stages (comm.plan, comm.block_plan: the
-# send's two, the owner's decode-and-sum one); HSDP's replica all-reduce, the exact
-# collective's five (comm.collective)
-SCATTER, REPLICA = 3, 5
+# send's two, the owner's decode-and-sum one, which divides into FSDP's output and writes
+# the unit's finite flag); HSDP's replica all-reduce, the exact collective's five
+# (comm.collective: the gathered decode divides and writes the flag); a step: the agreed
+# flags' verdict, skipped counter and poison factors (triton_fp8.agreed)
+SCATTER, REPLICA, STEP = 3, 5, 1
 # and a unit with parameters on low-rank maps, whatever their number: its maps, one grouped
-# launch each way (fsdp_maps.UnitMaps; before: 8 torch ops a mapped parameter, a padded
-# temporary in and out and two GEMMs each way); a step, the statistics' commit
+# launch each way (fsdp_maps.UnitMaps, the map back ANDing the unit's flag; before: 8 torch
+# ops a mapped parameter, a padded temporary in and out and two GEMMs each way); a step,
+# the statistics' commit
 MAPS, STATISTICS = 2, 1
-# torch ops a unit: the division that is the copy into FSDP's output, the finite flag of
-# that output (comm.stages.all_finite: aminmax and four scalar ops), the unit's gradient
-# shards times 1 or NaN (one foreach op). Before (the torch path's stages, a flag byte per
-# shard, an all_finite pass over the input and a where per unit): 100 in a step of 4 units
-# (fp8-ef), 30 in one of 1 (nvfp4-ef), 42 (HSDP, nvfp4-ef, 1 unit)
-PER_UNIT = 7
-# torch ops a step: its settling (the units' flags agreed over the ranks, the poison factors)
-PER_STEP = 12
+# torch ops a unit: the unit's gradient shards times 1 or NaN (one foreach op). Before (the
+# torch path's stages, a flag byte per shard, an all_finite pass over the input and a where
+# per unit): 100 in a step of 4 units (fp8-ef), 30 in one of 1 (nvfp4-ef), 42 (HSDP,
+# nvfp4-ef, 1 unit); then (s9) 7: the division into FSDP's output and the output's
+# all_finite (aminmax and four scalar ops) besides
+PER_UNIT = 1
+# torch ops a step: its settling (the FP32 "my flag is down" the ranks agree on); before
+# (s9): 12 (the flags stacked, the agreement's conversions, the verdict, the counter, the
+# poison factors)
+PER_STEP = 1
 # GeoFP8's own lines of an ordinary step, its settling included (host_lines.SplitLines, the
 # stages' apart), 4 layers, 1 / 4 a unit; before (f0fa687): 748 / 328 (FSDP), 406 (HSDP
 # 2 × 1, 4 a unit); with the fused stages, a unit of plain parameters without per-parameter
-# Python and HSDP's replica residuals one vector a unit (s9F) 597 / 213 and 307
-# ("mapped": geofp8, the 4 layers on maps in one unit: 254, of which the maps' two grouped
-# calls about 30; the benchmark's 8 layers, 4 a unit, before: 400 a unit)
-LINES = {("fsdp", 1): 597, ("fsdp", 4): 213, ("hsdp 2×1", 4): 307, ("mapped", 4): 254}
+# Python and HSDP's replica residuals one vector a unit (s9F) 597 / 213 and 307; the
+# poison's gradient shards and the replica residuals without Python per parameter (s10F1)
+# ("mapped": geofp8, the 4 layers on maps in one unit: MAPPED_LINES, of which the maps' two
+# grouped calls about 30; the benchmark's 8 layers, 4 a unit, before: 400 a unit)
+LINES = {("fsdp", 1): 588, ("fsdp", 4): 207, ("hsdp 2×1", 4): 223, ("mapped", 4): 999}
 CASES = [("fp8-ef", 4, 1, "fsdp"), ("nvfp4-ef", 4, 4, "fsdp"), ("nvfp4-ef", 4, 4, "hsdp 2×1"),
          ("geofp8", 4, 4, "fsdp")]
 MEASURE = Child(["-c", "import json, fsdp_launches as f\n"
@@ -68,7 +74,7 @@ def test_a_unit_launches_the_fused_stages_and_a_fixed_number_of_torch_ops():
         stages = SCATTER if mesh == "fsdp" else REPLICA
         if mapped:
             stages += MAPS
-        assert (triton, ops) == (stages * units + STATISTICS * bool(mapped),
+        assert (triton, ops) == (stages * units + STEP + STATISTICS * bool(mapped),
                                  PER_UNIT * units + PER_STEP), (method, mesh)
         # the all-to-all (HSDP: and the all-gather), the step's agreement
         assert colls == (1 if mesh == "fsdp" else 2) * units + 1, (method, mesh)

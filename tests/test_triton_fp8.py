@@ -212,7 +212,11 @@ def check_feedback() -> list[str]:
 def check_verdict() -> list[str]:
     """A step's verdict from its units' flags in the slots (one kernel) as the torch path
     decides it, and the skipped-step counter; flags that are not the slots, or not in
-    order, go the torch way."""
+    order, go the torch way, with the units' factors (1 or NaN) when asked for. Agreed
+    (``agree``: here a second rank's flags down where ``other``): the factors, the verdict
+    and the counter from one kernel, whether the flags are the slots or not."""
+    import math
+
     import torch
 
     from geofp8.verdict import StepVerdict
@@ -222,8 +226,11 @@ def check_verdict() -> list[str]:
     verdict = StepVerdict(lambda device: counter)
     if verdict.slot("cpu") is not None:
         failures.append("verdict: a slot before the first settling (which sizes them)")
-    for units, how in (([1, 1, 1], "plain"), ([1], "slots"), ([1, 0, 1], "slots"),
-                       ([1, 0, 1], "plain"), ([0, 0, 0], "slots"), ([1, 1, 0], "reversed")):
+    for units, how, other in (([1, 1, 1], "plain", None), ([1], "slots", None),
+                              ([1, 0, 1], "slots", None), ([1, 0, 1], "plain", None),
+                              ([0, 0, 0], "slots", None), ([1, 1, 0], "reversed", None),
+                              ([1, 1, 1], "slots", [0, 0, 0]), ([1, 1, 1], "slots", [0, 1, 0]),
+                              ([1, 0, 1], "plain", [1, 0, 0]), ([1], "plain", [0])):
         slots = [verdict.slot("cpu") for _ in units] if how != "plain" else []
         flags = [torch.tensor(bool(u)) for u in units]
         for slot, ok in zip(slots, units):
@@ -233,14 +240,27 @@ def check_verdict() -> list[str]:
         for flag in reversed(flags) if how == "reversed" else flags:
             verdict.observe(flag)
         before = int(counter)
-        finite, ok, counted = verdict.settle("cpu")
-        kernel = how == "slots"
-        if (counted is counter) != kernel or bool(finite) != all(units):
-            failures.append(f"verdict {units} {how}: {bool(finite)}, {counted}")
-        if kernel and int(counter) != before + (not all(units)):
-            failures.append(f"verdict {units}: counter {int(counter)} after {before}")
-        if not kernel and sorted(ok.tolist()) != sorted(bool(u) for u in units):
-            failures.append(f"verdict {units} {how}: per unit {ok.tolist()}")
+        agree = None if other is None else \
+            (lambda bad, other=other: bad + torch.tensor(other, dtype=torch.float32))
+        per_unit = how != "slots" or other is not None  # (the one-kernel path: not wanted)
+        finite, factors, counted = verdict.settle("cpu", agree, per_unit)
+        want = all(units) and not any(other or ())
+        kernel = how == "slots" or other is not None
+        name = f"verdict {units} {how} {other}"
+        if (counted is counter) != kernel or bool(finite) != want:
+            failures.append(f"{name}: {bool(finite)}, {counted}")
+        if kernel and int(counter) != before + (not want):
+            failures.append(f"{name}: counter {int(counter)} after {before}")
+        up = [bool(u) and not o for u, o in zip(units, other or [0] * len(units))]
+        if how == "reversed":
+            up.reverse()
+        if not per_unit:
+            if factors is not None:
+                failures.append(f"{name}: factors {factors}, none asked for")
+        elif factors.dtype != torch.float32 or \
+                [1.0 if u else "nan" for u in up] != [f if f == 1 else math.isnan(f) and "nan"
+                                                      for f in factors.tolist()]:
+            failures.append(f"{name}: factors {factors.tolist()} for {up}")
     if [verdict.slot("cpu") is None for _ in range(65)] != [False] * 64 + [True]:
         failures.append("verdict: slots past twice the last step's units, at least 64")
     return failures
@@ -305,7 +325,7 @@ def check_decision() -> list[str]:
                 failures.append(f"{name}: {bool(finite)}, counter {int(counter)} after {before}")
             if kernels:
                 failures.append(f"{name}: the verdict kernel ran at settling")
-            if (ok is None) != (how != "not slots"):
+            if ok is not None:  # (no per-unit factors asked for)
                 failures.append(f"{name}: per unit {ok}")
     triton_fp8.verdict = verdict_kernel
     return failures
@@ -521,9 +541,80 @@ def test_a_launch_is_a_partial_of_the_kernels_run_with_no_python_of_its_own():
                            "flat_ptr": "other"})]
 
 
+SCATTERED = [("e4m3", "tensor", None), ("e4m3", "row", None), ("e5m2", "block", 32),
+             ("e4m3", "block", 128), ("nvfp4", None, None), ("mxfp4", None, None),
+             ("mxfp8", None, None)]
+
+
+def check_scatter() -> list[str]:
+    """A reduce-scatter's end (``stages.reduce_scatter``: one kernel, the sum divided and
+    its finite flag decided by its last program, the ticket) against the CPU's chunked
+    path, bit for bit: every format (the block formats rounding to nearest and
+    stochastically), N = 1 (E4M3), 3, 4, odd and empty shards; shard by shard divided by
+    ``N`` into a given FP32 vector, not divided, or divided by 3 (not a power of two: IEEE,
+    as a device scalar divides); a sender's non-finite input (NaN, -Inf) in the first
+    group, in the last, a sum that overflows (+Inf), and clean before and after (the ticket
+    zeroed by each call). The kernel runs for every shard but the block formats' empty
+    ones (the torch path's)."""
+    import torch
+
+    from geofp8.codecs import make_codec
+    from geofp8.comm import ShardLayout
+    from geofp8.comm import stages as st
+    from geofp8.comm.block_plan import BlockStages
+    from geofp8.comm.plan import FP8Stages
+
+    failures, rounds, ran = [], ("nearest", "stochastic"), []
+
+    def counted(stage):
+        def run(*args):
+            done = stage(*args)
+            ran.append(done is not None)
+            return done
+        return run
+    stages = {cls: cls.reduce_scatter for cls in (FP8Stages, BlockStages)}
+    for cls, stage in stages.items():
+        cls.reduce_scatter = counted(stage)
+    for (fmt, scaling, block), rounding, (shapes, n) in [
+            (c, r, s) for c in SCATTERED for r in rounds[: 1 + (c[1] is None)]
+            for s in GATHERED_LAYOUTS[0 if c == SCATTERED[0] else 1 :]]:
+        codec = make_codec(fmt, scaling, block, rounding)
+        fused, chunked = (ShardLayout.build(shapes, codec, n, kernels=k)
+                          for k in ("batched", "chunked"))
+        flags = []
+        for first, last in ((None, None), ("nan", None), (None, "-inf"), ("3e38", "3e38"),
+                            (None, None)):
+            name = f"scatter {fmt}/{scaling}/{rounding} {shapes} N={n} {first} {last}"
+            inputs = [_bucket(shapes, r, special=False) for r in range(n)]
+            for x in inputs if first == last else inputs[:1]:  # (an overflow: every sender)
+                x[0] = float(first) if first else x[0]
+            inputs[-1][-1] = float(last) if last else inputs[-1][-1]
+            sent = [st.encode(x, chunked, seed=5, sender=r) for r, x in enumerate(inputs)]
+            cuts = [chunked.send_bytes(j) for j in range(n)]
+            for j in range(n):
+                received = torch.cat([x.split(cuts)[j] for x in sent])
+                divide = (n, None, 3.0)[j % 3]
+                out = torch.full((fused.shard_numel(j),), 7.0) if divide == n else None
+                ran.clear()
+                got, flag = st.reduce_scatter(received, fused, j, out=out, divide=divide)
+                want, check = st.reduce_scatter(received, chunked, j, divide=divide)
+                if ran != [fused.shard_numel(j) > 0 or fmt.startswith("e")]:
+                    failures.append(f"{name} shard {j}: the kernel ran {ran}")
+                if not same(got, want) or bool(flag) != bool(check) or \
+                        bool(flag) != bool(want.isfinite().all()) or \
+                        (out is not None and got is not out):
+                    failures.append(f"{name} shard {j} divide={divide}: {bool(flag)}")
+                flags.append(int(flag))
+        if flags[:n] != [1] * n or flags[-n:] != [1] * n or all(flags[n:-n]):
+            failures.append(f"scatter {fmt}/{scaling} {shapes} N={n}: flags {flags}")
+    for cls, stage in stages.items():
+        cls.reduce_scatter = stage
+    return failures
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for failure in check() + check_stages() + check_feedback() + check_verdict() + \
-            check_decision() + check_gathered():
+            check_decision() + check_gathered() + check_scatter():
         print(failure)
     print(f"launches {launches()}")

@@ -87,7 +87,8 @@ class SyncEngine:
         self.grad_scaler, self.grad_scale = grad_scaler, 1.0
         self._scaled = grad_scaler is not None  # (a begin then reads the scale)
         self.fingerprint_extra: dict = {}
-        self.on_skip: list = []  # callbacks(0-dim device flags, finite per observed unit)
+        # callbacks(per observed unit a factor, FP32 [U] on the device: 1 finite, NaN not)
+        self.on_skip: list = []
         self._parameters = [[n, list(p.shape), str(p.dtype), p.requires_grad]
                             for n, p in model.named_parameters()]
         self._checked = False
@@ -211,11 +212,12 @@ class SyncEngine:
                 self._settle()
 
     def _settle(self) -> None:
-        finite, ok, count = self.verdict.settle(self.group.device, self._agree, bool(self.on_skip))
+        finite, factors, count = self.verdict.settle(self.group.device, self._agree,
+                                                     bool(self.on_skip))
         self.pipeline.settle(finite)  # the sender's residuals too
         self.ledger.settle(finite, count, self._links, list(map(_TAKE_BYTES, self.groups)))
         if self._more_feedbacks or self.on_skip or self.pipeline.selection.charges:
-            _settle_more(self, finite, ok)
+            _settle_more(self, finite, factors)
 
     def rollback(self) -> None:
         """Forget the step in flight after an exception: the residuals it wrote are reset to
@@ -301,15 +303,16 @@ class SyncEngine:
                                      transforms if name == "sender" else {})
 
 
-def _settle_more(engine: SyncEngine, finite: torch.Tensor, ok: torch.Tensor | None) -> None:
+def _settle_more(engine: SyncEngine, finite: torch.Tensor,
+                 factors: torch.Tensor | None) -> None:
     """What only some engines have settled: further residuals, a selection charged the
-    step's factor bytes, the ``on_skip`` callbacks."""
+    step's factor bytes, the ``on_skip`` callbacks (the units' factors)."""
     for feedback in engine._more_feedbacks:
         feedback.commit(finite)
     if engine.pipeline.selection.charges:
         engine.pipeline.selection.charged(engine.ledger.last["factor_bytes_sent"])
     for callback in engine.on_skip:
-        callback(list(ok.unbind()))
+        callback(factors)
 
 
 def _locked(lock: threading.RLock, method):

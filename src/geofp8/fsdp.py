@@ -47,6 +47,7 @@ outside a backward).
 
 from __future__ import annotations
 
+import operator
 import time
 import zlib
 from dataclasses import dataclass, field, replace
@@ -58,16 +59,20 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from .codecs.base import device_scalar
 from .comm import Communicator, ShardLayout, encode, encode_with_error, fp32_allreduce_wire_bytes
+from .comm.bound import BoundStages
 from .comm.group import DeviceGroup, collective
 from .comm.streams import StreamsUsed
 from .config import FP8Config, GeoFP8Config
 from .engine import SyncEngine
-from .feedback import STORAGES
+from .feedback import STORAGES, FlatResiduals
 from .fsdp_maps import UnitMaps, UnitRecord, resolve
 from .geometry.transforms import IDENTITY
 
 __all__ = ["GeoFP8FSDP", "GeoFP8ReduceScatter", "ReplicaAllReduce", "enable"]
+
+_LOCAL_GRAD = operator.attrgetter("sharded_param.grad._local_tensor")  # an FSDPParam's
 
 RESIDUALS = STORAGES
 REPLICA = "#replica"
@@ -85,6 +90,7 @@ class _Unit:
     param_group: object  # torch's FSDPParamGroup
     names: list[str]
     shapes: list[tuple[int, ...]]
+    trained: list  # the FSDPParams of those parameters (torch's), in the same order
     layouts: dict = field(default_factory=dict)  # (kind, world size) -> ShardLayout
     # with no residual to add (GeoFP8ReduceScatter._prepare): the generation of the
     # pipeline's decisions in which every route is the identity, else None; its routes
@@ -118,6 +124,7 @@ class _Unit:
         """The replica hop's residuals' names, one a parameter."""
         return [name + REPLICA for name in self.names]
 
+    @cached_property
     def crc(self) -> int:
         return zlib.crc32(self.name.encode())
 
@@ -161,21 +168,29 @@ class GeoFP8ReduceScatter(ReduceScatter):
         flat = inp.float() if inp.dtype != torch.float32 else inp
         self.state.probe.reference(unit, flat, dg, divisor)
         routes = self._prepare(flat.view(n, -1), n)
-        seed = engine.seed(unit.crc(), 0)
+        seed = engine.seed(unit.crc, 0)
         if engine.config.error_feedback:
             sent, residual = encode_with_error(flat, layout, seed=seed, sender=dg.rank)
             self._stage_residuals(residual.view(n, -1), n, routes)
         else:
             sent = encode(flat, layout, seed=seed, sender=dg.rank)
         engine.ledger.add("codec_s", time.perf_counter() - t0)
-        total = self.state.communicator(dg).launch(sent, layout, gather=False, out=flat).wait()
-        self._map_back(total, n, routes)
-        if divisor != 1:
-            torch.div(total, divisor, out=out)  # the division is the copy into FSDP's output
-        else:
-            out.copy_(total)
-        engine.observe(out)  # a sender's non-finite input: NaN in its owner's sum (notes)
-        if self.state.mesh is None:
+        # a sender's non-finite input: NaN in its owner's sum (notes), its flag down
+        comm, divide = self.state.communicator(dg), None if divisor == 1 else divisor
+        if out.dtype == torch.float32 and not isinstance(routes, list):  # the sum / divisor
+            # straight in out, its grouped maps' back there (UnitMaps.then)
+            engine.observe(out, finite=comm.launch(sent, layout, gather=False, out=flat, into=out,
+                                                   divide=divide,
+                                                   then=routes.then if routes else _flag).wait())
+        else:  # mapped back per parameter first, or copied into FSDP's dtype
+            total = comm.launch(sent, layout, gather=False, out=flat).wait()
+            self._map_back(total, n, routes)
+            if divide is None:
+                out.copy_(total)
+            else:  # the division (IEEE, as the kernel's) is the copy into FSDP's output
+                torch.div(total, device_scalar(divide, torch.float32, total.device), out=out)
+            engine.observe(out)
+        if self.state.mesh is None and self.state.probe.enabled:
             self.state.probe.compare(unit, out.float(), n)
 
     def _prepare(self, rows2d: torch.Tensor, n: int) -> list | UnitMaps | None:
@@ -252,6 +267,10 @@ class ReplicaAllReduce:
                  after_ours: bool) -> None:
         self.state, self.unit, self.group, self.after_ours = state, unit, group, after_ours
         self._partial: torch.Tensor | None = None  # shards kept under no all-reduce
+        # the replica residuals' flat vector as the last step left it, and the feedback's
+        # version then (_encode_with_residual)
+        self._held: FlatResiduals | None = None
+        self._version = 0
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if not self.unit.param_group.all_reduce_grads:  # accumulate: all-reduce later
@@ -265,15 +284,16 @@ class ReplicaAllReduce:
         self.state.run_unit(self.unit, self._all_reduce, reduce_output)
 
     def _all_reduce(self, shard: torch.Tensor) -> None:
-        engine, unit, rep = self.state.engine, self.unit, self.group
+        engine, unit, rep, shards = self.state.engine, self.unit, self.group, self.unit.shard_size
         n = rep.size
-        rep.charge("fp32_equivalent", fp32_allreduce_wire_bytes(shard.numel(), n))
-        if not self.after_ours or unit.shard_size == 1:  # FSDP's FP32 reduce-scatter ran
-            # before (none on a shard group of one rank): count it and the elements here
-            shard_bytes = (unit.shard_size - 1) * shard.numel() * 4
-            engine.ledger.add("elements", unit.shard_size * shard.numel())
+        fp32_bytes = fp32_allreduce_wire_bytes(shard.numel(), n)
+        if not self.after_ours or shards == 1:  # FSDP's FP32 reduce-scatter ran before
+            # (none on a shard group of one rank): count it and the elements here
+            shard_bytes = (shards - 1) * shard.numel() * 4
+            engine.ledger.add("elements", shards * shard.numel())
             rep.charge("payload", shard_bytes)  # issued by FSDP, not through our door
-            rep.charge("fp32_equivalent", shard_bytes)
+            fp32_bytes += shard_bytes
+        rep.charge("fp32_equivalent", fp32_bytes)
         # FSDP divided by the shard group only; divide by the replicas unless the user set
         # their own divide factor (then it is the whole division)
         divisor = n if unit.param_group.gradient_divide_factor is None else 1
@@ -281,31 +301,58 @@ class ReplicaAllReduce:
         x = shard.float() if shard.dtype != torch.float32 else shard
         if not self.after_ours:  # FSDP's FP32 reduce-scatter: this shard is exact
             self.state.probe.keep(unit, x)
+        finite = None  # the gathered decode's flag of x, where it has one
         if not engine.fp8:
             x, _ = rep.all_reduce(x, "payload")
+            if divisor != 1:
+                x.div_(device_scalar(divisor, torch.float32, x.device))
         else:
             t0 = time.perf_counter()
-            layout = self.state.layout(unit, "replica", n)
-            seed = engine.seed(unit.crc(), 1)
-            sent = self._encode_with_residual(x, layout, seed) if self.state.replica_feedback \
-                else encode(x, layout, seed=seed, sender=rep.rank)
+            layout = self._layout
+            seed = engine.seed(unit.crc, 1)
+            bound = layout.plan.bound(x, x)  # the fused stages on x, for every stage
+            sent = self._encode_with_residual(x, layout, seed, bound) \
+                if self.state.replica_feedback else encode(x, layout, seed=seed, sender=rep.rank)
             engine.ledger.add("codec_s", time.perf_counter() - t0)
-            x = self.state.communicator(rep).launch(sent, layout, gather=True, seed=seed,
-                                                    owner_keys=unit.names, out=x).wait()
-        if divisor != 1:
-            x.div_(divisor)
+            # divided by the decode (IEEE), its flag that of x
+            x, finite = self._communicator.launch(
+                sent, layout, gather=True, seed=seed, owner_keys=unit.names, out=x,
+                divide=None if divisor == 1 else divisor, then=_pair, bound=bound).wait()
         if x is not shard:
             shard.copy_(x)
-        engine.observe(shard)
-        self.state.probe.replica(unit, shard.float(), rep, divisor)
+            finite = None  # (the copy may round to infinity)
+        engine.observe(shard, finite=finite)
+        if self.state.probe.enabled:
+            self.state.probe.replica(unit, shard.float(), rep, divisor)
 
-    def _encode_with_residual(self, x: torch.Tensor, layout: ShardLayout, seed) -> torch.Tensor:
+    @cached_property
+    def _layout(self) -> ShardLayout:
+        return self.state.layout(self.unit, "replica", self.group.size)
+
+    @cached_property
+    def _communicator(self) -> Communicator:
+        return self.state.communicator(self.group)
+
+    def _encode_with_residual(self, x: torch.Tensor, layout: ShardLayout, seed,
+                              bound: BoundStages | None) -> torch.Tensor:
         """The shard ``x`` encoded with its replica residuals added, the new ones staged.
         Stored plain (FP32 or BF16) and written by one step, they are one flat vector
         (:meth:`ErrorFeedback.bucket_in`, as a DDP bucket's) that the encode reads and
         writes in place (the fused kernels: ``x`` not written); else parameter by
-        parameter (the first step makes that vector, :meth:`ErrorFeedback.first_bucket`)."""
+        parameter (the first step makes that vector, :meth:`ErrorFeedback.first_bucket`).
+        That vector, once made, is read again as it was left (:meth:`ErrorFeedback.recorded`,
+        as a DDP bucket's record does) while it is live and the feedback's version has not
+        moved: no Python per parameter, the encode ``bound``'s send (the layout's fused stages
+        on ``x``; the vector fits them: made so) where it runs."""
         feedback = self.state.engine.feedbacks["replica"]
+        if self._held is not None and self._held.live and self._version == feedback.version:
+            bucket = feedback.recorded(self._held)
+            sent = bound and bound.send(x, None, bucket, seed, self.group.rank)
+            if sent is None:  # the torch path (or a kernel failed)
+                sent = encode_with_error(x, layout, seed=seed, sender=self.group.rank,
+                                         feedback=bucket)[0]
+            feedback.restage(self._held.names)
+            return sent
         keys, chunks = self.unit.replica_keys, self.unit.chunk_shapes
         bucket = feedback.bucket_in(keys, chunks)
         for key, (lo, hi) in zip(keys, _spans(chunks)) if bucket is None else ():
@@ -316,6 +363,7 @@ class ReplicaAllReduce:
                                            feedback=bucket)
         if bucket is not None or feedback.first_bucket(keys):
             feedback.stage_bucket(keys, residual, chunks)
+            self._held, self._version = feedback.held(keys), feedback.version
             return sent
         for key, (lo, hi), chunk in zip(keys, _spans(chunks), chunks):
             feedback.stage(key, residual[lo:hi].view(chunk), IDENTITY)
@@ -490,16 +538,18 @@ class GeoFP8FSDP:
         self.engine.end_step()
         self._reduced = []
 
-    def _poison_reduced(self, finite: list[torch.Tensor]) -> None:
+    def _poison_reduced(self, factors: torch.Tensor) -> None:
         """NaN in the local gradient shards of the units not finite on some rank (module
-        notes; one 0-dim device flag per :meth:`run_unit`, in order; on the device): each
-        unit's shards multiplied by 1 or NaN in one foreach op (as
-        :func:`~geofp8.comm.stages.poison_unless` does one tensor), the units' factors made
-        by one ``where``."""
-        factors = torch.where(torch.stack(finite), 1.0, float("nan")).unbind()
-        for unit, factor in zip(self._reduced, factors):
-            shards = [getattr(g, "_local_tensor", g) for fp in unit.param_group.fsdp_params
-                      if (g := fp.sharded_param.grad) is not None]
+        notes; ``factors``: per :meth:`run_unit`, in order, 1 or NaN on the device,
+        :meth:`~geofp8.verdict.StepVerdict.settle`'s): each unit's shards multiplied by its
+        factor in one foreach op (as :func:`~geofp8.comm.stages.poison_unless` does one
+        tensor)."""
+        for unit, factor in zip(self._reduced, factors.unbind()):
+            try:  # (no Python per parameter)
+                shards = list(map(_LOCAL_GRAD, unit.trained))
+            except AttributeError:  # a gradient missing, or not a DTensor's
+                shards = [getattr(g, "_local_tensor", g) for fp in unit.trained
+                          if (g := fp.sharded_param.grad) is not None]
             if shards:
                 torch._foreach_mul_(shards, factor)
 
@@ -509,6 +559,7 @@ class GeoFP8FSDP:
             self._communicators[key] = Communicator("exact", group)
             self._communicators[key].owner = self.engine.feedbacks.get("owner")
             self._communicators[key].owner_route = IDENTITY
+            self._communicators[key].flag_slot = self.engine.verdict.slot
         return self._communicators[key]
 
     def layout(self, unit: _Unit, kind: str, world: int) -> ShardLayout:
@@ -602,7 +653,7 @@ def _unit(name: str, module: FSDPModule, names: dict[int, str], mesh) -> _Unit |
             raise ValueError("GeoFP8 HSDP: shard the model on mesh['shard'] (a 1-D mesh); "
                              "the replica all-reduce is GeoFP8's own (via the all-reduce "
                              "hook), not FSDP's native HSDP one")
-    unames, shapes = [], []
+    unames, shapes, trained = [], [], []
     for fp in group.fsdp_params:
         if fp.fsdp_placement.dim != 0:
             raise ValueError(f"GeoFP8: parameter of {name!r} is sharded on dim "
@@ -615,7 +666,8 @@ def _unit(name: str, module: FSDPModule, names: dict[int, str], mesh) -> _Unit |
             continue
         unames.append(names[pid])
         shapes.append(tuple(fp._orig_size))
-    return _Unit(name, group, unames, shapes)
+        trained.append(fp)
+    return _Unit(name, group, unames, shapes, trained)
 
 
 def _queue_end_of_backward(callback) -> bool:
@@ -640,6 +692,16 @@ def _divisor(unit: _Unit, op, world: int) -> float:
         raise RuntimeError(f"GeoFP8: unexpected reduce-scatter op {op!r} without a "
                            "gradient divide factor")
     return float(factor)
+
+
+def _flag(values: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """A reduce-scatter's ``then``: its finite flag (its values are written where asked)."""
+    return finite
+
+
+def _pair(values: torch.Tensor, finite: torch.Tensor | None) -> tuple:
+    """A launch's ``then``: its value and its finite flag (``None``: not known)."""
+    return values, finite
 
 
 def _spans(shapes: list[tuple[int, ...]]) -> list[tuple[int, int]]:

@@ -61,6 +61,12 @@ class UnitMaps:
         """``Y ← Y T⁻¹`` over each mapped parameter's rows of this rank's chunk ``total``."""
         self._back(total, True)
 
+    def then(self, total: torch.Tensor, finite: torch.Tensor) -> torch.Tensor | None:
+        """A fused reduce-scatter's ``then``: :meth:`back` over its ``total``, ANDing its
+        0-dim bool ``finite`` with "every value written finite"; that flag, or ``None``
+        where the torch path ran, which checks nothing (:meth:`GroupedMaps.__call__`)."""
+        return finite if self._back(total, True, finite.view(torch.uint8)) else None
+
 
 @dataclass(frozen=True)
 class UnitRecord:

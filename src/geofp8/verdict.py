@@ -12,8 +12,12 @@ into the next of the step's slots (:meth:`StepVerdict.slot`: a persistent uint8 
 at settling, twice the step's units and at least 64, so DDP's rebuilt buckets still fit;
 every slot handed out is written in its step, so nothing zero-fills it). When the step's
 flags are its slots in order, one kernel makes the verdict and advances the skipped-step
-counter (:func:`~geofp8.codecs.triton_fp8.verdict`); else (the torch path, an agreement,
-per-unit flags wanted) torch ops stack and reduce the flags.
+counter (:func:`~geofp8.codecs.triton_fp8.verdict`). An agreement (its per-unit
+factors wanted: FSDP's) all-reduces the FP32 "my flag is down" of the units, read from the
+slots without a stack where they are the step's flags, and one kernel makes the units'
+factors (1 or NaN), the verdict and the counter from the agreed counts
+(:func:`~geofp8.codecs.triton_fp8.agreed`); else (the torch path, per-unit factors wanted
+without an agreement) torch ops stack and reduce the flags.
 
 The last unit's decode decides: when the engine starts a step's last unit and may let it
 decide (:meth:`StepVerdict.arm`: no agreement, no per-unit callbacks), the slot that
@@ -33,11 +37,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable, Iterator
 
 import torch
 
 from .codecs import triton_fp8
+from .codecs.base import device_scalar
 
 __all__ = ["StepVerdict", "decode_into", "map_into"]
 
@@ -66,6 +72,14 @@ def _new_bytes(device: torch.device) -> Iterator[torch.Tensor]:
     blocks = map(lambda _: torch.empty(256, dtype=torch.uint8, device=device).unbind(),
                  itertools.count())
     return itertools.chain.from_iterable(blocks)
+
+
+def _factors(ok: torch.Tensor) -> torch.Tensor:
+    """The units' factors (:meth:`StepVerdict.settle`) of their bool flags ``ok``: one
+    ``where`` of two device constants."""
+    one, nan = device_scalar(1.0, torch.float32, ok.device), \
+        device_scalar(math.nan, torch.float32, ok.device)
+    return torch.where(ok, one, nan)
 
 
 # a map back's kernel that ANDs its unit's flag after the decode (StepVerdict.to_map)
@@ -134,38 +148,53 @@ class StepVerdict:
     def settle(self, device: torch.device,
                agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
                per_unit: bool = False) -> tuple:
-        """``(finite, ok, counted)``: the step's 0-dim bool verdict; its units' flags (bool
-        ``[U]``, after the agreement) unless they are not needed (``per_unit`` false and no
-        ``agree``: ``None`` from the one-kernel path); the skipped steps' int64 counter
-        when advanced here, else ``None`` (the caller counts). ``agree(bad)``: the sum over
-        ranks of the FP32 ``[U]`` "my flag is down". ``device``: where a step without units
-        decides."""
+        """``(finite, factors, counted)``: the step's 0-dim bool verdict; with ``per_unit``
+        its units' factors (FP32 ``[U]``: 1 for a unit finite, after the agreement, NaN for
+        one that is not: what poisons a unit's results by one multiply, as
+        :func:`~geofp8.comm.stages.poison_unless` does), else ``None``; the skipped steps'
+        int64 counter when advanced here, else ``None`` (the caller counts).
+        ``agree(bad)``: the sum over ranks of the FP32 ``[U]`` "my flag is down"
+        (``per_unit``, a step whose flags are its slots: the factors, the verdict and the
+        counter from one kernel, :func:`~geofp8.codecs.triton_fp8.agreed`). ``device``:
+        where a step without units decides."""
         flags, slots, made = self.flags, self._slots, self.made
         self.reset()
         if made is not None:  # the last unit's decode made it
             if agree is None and not per_unit and self._are_slots(flags, made["n"] + 1):
                 return made["verdict_ptr"].view(torch.bool), None, made["skipped_ptr"]
-            return self._remade(flags, made, agree)
+            return self._remade(flags, made, agree, per_unit)
         if agree is None and not per_unit and self._are_slots(flags, len(flags)) and \
                 triton_fp8.available(slots):
             counter = self._skipped(slots.device)
             return triton_fp8.verdict(slots, len(flags), counter), None, counter
         device = flags[0].device if flags else torch.device(device)
-        ok = torch.stack(flags) if flags else torch.ones(1, dtype=torch.bool, device=device)
-        if agree is not None:  # per unit, count the ranks whose flag is down
-            ok = agree((~ok).to(torch.float32)) == 0
-        if slots is None or slots.numel() < len(flags) or slots.device != device:
-            self._slots = torch.empty(max(2 * len(flags), 64), dtype=torch.uint8,
-                                      device=device)
+        if agree is not None and self._are_slots(flags, len(flags)):  # no stack: the slots
+            ok = slots[: len(flags)].view(torch.bool)
+        else:
+            ok = torch.stack(flags) if flags else torch.ones(1, dtype=torch.bool, device=device)
+        self._fit(len(flags), device)
+        if agree is not None:  # per unit, count the ranks whose flag is down (FP32)
+            down = agree(torch.logical_not(ok, out=ok.new_empty(ok.shape, dtype=torch.float32)))
+            if per_unit and triton_fp8.available(down):  # factors, verdict, counter: one kernel
+                counter = self._skipped(device)
+                return *triton_fp8.agreed(down, counter), counter
+            ok = down == 0
+        return ok.all(), _factors(ok) if per_unit else None, None
+
+    def _fit(self, n: int, device: torch.device) -> None:
+        """Slots for a step of ``n`` units on ``device`` (module notes), made anew unless
+        those there fit."""
+        slots = self._slots
+        if slots is None or slots.numel() < n or slots.device != device:
+            self._slots = torch.empty(max(2 * n, 64), dtype=torch.uint8, device=device)
             self._views = list(self._slots.unbind())
             self._addresses = list(map(_ADDRESS, self._views))
             self._free = self._views[::-1]
             self._armable = len(self._views) if triton_fp8.available(self._slots) else 0
             self._decision = {"flags_ptr": self._slots, "skipped_ptr": self._skipped(device)}
             self._verdicts = _new_bytes(device)
-        return ok.all(), ok, None
 
-    def _remade(self, flags: list[torch.Tensor], made: dict, agree) -> tuple:
+    def _remade(self, flags: list[torch.Tensor], made: dict, agree, per_unit: bool) -> tuple:
         """:meth:`settle` of a step the last unit's decode decided and counted (``made``:
         its arguments) whose flags were not its slots in order, the armed one last (e.g. a
         unit's from the torch path), or are wanted per unit: the torch verdict, the counter
@@ -175,7 +204,7 @@ class StepVerdict:
             ok = agree((~ok).to(torch.float32)) == 0
         finite = ok.all()
         made["skipped_ptr"].add_(made["verdict_ptr"].to(torch.int64) - finite.to(torch.int64))
-        return finite, ok, made["skipped_ptr"]
+        return finite, _factors(ok) if per_unit else None, made["skipped_ptr"]
 
     def _are_slots(self, flags: list[torch.Tensor], n: int) -> bool:
         """Whether ``flags`` are the first ``n`` slots, in order (addresses compared without

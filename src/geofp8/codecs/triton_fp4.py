@@ -72,6 +72,7 @@ if triton is not None:
         _load_f32,
         _nonfinite,
         _places,
+        _scattered,
         _settle,
         _store_f32,
         _tile,
@@ -443,10 +444,13 @@ if triton is not None:
     @triton.jit
     def _reduce_kernel(s_in, s_stride, blk_in, blk_stride, code_in, code_stride, n_senders,
                        out_ptr, tiles_ptr, block_at_ptr, seg_at_ptr, seg_of_ptr, slots_ptr,
-                       n_groups, epoch, FMT: tl.constexpr, NVFP4: tl.constexpr,
+                       n_groups, epoch, ticket_ptr, flag_ptr, divisor, SCATTER: tl.constexpr,
+                       DIVIDE: tl.constexpr, FMT: tl.constexpr, NVFP4: tl.constexpr,
                        B: tl.constexpr, TILE: tl.constexpr):
         """``0 + Σ_r value(code_r)·scale_r`` in sender order (FP32) of the ``N`` payloads
-        (rows of the three part pointers), and its blocks' and segments' amax."""
+        (rows of the three part pointers), and its blocks' and segments' amax; a
+        reduce-scatter's end (``SCATTER``): no amax, the sum ``/ divisor`` (``DIVIDE``) and
+        the flag "every value finite" instead (``triton_fp8._scattered``)."""
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         slot = _places(tiles_ptr, offs, g)[0]
         acc = tl.zeros((TILE,), tl.float32)  # from +0 (-0 + 0 = +0), sender after sender
@@ -454,9 +458,12 @@ if triton is not None:
             scale = _stored_scale(s_in + r * s_stride, blk_in + r * blk_stride, g, mask,
                                   block_at_ptr, seg_at_ptr, seg_of_ptr, NVFP4)
             acc += _value(_code_at(code_in + r * code_stride, slot, mask, FMT), FMT) * scale
-        tl.store(out_ptr + offs, acc, mask=mask)
-        _block_max(slots_ptr, acc, mask, start, size, g0, run0, seg_of_ptr, n_groups, epoch,
-                   NVFP4, B, TILE)
+        if SCATTER:
+            _scattered(out_ptr, offs, acc, mask, ticket_ptr, flag_ptr, divisor, DIVIDE, TILE)
+        else:
+            tl.store(out_ptr + offs, acc, mask=mask)
+            _block_max(slots_ptr, acc, mask, start, size, g0, run0, seg_of_ptr, n_groups,
+                       epoch, NVFP4, B, TILE)
 
     @triton.jit
     def _decode_kernel(s_in, blk_in, code_in, out_ptr, tiles_ptr, block_at_ptr, seg_at_ptr,
@@ -523,7 +530,7 @@ class Bound:
             **common, **_NO_FUSION)
         self.reduce = Launch(_reduce_kernel, grid, tiles_ptr=p.tiles, **maps,
                              n_groups=p.n_groups, FMT=element, B=block_length(fmt), **common,
-                             **_NO_FUSION)
+                             **_NO_FUSION, **triton_fp8.no_scatter(p.tiles))
         self.decode = Launch(_decode_kernel, grid, tiles_ptr=p.tiles, **maps, FMT=element,
                              **common, **_NO_FUSION)
 

@@ -17,14 +17,17 @@ launches, :class:`Launch`, by :class:`geofp8.comm.plan.FP8Stages`) take the *pla
 kernels, five per bucket: ``_amax_kernel`` then ``_encode_placed_kernel``
 (scales and codes written where they travel, the rounding error at the values' places);
 ``_reduce_kernel`` (the ``N`` received records decoded, summed sender after sender from
-+0, and the sum's amax) then ``_encode_placed_kernel`` (into the padded record);
++0, and the sum's amax) then ``_encode_placed_kernel`` (into the padded record; a
+reduce-scatter ends with the reduction alone, ``SCATTER``: no amax, the sum divided and
+written where the caller says, and its finite flag decided by the ticket, below);
 ``_decode_placed_kernel`` (the decode, ``/ N``, all NaN unless every gathered scale is
 finite, and that flag: below). The sender's
 pair takes a bucket's error feedback ``(R, keep)``: both read ``Ũ = G + where(keep, R,
 0)`` (``R`` FP32 or BF16, ``keep`` a 0-dim device flag read in the kernel) and the encode
 writes the new residual into ``R`` (BF16: rounded to nearest even on the bits, as torch's
 ``.to(torch.bfloat16)``). :func:`verdict`: a step's units' finite flags reduced, in one
-program, into its verdict and its skipped-step counter.
+program, into its verdict and its skipped-step counter; :func:`agreed`: the same from the
+counts of ranks whose flag is down, with the units' poison factors (1 or NaN).
 
 The groups come as a *tile map* (:func:`tiles`, :func:`placed_tiles`), an int64 ``[T, 7]``
 device tensor made once per map: each tile is at most ``TILE`` elements of one run of
@@ -86,9 +89,10 @@ try:  # an optional dependency (geofp8[gpu])
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
-__all__ = ["NO_FEEDBACK", "TILE", "AmaxSlots", "Feedback", "Launch", "amax",
+__all__ = ["NO_FEEDBACK", "TILE", "AmaxSlots", "Feedback", "Launch", "agreed", "amax",
            "attempt", "available", "decode", "decode_sum", "encode", "failed",
-           "feedback_fits", "placed_tiles", "reference", "ticket", "tiles", "verdict"]
+           "feedback_fits", "no_scatter", "placed_tiles", "reference", "ticket", "tiles",
+           "verdict"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # whether a tensor is where the kernels run (no Python per tensor in `available`)
@@ -398,7 +402,8 @@ if triton is not None:
 
     @triton.jit
     def _reduce_kernel(recv_ptr, out_ptr, bits_ptr, epoch, tiles_ptr, n_senders, record,
-                       E5M2: tl.constexpr, TILE: tl.constexpr):
+                       ticket_ptr, flag_ptr, divisor, SCATTER: tl.constexpr,
+                       DIVIDE: tl.constexpr, E5M2: tl.constexpr, TILE: tl.constexpr):
         offs, mask, g, start, size, g0, run0 = _tile(tiles_ptr, TILE)
         code_at, scale_at = _places(tiles_ptr, offs, g)
         acc = tl.zeros((TILE,), tl.float32)  # from +0 (-0 + 0 = +0), sender after sender
@@ -406,8 +411,23 @@ if triton is not None:
             base = recv_ptr + r * record
             c = tl.load(base + code_at, mask=mask, other=0).to(tl.uint32)
             acc += _fp8_value(c, E5M2) * _load_f32(base + scale_at, mask)
-        tl.store(out_ptr + offs, acc, mask=mask)
-        _group_max(bits_ptr, acc, mask, g, start, size, g0, run0, epoch, TILE)
+        if SCATTER:
+            _scattered(out_ptr, offs, acc, mask, ticket_ptr, flag_ptr, divisor, DIVIDE, TILE)
+        else:
+            tl.store(out_ptr + offs, acc, mask=mask)
+            _group_max(bits_ptr, acc, mask, g, start, size, g0, run0, epoch, TILE)
+
+    @triton.jit
+    def _scattered(out_ptr, offs, v, mask, ticket_ptr, flag_ptr, divisor, DIVIDE: tl.constexpr,
+                   TILE: tl.constexpr):
+        """A reduce-scatter's end (``SCATTER``), after its program summed ``v``: ``v /
+        divisor`` (``DIVIDE``) stored, and the flag "every value stored is finite" decided by
+        the ticket (:func:`_settle`: no poison, no decision)."""
+        if DIVIDE:
+            v = tl.math.div_rn(v, tl.full(v.shape, divisor, tl.float32))
+        tl.store(out_ptr + offs, v, mask=mask)
+        _settle(out_ptr, ticket_ptr, ticket_ptr, flag_ptr, _nonfinite(v, mask), ticket_ptr, 0,
+                ticket_ptr, ticket_ptr, False, False, TILE, False)
 
     @triton.jit
     def _decide(flags_ptr, n, bad0, verdict_ptr, skipped_ptr, BLOCK: tl.constexpr):
@@ -481,6 +501,20 @@ if triton is not None:
     def _verdict_kernel(flags_ptr, n, verdict_ptr, skipped_ptr, BLOCK: tl.constexpr):
         """One program: ``verdict = all(flags[:n])`` (uint8 flags), ``skipped += !verdict``."""
         _decide(flags_ptr, n, 0, verdict_ptr, skipped_ptr, BLOCK)
+
+    @triton.jit
+    def _agreed_kernel(down_ptr, n, factors_ptr, verdict_ptr, skipped_ptr, BLOCK: tl.constexpr):
+        """One program: ``factors = where(down[:n] == 0, 1, NaN)`` (FP32),
+        ``verdict = all(down[:n] == 0)``, ``skipped += !verdict``."""
+        bad = tl.zeros((BLOCK,), tl.int32)
+        for lo in range(0, n, BLOCK):
+            at = lo + tl.arange(0, BLOCK)
+            up = tl.load(down_ptr + at, mask=at < n, other=0.0) == 0.0
+            tl.store(factors_ptr + at, tl.where(up, 1.0, float("nan")), mask=at < n)
+            bad = tl.maximum(bad, 1 - up.to(tl.int32))
+        worse = tl.max(bad, 0)
+        tl.store(verdict_ptr, (1 - worse).to(tl.uint8))
+        tl.store(skipped_ptr, tl.load(skipped_ptr) + worse.to(tl.int64))
 
 
 def _grid(map_: torch.Tensor) -> tuple[int]:
@@ -570,6 +604,13 @@ def feedback_fits(x: torch.Tensor, feedback: Feedback | None) -> bool:
                                   and keep.device == x.device)))
 
 
+def no_scatter(anywhere: torch.Tensor) -> dict:
+    """A reduction kernel's arguments for its amax variant (not a reduce-scatter's end: no
+    ticket nor flag, their pointers ``anywhere``, not read)."""
+    return {"ticket_ptr": anywhere, "flag_ptr": anywhere, "divisor": 1.0, "SCATTER": False,
+            "DIVIDE": False}
+
+
 def ticket(device: torch.device) -> torch.Tensor:
     """A fused decode's ticket (module notes): one int64, zeroed once; each call's last
     program zeroes it again."""
@@ -592,6 +633,18 @@ def verdict(flags: torch.Tensor, n: int, skipped: torch.Tensor) -> torch.Tensor:
     out = torch.empty((), dtype=torch.uint8, device=flags.device)
     _verdict_kernel[(1,)](flags, n, out, skipped, BLOCK=128)
     return out.view(torch.bool)
+
+
+def agreed(down: torch.Tensor, skipped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(verdict, factors)`` of a step whose units' flags were agreed over the ranks
+    (``down``: FP32 ``[U]``, per unit the ranks whose flag is down): the 0-dim bool
+    ``verdict = all(down == 0)``, per unit the FP32 factor 1 where ``down == 0`` and NaN
+    where not, and the int64 0-dim counter ``skipped`` advanced in place when the verdict is
+    false: one kernel, no host read."""
+    factors = torch.empty_like(down)
+    out = torch.empty((), dtype=torch.uint8, device=down.device)
+    _agreed_kernel[(1,)](down, down.numel(), factors, out, skipped, BLOCK=128)
+    return out.view(torch.bool), factors
 
 
 def reference(x: torch.Tensor, groups: GroupMap, fmt: str = "e4m3") -> tuple[torch.Tensor, ...]:

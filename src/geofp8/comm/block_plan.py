@@ -107,6 +107,7 @@ class _Owner(NamedTuple):
     encode_sum: Launch  # no feedback, no error: a reduction's sum
     reduce: Launch  # the N senders' records of send_bytes(shard), back to back
     numel: int
+    scatter: Launch  # reduce as a reduce-scatter's end (no amax: the division and flag)
 
 
 class BlockStages(BoundStages):
@@ -153,11 +154,12 @@ class BlockStages(BoundStages):
         b, slots, amax, encode = self._encoder(shard, (layout.shard_bytes(shard),
                                                        layout.max_shard_bytes))
         encode, nbytes = encode.bind(HAS_R=False, KEEP=False), layout.send_bytes(shard)
+        reduce = b.reduce.bind(s_stride=nbytes, blk_stride=nbytes, code_stride=nbytes,
+                               n_senders=layout.world_size, slots_ptr=slots.buffer)
         found = self._owners[shard] = _Owner(
             b, slots, amax.bind(HAS_R=False, KEEP=False, STORE_U=False), encode,
-            encode.bind(HAS_ERR=False, ERR_BF16=False),
-            b.reduce.bind(s_stride=nbytes, blk_stride=nbytes, code_stride=nbytes,
-                          n_senders=layout.world_size, slots_ptr=slots.buffer), b.p.numel)
+            encode.bind(HAS_ERR=False, ERR_BF16=False), reduce, b.p.numel,
+            reduce.bind(SCATTER=True, ticket_ptr=self.ticket, epoch=0))
         return found
 
     def _seeds(self, b, seed, prefix, offset, device) -> dict:
@@ -229,6 +231,15 @@ class BlockStages(BoundStages):
         record = torch.empty(self.record_bytes, dtype=torch.uint8, device=received.device)
         encode(total, total, total, total, record, record, record)
         return record, total
+
+    @guarded
+    def reduce_scatter(self, received, shard, out, divide, flag):
+        """``(values, finite)``: :meth:`reduce_sum`'s sum ``/ divide`` into ``out``, and its
+        flag (:meth:`.BoundStages.scattered`); one kernel (``None`` for an empty shard)."""
+        owner = self._owners.get(shard) or self._owner(shard)
+        return None if owner is None else self.scattered(
+            owner.scatter, owner.numel, out, divide, flag, received, blk_in=received,
+            code_in=received)
 
     def _reduced(self, received, shard) -> tuple[_Owner | None, torch.Tensor | None]:
         """``(shard's owner, the FP32 sum of the N records)``: the reduction kernel, which

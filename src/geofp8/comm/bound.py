@@ -16,6 +16,9 @@ MX) whose calls only allocate their outputs and launch
   values' amax taken unless ``bits`` (``reduce_sum``'s) are given;
 * ``reduce_encode(received, shard, seed)`` — ``(record, sum)``, the two above in one
   stage (one owner lookup, the sum's amax from the reduction);
+* ``reduce_scatter(received, shard, out, divide, flag)`` — ``(values, finite)``: a
+  reduce-scatter's end, the sum ``/ divide`` into ``out`` and the flag "every value is
+  finite", one kernel (:meth:`BoundStages.scattered`);
 * ``decode_gathered(gathered, out, divide, flag)`` — ``(values, finite)``;
 * ``sender(flat, residual)`` — ``send`` bound for a bucket record (:meth:`BoundStages.sender`).
 
@@ -86,6 +89,21 @@ class BoundStages:
         the send with ``flat`` and no error of its own fixed; the FP8 stages bind their
         kernels' pointers once (:class:`.plan.BoundSend`)."""
         return functools.partial(self.send, flat, None)
+
+    def scattered(self, launch, numel: int, out: torch.Tensor | None,
+                  divide: float | None, flag: torch.Tensor | None, *args, **kwargs) -> tuple:
+        """``(values, finite)`` of a reduce-scatter's end (``reduce_scatter``): ``launch``,
+        a reduction bound as that end, run on the received records (``args``, ``kwargs``):
+        the sum ``/ divide`` (IEEE; ``None``: not divided) written into ``out`` (FP32,
+        ``numel`` elements; ``None``: a new one), and the 0-dim bool flag "every value
+        written is finite" (into the 0-dim uint8 ``flag`` when given, e.g. a step's slot)."""
+        values = out if out is not None else torch.empty(numel, dtype=torch.float32,
+                                                         device=self.device)
+        if flag is None:
+            flag = torch.empty((), dtype=torch.uint8, device=self.device)
+        launch(*args, out_ptr=values, flag_ptr=flag, divisor=float(divide or 1),
+               DIVIDE=divide is not None, **kwargs)
+        return values, flag.view(torch.bool)
 
     @classmethod
     def takes(cls, first: torch.Tensor, other: torch.Tensor | None = None) -> bool:

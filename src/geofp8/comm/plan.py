@@ -169,19 +169,21 @@ class FP8Stages(BoundStages):
 
     def _owner(self, shard: int) -> tuple:
         """Shard ``shard``'s ``(slots, amax, encode, the encode of a sum (no error written),
-        reduction, values)``: :meth:`_encoder` with the record's padding and no feedback
-        (an owner's values are its sum); made on its first call (the stages look it up in
-        ``_owners`` first)."""
+        reduction, values, the reduce-scatter's end)``: :meth:`_encoder` with the record's
+        padding and no feedback (an owner's values are its sum); made on its first call (the
+        stages look it up in ``_owners`` first)."""
         plan, layout = self.plan, self.plan.layout
         slots, amax, encode = self._encoder(shard, (layout.shard_bytes(shard),
                                                     layout.max_shard_bytes))
         tiles, encode = plan.tiles(shard, self.device), encode.bind(**triton_fp8.NO_FEEDBACK)
         reduce = Launch(triton_fp8._reduce_kernel, (tiles.shape[0],), bits_ptr=slots.buffer,
                         tiles_ptr=tiles, n_senders=layout.world_size,
-                        record=layout.send_bytes(shard), **self.fmt, **triton_fp8._NO_FUSION)
+                        record=layout.send_bytes(shard), **self.fmt, **triton_fp8._NO_FUSION,
+                        **triton_fp8.no_scatter(tiles))
         found = self._owners[shard] = (slots, amax.bind(**triton_fp8.NO_FEEDBACK), encode,
                                        encode.bind(HAS_ERR=False), reduce,
-                                       plan.shard_numels[shard])
+                                       plan.shard_numels[shard],
+                                       reduce.bind(SCATTER=True, ticket_ptr=self.ticket, epoch=0))
         return found
 
     def _with_residual(self, dtype: torch.dtype) -> tuple:
@@ -225,7 +227,7 @@ class FP8Stages(BoundStages):
     def reduce_sum(self, received, shard):
         """``(sum, its amax slots)``: the ``N`` received records decoded and summed in FP32
         sender after sender from +0, and the sum's groups' amax; one kernel."""
-        slots, _, _, _, reduce, numel = self._owners.get(shard) or self._owner(shard)
+        slots, _, _, _, reduce, numel, _ = self._owners.get(shard) or self._owner(shard)
         out = torch.empty(numel, dtype=torch.float32, device=received.device)
         reduce(received, out, epoch=next(slots.epochs))
         return out, slots.buffer
@@ -234,12 +236,19 @@ class FP8Stages(BoundStages):
     def reduce_encode(self, received, shard, seed):
         """``(record, sum)``: the reduction of :meth:`reduce_sum` (its amax taken with it),
         then the sum's encode (:meth:`encode_reduced`'s, no error written); two kernels."""
-        slots, _, _, encode, reduce, numel = self._owners.get(shard) or self._owner(shard)
+        slots, _, _, encode, reduce, numel, _ = self._owners.get(shard) or self._owner(shard)
         total = torch.empty(numel, dtype=torch.float32, device=received.device)
         reduce(received, total, epoch=next(slots.epochs))
         record = torch.empty(self.record_bytes, dtype=torch.uint8, device=received.device)
         encode(total, total, total, out_ptr=record, err_ptr=total)
         return record, total
+
+    @guarded
+    def reduce_scatter(self, received, shard, out, divide, flag):
+        """``(values, finite)``: :meth:`reduce_sum`'s sum ``/ divide`` into ``out``, and its
+        flag (:meth:`.BoundStages.scattered`); one kernel."""
+        owner = self._owners.get(shard) or self._owner(shard)
+        return self.scattered(owner[6], owner[5], out, divide, flag, received)
 
     @guarded
     def encode_reduced(self, values, shard, seed, error, bits):

@@ -30,7 +30,8 @@ from .layout import ShardLayout
 
 __all__ = ["all_finite", "decode", "decode_gathered", "decode_gathered_flagged", "decode_sum",
            "encode", "encode_reduced",
-           "encode_with_error", "poison_unless", "reduce_encode", "rounding_error",
+           "encode_with_error", "poison_unless", "reduce_encode", "reduce_scatter",
+           "rounding_error",
            "sender_sum", "simulate_exact_allreduce"]
 
 
@@ -214,6 +215,30 @@ def decode_sum(received: torch.Tensor, layout: ShardLayout, shard: int,
     if unmap is not None:
         rows = unmap(rows, received[: n * nbytes].view(n, nbytes)[:, layout.shard_bytes(shard):])
     return sender_sum(rows)
+
+
+def reduce_scatter(received: torch.Tensor, layout: ShardLayout, shard: int, unmap=None,
+                   scratch: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                   divide: float | None = None, flag: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reduce-scatter's end: ``(values, finite)``, :func:`decode_sum` (``unmap``,
+    ``scratch``: its own) divided by ``divide`` (IEEE, as a device scalar divides: the
+    fused kernels' ``div_rn``; ``None``: not), written into ``out`` when given (FP32, the
+    shard's length), and the 0-dim bool flag "every value is finite" (:func:`all_finite`;
+    into the 0-dim uint8 ``flag`` when given, e.g. a step's slot). The fused kernels: one
+    (the reduction, its division and its flag)."""
+    direct = unmap is None and (out is None or out.dtype == torch.float32)
+    fused = layout.plan.bound(received, out) if direct else None
+    if fused is not None and (done := fused.reduce_scatter(received, shard, out, divide,
+                                                           flag)) is not None:
+        return done
+    total = decode_sum(received, layout, shard, unmap, scratch)
+    values = total if out is None else out
+    if divide is not None:
+        torch.div(total, device_scalar(divide, torch.float32, total.device), out=values)
+    elif out is not None:
+        out.copy_(total)
+    return values, all_finite(values, None if flag is None else flag.view(torch.bool))
 
 
 def sender_sum(rows: torch.Tensor) -> torch.Tensor:
