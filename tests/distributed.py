@@ -34,9 +34,13 @@ def _free_port() -> int:
 
 
 # what the server imports once: torch (2 s of CPU a process here, most of a short test's time)
-# and transformers' Llama, which every trainer and framework rank builds (another 2 s); a
-# module that is not installed is skipped. Their import-time settings are the server's.
-PRELOAD = ["torch", "torch.distributed", "transformers.models.llama.modeling_llama"]
+# and transformers' Llama, which every trainer and framework rank builds (another 2 s); this
+# module, GeoFP8 with it, and pytest, which a rank imports to take its worker from a test
+# module (a quarter of a CPU-s a rank); a module that is not installed is skipped. Their
+# import-time settings are the server's (GeoFP8's one: the TRITON_INTERPRET of the process
+# that started the server, tests/interpreted.py's child or the suite, which never sets it).
+PRELOAD = ["torch", "torch.distributed", "transformers.models.llama.modeling_llama",
+           "distributed", "pytest"]
 
 
 def _context():
