@@ -116,6 +116,21 @@ def scratch_dir() -> str:
     return tempfile.mkdtemp(prefix="geofp8-test-")
 
 
+def train_in_process(rank, world_size, configs) -> list[str]:
+    """``geofp8 train`` of each config in turn on this rank (what a launched rank runs); the
+    messages of its warnings."""
+    import warnings
+
+    from geofp8.tools.train.loop import train
+
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))  # as torchrun
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for cfg in configs:
+            train(cfg)
+    return [str(w.message) for w in caught]
+
+
 def train_skipping(ddp, model, rank: int, steps: int, bad: int, width: int,
                    after_step=None) -> None:
     """``steps`` SGD steps (lr 0.1) of ``ddp`` (wrapping ``model``) on squared outputs of
