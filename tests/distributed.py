@@ -34,9 +34,13 @@ def _free_port() -> int:
 
 
 # what the server imports once: torch (2 s of CPU a process here, most of a short test's time)
-# and transformers' Llama, which every trainer and framework rank builds (another 2 s); a
-# module that is not installed is skipped. Their import-time settings are the server's.
-PRELOAD = ["torch", "torch.distributed", "transformers.models.llama.modeling_llama"]
+# and transformers' Llama, which every trainer and framework rank builds (another 2 s); this
+# module, GeoFP8 with it, and pytest, which a rank imports to take its worker from a test
+# module (a quarter of a CPU-s a rank); a module that is not installed is skipped. Their
+# import-time settings are the server's (GeoFP8's one: the TRITON_INTERPRET of the process
+# that started the server, tests/interpreted.py's child or the suite, which never sets it).
+PRELOAD = ["torch", "torch.distributed", "transformers.models.llama.modeling_llama",
+           "distributed", "pytest"]
 
 
 def _context():
@@ -110,6 +114,21 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> 
 
 def scratch_dir() -> str:
     return tempfile.mkdtemp(prefix="geofp8-test-")
+
+
+def train_in_process(rank, world_size, configs) -> list[str]:
+    """``geofp8 train`` of each config in turn on this rank (what a launched rank runs); the
+    messages of its warnings."""
+    import warnings
+
+    from geofp8.tools.train.loop import train
+
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))  # as torchrun
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for cfg in configs:
+            train(cfg)
+    return [str(w.message) for w in caught]
 
 
 def train_skipping(ddp, model, rank: int, steps: int, bad: int, width: int,

@@ -13,9 +13,11 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
+from distributed import run_ranks, train_in_process
 from geofp8.tools import cluster, netem
 from geofp8.tools.cli import main
 from geofp8.tools.train import TrainConfig
@@ -202,14 +204,27 @@ def test_link_time_counts_what_crosses_a_node_link():
 
 # -- training through the emulated link -----------------------------------------------------
 
+def _train_on_loopback(base: TrainConfig, methods: list[str], nproc: int, out) -> None:
+    """The loopback runs ``run_comparison(base, methods, ["loopback", …], nproc, out,
+    reuse=True)`` reuses, trained by the same trainer and configuration on ``nproc`` ranks
+    forked here (``base.threads`` set, as the comparison's own), not launched: a launch would
+    import torch and transformers again in each rank. The emulated runs stay launched."""
+    configs = [replace(base, quiet=True, method=m, out=str(out / "runs" / "loopback" / m))
+               for m in methods]
+    run_ranks(train_in_process, nproc, (configs,), timeout=120 * len(methods))
+
+
 @needs_root
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_training_through_the_link_matches_loopback_bitwise(tmp_path):
     base = TrainConfig(model="llama-tiny", seq_len=32, batch_size=2, steps=4, warmup=1,
-                       eval_every=2, eval_batches=2, refresh_every=1, profile_steps=1)
+                       eval_every=2, eval_batches=2, refresh_every=1, profile_steps=1,
+                       threads=1)
+    _train_on_loopback(base, ["geofp8", "powersgd"], 2, tmp_path)
     results = cluster.run_comparison(base, ["geofp8", "powersgd"], ["loopback", "1"], 2,
-                                     tmp_path, run_timeout=120, echo=lambda *a: None)
+                                     tmp_path, run_timeout=120, reuse=True,
+                                     echo=lambda *a: None)
     for method in ("geofp8", "powersgd"):
         logs = [read_log(tmp_path / "runs" / rate / method / "log.jsonl")
                 for rate in ("loopback", "1gbit")]
@@ -238,9 +253,11 @@ def test_training_on_two_nodes_of_two_ranks_matches_loopback_bitwise(tmp_path):
     # the hierarchical collective (FP32 inside a node, FP8 between), nodes of 2 at both
     # rates: on loopback they are emulated by --node-size, on the cluster they are real
     base = TrainConfig(model="llama-tiny", seq_len=32, batch_size=2, steps=3, warmup=1,
-                       eval_every=3, eval_batches=1, hierarchy="node", node_size=2)
+                       eval_every=3, eval_batches=1, hierarchy="node", node_size=2, threads=1)
+    _train_on_loopback(base, ["fp8-ef"], 4, tmp_path)
     results = cluster.run_comparison(base, ["fp8-ef"], ["loopback", "1"], 4, tmp_path,
-                                     run_timeout=180, echo=lambda *a: None, ranks_per_node=2)
+                                     run_timeout=180, reuse=True, echo=lambda *a: None,
+                                     ranks_per_node=2)
     logs = [read_log(tmp_path / "runs" / rate / "fp8-ef" / "log.jsonl")
             for rate in ("loopback", "1gbit")]
     keys = ("step", "loss", "grad_norm", "bytes_sent", "bytes_inter_node")

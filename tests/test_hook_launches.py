@@ -8,6 +8,7 @@ children are declared below (``tests/interpreted.Child``) and run on the backgro
 
 import json
 import os
+from unittest import mock
 
 import pytest
 
@@ -27,43 +28,59 @@ STATISTICS = 1
 DECIDED = 0
 
 
-def _measure_child(method, cases, fields=slice(0, 4)) -> Child:
-    """A child printing ``hook_launches.measure(method, *case)[fields]`` for each case."""
-    code = ("import json, sys, hook_launches as h\n"
-            f"print(json.dumps([h.measure({method!r}, *case, lines=False)"
-            f"[{fields.start}:{fields.stop}] "
-            f"for case in {cases!r}]))")
-    return Child(["-c", code], cwd=BENCHMARKS, path=(BENCHMARKS,))
+# what the measuring child counts, per method: (tensors, buckets[, ranks, mapped]) a case, and
+# the figures kept of hook_launches.measure's (buckets, triton launches, torch ops, …)
+CASES = {"fp8-ef": ([(8, 1), (8, 4)], 4), "nvfp4-ef": ([(8, 1), (8, 4)], 4),
+         "geofp8": ([(2, 1), (8, 1), (8, 4, 2, 2)], 6), "geofp8-auto": ([(2, 1), (8, 1)], 6)}
+# one child for every case: its rank server (started first, as host_syncs.on_ranks lets a
+# started server be) has imported hook_launches, Triton and GeoFP8 once, not each rank
+MEASURE = Child(["-c", "import json, multiprocessing, hook_launches as h\n"
+                 "from multiprocessing import forkserver\n"
+                 "from host_syncs import PRELOAD\n"
+                 "multiprocessing.get_context('forkserver').set_forkserver_preload("
+                 "[*PRELOAD, 'hook_launches'])\n"
+                 "forkserver.ensure_running()\n"
+                 f"print(json.dumps({{m: [h.measure(m, *case, lines=False)[:n] for case in cases]"
+                 f" for m, (cases, n) in {CASES!r}.items()}}))"],
+                cwd=BENCHMARKS, path=(BENCHMARKS,))
+# the skip workers below, all run by the same 2 ranks one after another, each from its seed
+# and with its patches undone after it (_skip_workers)
+SKIP_WORKERS = ("_skip_worker", "_map_overflow_worker", "_map_overflow_buckets_worker",
+                "_auto_skip_first_worker", "_auto_skip_last_worker")
+# (fused, torch path) runs of them: the fused path under the interpreter, the torch batched
+# path without it
+SKIP = tuple(Child(["-c", "import json, test_hook_launches as t\n"
+                    "from distributed import run_ranks\n"
+                    "print(json.dumps(run_ranks(t._skip_workers, 2, timeout=540)))"],
+                   cwd=TESTS, path=(TESTS,), interpret=interpret) for interpret in (True, False))
 
 
-def _skip_child(interpret: bool, worker: str) -> Child:
-    """A child printing ``run_ranks(worker, 2)``'s results: the fused path (``interpret``)
-    or the torch batched path."""
-    code = ("import json, test_hook_launches as t\nfrom distributed import run_ranks\n"
-            f"print(json.dumps(run_ranks(t.{worker}, 2, timeout=300)))")
-    return Child(["-c", code], cwd=TESTS, path=(TESTS,), interpret=interpret)
+def _measured(method: str) -> list:
+    return json.loads(MEASURE.lines()[-1])[method]
 
 
-def _result(child: Child):
-    return json.loads(child.lines()[-1])
+def _skip_workers(rank, world_size) -> dict:
+    """Each of :data:`SKIP_WORKERS`' results on this rank, by name; the patches a worker
+    started (``mock.patch.object(…).start()``) are stopped after it."""
+    results = {}
+    for name in SKIP_WORKERS:
+        try:
+            results[name] = globals()[name](rank, world_size)
+        finally:
+            mock.patch.stopall()
+    return results
 
 
-# (buckets, triton launches, torch ops, …) per case: (tensors, buckets[, ranks, mapped])
-MEASURE = {"fp8-ef": _measure_child("fp8-ef", [(8, 1), (8, 4)]),
-           "nvfp4-ef": _measure_child("nvfp4-ef", [(8, 1), (8, 4)]),
-           "geofp8": _measure_child("geofp8", [(2, 1), (8, 1), (8, 4, 2, 2)], slice(0, 6)),
-           "geofp8-auto": _measure_child("geofp8-auto", [(2, 1), (8, 1)], slice(0, 6))}
-# (fused, torch path) runs of the workers below
-SKIP = {w: (_skip_child(True, w), _skip_child(False, w))
-        for w in ("_skip_worker", "_map_overflow_worker", "_map_overflow_buckets_worker",
-                  "_auto_skip_first_worker", "_auto_skip_last_worker")}
+def _skipped(worker: str) -> tuple[list, list]:
+    """``worker``'s results on each rank: on the fused path, on the torch path."""
+    return tuple([ranks[worker] for ranks in json.loads(child.lines()[-1])] for child in SKIP)
 
 
-@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.child(MEASURE[m]))
-                                    for m in ("fp8-ef", "nvfp4-ef")])
+@pytest.mark.child(MEASURE)
+@pytest.mark.parametrize("method", ["fp8-ef", "nvfp4-ef"])
 def test_the_hook_launches_five_kernels_per_bucket_and_none_per_step(method):
     """E4M3 (comm.plan.FusedPlan) and NVFP4 (comm.block_plan) with error feedback."""
-    (b8, tri8, ops8, _), (b4, tri4, ops4, _) = _result(MEASURE[method])
+    (b8, tri8, ops8, _), (b4, tri4, ops4, _) = _measured(method)
     assert (b8, b4) == (1, 4)
     # the fused stages, the error feedback folded into them (no where, add_ nor copy_), and
     # the step's verdict and skipped-step counter in the last bucket's decode: nothing per
@@ -108,7 +125,8 @@ def _kernel_verdicts(state) -> list[str]:
     from geofp8.codecs import triton_fp8
 
     kernel, settle, verdict, launched = [], state.engine.verdict.settle, triton_fp8.verdict, []
-    triton_fp8.verdict = lambda *a: launched.append(1) or verdict(*a)
+    mock.patch.object(triton_fp8, "verdict",
+                      lambda *a: launched.append(1) or verdict(*a)).start()
 
     def settling(*args, **kwargs):
         launched.clear()
@@ -133,12 +151,12 @@ def _sgd_step(ddp, model, opt, step, rank) -> bool:
     return not finite
 
 
-@pytest.mark.child(SKIP["_skip_worker"][0])
-@pytest.mark.child(SKIP["_skip_worker"][1])
+@pytest.mark.child(SKIP[0])
+@pytest.mark.child(SKIP[1])
 def test_a_nan_bucket_skips_the_step_on_every_rank_through_the_decodes_verdict():
     """The fused path (interpreted: EF in the kernels, the verdict in the last decode) against the
     torch batched path of the same run, bit for bit, a NaN step included."""
-    fused, torch_path = map(_result, SKIP["_skip_worker"])
+    fused, torch_path = _skipped("_skip_worker")
     for out, ref in zip(fused, torch_path):
         assert out["buckets"] == 2
         assert out["saw_bad"] == [False, False, True, False, False]  # every rank, that step
@@ -195,15 +213,15 @@ def _auto_skip_last_worker(rank, world_size):
     return _auto_skip_worker(rank, 0)
 
 
-@pytest.mark.parametrize("worker", [
-    pytest.param(w, marks=[pytest.mark.child(SKIP[w][0]), pytest.mark.child(SKIP[w][1])])
-    for w in ("_auto_skip_first_worker", "_auto_skip_last_worker")])
+@pytest.mark.child(SKIP[0])
+@pytest.mark.child(SKIP[1])
+@pytest.mark.parametrize("worker", ["_auto_skip_first_worker", "_auto_skip_last_worker"])
 def test_a_factor_source_without_maps_settles_through_the_decodes_verdict(worker):
     """geofp8-auto with no layer on a map: the last bucket's decode decides the step (no
     verdict kernel), a NaN in the first bucket or in the last one (the deciding decode's
     own) included, and the statistics' commit takes that verdict: the skipped step's
     statistics are dropped, the others join the window, as on the torch path, bit for bit."""
-    fused, torch_path = map(_result, SKIP[worker])
+    fused, torch_path = _skipped(worker)
     for out, ref in zip(fused, torch_path):
         assert out["buckets"] == 2 and out["mapped"] == []
         assert out["saw_bad"] == [False, False, True, False, False]  # every rank, that step
@@ -243,8 +261,14 @@ def _map_overflow_worker(rank, world_size, steps=5, bad=(3,), buckets=1):
         seen[0] += 1
         return overflows.get(now[0]) == seen[0] - 1
     inverse_over, run = LowRankInput.inverse_over, triton_map._map_kernel.run
-    LowRankInput.inverse_over = lambda self, Gt: inverse_over(self, Gt).mul_(
-        float("inf") if Gt.data_ptr() == _first_slot(Gt) and overflowing() else 1.0)
+    first_slots: dict = {}  # a map back's bucket (its sum's storage) -> its first mapped slot
+
+    def first(Gt) -> bool:  # the first slot mapped back in its bucket (the torch path maps
+        # layer by layer: a bucket's map back counts once, at its first layer)
+        return first_slots.setdefault(Gt.untyped_storage().data_ptr(), Gt.data_ptr()) \
+            == Gt.data_ptr()
+    mock.patch.object(LowRankInput, "inverse_over", lambda self, Gt: inverse_over(self, Gt).mul_(
+        float("inf") if first(Gt) and overflowing() else 1.0)).start()
 
     def scaled(*args, **kwargs):
         # the grouped kernel's own overflow: its maps scaled by 2¹⁰⁰, so that G V and
@@ -252,7 +276,7 @@ def _map_overflow_worker(rank, world_size, steps=5, bad=(3,), buckets=1):
         if kwargs["INVERSE"] and overflowing():
             kwargs["maps_ptr"] = kwargs["maps_ptr"] * 2.0 ** 100
         return run(*args, **kwargs)
-    triton_map._map_kernel.run = scaled
+    mock.patch.object(triton_map._map_kernel, "run", scaled).start()
     for step in range(steps):
         now[0], seen[0] = step, 0
         mapped.append(len(state.pipeline.transforms()))
@@ -264,30 +288,20 @@ def _map_overflow_worker(rank, world_size, steps=5, bad=(3,), buckets=1):
             "params": params.view(torch.int32).tolist()}
 
 
-_FIRST_SLOTS: dict = {}  # a map back's bucket (its sum's storage) -> its first mapped slot
-
-
-def _first_slot(Gt) -> int:
-    """The address of the first slot mapped back in ``Gt``'s bucket (the torch path maps
-    layer by layer: a bucket's map back counts once, at its first layer)."""
-    key = Gt.untyped_storage().data_ptr()
-    return _FIRST_SLOTS.setdefault(key, Gt.data_ptr())
-
-
 def _map_overflow_buckets_worker(rank, world_size):
     """:func:`_map_overflow_worker` with two buckets: the earlier bucket's map back
     overflows at step 3, the last one's at step 4, none at steps 2 and 5."""
     return _map_overflow_worker(rank, world_size, steps=6, bad=(3, 4), buckets=2)
 
 
-@pytest.mark.child(SKIP["_map_overflow_worker"][0])
-@pytest.mark.child(SKIP["_map_overflow_worker"][1])
+@pytest.mark.child(SKIP[0])
+@pytest.mark.child(SKIP[1])
 def test_a_map_that_overflows_skips_the_step_through_the_map_kernels_verdict():
     """A bucket with layers on a map ANDs its mean's check into its slot of the step's
     verdict (geofp8.ddp), in its grouped map kernel, and as the step's last bucket that
     kernel decides the step (no verdict kernel): a map back that overflows (the collective's
     own flag up) still skips it on every rank, as the torch path does."""
-    fused, torch_path = map(_result, SKIP["_map_overflow_worker"])
+    fused, torch_path = _skipped("_map_overflow_worker")
     for out, ref in zip(fused, torch_path):
         assert out["mapped"][3:] == [4, 4]  # every layer on its map by the bad step
         assert out["saw_bad"] == [False, False, False, True, False]
@@ -301,13 +315,13 @@ def test_a_map_that_overflows_skips_the_step_through_the_map_kernels_verdict():
     assert fused[0]["params"] == fused[1]["params"]  # every rank's bits the same
 
 
-@pytest.mark.child(SKIP["_map_overflow_buckets_worker"][0])
-@pytest.mark.child(SKIP["_map_overflow_buckets_worker"][1])
+@pytest.mark.child(SKIP[0])
+@pytest.mark.child(SKIP[1])
 def test_the_last_buckets_map_kernel_decides_whichever_bucket_overflows():
     """Two mapped buckets: an overflow in the earlier bucket's map back (its flag, read by
     the last bucket's deciding map kernel), then in the last one's (that kernel's own), then
     none: the verdicts and the skipped-step counter are the torch path's, bit for bit."""
-    fused, torch_path = map(_result, SKIP["_map_overflow_buckets_worker"])
+    fused, torch_path = _skipped("_map_overflow_buckets_worker")
     for out, ref in zip(fused, torch_path):
         assert out["buckets"] == 2 and out["mapped"][3:] == [4, 4, 4]
         assert out["saw_bad"] == [False, False, False, True, True, False]
@@ -351,7 +365,7 @@ PER_TENSOR_RESIDUAL = ("aten.where.self_out", "aten.new_zeros.default", "aten.ad
                        "aten.copy_.default")
 
 
-@pytest.mark.child(MEASURE["geofp8"])
+@pytest.mark.child(MEASURE)
 def test_geometry_hook_launches_do_not_grow_with_the_mapped_layers():
     """geofp8 at an ordinary step with every layer on its refreshed map: the fused stages
     and the step's settling (the statistics' finite check and window add included) do not
@@ -361,7 +375,7 @@ def test_geometry_hook_launches_do_not_grow_with_the_mapped_layers():
     stages and the second mapped bucket's maps and check. The last bucket's map back
     decides the step (no verdict kernel)."""
     (b2, tri2, ops2, _, names2, on2), (b8, tri8, ops8, _, names8, on8), \
-        (b4, tri4, ops4, _, names4, on4) = _result(MEASURE["geofp8"])
+        (b4, tri4, ops4, _, names4, on4) = _measured("geofp8")
     assert (b2, b8, b4, on2, on8, on4) == (1, 1, 4, 2, 8, 2)  # every layer on a map; 2 of 8
     assert tri2 == tri8 == FUSED_STAGES + DECIDED + STATISTICS + MAPPED_BUCKET_MAPS, \
         (tri2, tri8)
@@ -376,11 +390,11 @@ def test_geometry_hook_launches_do_not_grow_with_the_mapped_layers():
         assert not set(ALL_FINITE) & set(names), names
 
 
-@pytest.mark.child(MEASURE["geofp8-auto"])
+@pytest.mark.child(MEASURE)
 def test_geometry_hook_launches_without_a_map_are_the_flat_buckets():
     """geofp8-auto at an ordinary step with no layer on a map: its candidates join the flat
     bucket path, so the launches do not grow with the tensors at all."""
-    (b2, tri2, ops2, _, _, on2), (b8, tri8, ops8, _, _, on8) = _result(MEASURE["geofp8-auto"])
+    (b2, tri2, ops2, _, _, on2), (b8, tri8, ops8, _, _, on8) = _measured("geofp8-auto")
     assert (b2, b8, on2, on8) == (1, 1, 0, 0)
     # the last bucket's decode decides the step, the statistics' one kernel: no torch op
     assert tri2 == tri8 == FUSED_STAGES + DECIDED + STATISTICS, (tri2, tri8)

@@ -15,17 +15,16 @@ import math
 import os
 import shutil
 import sys
-import warnings
 from dataclasses import replace
 
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import run_ranks, train_in_process
 from geofp8.tools.train import METHODS, TrainConfig, add_arguments, config_from_args, to_argv
 from geofp8.tools.train.checkpoint import atomic_save, latest_step, load_rank, step_dir
 from geofp8.tools.train.compare import compare, run_dir
-from geofp8.tools.train.loop import lr_factor, train
+from geofp8.tools.train.loop import lr_factor
 from geofp8.tools.train.optim import orthogonalization_dtype
 from geofp8.tools.train.report import aggregate, read_log, summarize_run
 
@@ -38,23 +37,13 @@ RUN_TIMEOUT = 120
 LAUNCHED = ("geofp8-auto",)  # compare's own torchrun launch (the others reused)
 
 
-def _train_in_process(rank, world_size, configs):
-    """``geofp8 train`` of each config in turn on this rank; the messages of its warnings."""
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))  # as torchrun
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for cfg in configs:
-            train(cfg)
-    return [str(w.message) for w in caught]
-
-
 @pytest.fixture(scope="module")
 def all_methods(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
     rest = [m for m in METHODS if m not in LAUNCHED]
     configs = [replace(TrainConfig(**TINY), method=m, seed=0, out=str(run_dir(out, m, 0)))
                for m in rest]
-    run_ranks(_train_in_process, 2, (configs,), timeout=RUN_TIMEOUT * 3)
+    run_ranks(train_in_process, 2, (configs,), timeout=RUN_TIMEOUT * 3)
     launched = []
     results = compare(TrainConfig(**TINY), list(METHODS), [0], nproc=2, out=out, reuse=True,
                       run_timeout=RUN_TIMEOUT, command="test", echo=lambda *a: None,
@@ -270,11 +259,11 @@ def test_resume_continues_the_same_trajectory_bitwise(tmp_path):
                        method="geofp8-auto")
     whole = replace(base, out=str(tmp_path / "whole"))
     part = replace(base, out=str(tmp_path / "part"), stop_after=3)
-    run_ranks(_train_in_process, 2, ([whole, part],), timeout=RUN_TIMEOUT * 2)
+    run_ranks(train_in_process, 2, ([whole, part],), timeout=RUN_TIMEOUT * 2)
     assert latest_step(part.out) == 3
     assert len(read_log(tmp_path / "part" / "log.jsonl")) == 3
     resumed = replace(base, out=str(tmp_path / "part"), resume=True)
-    run_ranks(_train_in_process, 2, ([resumed],), timeout=RUN_TIMEOUT)  # fresh processes
+    run_ranks(train_in_process, 2, ([resumed],), timeout=RUN_TIMEOUT)  # fresh processes
 
     a = read_log(tmp_path / "whole" / "log.jsonl")
     b = read_log(tmp_path / "part" / "log.jsonl")
@@ -296,7 +285,7 @@ def test_resume_fsdp_hsdp_continues_the_same_trajectory_bitwise(tmp_path, parall
                        method="geofp8", optimizer="adamw", parallel=parallel)
     whole = replace(base, out=str(tmp_path / "whole"))
     part = replace(base, out=str(tmp_path / "part"), stop_after=2)
-    run_ranks(_train_in_process, 2, ([whole, part],), timeout=RUN_TIMEOUT * 2)
+    run_ranks(train_in_process, 2, ([whole, part],), timeout=RUN_TIMEOUT * 2)
     assert latest_step(part.out) == 2
     # sharded through DCP: no rank holds the whole model; each rank's GeoFP8 state its own
     from torch.distributed.checkpoint import FileSystemReader
@@ -305,7 +294,7 @@ def test_resume_fsdp_hsdp_continues_the_same_trajectory_bitwise(tmp_path, parall
     assert {k.split("/")[0] for k in saved.state_dict_metadata if k.startswith("geofp8.")} \
         == {"geofp8.rank0", "geofp8.rank1"}
     resumed = replace(base, out=str(tmp_path / "part"), resume=True)
-    run_ranks(_train_in_process, 2, ([resumed],), timeout=RUN_TIMEOUT)  # fresh processes
+    run_ranks(train_in_process, 2, ([resumed],), timeout=RUN_TIMEOUT)  # fresh processes
 
     a = read_log(tmp_path / "whole" / "log.jsonl")
     b = read_log(tmp_path / "part" / "log.jsonl")
@@ -321,10 +310,10 @@ def test_resume_from_a_checkpoint_without_geofp8_state_warns(tmp_path):
     # an fp32 run's checkpoint (no hook state) resumed by a GeoFP8 method: a warning, no crash
     base = TrainConfig(**{**TINY, "steps": 2, "eval_every": 0, "shadow_every": 0,
                           "checkpoint_every": 1, "out": str(tmp_path)}, method="fp32")
-    first = run_ranks(_train_in_process, 2, ([replace(base, stop_after=1)],),
+    first = run_ranks(train_in_process, 2, ([replace(base, stop_after=1)],),
                       timeout=RUN_TIMEOUT)
     assert not any("holds no GeoFP8 state" in w for w in first[0])
-    warned = run_ranks(_train_in_process, 2, ([replace(base, method="geofp8", resume=True)],),
+    warned = run_ranks(train_in_process, 2, ([replace(base, method="geofp8", resume=True)],),
                        timeout=RUN_TIMEOUT)
     assert all(any("holds no GeoFP8 state" in w for w in rank) for rank in warned), warned
     assert [r["step"] for r in read_log(tmp_path / "log.jsonl")] == [0, 1]
