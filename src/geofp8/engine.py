@@ -212,8 +212,7 @@ class SyncEngine:
                 self._settle()
 
     def _settle(self) -> None:
-        finite, factors, count = self.verdict.settle(self.group.device, self._agree,
-                                                     bool(self.on_skip))
+        finite, factors, count = self.verdict.settle(self.group.device, self._agree, self.on_skip)
         self.pipeline.settle(finite)  # the sender's residuals too
         self.ledger.settle(finite, count, self._links, list(map(_TAKE_BYTES, self.groups)))
         if self._more_feedbacks or self.on_skip or self.pipeline.selection.charges:

@@ -176,19 +176,18 @@ class GeoFP8ReduceScatter(ReduceScatter):
             sent = encode(flat, layout, seed=seed, sender=dg.rank)
         engine.ledger.add("codec_s", time.perf_counter() - t0)
         # a sender's non-finite input: NaN in its owner's sum (notes), its flag down
-        comm, divide = self.state.communicator(dg), None if divisor == 1 else divisor
+        comm = self.state.communicator(dg, None if divisor == 1 else divisor)
         if out.dtype == torch.float32 and not isinstance(routes, list):  # the sum / divisor
             # straight in out, its grouped maps' back there (UnitMaps.then)
             engine.observe(out, finite=comm.launch(sent, layout, gather=False, out=flat, into=out,
-                                                   divide=divide,
                                                    then=routes.then if routes else _flag).wait())
         else:  # mapped back per parameter first, or copied into FSDP's dtype
             total = comm.launch(sent, layout, gather=False, out=flat).wait()
             self._map_back(total, n, routes)
-            if divide is None:
+            if comm.divide is None:
                 out.copy_(total)
             else:  # the division (IEEE, as the kernel's) is the copy into FSDP's output
-                torch.div(total, device_scalar(divide, torch.float32, total.device), out=out)
+                torch.div(total, device_scalar(comm.divide, torch.float32, total.device), out=out)
             engine.observe(out)
         if self.state.mesh is None and self.state.probe.enabled:
             self.state.probe.compare(unit, out.float(), n)
@@ -315,9 +314,9 @@ class ReplicaAllReduce:
                 if self.state.replica_feedback else encode(x, layout, seed=seed, sender=rep.rank)
             engine.ledger.add("codec_s", time.perf_counter() - t0)
             # divided by the decode (IEEE), its flag that of x
-            x, finite = self._communicator.launch(
-                sent, layout, gather=True, seed=seed, owner_keys=unit.names, out=x,
-                divide=None if divisor == 1 else divisor, then=_pair, bound=bound).wait()
+            x, finite = self.state.communicator(rep, None if divisor == 1 else divisor).launch(
+                sent, layout, gather=True, seed=seed, owner_keys=unit.names, out=x, then=_pair,
+                bound=bound).wait()
         if x is not shard:
             shard.copy_(x)
             finite = None  # (the copy may round to infinity)
@@ -328,10 +327,6 @@ class ReplicaAllReduce:
     @cached_property
     def _layout(self) -> ShardLayout:
         return self.state.layout(self.unit, "replica", self.group.size)
-
-    @cached_property
-    def _communicator(self) -> Communicator:
-        return self.state.communicator(self.group)
 
     def _encode_with_residual(self, x: torch.Tensor, layout: ShardLayout, seed,
                               bound: BoundStages | None) -> torch.Tensor:
@@ -483,7 +478,7 @@ class GeoFP8FSDP:
                                          "reduce_scatter": reduce_scatter, "residual": residual,
                                          "replica_feedback": self.replica_feedback}
         self.probe = Fidelity()
-        self._communicators: dict[int, Communicator] = {}
+        self._communicators: dict[tuple, Communicator] = {}
         self._armed = False
         self._reduced: list[_Unit] = []  # units reduced in the step in flight
         self._streams = StreamsUsed(device)  # FSDP's streams the units ran on, this step
@@ -553,10 +548,13 @@ class GeoFP8FSDP:
             if shards:
                 torch._foreach_mul_(shards, factor)
 
-    def communicator(self, group: DeviceGroup) -> Communicator:
-        key = id(group)
+    def communicator(self, group: DeviceGroup, divide: float | None = None) -> Communicator:
+        """The exact collective over ``group`` whose fused decode divides by ``divide``
+        (IEEE; ``None``: no division), made at its first use."""
+        key = (id(group), divide)
         if key not in self._communicators:
             self._communicators[key] = Communicator("exact", group)
+            self._communicators[key].divide = divide
             self._communicators[key].owner = self.engine.feedbacks.get("owner")
             self._communicators[key].owner_route = IDENTITY
             self._communicators[key].flag_slot = self.engine.verdict.slot

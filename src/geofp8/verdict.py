@@ -147,12 +147,13 @@ class StepVerdict:
 
     def settle(self, device: torch.device,
                agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               per_unit: bool = False) -> tuple:
+               per_unit=False) -> tuple:
         """``(finite, factors, counted)``: the step's 0-dim bool verdict; with ``per_unit``
-        its units' factors (FP32 ``[U]``: 1 for a unit finite, after the agreement, NaN for
-        one that is not: what poisons a unit's results by one multiply, as
-        :func:`~geofp8.comm.stages.poison_unless` does), else ``None``; the skipped steps'
-        int64 counter when advanced here, else ``None`` (the caller counts).
+        (truthy: e.g. the engine's ``on_skip`` callbacks) its units' factors (FP32 ``[U]``:
+        1 for a unit finite, after the agreement, NaN for one that is not: what poisons a
+        unit's results by one multiply, as :func:`~geofp8.comm.stages.poison_unless` does),
+        else ``None``; the skipped steps' int64 counter when advanced here, else ``None``
+        (the caller counts).
         ``agree(bad)``: the sum over ranks of the FP32 ``[U]`` "my flag is down"
         (``per_unit``, a step whose flags are its slots: the factors, the verdict and the
         counter from one kernel, :func:`~geofp8.codecs.triton_fp8.agreed`). ``device``:
@@ -168,31 +169,32 @@ class StepVerdict:
             counter = self._skipped(slots.device)
             return triton_fp8.verdict(slots, len(flags), counter), None, counter
         device = flags[0].device if flags else torch.device(device)
-        if agree is not None and self._are_slots(flags, len(flags)):  # no stack: the slots
+        if slots is None or slots.numel() < len(flags) or slots.device != device:
+            self._fit(len(flags), device)  # (the flags, taken above, may view the old slots)
+        if agree is None:  # the torch path's verdict
+            ok = torch.stack(flags) if flags else torch.ones(1, dtype=torch.bool, device=device)
+            return ok.all(), _factors(ok) if per_unit else None, None
+        # per unit, count the ranks whose flag is down (FP32; no stack where they are the slots)
+        if self._are_slots(flags, len(flags)):
             ok = slots[: len(flags)].view(torch.bool)
         else:
             ok = torch.stack(flags) if flags else torch.ones(1, dtype=torch.bool, device=device)
-        self._fit(len(flags), device)
-        if agree is not None:  # per unit, count the ranks whose flag is down (FP32)
-            down = agree(torch.logical_not(ok, out=ok.new_empty(ok.shape, dtype=torch.float32)))
-            if per_unit and triton_fp8.available(down):  # factors, verdict, counter: one kernel
-                counter = self._skipped(device)
-                return *triton_fp8.agreed(down, counter), counter
-            ok = down == 0
+        down = agree(torch.logical_not(ok, out=ok.new_empty(ok.shape, dtype=torch.float32)))
+        if per_unit and triton_fp8.available(down):  # factors, verdict, counter: one kernel
+            counter = self._skipped(device)
+            return *triton_fp8.agreed(down, counter), counter
+        ok = down == 0
         return ok.all(), _factors(ok) if per_unit else None, None
 
     def _fit(self, n: int, device: torch.device) -> None:
-        """Slots for a step of ``n`` units on ``device`` (module notes), made anew unless
-        those there fit."""
-        slots = self._slots
-        if slots is None or slots.numel() < n or slots.device != device:
-            self._slots = torch.empty(max(2 * n, 64), dtype=torch.uint8, device=device)
-            self._views = list(self._slots.unbind())
-            self._addresses = list(map(_ADDRESS, self._views))
-            self._free = self._views[::-1]
-            self._armable = len(self._views) if triton_fp8.available(self._slots) else 0
-            self._decision = {"flags_ptr": self._slots, "skipped_ptr": self._skipped(device)}
-            self._verdicts = _new_bytes(device)
+        """Slots for steps of ``n`` units on ``device`` (module notes)."""
+        self._slots = torch.empty(max(2 * n, 64), dtype=torch.uint8, device=device)
+        self._views = list(self._slots.unbind())
+        self._addresses = list(map(_ADDRESS, self._views))
+        self._free = self._views[::-1]
+        self._armable = len(self._views) if triton_fp8.available(self._slots) else 0
+        self._decision = {"flags_ptr": self._slots, "skipped_ptr": self._skipped(device)}
+        self._verdicts = _new_bytes(device)
 
     def _remade(self, flags: list[torch.Tensor], made: dict, agree, per_unit: bool) -> tuple:
         """:meth:`settle` of a step the last unit's decode decided and counted (``made``:

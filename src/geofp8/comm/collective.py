@@ -142,7 +142,7 @@ class Communicator:
                unmap=None, gather: bool = True, seed: int | None = None,
                owner_keys: list[str | None] | None = None,
                out: torch.Tensor | None = None, then: Then = _same,
-               bound: BoundStages | None = None, divide: float | None = None,
+               bound: BoundStages | None = None,
                into: torch.Tensor | None = None) -> torch.futures.Future:
         """Start the all-reduce; the future's value is ``Σ_r`` of the ranks' decoded payloads
         (mapped back per sender by ``unmap(rows, sides)`` first, see :func:`decode_sum`).
@@ -159,9 +159,8 @@ class Communicator:
         future's value instead, run by this thread (on its current stream) before the future
         is completed; ``finite``: the 0-dim bool device flag "every element of the value is
         finite" where the collective has it (the fused decode's; ``None``: not known).
-        ``divide``: this launch's divisor (IEEE) instead of the communicator's (``mean``).
         ``into``: where a reduce-scatter (``gather=False``) writes its shard (FP32), divided
-        by ``divide`` (when given), with its finite flag (``flag_slot``'s) for ``then``: the
+        by :attr:`divide` (when set), with its finite flag (``flag_slot``'s) for ``then``: the
         fused kernels' one pass (without: the sum alone, no flag).
         ``sent`` is the communicator's from here: its memory is freed once it is sent.
         ``bound``: the layout's fused stages (:meth:`~geofp8.comm.plan.FusedPlan.bound`)
@@ -172,14 +171,12 @@ class Communicator:
         if self._in_flight or self._pending:  # (nothing to advance at a step's first launch)
             self._advance(self.lag - 1, block=False)
         # the collective's first hop (the exact one's all-gather is issued `lag` launches later)
-        result = device_future(sent.device)
-        divide = self.divide if divide is None else divide
-        run = self._run(sent, layout, unmap, gather, seed, owner_keys, out, then, bound, result,
-                        divide, into)
-        self._in_flight.append((next(run), run, result))  # its first collective issued
+        fut = device_future(sent.device)
+        run = self._run(sent, layout, unmap, gather, seed, owner_keys, out, then, bound, fut, into)
+        self._in_flight.append((next(run), run, fut))  # its first collective issued
         if last:  # issue the all-gathers now, from this thread (class notes), and wait
             self._advance(0, block=True)
-        return result
+        return fut
 
     def _route(self, layout: ShardLayout) -> _Route:
         """The all-to-all's arguments for ``layout``, made at its first launch (then found in
@@ -238,7 +235,7 @@ class Communicator:
     def _exact(self, sent: torch.Tensor, layout: ShardLayout, unmap, gather: bool,
                seed: int | None, keys: list[str | None] | None, out: torch.Tensor | None,
                then: Then, bound: BoundStages | None, result: torch.futures.Future,
-               divide: float | None, into: torch.Tensor | None) -> Generator:
+               into: torch.Tensor | None) -> Generator:
         """One launch of the exact collective, run by this thread hop by hop (a generator,
         its locals the launch's state): it issues the all-to-all and yields its work; once
         that is done (:meth:`_advance`), it sums and re-encodes this rank's shard, issues the
@@ -257,8 +254,8 @@ class Communicator:
             release(recv)
         elif not gather and into is not None:  # the shard and its flag (launch)
             flag = self.flag_slot(recv.device) if self.flag_slot is not None else None
-            reduced, finite = reduce_scatter(recv, layout, self.rank, unmap, out, into, divide,
-                                             flag)
+            reduced, finite = reduce_scatter(recv, layout, self.rank, unmap, out, into,
+                                             self.divide, flag)
             release(recv)
             result.set_result(then(reduced, finite))
             return
@@ -283,15 +280,15 @@ class Communicator:
         yield work
         # its finite flag in flag_slot's slot
         flag = self.flag_slot(shard.device) if self.flag_slot is not None else None
-        done = bound and bound.decode_gathered(gathered, out, divide, flag)
-        total, finite = done or decode_gathered_flagged(gathered, layout, out, divide, flag)
+        done = bound and bound.decode_gathered(gathered, out, self.divide, flag)
+        total, finite = done or decode_gathered_flagged(gathered, layout, out, self.divide, flag)
         release(shard, gathered)
         yield then(total, finite)
 
     def _allgather(self, sent: torch.Tensor, layout: ShardLayout, unmap, gather: bool,
                    seed: int | None, keys: list[str | None] | None, out: torch.Tensor | None,
                    then: Then, bound: BoundStages | None, result: torch.futures.Future,
-                   divide: float | None, into: torch.Tensor | None) -> Generator:
+                   into: torch.Tensor | None) -> Generator:
         """One launch of the ``allgather`` collective, run as :meth:`_exact`'s: it issues
         the all-gather of every payload and yields its work; once that is done
         (:meth:`_advance`), it sums the decoded payloads in FP32 and sets ``result``."""
@@ -307,7 +304,7 @@ class Communicator:
         # a NaN scale decodes to NaN in its group; widen it to the bucket, as `exact` does
         finite = all_finite(total)
         poison_unless(total, finite)
-        mean = total if divide is None else total.div_(total.new_full((), divide))
+        mean = total if self.divide is None else total.div_(total.new_full((), self.divide))
         result.set_result(then(mean, finite))
 
 

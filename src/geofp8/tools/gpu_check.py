@@ -376,7 +376,19 @@ def check_fused(rows: list) -> None:
             ok.append(bool(finite) == all(flags) and int(skipped) == 7 + (not all(flags)))
         return f"all of 70 / 6 slots, skipped counter: {ok}", all(ok)
 
+    def agreed():  # an agreed step (FSDP's): verdict, counter, the units' factors
+        ok = []
+        for down in ([0.0] * 130, [0.0] * 129 + [2.0], [1.0] + [0.0] * 4):
+            agreed_down = torch.tensor(down, dtype=torch.float32, device=DEVICE)
+            skipped = torch.full((), 7, dtype=torch.int64, device=DEVICE)
+            finite, factors = triton_fp8.agreed(agreed_down, skipped)
+            want = torch.where(agreed_down == 0, 1.0, float("nan"))
+            ok.append(bool(finite) == (max(down) == 0) and int(skipped) == 7 + (max(down) > 0)
+                      and _bits_equal(factors, want))
+        return f"130 / 5 units' agreed counts, skipped counter, factors: {ok}", all(ok)
+
     _row(rows, "fused step verdict", verdict)
+    _row(rows, "fused agreed step", agreed)
     _row(rows, "fused statistics commit", _statistics_commit)
     if DEVICE.type != "cuda":  # the interpreter's stand-in run checks the bits only
         return
