@@ -43,11 +43,11 @@ PER_STEP = 1
 # 2 × 1, 4 a unit); with the fused stages, a unit of plain parameters without per-parameter
 # Python and HSDP's replica residuals one vector a unit (s9F) 597 / 213 and 307; the
 # poison's gradient shards and the replica residuals without Python per parameter (s10F1)
-# 588 / 207 and 223, and +1 a unit where the fused end chooses its ``then`` (a mapped unit's
-# map back, or the flag alone) ("mapped": geofp8, the 4 layers on maps in one unit: 249, of
-# which the maps' two grouped calls about 30; the benchmark's 8 layers, 4 a unit, before:
-# 400 a unit)
-LINES = {("fsdp", 1): 592, ("fsdp", 4): 208, ("hsdp 2×1", 4): 223, ("mapped", 4): 249}
+# 588 / 207 and 223; with a communicator per divisor (no divide argument a launch) 572 / 200
+# and 219 ("mapped": geofp8, the 4 layers on maps in one unit, its map back on the fused
+# end: 241, of which the maps' two grouped calls about 30; the benchmark's 8 layers, 4 a
+# unit, before: 400 a unit)
+LINES = {("fsdp", 1): 572, ("fsdp", 4): 200, ("hsdp 2×1", 4): 219, ("mapped", 4): 241}
 CASES = [("fp8-ef", 4, 1, "fsdp"), ("nvfp4-ef", 4, 4, "fsdp"), ("nvfp4-ef", 4, 4, "hsdp 2×1"),
          ("geofp8", 4, 4, "fsdp")]
 MEASURE = Child(["-c", "import json, fsdp_launches as f\n"
