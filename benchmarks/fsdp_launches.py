@@ -34,9 +34,8 @@ import itertools  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from gpu_bucket import LAUNCH_US  # noqa: E402
-from hook_launches import COUNTED, WIDTH, HookLaunches  # noqa: E402
-from host_lines import LINE_US, SplitLines  # noqa: E402
+from hook_launches import COUNTED, WIDTH, HookLaunches, modelled_us  # noqa: E402
+from host_lines import SplitLines  # noqa: E402
 from host_syncs import on_ranks  # noqa: E402
 
 MESHES = {"fsdp": None, "hsdp 2×1": (2, 1)}  # (replicate, shard) on 2 ranks
@@ -149,8 +148,7 @@ def main() -> None:
         units, triton, ops, colls, names, on_map, ours, stages, staged = measure(
             [(method, layers, per_unit, mesh, mapped)])[0]
         launches = triton + ops
-        ours_us = (ours * LINE_US + (launches - staged) * LAUNCH_US) / units
-        stages_us = (stages * LINE_US + staged * LAUNCH_US) / units
+        ours_us, stages_us = modelled_us(ours, stages, launches, staged, units)
         print(f"| {mesh} | {method} | {per_unit} | {units} | {on_map} | {triton} | {ops} | "
               f"{launches / units:.1f} | {colls / units:.1f} | {ours / units:.0f} + "
               f"{stages / units:.0f} | **{ours_us:.0f}** + {stages_us:.0f} = "
